@@ -1,0 +1,54 @@
+"""hostavg: large-batch training of TensorFlow graph-mode models, with gradients averaged on the host.
+
+Per optimizer step, each micro-batch's gradients are fetched to NumPy, summed
+or stacked and averaged on the host (sample-weighted), and the mean is fed back
+through the gradient tensors to a train op that runs once.
+
+The host math (:class:`Gradients`, :class:`Accumulator`, :func:`split`) is
+pure NumPy; TensorFlow is imported the first time a name that needs it (such
+as :class:`Trainer`) is used, so ``import hostavg`` stays fast.
+"""
+
+import importlib
+
+from hostavg.accumulator import ACCUMULATE_MODES, Accumulator
+from hostavg.errors import HostavgError
+from hostavg.gradients import Gradients, SparseGradient, VariableSpec
+from hostavg.split import split
+
+__version__ = "0.1.0"
+
+# Public names whose module imports TensorFlow: name -> module.
+_LAZY = {
+    "AVERAGE_MODES": "hostavg.trainer",
+    "MicroBatch": "hostavg.trainer",
+    "StepResult": "hostavg.trainer",
+    "Trainer": "hostavg.trainer",
+}
+
+__all__ = [
+    "ACCUMULATE_MODES",
+    "AVERAGE_MODES",
+    "Accumulator",
+    "Gradients",
+    "HostavgError",
+    "MicroBatch",
+    "SparseGradient",
+    "StepResult",
+    "Trainer",
+    "VariableSpec",
+    "split",
+    "__version__",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hostavg' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

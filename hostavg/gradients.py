@@ -1,0 +1,250 @@
+"""Gradient values on the host: dense arrays and sparse rows, by variable name.
+
+Pure NumPy. A :class:`Gradients` is what one micro-batch, or the mean of many,
+looks like once it has left the session: a read-only mapping from a variable's
+name (``var.op.name``) to a NumPy array of the variable's shape or, for a
+variable read through ``tf.gather`` / ``embedding_lookup``, to a
+:class:`SparseGradient` holding only the rows that were touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hostavg.errors import HostavgError
+
+__all__ = ["VariableSpec", "SparseGradient", "Gradients", "conform"]
+
+
+class VariableSpec(NamedTuple):
+    """The form of one trained variable's gradient.
+
+    Attributes:
+      shape: the variable's shape; a dense gradient has exactly this shape.
+      dtype: the variable's NumPy dtype.
+      sparse: True when TensorFlow hands the gradient over as
+        ``IndexedSlices`` (rows of the variable, e.g. an embedding table).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sparse: bool
+
+
+@dataclass(frozen=True)
+class SparseGradient:
+    """Rows of a gradient: ``dense[indices[i]] += values[i]``.
+
+    The same row may appear more than once (one per sample that read it);
+    :meth:`coalesce` sums duplicates, :meth:`to_dense` builds the full array.
+
+    Attributes:
+      indices: (n,) integer row indices into the variable.
+      values: (n, *dense_shape[1:]) the rows' gradient values.
+      dense_shape: the variable's shape.
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "indices", np.asarray(self.indices))
+        object.__setattr__(self, "values", np.asarray(self.values))
+        object.__setattr__(self, "dense_shape", tuple(int(d) for d in self.dense_shape))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense shape, so that a gradient's shape reads the same either way."""
+        return self.dense_shape
+
+    def coalesce(self) -> SparseGradient:
+        """The same gradient with sorted, unique indices (duplicate rows summed)."""
+        unique, inverse = np.unique(self.indices, return_inverse=True)
+        if len(unique) == len(self.indices):
+            order = np.argsort(self.indices, kind="stable")
+            return SparseGradient(self.indices[order], self.values[order], self.dense_shape)
+        summed = np.zeros((len(unique),) + self.values.shape[1:], self.values.dtype)
+        np.add.at(summed, inverse, self.values)
+        return SparseGradient(unique, summed, self.dense_shape)
+
+    def to_dense(self) -> np.ndarray:
+        """The full ``dense_shape`` array, duplicates summed. Allocates the whole table."""
+        dense = np.zeros(self.dense_shape, self.values.dtype)
+        np.add.at(dense, self.indices, self.values)
+        return dense
+
+
+class Gradients(Mapping):
+    """A read-only mapping from variable name to gradient value.
+
+    Values are NumPy arrays of the variable's shape, or :class:`SparseGradient`
+    for variables whose gradient is a set of rows. Variables whose gradient is
+    ``None`` in the graph are absent.
+
+    Attributes:
+      loss: the micro-batch's loss (for a mean: the sample-weighted mean of the
+        micro-batches' losses), or None where unknown.
+      size: the number of samples behind these gradients (for a mean: the sum
+        of the weights), or None where unknown.
+
+    Example:
+      >>> g = Gradients({"w": np.array([3.0, 4.0])}, loss=0.5, size=8)
+      >>> g.global_norm()
+      5.0
+    """
+
+    __slots__ = ("_values", "loss", "size")
+
+    def __init__(self, values: Mapping[str, Any], *, loss: float | None = None,
+                 size: float | None = None):
+        self._values = dict(values)
+        self.loss = loss
+        self.size = size
+
+    def __getitem__(self, name: str):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def global_norm(self) -> float:
+        """sqrt of the sum of squares of every entry, in float64 (sparse rows coalesced first)."""
+        return float(np.sqrt(sum(squared_norm(v) for v in self._values.values())))
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{name!r}: {'sparse ' + str(len(v.indices)) + ' rows of ' if isinstance(v, SparseGradient) else ''}"
+            f"{v.shape} {v.dtype}" for name, v in self._values.items())
+        return f"Gradients({{{parts}}}, loss={self.loss}, size={self.size})"
+
+
+def squared_norm(value) -> float:
+    """The squared L2 norm of a dense array or a sparse gradient, in float64."""
+    if isinstance(value, SparseGradient):
+        value = value.coalesce().values
+    flat = np.asarray(value, np.float64).ravel()
+    return float(np.dot(flat, flat))
+
+
+def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
+            cast: bool = False) -> dict:
+    """Checks ``grads`` against ``spec`` and returns them as NumPy values.
+
+    Checks, in this order, raising :class:`HostavgError` on the first failure:
+    the keys are exactly the spec's; each value has the variable's shape (a
+    sparse value: 1-D integer indices in range and rows of the right shape); its
+    dtype casts to the variable's within the same kind (float64 to float32 is
+    fine, complex or integer to float is not); every entry is finite.
+
+    A dense value for a sparse variable becomes a :class:`SparseGradient` of all
+    rows; a sparse value for a dense variable is densified.
+
+    Args:
+      spec: the variables, as the trainer sees them.
+      grads: any mapping from name to array or :class:`SparseGradient`.
+      what: how to name the input in messages, e.g. ``"micro-batch 2"``.
+      cast: also cast each value to its variable's dtype (then the finiteness
+        check sees the cast values, so float64 overflowing float32 is caught).
+
+    Returns:
+      A dict in the spec's order.
+    """
+    if not isinstance(grads, Mapping):
+        raise HostavgError(
+            f"{what}: gradients must be a mapping from variable name to array, "
+            f"got {type(grads).__name__}")
+    if grads.keys() != spec.keys():
+        missing = [n for n in spec if n not in grads]
+        extra = [n for n in grads if n not in spec]
+        raise HostavgError(
+            f"{what}: gradient keys do not match the trained variables: "
+            f"missing {missing}, unexpected {extra}. Use exactly the names of "
+            f"trainer.spec (var.op.name of each variable that has a gradient).")
+    out = {}
+    for name, s in spec.items():
+        value = _conform_value(name, s, grads[name], what)
+        if cast:
+            value = _cast(value, s.dtype)
+        _check_finite(name, value, what)
+        out[name] = value
+    return out
+
+
+def _conform_value(name: str, s: VariableSpec, value, what: str):
+    if isinstance(value, SparseGradient):
+        if not s.sparse:
+            value = value.to_dense()
+    else:
+        value = np.asarray(value)
+        if s.sparse and value.shape == s.shape:
+            value = SparseGradient(np.arange(s.shape[0]), value, s.shape)
+    if not np.can_cast(value.dtype, s.dtype, casting="same_kind"):
+        raise HostavgError(
+            f"{what}: gradient of {name!r} has dtype {value.dtype}, which does not cast "
+            f"safely to the variable's {np.dtype(s.dtype).name}; pass floating-point values")
+    if isinstance(value, SparseGradient):
+        idx = value.indices
+        if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+            raise HostavgError(
+                f"{what}: sparse gradient of {name!r} needs 1-D integer indices, "
+                f"got shape {idx.shape} dtype {idx.dtype}")
+        want = (len(idx),) + tuple(s.shape[1:])
+        if value.values.shape != want:
+            raise HostavgError(
+                f"{what}: sparse gradient of {name!r} has values of shape "
+                f"{value.values.shape}, expected {want} ({len(idx)} rows of the "
+                f"variable's shape {s.shape})")
+        if len(idx) and (idx.min() < 0 or idx.max() >= s.shape[0]):
+            raise HostavgError(
+                f"{what}: sparse gradient of {name!r} has row indices outside "
+                f"[0, {s.shape[0]}): min {idx.min()}, max {idx.max()}")
+    elif value.shape != s.shape:
+        raise HostavgError(
+            f"{what}: gradient of {name!r} has shape {value.shape}, expected the "
+            f"variable's shape {s.shape}")
+    return value
+
+
+def _cast(value, dtype):
+    """Casts to ``dtype``; values out of its range become Inf, which the finiteness check reports."""
+    with np.errstate(over="ignore"):
+        if isinstance(value, SparseGradient):
+            return SparseGradient(value.indices, value.values.astype(dtype, copy=False),
+                                  value.dense_shape)
+        return value.astype(dtype, copy=False)
+
+
+def _check_finite(name: str, value, what: str) -> None:
+    array = value.values if isinstance(value, SparseGradient) else value
+    if not finite(array):
+        nan = int(np.isnan(array).sum())
+        inf = int(np.isinf(array).sum())
+        raise HostavgError(
+            f"{what}: gradient of {name!r} has {nan + inf} non-finite entries "
+            f"({nan} NaN, {inf} Inf) of {array.size}; nothing was changed. Look at "
+            f"that micro-batch's inputs and loss, or lower the learning rate.")
+
+
+def finite(array: np.ndarray) -> bool:
+    """True when every entry is finite.
+
+    Fast path: one dot product, which is NaN or Inf whenever an entry is (and
+    allocates nothing); only a non-finite dot (which large finite entries can
+    also cause, by overflow) is confirmed entry by entry.
+    """
+    flat = array.ravel()
+    if flat.dtype.kind == "f" and np.isfinite(np.dot(flat, flat)):
+        return True
+    return bool(np.isfinite(flat).all())

@@ -1,0 +1,195 @@
+"""The TensorFlow wiring, all of it: gradient tensors, the apply op, feeds, the averaging graph.
+
+Everything here is built once, when a :class:`~hostavg.Trainer` is made, in the
+loss's graph, with no device pinned: TensorFlow places every op where it
+normally would (a GPU when there is one) and only gradient values cross to the
+host. Nothing here does host arithmetic; that lives in the NumPy layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.accumulator import Reduction
+from hostavg.errors import HostavgError
+from hostavg.gradients import SparseGradient, VariableSpec
+
+v1 = tf.compat.v1
+
+__all__ = ["Wiring", "resolve_feed"]
+
+
+class Wiring:
+    """The ops of one trainer.
+
+    Attributes:
+      graph: the loss's graph.
+      names: the trained variables' names (``var.op.name``), in order.
+      spec: name -> :class:`VariableSpec`.
+      global_step: the global step variable.
+    """
+
+    def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
+                 average: str, accum_dtype):
+        self.graph = loss.graph
+        with self.graph.as_default():
+            self.global_step = global_step if global_step is not None \
+                else v1.train.get_or_create_global_step(self.graph)
+            pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
+                     if g is not None]
+            if not pairs:
+                raise HostavgError(
+                    "nothing to train: no variable in var_list has a gradient with respect "
+                    "to the loss (check var_list, and that the loss depends on trainable "
+                    "variables)")
+            self.names = [v.op.name for _, v in pairs]
+            self.spec = {v.op.name: VariableSpec(
+                tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
+                isinstance(g, tf.IndexedSlices)) for g, v in pairs}
+            self._grads = [g for g, _ in pairs]
+            self._fetches = [loss] + [
+                (g.indices, g.values) if isinstance(g, tf.IndexedSlices) else g
+                for g in self._grads]
+            updates = self.graph.get_collection(v1.GraphKeys.UPDATE_OPS)
+            if updates:
+                self._fetches.append(tf.group(*updates, name="hostavg_update_ops"))
+            self.train_op = optimizer.apply_gradients(pairs, global_step=self.global_step)
+            with tf.control_dependencies([self.train_op]):
+                self._step_after = self.global_step.read_value()
+            self.state = _State(self.graph, optimizer, self.global_step) if updates else None
+            self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
+                if average == "graph" else None
+
+    def compute(self, sess, feed: dict):
+        """Runs forward, backward and the UPDATE_OPS once; returns (loss, name -> value)."""
+        out = sess.run(self._fetches, feed)
+        values = {}
+        for name, g, got in zip(self.names, self._grads, out[1:]):
+            if isinstance(g, tf.IndexedSlices):
+                indices, vals = got
+                _read_only(indices, vals)
+                values[name] = SparseGradient(indices, vals, self.spec[name].shape)
+            else:
+                _read_only(got)
+                values[name] = got
+        return out[0], values
+
+    def apply(self, sess, values: Mapping) -> int:
+        """Feeds ``values`` through the gradient tensors, runs the train op once; returns the new global step."""
+        feed = {}
+        for name, g in zip(self.names, self._grads):
+            value = values[name]
+            if isinstance(g, tf.IndexedSlices):
+                feed[g.indices] = value.indices
+                feed[g.values] = value.values
+                if g.dense_shape is not None:
+                    feed[g.dense_shape] = np.asarray(self.spec[name].shape)
+            else:
+                feed[g] = value
+        return int(sess.run(self._step_after, feed))
+
+
+def resolve_feed(graph, feed_dict: Mapping, what: str) -> dict:
+    """The feed with every key a tensor of ``graph`` (names such as ``"x:0"`` are looked up)."""
+    if not isinstance(feed_dict, Mapping):
+        raise HostavgError(f"{what}: a feed must be a dict {{placeholder: array}}, "
+                           f"got {type(feed_dict).__name__}")
+    out = {}
+    for key, value in feed_dict.items():
+        if isinstance(key, str):
+            try:
+                key = graph.as_graph_element(key)
+            except (KeyError, ValueError, TypeError) as e:
+                raise HostavgError(
+                    f"{what}: feed key {key!r} names nothing in the trainer's graph ({e})") from None
+        if getattr(key, "graph", None) is not graph:
+            raise HostavgError(
+                f"{what}: feed key {getattr(key, 'name', key)!r} is not in the trainer's graph; "
+                f"feed the placeholders of the graph the loss was built in")
+        out[key] = value
+    return out
+
+
+def _read_only(*arrays) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
+class _State:
+    """Saves and restores what UPDATE_OPS may change, so that a failed step leaves no trace.
+
+    Those are the graph's non-trainable global variables other than the
+    optimizer's slots and the global step: batch-norm moving statistics and
+    the like. Reading them costs one small session run per step, and only
+    when the graph has UPDATE_OPS.
+    """
+
+    def __init__(self, graph, optimizer, global_step):
+        skip = {id(v) for v in optimizer.variables()} | {id(global_step)}
+        skip |= {id(v) for v in graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)}
+        self.variables = [v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+                          if id(v) not in skip]
+        with tf.name_scope("hostavg_restore"):
+            self._placeholders = [v1.placeholder(v.dtype.base_dtype, v.shape)
+                                  for v in self.variables]
+            self._restore = tf.group(*[v.assign(p) for v, p in
+                                       zip(self.variables, self._placeholders)])
+
+    def save(self, sess):
+        return sess.run(self.variables) if self.variables else []
+
+    def restore(self, sess, values) -> None:
+        if self.variables:
+            sess.run(self._restore, dict(zip(self._placeholders, values)))
+
+
+class _GraphReducer:
+    """average="graph": the mean of a :class:`Reduction`, computed by a small graph in the session.
+
+    "sum" mode feeds each variable's running sum and divides it by the total
+    weight in the graph; "stack" mode feeds the stacked micro-batch gradients
+    (k, *shape) and their weights and reduces over axis 0 in the graph; sparse
+    rows are summed by ``unsorted_segment_sum``. The host only stacks, feeds
+    and fetches.
+    """
+
+    def __init__(self, spec, accum_dtype, accumulate):
+        self._dense_inputs, self._row_inputs, self._outputs = {}, {}, {}
+        with tf.name_scope("hostavg_average"):
+            self._total = v1.placeholder(tf.float64, (), name="total")
+            self._weights = v1.placeholder(tf.float64, (None,), name="weights")
+            for name, s in spec.items():
+                dtype = tf.as_dtype(accum_dtype or s.dtype)
+                total = tf.cast(self._total, dtype)
+                if s.sparse:
+                    ph = (v1.placeholder(tf.int64, (None,)), v1.placeholder(tf.int64, ()),
+                          v1.placeholder(dtype, (None,) + s.shape[1:]),
+                          v1.placeholder(dtype, (None,)))
+                    segments, num_rows, values, row_weights = ph
+                    weighted = values * tf.reshape(row_weights, [-1] + [1] * (len(s.shape) - 1))
+                    self._outputs[name] = tf.math.unsorted_segment_sum(
+                        weighted, segments, num_rows) / total
+                    self._row_inputs[name] = ph
+                elif accumulate == "sum":
+                    summed = self._dense_inputs[name] = v1.placeholder(dtype, s.shape)
+                    self._outputs[name] = summed / total
+                else:
+                    stack = self._dense_inputs[name] = v1.placeholder(dtype, (None,) + s.shape)
+                    self._outputs[name] = tf.tensordot(
+                        tf.cast(self._weights, dtype), stack, 1) / total
+
+    def bind(self, sess):
+        """A reducer (Reduction -> name -> mean) that runs in ``sess``."""
+        def reduce(r: Reduction) -> dict:
+            feed = {self._total: r.total, self._weights: r.weights}
+            for name, s in r.sums.items():
+                feed[self._dense_inputs[name]] = s
+            for name, gs in r.stacks.items():
+                feed[self._dense_inputs[name]] = np.stack(gs)
+            for name, row in r.rows.items():
+                feed.update(zip(self._row_inputs[name], row))
+            return sess.run(self._outputs, feed)
+        return reduce

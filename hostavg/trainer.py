@@ -1,0 +1,262 @@
+"""The Trainer: compute a micro-batch's gradients, accumulate them on the host, apply the mean."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
+from hostavg.errors import HostavgError
+from hostavg.gradients import Gradients, conform
+from hostavg.graph import Wiring, resolve_feed
+from hostavg.split import feed_size
+
+v1 = tf.compat.v1
+
+__all__ = ["AVERAGE_MODES", "MicroBatch", "StepResult", "Trainer"]
+
+#: "host": the mean is computed with NumPy. "graph": the averaging runs in the
+#: session, as a division of the fed running sum ("sum") or a weighted reduce
+#: over a fed stack of micro-batch gradients ("stack").
+AVERAGE_MODES = ("host", "graph")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step.
+
+    Attributes:
+      index: its position in the step, from 0.
+      size: its number of samples (its weight in the mean).
+      loss: its mean loss.
+      grads: its :class:`Gradients` in ``accumulate="stack"``; None in "sum",
+        which keeps no per-micro-batch gradients.
+    """
+
+    index: int
+    size: int
+    loss: float
+    grads: Gradients | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did.
+
+    Attributes:
+      loss: the sample-weighted mean loss over the micro-batches,
+        sum_i n_i loss_i / sum_i n_i.
+      grads: the :class:`Gradients` that were applied (the weighted mean).
+      micro: one :class:`MicroBatch` per micro-batch, in order.
+      step: the global step after the apply.
+      size: the number of samples in the step, sum_i n_i.
+    """
+
+    loss: float
+    grads: Gradients
+    micro: tuple
+    step: int
+    size: int
+
+
+class Trainer:
+    """Trains a ``tf.compat.v1`` graph with gradients averaged on the host.
+
+    One optimizer step runs k micro-batches through forward and backward,
+    fetching each one's gradients to NumPy; their sample-weighted mean
+    ``sum_i n_i g_i / sum_i n_i`` (g_i: the gradient of micro-batch i's MEAN
+    loss, n_i: its samples) is fed back through the gradient tensors to the
+    optimizer's train op, which runs once. That equals one step on the
+    concatenated batch, for any optimizer, and the global step grows by one.
+
+    Build the trainer before ``global_variables_initializer()``: it creates the
+    optimizer's slots and, if missing, the global step.
+
+    Args:
+      loss: scalar tensor, the MEAN of the per-sample losses of a micro-batch.
+      optimizer: a ``tf.compat.v1.train.Optimizer``.
+      var_list: the variables to train; default the trainable variables the
+        loss reaches. Variables whose gradient is None are left out and untouched.
+      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
+      average: one of :data:`AVERAGE_MODES`.
+      accum_dtype: host accumulation dtype (e.g. "float64"); None keeps each
+        variable's dtype.
+      global_step: the variable the train op increments; default the graph's
+        global step, created if missing.
+
+    Attributes:
+      graph: the loss's graph; sessions passed in must run it.
+      spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
+      global_step: the global step variable.
+      train_op: the optimizer's apply op, fed through the gradient tensors.
+
+    Example::
+
+        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(1e-3))
+        sess.run(v1.global_variables_initializer())
+        res = trainer.step(sess, hostavg.split({x: xb, y: yb}, 32))
+    """
+
+    def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
+                 average: str = "host", accum_dtype=None, global_step=None):
+        if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
+            raise HostavgError(
+                f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
+                f"build the model inside `with tf.Graph().as_default():`")
+        if loss.shape.rank not in (None, 0):
+            raise HostavgError(
+                f"loss must be a scalar (the mean over the micro-batch's samples), got "
+                f"shape {loss.shape}; reduce it with tf.reduce_mean")
+        if not isinstance(optimizer, v1.train.Optimizer):
+            raise HostavgError(
+                f"optimizer must be a tf.compat.v1.train.Optimizer (e.g. "
+                f"tf.compat.v1.train.AdamOptimizer), got {type(optimizer).__name__}")
+        if average not in AVERAGE_MODES:
+            raise HostavgError(f"average must be one of {AVERAGE_MODES}, got {average!r}")
+        if accumulate not in ACCUMULATE_MODES:
+            raise HostavgError(
+                f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
+        if var_list is not None and not list(var_list):
+            raise HostavgError("var_list is empty: there is nothing to train")
+        self.accumulate = accumulate
+        self.average = average
+        self.accum_dtype = as_accum_dtype(accum_dtype)
+        self._wiring = Wiring(loss, optimizer, var_list, global_step,
+                              accumulate=accumulate, average=average,
+                              accum_dtype=self.accum_dtype)
+        self.graph = self._wiring.graph
+        self.spec = self._wiring.spec
+        self.global_step = self._wiring.global_step
+        self.train_op = self._wiring.train_op
+        self._step_accumulator = self.accumulator()
+
+    def accumulator(self, sess=None) -> Accumulator:
+        """A new, empty :class:`~hostavg.Accumulator` for this trainer's variables and settings.
+
+        Args:
+          sess: with ``average="graph"``, the session its mean() runs in
+            (required there, ignored otherwise).
+        """
+        return Accumulator(self.spec, accumulate=self.accumulate, accum_dtype=self.accum_dtype,
+                           reducer=self._reducer(sess) if sess is not None else None)
+
+    def compute(self, sess, feed_dict: Mapping, *, size: int | None = None) -> Gradients:
+        """Runs one micro-batch forward and backward and fetches its gradients.
+
+        Also runs the graph's UPDATE_OPS (batch-norm moving statistics). Changes
+        no trained variable and not the global step.
+
+        Args:
+          sess: a session running the trainer's graph.
+          feed_dict: {placeholder or its name: value} for one micro-batch.
+          size: its number of samples; default the length of its arrays.
+
+        Returns:
+          :class:`Gradients` (read-only arrays) with ``.loss`` and ``.size``.
+        """
+        self._check_session(sess)
+        feed = resolve_feed(self.graph, feed_dict, "compute")
+        return self._compute(sess, feed, self._size(feed, size, "compute"), "compute")
+
+    def apply(self, sess, grads: Mapping) -> int:
+        """Feeds ``grads`` through the gradient tensors and runs the train op once.
+
+        No forward or backward pass runs. ``grads`` is a :class:`Gradients` or
+        any mapping with exactly the keys of :attr:`spec` (say, a dict a user
+        edited); values are cast to each variable's dtype.
+
+        Returns:
+          the global step after the apply (one more than before).
+
+        Raises:
+          HostavgError: for missing or extra keys, a wrong shape, a dtype that
+            does not cast within its kind, or non-finite values; nothing is
+            applied then.
+        """
+        self._check_session(sess)
+        return self._wiring.apply(sess, conform(self.spec, grads, what="apply", cast=True))
+
+    def step(self, sess, feeds: Sequence[Mapping]) -> StepResult:
+        """One optimizer step over the micro-batches ``feeds``: compute, add, apply.
+
+        The step is atomic: if any micro-batch fails (bad feed, non-finite
+        gradient or loss, an error in the session) nothing is applied, and
+        variables that UPDATE_OPS changed are restored, so the model, the
+        optimizer's slots and the global step are as they were.
+
+        Args:
+          sess: a session running the trainer's graph.
+          feeds: a sequence of feed dicts, one per micro-batch, e.g.
+            ``hostavg.split(feed_dict, micro_batch_size)``.
+        """
+        self._check_session(sess)
+        if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
+            raise HostavgError(
+                f"step takes a list of feed dicts, one per micro-batch, got "
+                f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
+        if not len(feeds):
+            raise HostavgError("step got no micro-batches; pass at least one feed dict")
+        acc = self._step_accumulator
+        acc.reset()
+        state = self._wiring.state
+        saved = state.save(sess) if state else None
+        micro, start = [], 0
+        try:
+            for i, feed_dict in enumerate(feeds):
+                what = f"micro-batch {i} of {len(feeds)}"
+                try:
+                    feed = resolve_feed(self.graph, feed_dict, what)
+                    n = self._size(feed, None, what)
+                    what = f"{what} (samples {start}:{start + n})"
+                    g = self._compute(sess, feed, n, what)
+                    acc.add(g)
+                except HostavgError as e:
+                    raise HostavgError(f"step, {what}: "
+                                       f"{str(e).removeprefix(f'micro-batch {i}: ')}") from None
+                except (tf.errors.OpError, ValueError, TypeError) as e:
+                    raise HostavgError(
+                        f"step, {what}: the session failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]}); check that micro-batch's feed") from e
+                micro.append(MicroBatch(i, n, float(g.loss),
+                                        g if self.accumulate == "stack" else None))
+                start += n
+            mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
+            step = self.apply(sess, mean)
+        except BaseException:
+            if state:
+                state.restore(sess, saved)
+            raise
+        return StepResult(loss=mean.loss, grads=mean, micro=tuple(micro), step=step, size=start)
+
+    def _compute(self, sess, feed: dict, n: int, what: str) -> Gradients:
+        loss, values = self._wiring.compute(sess, feed)
+        if np.ndim(loss) != 0:
+            raise HostavgError(
+                f"{what}: the loss has shape {np.shape(loss)}, not a scalar; reduce it with tf.reduce_mean")
+        return Gradients(values, loss=float(loss), size=n)
+
+    def _size(self, feed: dict, size, what: str) -> int:
+        n = feed_size(feed, what) if size is None else size
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n!r}")
+        return int(n)
+
+    def _reducer(self, sess):
+        if self._wiring.reducer is None:
+            return None
+        self._check_session(sess)
+        return self._wiring.reducer.bind(sess)
+
+    def _check_session(self, sess) -> None:
+        graph = getattr(sess, "graph", None)
+        if graph is not self.graph:
+            raise HostavgError(
+                f"the session runs another graph than the trainer's (got {sess!r}); "
+                f"create it with tf.compat.v1.Session(graph=loss.graph)")
+
+    def __repr__(self) -> str:
+        return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
+                f"average={self.average!r}, accum_dtype={self.accum_dtype})")

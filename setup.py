@@ -1,0 +1,17 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="hostavg",
+    version="0.1.0",
+    description="Large-batch training of TensorFlow graph-mode models with gradients averaged on the host",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hostavg", "hostavg.*"]),
+    python_requires=">=3.10",
+    install_requires=["tensorflow>=2.16", "numpy"],
+    extras_require={
+        "test": ["pytest"],
+    },
+)

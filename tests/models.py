@@ -1,0 +1,121 @@
+"""Small graph-mode models and the full-batch oracle the tests compare hostavg against."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+v1 = tf.compat.v1
+
+#: The optimizers every exactness test runs, with learning rates that move the
+#: weights visibly in 20 steps.
+OPTIMIZERS = {
+    "sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: v1.train.MomentumOptimizer(0.05, momentum=0.9),
+    "adam": lambda: v1.train.AdamOptimizer(0.01),
+    "rmsprop": lambda: v1.train.RMSPropOptimizer(0.01),
+    "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
+}
+
+FEATURES, HIDDEN, CLASSES, VOCAB = 6, 8, 3, 50
+
+
+@dataclass
+class Model:
+    graph: tf.Graph
+    inputs: dict  # name -> placeholder
+    loss: tf.Tensor
+    counter: tf.Variable  # forward passes run
+    extra: dict = field(default_factory=dict)
+
+    def feed(self, data: dict) -> dict:
+        return {self.inputs[k]: v for k, v in data.items()}
+
+    def values(self, sess) -> dict:
+        """Every global variable by name: weights, optimizer slots, global step."""
+        variables = self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+        return dict(zip([v.op.name for v in variables], sess.run(variables)))
+
+
+def initial_weights(seed: int, dtype, sparse: bool = False) -> dict:
+    rng = np.random.default_rng(seed)
+    w = {"hidden/kernel": rng.normal(0, 0.5, (FEATURES, HIDDEN)),
+         "hidden/bias": rng.normal(0, 0.1, (HIDDEN,)),
+         "out/kernel": rng.normal(0, 0.5, (HIDDEN, CLASSES)),
+         "out/bias": np.zeros(CLASSES)}
+    if sparse:
+        w["embedding"] = rng.normal(0, 0.5, (VOCAB, FEATURES))
+    return {k: v.astype(dtype) for k, v in w.items()}
+
+
+def build(seed: int = 0, dtype=np.float32, sparse: bool = False, unused: bool = False,
+          update_op: bool = False) -> Model:
+    """An MLP with softmax cross-entropy; with ``sparse`` its input is the mean of
+    embedding rows looked up by integer ids (an IndexedSlices gradient)."""
+    graph = tf.Graph()
+    tf_dtype = tf.as_dtype(dtype)
+    with graph.as_default():
+        weights = {name: tf.Variable(value, name=name)
+                   for name, value in initial_weights(seed, dtype, sparse).items()}
+        counter = tf.Variable(0, trainable=False, name="forward_passes")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        if sparse:
+            ids = v1.placeholder(tf.int32, [None, 3], name="ids")
+            x = tf.reduce_mean(tf.nn.embedding_lookup(weights["embedding"], ids), axis=1)
+            inputs = {"ids": ids, "y": y}
+        else:
+            x = v1.placeholder(tf_dtype, [None, FEATURES], name="x")
+            inputs = {"x": x, "y": y}
+        with tf.control_dependencies([counter.assign_add(1)]):
+            h = tf.tanh(tf.matmul(x, weights["hidden/kernel"]) + weights["hidden/bias"])
+        logits = tf.matmul(h, weights["out/kernel"]) + weights["out/bias"]
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits))
+        extra = {}
+        if unused:
+            extra["unused"] = tf.Variable(np.ones(4, dtype), name="unused")
+        if update_op:
+            # A moving mean of the hidden activations, updated like batch norm's.
+            ema = extra["ema"] = tf.Variable(np.zeros(HIDDEN, dtype), trainable=False, name="ema")
+            v1.add_to_collection(v1.GraphKeys.UPDATE_OPS,
+                                 ema.assign(0.5 * ema + 0.5 * tf.reduce_mean(h, 0)))
+    return Model(graph, inputs, loss, counter, extra)
+
+
+def batches(seed: int, steps: int, n: int, dtype=np.float32, sparse: bool = False) -> list:
+    rng = np.random.default_rng(seed + 1000)
+    out = []
+    for _ in range(steps):
+        if sparse:
+            data = {"ids": rng.integers(0, VOCAB, (n, 3)).astype(np.int32)}
+        else:
+            data = {"x": rng.normal(0, 1, (n, FEATURES)).astype(dtype)}
+        data["y"] = rng.integers(0, CLASSES, n).astype(np.int32)
+        out.append(data)
+    return out
+
+
+def full_batch(optimizer: str, data: list, **kw) -> dict:
+    """The oracle: plain ``optimizer.minimize`` on each whole batch. Returns every variable."""
+    model = build(**kw)
+    with model.graph.as_default():
+        train = OPTIMIZERS[optimizer]().minimize(
+            model.loss, global_step=v1.train.get_or_create_global_step())
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=model.graph) as sess:
+        sess.run(init)
+        for d in data:
+            sess.run(train, model.feed(d))
+        return model.values(sess)
+
+
+def cuts(n: int, sizes) -> list:
+    """Slices of [0, n) of the given sizes."""
+    bounds = np.cumsum([0] + list(sizes))
+    assert bounds[-1] == n
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,333 @@
+"""The Trainer against the full-batch oracle, and its guarantees: no forward pass in
+apply, one global step per apply, UPDATE_OPS per micro-batch, atomic steps, errors."""
+
+import re
+
+import numpy as np
+import pytest
+from models import OPTIMIZERS, build, batches, cuts, full_batch, v1
+
+import hostavg
+
+STEPS, BATCH = 20, 40
+EQUAL, UNEQUAL = (10, 10, 10, 10), (5, 12, 3, 20)
+
+
+def train(optimizer, data, sizes, *, model_kw=None, **trainer_kw):
+    """hostavg over the same batches as the oracle; returns (model, sess, trainer, results)."""
+    model = build(**(model_kw or {}))
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, OPTIMIZERS[optimizer](), **trainer_kw)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    results = []
+    for d in data:
+        feeds = [model.feed({k: v[s] for k, v in d.items()}) for s in cuts(BATCH, sizes)]
+        results.append(trainer.step(sess, feeds))
+    return model, sess, trainer, results
+
+
+def assert_same_weights(got: dict, want: dict, atol: float):
+    got = {k: v for k, v in got.items() if k != "forward_passes"}
+    want = {k: v for k, v in want.items() if k != "forward_passes"}
+    assert got.keys() == want.keys()
+    worst = max(np.max(np.abs(got[k] - want[k])) for k in want)
+    assert worst <= atol, {k: float(np.max(np.abs(got[k] - want[k]))) for k in want}
+
+
+@pytest.mark.parametrize("sizes", [EQUAL, UNEQUAL], ids=["equal", "unequal"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_accumulated_step_equals_full_batch_step(optimizer, sizes, sparse):
+    data = batches(0, STEPS, BATCH, sparse=sparse)
+    want = full_batch(optimizer, data, sparse=sparse)
+    model, sess, trainer, results = train(optimizer, data, sizes, model_kw={"sparse": sparse})
+    assert_same_weights(model.values(sess), want, atol=1e-5)
+    assert [r.step for r in results] == list(range(1, STEPS + 1))
+    assert results[-1].size == BATCH
+    assert [m.size for m in results[-1].micro] == list(sizes)
+
+
+@pytest.mark.parametrize("accumulate,average", [("sum", "graph"), ("stack", "host"),
+                                                ("stack", "graph")])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_every_mode_equals_full_batch_step(accumulate, average, sparse):
+    data = batches(1, STEPS, BATCH, sparse=sparse)
+    want = full_batch("adam", data, sparse=sparse)
+    model, sess, _, _ = train("adam", data, UNEQUAL, model_kw={"sparse": sparse},
+                              accumulate=accumulate, average=average)
+    assert_same_weights(model.values(sess), want, atol=1e-5)
+
+
+def test_float64_model_and_float64_accumulation():
+    data = batches(2, 5, BATCH, dtype=np.float64)
+    want = full_batch("adam", data, dtype=np.float64)
+    model, sess, trainer, results = train("adam", data, UNEQUAL, model_kw={"dtype": np.float64})
+    assert_same_weights(model.values(sess), want, atol=1e-12)
+    assert all(v.dtype == np.float64 for v in results[-1].grads.values())
+
+    data = batches(2, 5, BATCH)
+    want = full_batch("adam", data)
+    model, sess, trainer, results = train("adam", data, UNEQUAL, accum_dtype="float64")
+    assert trainer.accum_dtype == np.float64
+    assert all(v.dtype == np.float64 for v in results[-1].grads.values())
+    assert_same_weights(model.values(sess), want, atol=1e-5)
+
+
+class Case:
+    """One dense model with a trainer, initialised, plus a batch split into 4 micro-batches."""
+
+    def __init__(self, accumulate="sum", average="host", **model_kw):
+        self.model = build(**model_kw)
+        with self.model.graph.as_default():
+            self.trainer = hostavg.Trainer(self.model.loss, v1.train.AdamOptimizer(0.01),
+                                           accumulate=accumulate, average=average)
+            self.init = v1.global_variables_initializer()
+        self.sess = v1.Session(graph=self.model.graph)
+        self.sess.run(self.init)
+        self.data = batches(3, 1, BATCH)[0]
+        self.feeds = hostavg.split(self.model.feed(self.data), 10)
+
+    def values(self):
+        return self.model.values(self.sess)
+
+
+def test_stack_mode_keeps_each_micro_batch_as_compute_sees_it():
+    case = Case(accumulate="stack")
+    alone = [case.trainer.compute(case.sess, f) for f in case.feeds]
+    res = case.trainer.step(case.sess, case.feeds)
+    for g, m in zip(alone, res.micro):
+        assert m.grads.keys() == g.keys() and m.loss == g.loss and m.size == g.size == 10
+        for name in g:
+            np.testing.assert_array_equal(m.grads[name], g[name])
+    want = hostavg.Accumulator(case.trainer.spec)
+    for g in alone:
+        want.add(g)
+    for name, value in want.mean().items():
+        np.testing.assert_array_equal(res.grads[name], value)
+    assert res.loss == pytest.approx(np.mean([g.loss for g in alone]), rel=1e-12)
+
+
+def test_sum_mode_keeps_no_micro_batch_gradients_and_matches_stack():
+    sums, stacks = Case(accumulate="sum"), Case(accumulate="stack")
+    a = sums.trainer.step(sums.sess, sums.feeds)
+    b = stacks.trainer.step(stacks.sess, stacks.feeds)
+    assert all(m.grads is None for m in a.micro)
+    for name in a.grads:
+        np.testing.assert_array_equal(a.grads[name], b.grads[name])
+
+
+def test_graph_average_runs_its_reduce_in_the_session():
+    class SpySession(v1.Session):
+        fetched = []
+
+        def run(self, fetches, *args, **kwargs):
+            self.fetched.append(fetches)
+            return super().run(fetches, *args, **kwargs)
+
+    for accumulate in ("sum", "stack"):
+        case = Case(accumulate=accumulate, average="graph")
+        host = Case(accumulate=accumulate)
+        sess = SpySession(graph=case.model.graph)
+        sess.run(case.init)
+        SpySession.fetched.clear()
+        got = case.trainer.step(sess, case.feeds).grads
+        averaged = [f for f in SpySession.fetched if isinstance(f, dict)
+                    and all(t.name.startswith("hostavg_average/") for t in f.values())]
+        assert len(averaged) == 1 and averaged[0].keys() == got.keys()
+        want = host.trainer.step(host.sess, host.feeds).grads
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+        # The interactive accumulator of a graph-averaging trainer needs its session.
+        acc = case.trainer.accumulator(sess)
+        acc.add(case.trainer.compute(sess, case.feeds[0]))
+        SpySession.fetched.clear()
+        acc.mean()
+        assert len(SpySession.fetched) == 1
+
+
+def test_interactive_compute_add_mean_apply_equals_step():
+    a, b = Case(), Case()
+    acc = a.trainer.accumulator()
+    for f in a.feeds:
+        acc.add(a.trainer.compute(a.sess, f))
+    assert acc.count == 4 and acc.total_weight == BATCH
+    assert a.trainer.apply(a.sess, acc.mean()) == 1
+    b.trainer.step(b.sess, b.feeds)
+    assert_same_weights(a.values(), b.values(), atol=0)
+
+
+def test_apply_takes_an_edited_dict_and_runs_no_forward_pass():
+    case = Case()
+    g = case.trainer.compute(case.sess, case.feeds[0])
+    assert case.sess.run(case.model.counter) == 1
+    edited = {name: np.asarray(value) * 0.5 for name, value in g.items()}
+    before = case.values()
+    assert case.trainer.apply(case.sess, edited) == 1
+    after = case.values()
+    assert after["forward_passes"] == 1, "apply ran the forward pass"
+    assert after["global_step"] == 1
+    assert not np.array_equal(after["hidden/kernel"], before["hidden/kernel"])
+
+
+def test_global_step_grows_by_one_per_step_whatever_the_micro_batches():
+    case = Case()
+    for k, step in [(1, 1), (4, 2), (40, 3)]:
+        feeds = hostavg.split(case.model.feed(case.data), BATCH // k)
+        assert len(feeds) == k
+        assert case.trainer.step(case.sess, feeds).step == step
+    assert case.sess.run(case.trainer.global_step) == 3
+    assert case.sess.run(case.model.counter) == 1 + 4 + 40
+
+
+def test_update_ops_run_with_every_micro_batch_not_with_apply():
+    case = Case(update_op=True)
+    ema = case.model.extra["ema"]
+    h = case.model.graph.get_tensor_by_name("Tanh:0")
+    hidden = [case.sess.run(h, f) for f in case.feeds]  # before the step moves the weights
+    want = np.zeros(8, np.float32)
+    for a in hidden:
+        want = 0.5 * want + 0.5 * a.mean(0)
+    res = case.trainer.step(case.sess, case.feeds)
+    np.testing.assert_allclose(case.sess.run(ema), want, rtol=1e-5)
+    case.trainer.apply(case.sess, res.grads)
+    np.testing.assert_allclose(case.sess.run(ema), want, rtol=1e-5)
+
+
+def test_variables_without_gradient_are_left_out_and_untouched():
+    case = Case(unused=True)
+    assert "unused" not in case.trainer.spec
+    res = case.trainer.step(case.sess, case.feeds)
+    assert set(res.grads) == {"hidden/kernel", "hidden/bias", "out/kernel", "out/bias"}
+    np.testing.assert_array_equal(case.values()["unused"], np.ones(4))
+
+
+def test_sparse_gradients_stay_sparse():
+    model = build(sparse=True)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    assert trainer.spec["embedding"].sparse
+    data = batches(4, 1, BATCH, sparse=True)[0]
+    res = trainer.step(sess, hostavg.split(model.feed(data), 10))
+    seen = np.unique(data["ids"])
+    mean = res.grads["embedding"]
+    assert isinstance(mean, hostavg.SparseGradient)
+    np.testing.assert_array_equal(mean.indices, seen)
+    assert mean.values.shape == (len(seen), 6)
+    for m in trainer.step(sess, hostavg.split(model.feed(data), 10)).micro:
+        assert m.grads is None
+
+
+# --- Bad input: one clear error, and nothing changed ----------------------------------
+
+
+def unchanged(case, action, match):
+    """Runs ``action``; asserts it raises HostavgError matching ``match`` and changes nothing."""
+    before = case.values()
+    with pytest.raises(hostavg.HostavgError, match=match):
+        action()
+    after = case.values()
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+def test_step_errors_leave_everything_unchanged():
+    case = Case(update_op=True)
+    case.trainer.step(case.sess, case.feeds)  # slots and global step are non-trivial
+    t, s, f = case.trainer, case.sess, case.feeds
+    x = case.model.inputs["x"]
+    unchanged(case, lambda: t.step(s, []), "step got no micro-batches")
+    unchanged(case, lambda: t.step(s, f[0]), r"step takes a list of feed dicts.*hostavg\.split")
+    y = case.model.inputs["y"]
+    empty = {x: f[0][x][:0], y: f[0][y][:0]}
+    unchanged(case, lambda: t.step(s, f[:2] + [empty]),
+              r"micro-batch 2 of 3: a micro-batch must hold at least 1 sample, got 0")
+    bad = [dict(g) for g in f] + [dict(f[0])]
+    bad[2][x] = bad[2][x].copy()
+    bad[2][x][3, 1] = np.nan
+    unchanged(case, lambda: t.step(s, bad),
+              r"^step, micro-batch 2 of 5 \(samples 20:30\): the loss is nan")
+    wrong_width = [dict(g) for g in f]
+    wrong_width[2][x] = np.ones((10, 5), np.float32)
+    unchanged(case, lambda: t.step(s, wrong_width),
+              r"step, micro-batch 2 of 4 \(samples 20:30\): the session failed")
+    other = build()
+    with other.graph.as_default():
+        stranger = v1.placeholder(np.float32, [None], name="stranger")
+    unchanged(case, lambda: t.step(s, f[:1] + [{**f[1], stranger: np.ones(10)}]),
+              r"micro-batch 1 of 2: feed key 'stranger:0' is not in the trainer's graph")
+    unchanged(case, lambda: t.step(s, [{**f[0], "nope:0": np.ones(3)}]),
+              r"feed key 'nope:0' names nothing in the trainer's graph")
+    other_sess = v1.Session(graph=other.graph)
+    unchanged(case, lambda: t.step(other_sess, f), "the session runs another graph")
+
+
+def test_a_nan_gradient_is_named_by_variable_and_micro_batch():
+    case = Case()
+    g = [case.trainer.compute(case.sess, f) for f in case.feeds]
+    poisoned = {name: np.array(v) for name, v in g[1].items()}
+    poisoned["out/bias"][1] = np.inf
+    acc = case.trainer.accumulator()
+    acc.add(g[0])
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^micro-batch 1: gradient of 'out/bias' has 1 non-finite entries "
+                             r"\(0 NaN, 1 Inf\) of 3"):
+        acc.add(poisoned, weight=10)
+    assert acc.count == 1 and acc.total_weight == 10
+
+
+def test_apply_errors_leave_everything_unchanged():
+    case = Case()
+    case.trainer.step(case.sess, case.feeds)
+    t, s = case.trainer, case.sess
+    good = {k: np.array(v) for k, v in t.compute(s, case.feeds[0]).items()}
+
+    def edited(**changes):
+        out = dict(good)
+        out.update(changes)
+        return {k: v for k, v in out.items() if v is not None}
+
+    unchanged(case, lambda: t.apply(s, edited(**{"out/bias": None})),
+              re.escape("apply: gradient keys do not match the trained variables: "
+                        "missing ['out/bias'], unexpected []"))
+    unchanged(case, lambda: t.apply(s, edited(extra=np.ones(2))),
+              re.escape("missing [], unexpected ['extra']"))
+    unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.ones(4)})),
+              re.escape("apply: gradient of 'out/bias' has shape (4,), expected the "
+                        "variable's shape (3,)"))
+    unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.ones(3, np.complex64)})),
+              "gradient of 'out/bias' has dtype complex64, which does not cast safely")
+    unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.array([0, np.nan, 0])})),
+              r"apply: gradient of 'out/bias' has 1 non-finite entries \(1 NaN, 0 Inf\)")
+    unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.array([0, 1e300, 0])})),
+              r"apply: gradient of 'out/bias' has 1 non-finite entries \(0 NaN, 1 Inf\)")
+    unchanged(case, lambda: t.apply(s, [1, 2]), "apply: gradients must be a mapping")
+
+
+def test_constructor_errors():
+    model = build(unused=True)
+    with model.graph.as_default():
+        opt = v1.train.AdamOptimizer(0.01)
+        with pytest.raises(hostavg.HostavgError, match="loss must be a scalar .* got shape"):
+            hostavg.Trainer(model.loss * np.ones(3, np.float32), opt)
+        with pytest.raises(hostavg.HostavgError,
+                           match="optimizer must be a tf.compat.v1.train.Optimizer .* got Adam"):
+            import tensorflow as tf
+            hostavg.Trainer(model.loss, tf.keras.optimizers.Adam())
+        with pytest.raises(hostavg.HostavgError, match="nothing to train"):
+            hostavg.Trainer(model.loss, opt, [model.extra["unused"]])
+        with pytest.raises(hostavg.HostavgError, match="var_list is empty"):
+            hostavg.Trainer(model.loss, opt, [])
+        with pytest.raises(hostavg.HostavgError,
+                           match=r"accumulate must be one of \('sum', 'stack'\), got 'mean'"):
+            hostavg.Trainer(model.loss, opt, accumulate="mean")
+        with pytest.raises(hostavg.HostavgError, match="average must be one of"):
+            hostavg.Trainer(model.loss, opt, average="device")
+        with pytest.raises(hostavg.HostavgError, match="accum_dtype must be a floating-point"):
+            hostavg.Trainer(model.loss, opt, accum_dtype="int32")
+    with pytest.raises(hostavg.HostavgError, match="loss must be a scalar tensor of a"):
+        hostavg.Trainer(3.0, v1.train.AdamOptimizer(0.01))
