@@ -12,6 +12,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.16", "numpy"],
     extras_require={
-        "test": ["pytest"],
+        "demo": ["mlxtend", "scikit-learn", "tqdm", "pandas", "matplotlib"],
+        "test": ["pytest", "mlxtend", "scikit-learn", "tqdm", "pandas", "matplotlib"],
     },
+    entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

@@ -12,8 +12,10 @@ as :class:`Trainer`) is used, so ``import hostavg`` stays fast.
 import importlib
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator
+from hostavg.callbacks import Callback, EarlyStopping, StopTraining
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients, SparseGradient, VariableSpec
+from hostavg.history import History, StepLog
 from hostavg.split import split
 
 __version__ = "0.1.0"
@@ -30,11 +32,16 @@ __all__ = [
     "ACCUMULATE_MODES",
     "AVERAGE_MODES",
     "Accumulator",
+    "Callback",
+    "EarlyStopping",
     "Gradients",
+    "History",
     "HostavgError",
     "MicroBatch",
     "SparseGradient",
+    "StepLog",
     "StepResult",
+    "StopTraining",
     "Trainer",
     "VariableSpec",
     "split",

@@ -19,7 +19,7 @@ from hostavg.gradients import SparseGradient, VariableSpec
 
 v1 = tf.compat.v1
 
-__all__ = ["Wiring", "resolve_feed"]
+__all__ = ["Wiring", "load_variables", "resolve_feed"]
 
 
 class Wiring:
@@ -132,18 +132,23 @@ class _State:
         skip |= {id(v) for v in graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)}
         self.variables = [v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
                           if id(v) not in skip]
-        with tf.name_scope("hostavg_restore"):
-            self._placeholders = [v1.placeholder(v.dtype.base_dtype, v.shape)
-                                  for v in self.variables]
-            self._restore = tf.group(*[v.assign(p) for v, p in
-                                       zip(self.variables, self._placeholders)])
 
     def save(self, sess):
-        return sess.run(self.variables) if self.variables else []
+        return sess.run(self.variables)
 
     def restore(self, sess, values) -> None:
-        if self.variables:
-            sess.run(self._restore, dict(zip(self._placeholders, values)))
+        load_variables(sess, self.variables, values)
+
+
+def load_variables(sess, variables, values) -> None:
+    """Sets ``variables`` to ``values`` exactly, in one session run, adding no op to the graph.
+
+    Runs each variable's initializer with its initial-value input fed, so it
+    works on a finalized graph too.
+    """
+    if variables:
+        sess.run([v.initializer for v in variables],
+                 {v.initializer.inputs[1]: value for v, value in zip(variables, values)})
 
 
 class _GraphReducer:

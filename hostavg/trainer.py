@@ -12,7 +12,7 @@ from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients, conform
 from hostavg.graph import Wiring, resolve_feed
-from hostavg.split import feed_size
+from hostavg.split import feed_size, split
 
 v1 = tf.compat.v1
 
@@ -89,6 +89,7 @@ class Trainer:
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
+      loss: the loss tensor.
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
@@ -128,6 +129,7 @@ class Trainer:
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype)
         self.graph = self._wiring.graph
+        self.loss = loss
         self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
@@ -230,6 +232,100 @@ class Trainer:
                 state.restore(sess, saved)
             raise
         return StepResult(loss=mean.loss, grads=mean, micro=tuple(micro), step=step, size=start)
+
+    def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
+        """The loss (and ``metrics``) over ``data``, sample-weighted, without training.
+
+        Runs no gradient, no UPDATE_OPS, changes nothing.
+
+        Args:
+          data: {placeholder: array}, evaluated in chunks of ``batch_size`` samples.
+          metrics: name -> scalar tensor, each the MEAN of a per-sample quantity
+            over the chunk (e.g. accuracy), combined like the loss.
+
+        Returns:
+          {"loss": ..., **{name: ...}} as floats.
+        """
+        self._check_session(sess)
+        metrics = dict(metrics or {})
+        if "loss" in metrics:
+            raise HostavgError("metrics may not be named 'loss': that name holds the loss")
+        fetches = {"loss": self.loss, **metrics}
+        totals, count = dict.fromkeys(fetches, 0.0), 0
+        for chunk in split(resolve_feed(self.graph, data, "evaluate"), batch_size):
+            n = feed_size(chunk)
+            for name, value in sess.run(fetches, chunk).items():
+                if np.ndim(value) != 0:
+                    raise HostavgError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
+                                       f"not a scalar; give the mean over the batch")
+                totals[name] += n * float(value)
+            count += n
+        return {name: total / count for name, total in totals.items()}
+
+    def fit(self, sess, data, *, batch_size: int, micro_batch_size: int, epochs: int = 1,
+            shuffle: bool = True, seed: int | None = None, drop_remainder: bool = False,
+            validation_data: Mapping | None = None, metrics: Mapping | None = None,
+            inputs=None, callbacks=(), progress=True, checkpoint_dir=None,
+            checkpoint_every: int | None = None, keep_checkpoints: int = 3):
+        """Trains over ``data`` for ``epochs``: batches of ``batch_size`` samples, each one step.
+
+        Each batch is cut into micro-batches of ``micro_batch_size`` samples and
+        applied as one optimizer step (:meth:`step`); a short last batch is
+        weighted by its real sample count, or dropped with ``drop_remainder``.
+        ``data`` is a dict ``{placeholder: array}``, an iterable of batch feed
+        dicts (or a callable returning one per epoch), or a ``tf.data.Dataset``
+        of single samples with ``inputs=`` naming the placeholder of each
+        element key; see :mod:`hostavg.loop`.
+
+        Args:
+          shuffle, seed: a dict's samples are reordered each epoch by a
+            permutation drawn from (seed, epoch): the same seed gives the same
+            order on every run. None draws a seed (kept in checkpoints).
+          validation_data: {placeholder: array}, evaluated at each epoch's end
+            (:meth:`evaluate`, in chunks of micro_batch_size) into the epoch's
+            "val_loss" and "val_<metric>" for each of ``metrics``.
+          callbacks: objects with any of ``on_step_end(step, result)``,
+            ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``; raising
+            :class:`~hostavg.StopTraining` ends training cleanly.
+          progress: True shows a tqdm bar on a terminal or in Jupyter,
+            "always" shows it anywhere, False never.
+          checkpoint_dir: where to write checkpoints (:meth:`save`) every
+            ``checkpoint_every`` steps, at the end, and when an exception,
+            KeyboardInterrupt or SIGTERM stops fit (at the last completed
+            step); the newest ``keep_checkpoints`` are kept. If it already holds
+            one, fit resumes from the newest: weights, optimizer, global step,
+            position, seed and history, so an interrupted and resumed run ends
+            with the weights of an uninterrupted one, bit for bit. A run that
+            finished or was stopped by a callback does not train further.
+
+        Returns:
+          the :class:`~hostavg.History`.
+        """
+        from hostavg.loop import fit
+        return fit(self, sess, data, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                   epochs=epochs, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+                   validation_data=validation_data, metrics=metrics, inputs=inputs,
+                   callbacks=callbacks, progress=progress, checkpoint_dir=checkpoint_dir,
+                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
+
+    def save(self, sess, path) -> None:
+        """Writes every variable of the graph (model, optimizer slots, global step) to ``path``.
+
+        One ``.npz`` file written atomically; see :mod:`hostavg.checkpoint`.
+        """
+        self._check_session(sess)
+        from hostavg.checkpoint import save
+        save(self.graph, sess, path)
+
+    def restore(self, sess, path) -> dict | None:
+        """Loads a checkpoint written by :meth:`save` or :meth:`fit`; returns fit's state or None.
+
+        Raises:
+          HostavgError: if it was written by a different model; nothing changes then.
+        """
+        self._check_session(sess)
+        from hostavg.checkpoint import restore
+        return restore(self.graph, sess, path)
 
     def _compute(self, sess, feed: dict, n: int, what: str) -> Gradients:
         loss, values = self._wiring.compute(sess, feed)

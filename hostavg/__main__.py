@@ -1,0 +1,5 @@
+import sys
+
+from hostavg.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""Callbacks: code that fit calls after each step, each epoch and at the end."""
+
+from __future__ import annotations
+
+import math
+
+from hostavg.errors import HostavgError
+
+__all__ = ["Callback", "EarlyStopping", "StopTraining"]
+
+MODES = ("min", "max")
+
+
+class StopTraining(Exception):
+    """Raise from a callback to end fit cleanly after the current step or epoch.
+
+    The message is recorded as ``History.stopped``. fit writes its final
+    checkpoint and calls every ``on_train_end``; a fit started again from
+    that checkpoint directory does not train further.
+    """
+
+
+class Callback:
+    """The callback protocol; subclass it, or write any object with some of these methods.
+
+    fit looks each method up once, when it starts; a missing one costs nothing.
+    """
+
+    def on_step_end(self, step: int, result) -> None:
+        """After every optimizer step: ``step`` is the global step, ``result`` the StepResult."""
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None:
+        """After every epoch (from 0): ``logs`` holds "loss", "samples", "steps" and "val_*"."""
+
+    def on_train_end(self, history) -> None:
+        """Once, when fit ends, however it ends short of an exception."""
+
+
+class EarlyStopping(Callback):
+    """Stops fit when ``logs[monitor]`` has not improved for ``patience`` epochs.
+
+    Improvement means below the best by more than ``min_delta`` (``mode="min"``)
+    or above it (``mode="max"``).
+
+    Attributes:
+      best: the best value seen; ``best_epoch`` its epoch.
+    """
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 2, min_delta: float = 0.0,
+                 mode: str = "min"):
+        if mode not in MODES:
+            raise HostavgError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise HostavgError(f"patience must be an integer >= 0, got {patience!r}")
+        if not math.isfinite(min_delta) or min_delta < 0:
+            raise HostavgError(f"min_delta must be a finite number >= 0, got {min_delta!r}")
+        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
+        self._sign = 1.0 if mode == "min" else -1.0
+        self.best, self.best_epoch = None, None
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None:
+        if self.monitor not in logs:
+            raise HostavgError(
+                f"EarlyStopping monitors {self.monitor!r}, which the epoch logs lack; they "
+                f"hold {sorted(logs)} (val_* need validation_data)")
+        value = logs[self.monitor]
+        if self.best is None or self._sign * (self.best - value) > self.min_delta:
+            self.best, self.best_epoch = value, epoch
+        elif epoch - self.best_epoch >= self.patience:
+            raise StopTraining(
+                f"early stopping: {self.monitor} has not improved on {self.best:.6g} "
+                f"(epoch {self.best_epoch}) for {self.patience} epochs")

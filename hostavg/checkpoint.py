@@ -1,0 +1,142 @@
+"""Checkpoints: every variable of the graph, plus fit's position, in one atomic file.
+
+Format: one NumPy ``.npz`` file (loads with ``allow_pickle=False``). Each global
+variable of the graph (model weights, optimizer slots, the global step) is the
+array ``var/<name>``; the array ``meta`` is a JSON string with the format
+version, each variable's shape and dtype, and, when fit wrote it, fit's
+position (epoch, batch, seed) and its History.
+
+Atomic: the file is written under a temporary name in the same folder,
+flushed to disk, then renamed into place, so a crash while saving never leaves
+a file under a checkpoint's name. Only names ``ckpt-<global step>.npz`` count as
+checkpoints of a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.errors import HostavgError
+from hostavg.graph import load_variables
+
+v1 = tf.compat.v1
+
+__all__ = ["CheckpointDir", "restore", "save"]
+
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d+)\.npz$")
+
+
+def save(graph, sess, path, *, fit: dict | None = None) -> Path:
+    """Writes every global variable of ``graph`` (and ``fit``'s state) to ``path`` atomically."""
+    path = Path(path)
+    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    values = sess.run(variables)
+    arrays = {f"var/{v.op.name}": np.asarray(value) for v, value in zip(variables, values)}
+    meta = {"format": FORMAT,
+            "variables": {v.op.name: [list(np.shape(value)), np.asarray(value).dtype.str]
+                          for v, value in zip(variables, values)},
+            "fit": fit}
+    arrays["meta"] = np.array(json.dumps(meta))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def restore(graph, sess, path) -> dict | None:
+    """Loads ``path`` into the variables of ``graph``; returns fit's state, or None.
+
+    Raises:
+      HostavgError: when the file is not a hostavg checkpoint, or was written
+        by a different model (variables missing, unexpected, or of another
+        shape or dtype); no variable is changed then.
+    """
+    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"][()]))
+            stored = {name: z[f"var/{name}"] for name in meta["variables"]}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise HostavgError(f"{path} is not a readable hostavg checkpoint ({e})") from None
+    names = [v.op.name for v in variables]
+    missing = [n for n in names if n not in stored]
+    extra = [n for n in stored if n not in set(names)]
+    wrong = [f"{v.op.name!r}: {stored[v.op.name].shape} {stored[v.op.name].dtype} in the "
+             f"checkpoint, {tuple(v.shape.as_list())} {v.dtype.base_dtype.name} in the graph"
+             for v in variables if v.op.name in stored and (
+                 stored[v.op.name].shape != tuple(v.shape.as_list())
+                 or stored[v.op.name].dtype != v.dtype.base_dtype.as_numpy_dtype)]
+    if missing or extra or wrong:
+        raise HostavgError(
+            f"checkpoint {path} was written by a different model: missing {_few(list(map(repr, missing)))}, "
+            f"unexpected {_few(list(map(repr, extra)))}, mismatched {_few(wrong)}; restore it into the model "
+            f"that wrote it, or use another checkpoint directory")
+    load_variables(sess, variables, [stored[n] for n in names])
+    return meta["fit"]
+
+
+class CheckpointDir:
+    """A folder of checkpoints ``ckpt-<global step>.npz``, keeping the newest ``keep``.
+
+    Attributes:
+      path: the folder.
+      keep: how many checkpoints to keep (older ones are deleted after a save).
+    """
+
+    def __init__(self, path, keep: int = 3):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise HostavgError(f"keep must be an integer >= 1, got {keep!r}")
+        self.path = Path(path)
+        self.keep = keep
+
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints, oldest first."""
+        if not self.path.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.path.iterdir() if (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def save(self, graph, sess, step: int, fit: dict | None = None) -> Path:
+        path = save(graph, sess, self.path / f"ckpt-{step:010d}.npz", fit=fit)
+        for old in self.checkpoints()[:-self.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+
+def _few(items: list, shown: int = 3) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return "[" + ", ".join(items[:shown]) + "]" + more
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes a rename in ``path`` durable (where the platform allows opening folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

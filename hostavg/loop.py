@@ -1,0 +1,289 @@
+"""The training loop behind ``Trainer.fit``: batches, micro-batches, epochs, checkpoints.
+
+Three kinds of ``data`` exist:
+
+* a Mapping ``{placeholder: array}``, every array of one length N: each epoch
+  is cut into batches of ``batch_size`` samples (shuffled with ``seed`` when
+  ``shuffle``), each batch into micro-batches of ``micro_batch_size``;
+* an iterable of batches, each a feed dict (a list, or a callable that returns
+  a fresh iterable each epoch; a one-shot generator serves one epoch only);
+  ``shuffle`` does not apply, the order is the iterable's;
+* a ``tf.data.Dataset`` of single samples made in eager mode (outside
+  ``graph.as_default()``), with ``inputs=`` mapping each element's keys (for
+  dict elements) or positions (for tuples) to placeholders; fit shuffles it
+  with ``seed`` and batches it.
+
+Every batch is weighted by its real number of samples, a short last batch too.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.callbacks import StopTraining
+from hostavg.checkpoint import CheckpointDir, restore
+from hostavg.errors import HostavgError
+from hostavg.graph import resolve_feed
+from hostavg.history import History, StepLog
+from hostavg.split import feed_size, split
+
+__all__ = ["check_sizes", "fit"]
+
+
+def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=True,
+        seed=None, drop_remainder=False, validation_data=None, metrics=None, inputs=None,
+        callbacks=(), progress=True, checkpoint_dir=None, checkpoint_every=None,
+        keep_checkpoints=3) -> History:
+    """See :meth:`hostavg.Trainer.fit`."""
+    check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
+    if progress not in (True, False, "always"):
+        raise HostavgError(f"progress must be True, False or 'always', got {progress!r}")
+    source = _source(trainer.graph, data, inputs, batch_size, shuffle)
+    hooks = _callbacks(callbacks)
+    ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
+
+    history, epoch, batch = History(), 0, 0
+    if ckpt is not None and ckpt.latest() is not None:
+        state = restore(trainer.graph, sess, ckpt.latest())
+        if state is not None:
+            epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
+            history = History.from_json(state["history"])
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % 2**63)
+    if history.stopped is not None or epoch >= epochs:
+        return history
+
+    def checkpoint():
+        step = int(sess.run(trainer.global_step))
+        ckpt.save(trainer.graph, sess, step, {"epoch": epoch, "batch": batch, "seed": seed,
+                                              "history": history.to_json()})
+        return step
+
+    saved_step = int(sess.run(trainer.global_step)) if ckpt is not None else None
+    bar = _Progress(progress)
+    with _sigterm_as_exit():
+        try:
+            while epoch < epochs:
+                bar.start(f"epoch {epoch + 1}/{epochs}", source.num_batches(drop_remainder))
+                for feed in source.batches(epoch, seed, skip=batch):
+                    n = feed_size(feed, f"batch {batch} of epoch {epoch}")
+                    if drop_remainder and n < batch_size:
+                        batch += 1
+                        continue
+                    result = trainer.step(sess, split(feed, micro_batch_size))
+                    batch += 1
+                    history.steps.append(StepLog(epoch, result.step, result.loss, result.size,
+                                                 history.samples + result.size))
+                    bar.update(result)
+                    if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
+                        saved_step = checkpoint()
+                    for hook in hooks["on_step_end"]:
+                        hook(result.step, result)
+                logs = _epoch_logs(history, epoch)
+                if validation_data is not None:
+                    val = trainer.evaluate(sess, validation_data, batch_size=micro_batch_size,
+                                           metrics=metrics)
+                    logs.update({f"val_{k}": v for k, v in val.items()})
+                bar.close(logs)
+                history.epochs.append(logs)
+                epoch, batch = epoch + 1, 0
+                for hook in hooks["on_epoch_end"]:
+                    hook(epoch - 1, logs)
+        except StopTraining as e:
+            history.stopped = str(e) or "stopped by a callback"
+        except BaseException:
+            bar.close(None)
+            if ckpt is not None and int(sess.run(trainer.global_step)) != saved_step:
+                checkpoint()  # the last completed step: a step is atomic
+            raise
+    bar.close(None)
+    if ckpt is not None:
+        checkpoint()
+    for hook in hooks["on_train_end"]:
+        hook(history)
+    return history
+
+
+def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
+    """Raises HostavgError unless the sizes make sense together."""
+    _positive_int("batch_size", batch_size)
+    _positive_int("micro_batch_size", micro_batch_size)
+    _positive_int("epochs", epochs)
+    if checkpoint_every is not None:
+        _positive_int("checkpoint_every", checkpoint_every)
+    if micro_batch_size > batch_size:
+        raise HostavgError(
+            f"micro_batch_size ({micro_batch_size}) is larger than batch_size ({batch_size}); "
+            f"a batch is cut into micro-batches, so use micro_batch_size <= batch_size")
+
+
+def _epoch_logs(history: History, epoch: int) -> dict:
+    steps = [s for s in history.steps if s.epoch == epoch]
+    samples = sum(s.size for s in steps)
+    loss = sum(s.loss * s.size for s in steps) / samples if samples else math.nan
+    return {"epoch": epoch, "loss": loss, "samples": samples, "steps": len(steps)}
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise HostavgError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _callbacks(callbacks) -> dict:
+    """Each callback method looked up once: name -> list of bound methods."""
+    names = ("on_step_end", "on_epoch_end", "on_train_end")
+    callbacks = list(callbacks)
+    for cb in callbacks:
+        if not any(callable(getattr(cb, n, None)) for n in names):
+            raise HostavgError(f"callback {cb!r} has none of the methods {names}")
+    return {n: [getattr(cb, n) for cb in callbacks if callable(getattr(cb, n, None))]
+            for n in names}
+
+
+def _source(graph, data, inputs, batch_size, shuffle):
+    if isinstance(data, tf.data.Dataset):
+        if inputs is None:
+            raise HostavgError("a tf.data.Dataset needs inputs=: a mapping from each element's "
+                               "keys (or positions) to placeholders")
+        return _DatasetSource(graph, data, inputs, batch_size, shuffle)
+    if inputs is not None:
+        raise HostavgError("inputs= is only for a tf.data.Dataset")
+    if isinstance(data, Mapping):
+        return _ArraySource(graph, data, batch_size, shuffle)
+    if callable(data) or isinstance(data, Iterable):
+        return _IterableSource(graph, data)
+    raise HostavgError(
+        f"data must be a dict {{placeholder: array}}, an iterable (or a callable returning one) "
+        f"of feed dicts, or a tf.data.Dataset; got {type(data).__name__}")
+
+
+class _ArraySource:
+    """{placeholder: array}: batches by (shuffled) index; the order depends only on (seed, epoch)."""
+
+    def __init__(self, graph, data, batch_size, shuffle):
+        self.feed = resolve_feed(graph, data, "data")
+        self.n = feed_size(self.feed, "data")
+        self.arrays = {k: np.asarray(v) for k, v in self.feed.items()
+                       if np.ndim(v) >= 1}
+        self.batch_size, self.shuffle = batch_size, shuffle
+
+    def num_batches(self, drop_remainder):
+        return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
+
+    def batches(self, epoch, seed, skip):
+        order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle else None
+        for start in range(skip * self.batch_size, self.n, self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            if order is not None:
+                rows = order[rows]
+            yield {k: self.arrays[k][rows] if k in self.arrays else v
+                   for k, v in self.feed.items()}
+
+
+class _IterableSource:
+    def __init__(self, graph, data):
+        self.graph, self.data = graph, data
+        self._used = False
+
+    def num_batches(self, drop_remainder):
+        return len(self.data) if hasattr(self.data, "__len__") else None
+
+    def batches(self, epoch, seed, skip):
+        it = self.data() if callable(self.data) else self.data
+        it = iter(it)
+        if it is self.data:
+            if self._used:
+                raise HostavgError(
+                    "data is a one-shot iterator and was used up by the first epoch; pass a "
+                    "list, or a callable that returns a new iterable for every epoch")
+            self._used = True
+        for i, feed in enumerate(it):
+            if i >= skip:
+                yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}")
+
+
+class _DatasetSource:
+    def __init__(self, graph, dataset, inputs, batch_size, shuffle):
+        self.graph, self.dataset, self.batch_size, self.shuffle = graph, dataset, batch_size, shuffle
+        self.inputs = dict(inputs) if isinstance(inputs, Mapping) else dict(enumerate(inputs))
+        resolve_feed(graph, {v: None for v in self.inputs.values()}, "inputs")
+        n = int(dataset.cardinality())
+        self.n = n if n >= 0 else None
+
+    def num_batches(self, drop_remainder):
+        if self.n is None:
+            return None
+        return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
+
+    def batches(self, epoch, seed, skip):
+        ds = self.dataset
+        if self.shuffle:
+            ds = ds.shuffle(self.n or 10_000, seed=(seed + epoch) % 2**63,
+                            reshuffle_each_iteration=False)
+        for element in ds.batch(self.batch_size).skip(skip).as_numpy_iterator():
+            try:
+                yield resolve_feed(self.graph, {ph: element[k] for k, ph in self.inputs.items()},
+                                   "inputs")
+            except (KeyError, IndexError, TypeError):
+                raise HostavgError(
+                    f"inputs= names elements {list(self.inputs)} but the dataset's elements "
+                    f"are {self.dataset.element_spec}") from None
+
+
+class _Progress:
+    """A tqdm bar per epoch, with loss and samples/s; shown on a terminal or in Jupyter."""
+
+    def __init__(self, progress):
+        stream = sys.stderr
+        interactive = getattr(stream, "isatty", lambda: False)() or "ipykernel" in sys.modules
+        self.enabled = progress == "always" or (progress is True and interactive)
+        self._bar = None
+
+    def start(self, desc, total):
+        if self.enabled:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
+            self._t0, self._samples = time.perf_counter(), 0
+
+    def update(self, result):
+        if self._bar is not None:
+            self._samples += result.size
+            rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
+            self._bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{rate:.0f}",
+                                  refresh=False)
+            self._bar.update(1)
+
+    def close(self, logs):
+        if self._bar is not None:
+            if logs:
+                self._bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v
+                                       for k, v in logs.items() if k != "epoch"})
+            self._bar.close()
+            self._bar = None
+
+
+class _sigterm_as_exit:
+    """Within the block, SIGTERM raises SystemExit(143) so fit can checkpoint and unwind."""
+
+    def __enter__(self):
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        return False

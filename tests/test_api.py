@@ -1,0 +1,26 @@
+"""The public API: what is exported, and that the host math never imports TensorFlow."""
+
+import subprocess
+import sys
+
+import hostavg
+
+PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "Callback", "EarlyStopping",
+          "Gradients", "History", "HostavgError", "MicroBatch", "SparseGradient", "StepLog",
+          "StepResult", "StopTraining", "Trainer", "VariableSpec", "split", "__version__"}
+
+
+def test_all_is_exactly_the_public_api_and_every_name_resolves():
+    assert set(hostavg.__all__) == PUBLIC
+    for name in hostavg.__all__:
+        assert getattr(hostavg, name) is not None
+    assert not {"Wiring", "conform", "numpy_reduce", "resolve_feed"} & set(dir(hostavg))
+    assert issubclass(hostavg.HostavgError, ValueError)
+
+
+def test_host_math_imports_no_tensorflow():
+    code = ("import sys, numpy as np, hostavg\n"
+            "acc = hostavg.Accumulator({'w': hostavg.VariableSpec((2,), np.dtype('float32'), False)})\n"
+            "acc.add({'w': np.ones(2)}, weight=2); acc.mean(); hostavg.split({'x': np.ones(3)}, 2)\n"
+            "assert 'tensorflow' not in sys.modules, 'the NumPy layer imported TensorFlow'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,52 @@
+"""The command line: the main job's numbers, and one-line errors for a person's mistakes."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from hostavg.cli import main
+
+
+def test_train_on_digits_writes_a_json_summary_above_the_accuracy_bar(tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    assert main(["train", "--dataset", "digits", "--epochs", "6", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert set(summary) == {"dataset", "test_accuracy", "test_loss", "steps", "samples", "seconds"}
+    assert summary["test_accuracy"] > 0.85, summary
+    assert summary["steps"] == 6 * 6 and summary["samples"] == 6 * 1438
+    printed = capsys.readouterr().out
+    assert "epoch 6/6: loss" in printed and "test accuracy" in printed.splitlines()[-1]
+
+
+def one_line_error(capsys, argv, match):
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(main(argv))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert match in err, err
+
+
+def test_mistakes_exit_2_with_one_line(tmp_path, capsys):
+    one_line_error(capsys, ["train", "--batch-size", "16", "--micro-batch-size", "32"],
+                   "hostavg train: error: micro_batch_size (32) is larger than batch_size (16)")
+    one_line_error(capsys, ["train", "--optimizer", "lamb"],
+                   "hostavg train: error: argument --optimizer: invalid choice: 'lamb'")
+    one_line_error(capsys, ["train", "--hidden", "0"], "expected layer widths >= 1")
+    ckpt = str(tmp_path / "ck")
+    assert main(["train", "--dataset", "digits", "--epochs", "1", "--quiet", "--hidden", "16",
+                 "--checkpoint-dir", ckpt]) == 0
+    capsys.readouterr()
+    one_line_error(capsys, ["train", "--dataset", "digits", "--hidden", "32", "--checkpoint-dir", ckpt],
+                   "was written by a different model")
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("hostavg")
+    assert exe, "the hostavg console script is not on PATH; pip install -e ."
+    run = subprocess.run([exe, "train", "--dataset", "digits", "--epochs", "1", "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("test accuracy ")

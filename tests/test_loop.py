@@ -1,0 +1,256 @@
+"""fit: batches, weighting, data sources, history, callbacks, checkpoints and resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hostavg
+from hostavg import models
+from hostavg.checkpoint import CheckpointDir
+
+v1 = tf.compat.v1
+N = 250  # batches of 96: 96, 96 and a short 58
+
+
+def setup(seed=1, hidden=(16,)):
+    model = models.mlp(10, list(hidden), 3, seed=seed)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    return model, trainer, sess
+
+
+def data(model, n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 10)).astype(np.float32)
+    return {model.x: x, model.y: (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 1)}
+
+
+def weights(model, sess):
+    with model.graph.as_default():
+        variables = v1.global_variables()
+    return dict(zip([v.op.name for v in variables], sess.run(variables)))
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_fit_equals_a_hand_written_loop_of_steps_with_a_short_last_batch():
+    model, trainer, sess = setup()
+    d = data(model)
+    history = trainer.fit(sess, d, batch_size=96, micro_batch_size=32, epochs=2,
+                          shuffle=False, progress=False)
+    want_model, want_trainer, want_sess = setup()
+    losses = []
+    for _ in range(2):
+        for start in range(0, N, 96):
+            batch = {k: v[start:start + 96] for k, v in d.items()}
+            batch = {want_model.x: batch[model.x], want_model.y: batch[model.y]}
+            losses.append(want_trainer.step(want_sess, hostavg.split(batch, 32)).loss)
+    assert_bitwise_equal(weights(model, sess), weights(want_model, want_sess))
+    assert [s.loss for s in history.steps] == losses
+    assert [s.size for s in history.steps] == [96, 96, 58] * 2
+    assert [s.step for s in history.steps] == list(range(1, 7))
+    assert history.samples == 2 * N and history.steps[-1].epoch == 1
+    epoch0 = history.epochs[0]
+    assert epoch0["samples"] == N and epoch0["steps"] == 3
+    assert epoch0["loss"] == pytest.approx(
+        sum(s.loss * s.size for s in history.steps[:3]) / N, rel=1e-12)
+
+
+def test_drop_remainder_and_shuffle_seed():
+    model, trainer, sess = setup()
+    history = trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32,
+                          drop_remainder=True, seed=3, progress=False)
+    assert [s.size for s in history.steps] == [96, 96]
+    runs = []
+    for seed in (3, 3, 4):
+        model, trainer, sess = setup()
+        trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
+                    seed=seed, progress=False)
+        runs.append(weights(model, sess))
+    assert_bitwise_equal(runs[0], runs[1])
+    assert not np.array_equal(runs[0]["logits/kernel"], runs[2]["logits/kernel"])
+
+
+def test_iterable_callable_and_dataset_sources_equal_the_dict():
+    model, trainer, sess = setup()
+    d = data(model)
+    trainer.fit(sess, d, batch_size=96, micro_batch_size=32, epochs=2, shuffle=False,
+                progress=False)
+    want = weights(model, sess)
+    batches = [{k: v[s:s + 96] for k, v in d.items()} for s in range(0, N, 96)]
+
+    for source in (lambda m: batches_for(m, batches, model), lambda m: lambda: iter(batches_for(m, batches, model))):
+        m, t, s = setup()
+        t.fit(s, source(m), batch_size=96, micro_batch_size=32, epochs=2, progress=False)
+        assert_bitwise_equal(weights(m, s), want)
+
+    m, t, s = setup()
+    dataset = tf.data.Dataset.from_tensor_slices({"x": d[model.x], "y": d[model.y]})
+    t.fit(s, dataset, inputs={"x": m.x, "y": m.y}, batch_size=96, micro_batch_size=32,
+          epochs=2, shuffle=False, progress=False)
+    for name, value in weights(m, s).items():  # tf.data batches slices: same samples, same order
+        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+    m, t, s = setup()
+    with pytest.raises(hostavg.HostavgError, match="one-shot iterator"):
+        t.fit(s, iter(batches_for(m, batches, model)), batch_size=96, micro_batch_size=32,
+              epochs=2, progress=False)
+
+
+def batches_for(m, batches, model):
+    return [{m.x: b[model.x], m.y: b[model.y]} for b in batches]
+
+
+def test_validation_metrics_history_table_and_callbacks():
+    model, trainer, sess = setup()
+    calls = []
+
+    class Recorder(hostavg.Callback):
+        def on_step_end(self, step, result):
+            calls.append(("step", step, result.size))
+
+        def on_epoch_end(self, epoch, logs):
+            calls.append(("epoch", epoch, sorted(logs)))
+
+        def on_train_end(self, history):
+            calls.append(("end", len(history.steps)))
+
+    val = data(model, n=40, seed=9)
+    history = trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
+                          validation_data=val, metrics={"accuracy": model.accuracy},
+                          callbacks=[Recorder()], progress=False)
+    keys = ["epoch", "loss", "samples", "steps", "val_accuracy", "val_loss"]
+    assert calls == [("step", 1, 96), ("step", 2, 96), ("step", 3, 58), ("epoch", 0, keys),
+                     ("step", 4, 96), ("step", 5, 96), ("step", 6, 58), ("epoch", 1, keys),
+                     ("end", 6)]
+    assert history.epochs[-1]["val_loss"] == pytest.approx(
+        trainer.evaluate(sess, val, batch_size=40)["loss"], rel=1e-6)
+    table = history.to_pandas()
+    assert list(table.columns) == ["epoch", "step", "loss", "size", "samples"]
+    assert table["samples"].iloc[-1] == 2 * N
+    assert list(history.to_pandas("epochs")["val_accuracy"]) == [
+        e["val_accuracy"] for e in history.epochs]
+
+
+def test_early_stopping_and_stop_training_end_cleanly():
+    model, trainer, sess = setup()
+    stopper = hostavg.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
+    history = trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=5,
+                          callbacks=[stopper], progress=False)
+    assert len(history.epochs) == 2 and "early stopping: loss has not improved" in history.stopped
+
+    class StopAt:
+        def on_step_end(self, step, result):
+            if step == 2:
+                raise hostavg.StopTraining("enough")
+
+    model, trainer, sess = setup()
+    history = trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=5,
+                          callbacks=[StopAt()], progress=False)
+    assert len(history.steps) == 2 and history.stopped == "enough"
+    with pytest.raises(hostavg.HostavgError, match=r"monitors 'val_loss', which the epoch logs lack"):
+        trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32,
+                    callbacks=[hostavg.EarlyStopping()], progress=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"batch_size": 32, "micro_batch_size": 64}, r"micro_batch_size \(64\) is larger than batch_size \(32\)"),
+    ({"batch_size": 0, "micro_batch_size": 1}, "batch_size must be an integer >= 1, got 0"),
+    ({"batch_size": 8, "micro_batch_size": 4, "epochs": 0}, "epochs must be an integer >= 1, got 0"),
+    ({"batch_size": 8, "micro_batch_size": 4, "progress": "yes"}, "progress must be True, False or 'always'"),
+    ({"batch_size": 8, "micro_batch_size": 4, "callbacks": [object()]}, "has none of the methods"),
+])
+def test_fit_argument_errors(kwargs, match):
+    model, trainer, sess = setup()
+    before = weights(model, sess)
+    with pytest.raises(hostavg.HostavgError, match=match):
+        trainer.fit(sess, data(model), **kwargs)
+    assert_bitwise_equal(weights(model, sess), before)
+
+
+def test_save_restore_round_trip_and_a_different_model_is_refused(tmp_path):
+    model, trainer, sess = setup()
+    trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, progress=False)
+    trainer.save(sess, tmp_path / "a.npz")
+    saved = weights(model, sess)
+    trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, progress=False)
+    assert trainer.restore(sess, tmp_path / "a.npz") is None
+    assert_bitwise_equal(weights(model, sess), saved)
+
+    other, other_trainer, other_sess = setup(hidden=(8,))
+    before = weights(other, other_sess)
+    with pytest.raises(hostavg.HostavgError, match=r"written by a different model: missing \[\], "
+                                                   r"unexpected \[\], mismatched \['hidden0/kernel': \(10, 16\) "
+                                                   r"float32 in the checkpoint, \(10, 8\) float32 in "
+                                                   r"the graph, .* and 6 more"):
+        other_trainer.restore(other_sess, tmp_path / "a.npz")
+    assert_bitwise_equal(weights(other, other_sess), before)
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 half a zip")
+    with pytest.raises(hostavg.HostavgError, match="is not a readable hostavg checkpoint"):
+        trainer.restore(sess, tmp_path / "junk.npz")
+
+
+def test_checkpoint_dir_keeps_the_newest_and_ignores_unfinished_files(tmp_path):
+    model, trainer, sess = setup()
+    ckpt = tmp_path / "ck"
+    trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
+                checkpoint_dir=ckpt, checkpoint_every=1, keep_checkpoints=2, progress=False)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-0000000005.npz", "ckpt-0000000006.npz"]
+    (ckpt / ".ckpt-0000000009.npz.abc.tmp").write_bytes(b"half-written")
+    assert CheckpointDir(ckpt).latest().name == "ckpt-0000000006.npz"
+    # Started again on a finished run: nothing more to do, the history comes back.
+    history = trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
+                          checkpoint_dir=ckpt, progress=False)
+    assert len(history.steps) == 6 and sess.run(trainer.global_step) == 6
+
+
+def run_script(*args, **kw):
+    script = Path(__file__).with_name("fit_script.py")
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def wait_for_step(proc, step, timeout=60):
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        if line.strip() == f"step {step}":
+            return
+        assert time.time() < deadline, "the fit script did not reach the step in time"
+    raise AssertionError(f"the fit script ended before step {step}: rc {proc.wait()}")
+
+
+def test_killed_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
+    straight = run_script(tmp_path / "straight", tmp_path / "straight.npz")
+    killed = run_script(tmp_path / "resumed", tmp_path / "unused.npz", 0.2)
+    termed = run_script(tmp_path / "termed", tmp_path / "unused2.npz", 0.2)
+    wait_for_step(killed, 7)
+    killed.kill()  # SIGKILL: no chance to clean up
+    wait_for_step(termed, 4)
+    termed.send_signal(signal.SIGTERM)
+    assert termed.wait(60) == 128 + signal.SIGTERM
+    # SIGTERM checkpoints the last completed step on the way out.
+    assert CheckpointDir(tmp_path / "termed").latest().name >= "ckpt-0000000004.npz"
+    assert killed.wait(60) == -signal.SIGKILL
+    resumed = run_script(tmp_path / "resumed", tmp_path / "resumed.npz")
+    resumed2 = run_script(tmp_path / "termed", tmp_path / "termed.npz")
+    for proc in (straight, resumed, resumed2):
+        out = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 0, out
+    want = dict(np.load(tmp_path / "straight.npz"))
+    assert want["global_step"] == 30
+    for name in ("resumed.npz", "termed.npz"):
+        assert_bitwise_equal(dict(np.load(tmp_path / name)), want)

@@ -1,0 +1,14 @@
+"""The README's quickstart runs as written."""
+
+import re
+from pathlib import Path
+
+
+def test_readme_quickstart_runs(capsys):
+    readme = Path(__file__).parents[1].joinpath("README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["res"].step == 5 and len(namespace["res"].micro) == 4
+    assert len(namespace["history"].steps) == 20
+    assert "micro-batch loss" in capsys.readouterr().out
