@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.errors import HostavgError
-from hostavg.gradients import Gradients, SparseGradient, VariableSpec, conform
+from hostavg.gradients import Gradients, SparseGradient, VariableSpec, check_finite, conform
 
 __all__ = ["ACCUMULATE_MODES", "Accumulator", "Reduction", "as_accum_dtype", "numpy_reduce"]
 
@@ -112,6 +112,8 @@ class Accumulator:
       count: micro-batches added since construction or :meth:`reset`.
       total_weight: sum of their weights.
       weights: their weights, in order.
+      sq_norms: their gradients' squared L2 norms, in order (computed anyway,
+        by the finiteness check; the statistics use them).
 
     Example:
       >>> spec = {"w": VariableSpec((2,), np.dtype("float32"), False)}
@@ -146,6 +148,7 @@ class Accumulator:
         self.count = 0
         self.total_weight = 0.0
         self.weights: list[float] = []
+        self.sq_norms: list[float] = []
         self._loss_sum = 0.0
         self._losses_known = True
         self._stacks = {n: [] for n, s in self.spec.items() if not s.sparse} \
@@ -163,7 +166,7 @@ class Accumulator:
 
         Raises:
           HostavgError: naming the micro-batch (its index in this accumulator)
-            and the variable, for a bad weight, missing or extra keys, a wrong
+            and the variables, for a bad weight, missing or extra keys, a wrong
             shape or dtype, or non-finite values or loss. Nothing is added then.
         """
         what = f"micro-batch {self.count}"
@@ -177,11 +180,8 @@ class Accumulator:
                 or not math.isfinite(weight) or weight <= 0:
             raise HostavgError(f"{what}: weight must be a finite number > 0, got {weight!r}")
         loss = getattr(grads, "loss", None)
-        if loss is not None and not math.isfinite(loss):
-            raise HostavgError(
-                f"{what}: the loss is {loss}; nothing was added. Look at that "
-                f"micro-batch's inputs, or lower the learning rate.")
         values = conform(self.spec, grads, what=what)
+        sq_norm = check_finite(values, what, loss)
         weight = float(weight)
         for name, value in values.items():
             if name in self._rows:
@@ -196,6 +196,7 @@ class Accumulator:
         else:
             self._loss_sum += weight * float(loss)
         self.weights.append(weight)
+        self.sq_norms.append(sq_norm)
         self.total_weight += weight
         self.count += 1
 

@@ -10,6 +10,7 @@ variable read through ``tf.gather`` / ``embedding_lookup``, to a
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from hostavg.errors import HostavgError
 
-__all__ = ["VariableSpec", "SparseGradient", "Gradients", "conform"]
+__all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "conform", "squared_norm"]
 
 
 class VariableSpec(NamedTuple):
@@ -120,7 +121,7 @@ class Gradients(Mapping):
         return len(self._values)
 
     def global_norm(self) -> float:
-        """sqrt of the sum of squares of every entry, in float64 (sparse rows coalesced first)."""
+        """sqrt of the sum of squares of every entry (sparse rows coalesced first); see :func:`squared_norm`."""
         return float(np.sqrt(sum(squared_norm(v) for v in self._values.values())))
 
     def __repr__(self) -> str:
@@ -131,11 +132,54 @@ class Gradients(Mapping):
 
 
 def squared_norm(value) -> float:
-    """The squared L2 norm of a dense array or a sparse gradient, in float64."""
+    """The squared L2 norm of a dense array or a sparse gradient (duplicate rows summed first).
+
+    Float32 products are summed in float32 within blocks of 65,536 entries and
+    the blocks in float64, so the result has float32's relative accuracy
+    (about 1e-7) whatever the size, in one pass that allocates nothing.
+    """
     if isinstance(value, SparseGradient):
         value = value.coalesce().values
-    flat = np.asarray(value, np.float64).ravel()
-    return float(np.dot(flat, flat))
+    flat = np.ravel(value)
+    if flat.dtype.kind != "f":
+        flat = flat.astype(np.float64)
+    if flat.size <= _BLOCK:
+        return float(np.dot(flat, flat))
+    return math.fsum(float(np.dot(flat[i:i + _BLOCK], flat[i:i + _BLOCK]))
+                     for i in range(0, flat.size, _BLOCK))
+
+
+_BLOCK = 65536
+
+
+def check_finite(values: Mapping, what: str, loss: float | None = None) -> float:
+    """Raises HostavgError naming every variable with NaN or Inf (and the loss, if given); returns the squared norm.
+
+    One pass per variable: a squared norm is NaN or Inf whenever an entry is.
+    Only a non-finite norm is looked at entry by entry, which also tells an
+    overflowing sum of large finite entries from a real Inf.
+    """
+    total, bad = 0.0, []
+    for name, value in values.items():
+        sq = squared_norm(value)
+        if not math.isfinite(sq):
+            array = value.values if isinstance(value, SparseGradient) else np.asarray(value)
+            nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
+            if nan + inf:
+                bad.append(f"{name!r} ({nan + inf} of {array.size} entries: {nan} NaN, {inf} Inf)")
+                continue
+            sq = squared_norm(array.astype(np.float64))
+        total += sq
+    loss_ok = loss is None or math.isfinite(loss)
+    if bad or not loss_ok:
+        where = f"non-finite gradients in {', '.join(bad)}" if bad else "finite gradients"
+        said = "" if loss is None else (f"; the loss was finite ({loss:.6g})" if loss_ok
+                                        else f"{' and' if bad else ' but'} the loss is {loss}")
+        raise HostavgError(
+            f"{what}: {where}{said}. Nothing was applied. Look at that micro-batch's inputs "
+            f"or lower the learning rate; to skip such micro-batches instead, pass "
+            f"hooks=[hostavg.hooks.SkipNonFinite()] to the Trainer.")
+    return total
 
 
 def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
@@ -145,8 +189,9 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
     Checks, in this order, raising :class:`HostavgError` on the first failure:
     the keys are exactly the spec's; each value has the variable's shape (a
     sparse value: 1-D integer indices in range and rows of the right shape); its
-    dtype casts to the variable's within the same kind (float64 to float32 is
-    fine, complex or integer to float is not); every entry is finite.
+    dtype casts to the variable's within the same kind (float64 to float32 and
+    integers to float are fine, complex to float is not). Finiteness is
+    :func:`check_finite`'s.
 
     A dense value for a sparse variable becomes a :class:`SparseGradient` of all
     rows; a sparse value for a dense variable is densified.
@@ -155,8 +200,8 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
       spec: the variables, as the trainer sees them.
       grads: any mapping from name to array or :class:`SparseGradient`.
       what: how to name the input in messages, e.g. ``"micro-batch 2"``.
-      cast: also cast each value to its variable's dtype (then the finiteness
-        check sees the cast values, so float64 overflowing float32 is caught).
+      cast: also cast each value to its variable's dtype (so that a later
+        finiteness check sees float64 values that overflow float32 as Inf).
 
     Returns:
       A dict in the spec's order.
@@ -175,10 +220,7 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
     out = {}
     for name, s in spec.items():
         value = _conform_value(name, s, grads[name], what)
-        if cast:
-            value = _cast(value, s.dtype)
-        _check_finite(name, value, what)
-        out[name] = value
+        out[name] = _cast(value, s.dtype) if cast else value
     return out
 
 
@@ -218,33 +260,9 @@ def _conform_value(name: str, s: VariableSpec, value, what: str):
 
 
 def _cast(value, dtype):
-    """Casts to ``dtype``; values out of its range become Inf, which the finiteness check reports."""
+    """Casts to ``dtype``; values out of its range become Inf, which check_finite reports."""
     with np.errstate(over="ignore"):
         if isinstance(value, SparseGradient):
             return SparseGradient(value.indices, value.values.astype(dtype, copy=False),
                                   value.dense_shape)
         return value.astype(dtype, copy=False)
-
-
-def _check_finite(name: str, value, what: str) -> None:
-    array = value.values if isinstance(value, SparseGradient) else value
-    if not finite(array):
-        nan = int(np.isnan(array).sum())
-        inf = int(np.isinf(array).sum())
-        raise HostavgError(
-            f"{what}: gradient of {name!r} has {nan + inf} non-finite entries "
-            f"({nan} NaN, {inf} Inf) of {array.size}; nothing was changed. Look at "
-            f"that micro-batch's inputs and loss, or lower the learning rate.")
-
-
-def finite(array: np.ndarray) -> bool:
-    """True when every entry is finite.
-
-    Fast path: one dot product, which is NaN or Inf whenever an entry is (and
-    allocates nothing); only a non-finite dot (which large finite entries can
-    also cause, by overflow) is confirmed entry by entry.
-    """
-    flat = array.ravel()
-    if flat.dtype.kind == "f" and np.isfinite(np.dot(flat, flat)):
-        return True
-    return bool(np.isfinite(flat).all())

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.errors import HostavgError
-from hostavg.gradients import Gradients, conform
+from hostavg.gradients import Gradients, check_finite, conform
 from hostavg.graph import Wiring, resolve_feed
 from hostavg.split import feed_size, split
 
@@ -179,7 +179,9 @@ class Trainer:
             applied then.
         """
         self._check_session(sess)
-        return self._wiring.apply(sess, conform(self.spec, grads, what="apply", cast=True))
+        values = conform(self.spec, grads, what="apply", cast=True)
+        check_finite(values, "apply")
+        return self._wiring.apply(sess, values)
 
     def step(self, sess, feeds: Sequence[Mapping]) -> StepResult:
         """One optimizer step over the micro-batches ``feeds``: compute, add, apply.

@@ -87,12 +87,16 @@ def test_errors_name_the_micro_batch_and_variable_and_add_nothing():
     acc.add(grads([1, 1], [0], [[1, 1]]), weight=1)
     cases = [
         (grads([1, 1], [0], [[1, 1]]), "micro-batch 1: no weight given"),
-        (grads([1, 1], [0], [[1, 1]], loss=float("nan"), size=1), "micro-batch 1: the loss is nan"),
+        (grads([1, 1], [0], [[1, 1]], loss=float("nan"), size=1),
+         "^micro-batch 1: finite gradients but the loss is nan. Nothing was applied"),
         (Gradients({"w": np.ones(2)}, size=1), r"missing \['emb'\], unexpected \[\]"),
         (grads([1, 1], [7], [[1, 1]], size=1), r"'emb' has row indices outside \[0, 5\): min 7, max 7"),
         (grads([1, 1], [0, 1], [[1, 1]], size=1), r"'emb' has values of shape \(1, 2\), expected \(2, 2\)"),
-        (grads([1, np.nan], [0], [[1, 1]], size=1), r"^micro-batch 1: gradient of 'w' has 1 non-finite"),
-        (grads([1, 1], [0], [[np.inf, 1]], size=1), r"gradient of 'emb' has 1 non-finite entries \(0 NaN, 1 Inf\)"),
+        (grads([1, np.nan], [0], [[1, 1]], size=1),
+         r"^micro-batch 1: non-finite gradients in 'w' \(1 of 2 entries: 1 NaN, 0 Inf\)\. Nothing"),
+        (grads([np.inf, np.nan], [0], [[np.inf, 1]], loss=0.5, size=1),
+         r"non-finite gradients in 'w' \(2 of 2 entries: 1 NaN, 1 Inf\), 'emb' \(1 of 2 entries: "
+         r"0 NaN, 1 Inf\); the loss was finite \(0\.5\)\. .*hooks=\[hostavg\.hooks\.SkipNonFinite\(\)\]"),
     ]
     for g, match in cases:
         with pytest.raises(HostavgError, match=match):

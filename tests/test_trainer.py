@@ -250,7 +250,8 @@ def test_step_errors_leave_everything_unchanged():
     bad[2][x] = bad[2][x].copy()
     bad[2][x][3, 1] = np.nan
     unchanged(case, lambda: t.step(s, bad),
-              r"^step, micro-batch 2 of 5 \(samples 20:30\): the loss is nan")
+              r"^step, micro-batch 2 of 5 \(samples 20:30\): non-finite gradients in "
+              r"'hidden/kernel' \(48 of 48 entries: 48 NaN, 0 Inf\), .* and the loss is nan\.")
     wrong_width = [dict(g) for g in f]
     wrong_width[2][x] = np.ones((10, 5), np.float32)
     unchanged(case, lambda: t.step(s, wrong_width),
@@ -274,8 +275,8 @@ def test_a_nan_gradient_is_named_by_variable_and_micro_batch():
     acc = case.trainer.accumulator()
     acc.add(g[0])
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^micro-batch 1: gradient of 'out/bias' has 1 non-finite entries "
-                             r"\(0 NaN, 1 Inf\) of 3"):
+                       match=r"^micro-batch 1: non-finite gradients in 'out/bias' \(1 of 3 "
+                             r"entries: 0 NaN, 1 Inf\)\. Nothing was applied"):
         acc.add(poisoned, weight=10)
     assert acc.count == 1 and acc.total_weight == 10
 
@@ -302,9 +303,9 @@ def test_apply_errors_leave_everything_unchanged():
     unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.ones(3, np.complex64)})),
               "gradient of 'out/bias' has dtype complex64, which does not cast safely")
     unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.array([0, np.nan, 0])})),
-              r"apply: gradient of 'out/bias' has 1 non-finite entries \(1 NaN, 0 Inf\)")
+              r"apply: non-finite gradients in 'out/bias' \(1 of 3 entries: 1 NaN, 0 Inf\)")
     unchanged(case, lambda: t.apply(s, edited(**{"out/bias": np.array([0, 1e300, 0])})),
-              r"apply: gradient of 'out/bias' has 1 non-finite entries \(0 NaN, 1 Inf\)")
+              r"apply: non-finite gradients in 'out/bias' \(1 of 3 entries: 0 NaN, 1 Inf\)")
     unchanged(case, lambda: t.apply(s, [1, 2]), "apply: gradients must be a mapping")
 
 
