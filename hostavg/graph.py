@@ -50,7 +50,7 @@ class Wiring:
                 tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
                 isinstance(g, tf.IndexedSlices)) for g, v in pairs}
             self._grads = [g for g, _ in pairs]
-            self._fetches = [loss] + [
+            self._fetches = [loss, self.global_step] + [
                 (g.indices, g.values) if isinstance(g, tf.IndexedSlices) else g
                 for g in self._grads]
             updates = self.graph.get_collection(v1.GraphKeys.UPDATE_OPS)
@@ -64,10 +64,10 @@ class Wiring:
                 if average == "graph" else None
 
     def compute(self, sess, feed: dict):
-        """Runs forward, backward and the UPDATE_OPS once; returns (loss, name -> value)."""
+        """Runs forward, backward and the UPDATE_OPS once; returns (loss, name -> value, global step)."""
         out = sess.run(self._fetches, feed)
         values = {}
-        for name, g, got in zip(self.names, self._grads, out[1:]):
+        for name, g, got in zip(self.names, self._grads, out[2:]):
             if isinstance(g, tf.IndexedSlices):
                 indices, vals = got
                 _read_only(indices, vals)
@@ -75,7 +75,7 @@ class Wiring:
             else:
                 _read_only(got)
                 values[name] = got
-        return out[0], values
+        return out[0], values, int(out[1])
 
     def apply(self, sess, values: Mapping) -> int:
         """Feeds ``values`` through the gradient tensors, runs the train op once; returns the new global step."""

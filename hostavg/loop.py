@@ -80,7 +80,8 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                         continue
                     result = trainer.step(sess, split(feed, micro_batch_size))
                     batch += 1
-                    history.steps.append(StepLog(epoch, result.step, result.loss, result.size,
+                    loss = math.nan if result.skipped else result.loss
+                    history.steps.append(StepLog(epoch, result.step, loss, result.size,
                                                  history.samples + result.size))
                     bar.update(result)
                     if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
@@ -128,7 +129,7 @@ def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -
 def _epoch_logs(history: History, epoch: int) -> dict:
     steps = [s for s in history.steps if s.epoch == epoch]
     samples = sum(s.size for s in steps)
-    loss = sum(s.loss * s.size for s in steps) / samples if samples else math.nan
+    loss = sum(s.loss * s.size for s in steps if s.size) / samples if samples else math.nan
     return {"epoch": epoch, "loss": loss, "samples": samples, "steps": len(steps)}
 
 
@@ -257,8 +258,8 @@ class _Progress:
         if self._bar is not None:
             self._samples += result.size
             rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-            self._bar.set_postfix(loss=f"{result.loss:.4f}", samples_s=f"{rate:.0f}",
-                                  refresh=False)
+            self._bar.set_postfix(loss="skipped" if result.skipped else f"{result.loss:.4f}",
+                                  samples_s=f"{rate:.0f}", refresh=False)
             self._bar.update(1)
 
     def close(self, logs):

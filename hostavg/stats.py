@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from hostavg.errors import HostavgError
-from hostavg.gradients import SparseGradient
+from hostavg.gradients import SparseGradient, squared_norm
 
 __all__ = [
     "NoiseScale",
     "NoiseScaleEstimate",
+    "StepStats",
     "cosines",
     "flatten",
     "gsnr",
@@ -47,9 +49,79 @@ __all__ = [
     "norm_test",
     "orthogonality_test",
     "pairwise_cosines",
+    "step_stats",
 ]
 
 GSNR_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Statistics of one optimizer step, on every StepResult as ``result.stats``.
+
+    Estimates that need two micro-batches are None when fewer were
+    accumulated; those marked "stack" are None in ``accumulate="sum"``, which
+    keeps no per-micro-batch gradients. "sum" mode computes the others from
+    running sums (sum_i b_i |g_i|^2 and the mean) in O(parameters) memory.
+    Dropped micro-batches (see hooks) count in ``micro_norms`` and
+    ``micro_losses`` only.
+
+    Attributes:
+      grad_norm: L2 norm of the applied mean gradient.
+      micro_norms: (k,) each micro-batch's gradient norm, as accumulated.
+      micro_losses: (k,) each micro-batch's loss.
+      variable_norms: name -> L2 norm of that variable's applied mean gradient.
+      g2, trace_sigma, b_simple: :func:`noise_scale`'s estimates.
+      norm_test: :func:`norm_test`.
+      inner_product_test, orthogonality_test, gsnr: stack only.
+      cosines: (k_accumulated,) each accumulated micro-batch's cosine with the mean; stack only.
+    """
+
+    grad_norm: float
+    micro_norms: tuple
+    micro_losses: tuple
+    variable_norms: dict
+    g2: float | None = None
+    trace_sigma: float | None = None
+    b_simple: float | None = None
+    norm_test: float | None = None
+    inner_product_test: float | None = None
+    orthogonality_test: float | None = None
+    gsnr: float | None = None
+    cosines: tuple | None = None
+
+
+def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],
+               micro_norms: Sequence[float], micro_losses: Sequence[float],
+               stack: Sequence[Mapping] | None = None) -> StepStats:
+    """A step's :class:`StepStats`.
+
+    Args:
+      mean: the accumulated mean, name -> array or SparseGradient.
+      weights, sq_norms: b_i and |g_i|^2 of the k accumulated micro-batches.
+      micro_norms, micro_losses: one per micro-batch of the step, dropped ones included.
+      stack: the k accumulated micro-batches' gradients ("stack" mode), or None.
+    """
+    variable_sq = {name: squared_norm(v) for name, v in mean.items()}
+    gbar_sq = math.fsum(variable_sq.values())
+    base = dict(grad_norm=math.sqrt(gbar_sq), micro_norms=tuple(micro_norms),
+                micro_losses=tuple(micro_losses),
+                variable_norms={n: math.sqrt(v) for n, v in variable_sq.items()})
+    k = len(weights)
+    if k < 2:
+        return StepStats(**base)
+    b = np.asarray(weights, np.float64)
+    B = float(b.sum())
+    if stack is None:
+        est = from_sums(math.fsum(b * np.asarray(sq_norms)), B, gbar_sq, k)
+        return StepStats(**base, g2=est.g2, trace_sigma=est.trace_sigma, b_simple=est.b_simple,
+                         norm_test=_norm_test(est.trace_sigma, B, gbar_sq))
+    G, D = flatten(stack)
+    est = noise_scale(G, b)
+    return StepStats(**base, g2=est.g2, trace_sigma=est.trace_sigma, b_simple=est.b_simple,
+                     norm_test=norm_test(G, b), inner_product_test=inner_product_test(G, b),
+                     orthogonality_test=orthogonality_test(G, b),
+                     gsnr=gsnr(G, b) * G.shape[1] / D, cosines=tuple(cosines(G, b)))
 
 
 class NoiseScaleEstimate(NamedTuple):

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import tensorflow as tf
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.errors import HostavgError
-from hostavg.gradients import Gradients, check_finite, conform
+from hostavg.gradients import Gradients, check_finite, conform, squared_norm
 from hostavg.graph import Wiring, resolve_feed
 from hostavg.split import feed_size, split
+from hostavg.stats import StepStats, step_stats
 
 v1 = tf.compat.v1
 
-__all__ = ["AVERAGE_MODES", "MicroBatch", "StepResult", "Trainer"]
+__all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer"]
 
 #: "host": the mean is computed with NumPy. "graph": the averaging runs in the
 #: session, as a division of the fed running sum ("sum") or a weighted reduce
@@ -25,21 +27,40 @@ AVERAGE_MODES = ("host", "graph")
 
 
 @dataclass(frozen=True)
+class Drop:
+    """Returned by a hook's ``on_micro_batch``: leave this micro-batch out of the step.
+
+    Attributes:
+      reason: recorded as the micro-batch's ``dropped``.
+    """
+
+    reason: str = "dropped by a hook"
+
+
+@dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of a step.
+    """One micro-batch of a step; hooks receive it before it is accumulated.
 
     Attributes:
       index: its position in the step, from 0.
       size: its number of samples (its weight in the mean).
       loss: its mean loss.
-      grads: its :class:`Gradients` in ``accumulate="stack"``; None in "sum",
-        which keeps no per-micro-batch gradients.
+      grads: its :class:`Gradients`. Hooks always see them; on a StepResult
+        they are kept in ``accumulate="stack"`` and None in "sum", which keeps
+        no per-micro-batch gradients.
+      start: the index of its first sample within the step's samples
+        (it covered samples start:start + size).
+      step: the global step the step will have after its apply.
+      dropped: why a hook dropped it (see :class:`hostavg.hooks.Drop`), or None.
     """
 
     index: int
     size: int
     loss: float
     grads: Gradients | None
+    start: int = 0
+    step: int = 0
+    dropped: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,19 +68,47 @@ class StepResult:
     """What one optimizer step did.
 
     Attributes:
-      loss: the sample-weighted mean loss over the micro-batches,
-        sum_i n_i loss_i / sum_i n_i.
-      grads: the :class:`Gradients` that were applied (the weighted mean).
-      micro: one :class:`MicroBatch` per micro-batch, in order.
-      step: the global step after the apply.
-      size: the number of samples in the step, sum_i n_i.
+      loss: the sample-weighted mean loss over the accumulated micro-batches,
+        sum_i n_i loss_i / sum_i n_i (None if the step was skipped).
+      grads: the :class:`Gradients` that were applied (None if skipped).
+      micro: one :class:`MicroBatch` per micro-batch, in order, dropped ones too.
+      step: the global step after the apply (unchanged if skipped).
+      size: samples accumulated, sum_i n_i over micro-batches not dropped.
+      stats: the step's :class:`~hostavg.stats.StepStats` (``grad_norm`` NaN
+        and no estimates if skipped).
+      skipped: why nothing was applied (every micro-batch was dropped), or None.
+      info: what hooks reported, by key (e.g. norms before clipping).
     """
 
-    loss: float
-    grads: Gradients
+    loss: float | None
+    grads: Gradients | None
     micro: tuple
     step: int
     size: int
+    stats: StepStats | None = None
+    skipped: str | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> tuple:
+        """Indices of the micro-batches that hooks dropped."""
+        return tuple(m.index for m in self.micro if m.dropped is not None)
+
+    def micro_table(self):
+        """A pandas DataFrame, one row per micro-batch: index, start, size, loss, norm, cosine, dropped.
+
+        ``cosine`` (with the mean) is filled in "stack" mode only.
+        """
+        try:
+            import pandas as pd
+        except ImportError:
+            raise HostavgError("micro_table needs pandas: pip install pandas") from None
+        cos = iter(self.stats.cosines) if self.stats and self.stats.cosines else None
+        norms = self.stats.micro_norms if self.stats else [math.nan] * len(self.micro)
+        return pd.DataFrame([{
+            "index": m.index, "start": m.start, "size": m.size, "loss": m.loss, "norm": norm,
+            "cosine": next(cos) if cos is not None and m.dropped is None else math.nan,
+            "dropped": m.dropped} for m, norm in zip(self.micro, norms)]).set_index("index")
 
 
 class Trainer:
@@ -86,6 +135,13 @@ class Trainer:
         variable's dtype.
       global_step: the variable the train op increments; default the graph's
         global step, created if missing.
+      hooks: objects with ``on_micro_batch(record)`` and/or
+        ``on_step(mean, result)``, called in order (see :mod:`hostavg.hooks`).
+        ``on_micro_batch`` gets each :class:`MicroBatch` (with its gradients)
+        before it is accumulated and returns None (keep it), a mapping of
+        replacement gradients, or a :class:`Drop`. ``on_step`` gets the mean
+        and the :class:`StepResult` before the apply and returns None or a
+        replacement mean.
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
@@ -93,6 +149,7 @@ class Trainer:
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
+      hooks: the hooks, in the order they run.
 
     Example::
 
@@ -102,7 +159,7 @@ class Trainer:
     """
 
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
-                 average: str = "host", accum_dtype=None, global_step=None):
+                 average: str = "host", accum_dtype=None, global_step=None, hooks=()):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
@@ -122,6 +179,15 @@ class Trainer:
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         if var_list is not None and not list(var_list):
             raise HostavgError("var_list is empty: there is nothing to train")
+        hooks = list(hooks)
+        for hook in hooks:
+            if not (callable(getattr(hook, "on_micro_batch", None))
+                    or callable(getattr(hook, "on_step", None))):
+                raise HostavgError(f"hook {hook!r} has neither on_micro_batch nor on_step")
+        self.hooks = tuple(hooks)
+        self._micro_hooks = [h.on_micro_batch for h in hooks
+                             if callable(getattr(h, "on_micro_batch", None))]
+        self._step_hooks = [h.on_step for h in hooks if callable(getattr(h, "on_step", None))]
         self.accumulate = accumulate
         self.average = average
         self.accum_dtype = as_accum_dtype(accum_dtype)
@@ -161,7 +227,7 @@ class Trainer:
         """
         self._check_session(sess)
         feed = resolve_feed(self.graph, feed_dict, "compute")
-        return self._compute(sess, feed, self._size(feed, size, "compute"), "compute")
+        return self._compute(sess, feed, self._size(feed, size, "compute"), "compute")[0]
 
     def apply(self, sess, grads: Mapping) -> int:
         """Feeds ``grads`` through the gradient tensors and runs the train op once.
@@ -207,7 +273,7 @@ class Trainer:
         acc.reset()
         state = self._wiring.state
         saved = state.save(sess) if state else None
-        micro, start = [], 0
+        micro, kept, norms, start = [], [], [], 0
         try:
             for i, feed_dict in enumerate(feeds):
                 what = f"micro-batch {i} of {len(feeds)}"
@@ -215,8 +281,11 @@ class Trainer:
                     feed = resolve_feed(self.graph, feed_dict, what)
                     n = self._size(feed, None, what)
                     what = f"{what} (samples {start}:{start + n})"
-                    g = self._compute(sess, feed, n, what)
-                    acc.add(g)
+                    g, global_step = self._compute(sess, feed, n, what)
+                    record = self._micro_hooks_on(
+                        MicroBatch(i, n, g.loss, g, start, global_step + 1))
+                    if record.dropped is None:
+                        acc.add(record.grads)
                 except HostavgError as e:
                     raise HostavgError(f"step, {what}: "
                                        f"{str(e).removeprefix(f'micro-batch {i}: ')}") from None
@@ -224,16 +293,38 @@ class Trainer:
                     raise HostavgError(
                         f"step, {what}: the session failed ({type(e).__name__}: "
                         f"{str(e).splitlines()[0]}); check that micro-batch's feed") from e
-                micro.append(MicroBatch(i, n, float(g.loss),
-                                        g if self.accumulate == "stack" else None))
+                if record.dropped is None:
+                    kept.append(record.grads)
+                    norms.append(math.sqrt(acc.sq_norms[-1]))
+                else:
+                    norms.append(math.sqrt(sum(squared_norm(v) for v in record.grads.values())))
+                micro.append(record if self.accumulate == "stack" else replace(record, grads=None))
                 start += n
+            losses = [m.loss for m in micro]
+            if not kept:
+                if state:
+                    state.restore(sess, saved)
+                return StepResult(None, None, tuple(micro), global_step, 0,
+                                  StepStats(math.nan, tuple(norms), tuple(losses), {}),
+                                  skipped=f"all {len(micro)} micro-batches were dropped; "
+                                          f"nothing was applied")
             mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
-            step = self.apply(sess, mean)
+            result = StepResult(mean.loss, mean, tuple(micro), global_step + 1,
+                                sum(m.size for m in micro if m.dropped is None),
+                                step_stats(mean, acc.weights, acc.sq_norms, norms, losses,
+                                           kept if self.accumulate == "stack" else None))
+            for hook in self._step_hooks:
+                new = hook(mean, result)
+                if new is not None:
+                    mean = Gradients(conform(self.spec, new, what="on_step hook"),
+                                     loss=mean.loss, size=mean.size)
+                    result = replace(result, grads=mean, stats=_renormed(result.stats, mean))
+            result = replace(result, step=self.apply(sess, mean))
         except BaseException:
             if state:
                 state.restore(sess, saved)
             raise
-        return StepResult(loss=mean.loss, grads=mean, micro=tuple(micro), step=step, size=start)
+        return result
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
         """The loss (and ``metrics``) over ``data``, sample-weighted, without training.
@@ -329,12 +420,23 @@ class Trainer:
         from hostavg.checkpoint import restore
         return restore(self.graph, sess, path)
 
-    def _compute(self, sess, feed: dict, n: int, what: str) -> Gradients:
-        loss, values = self._wiring.compute(sess, feed)
+    def _micro_hooks_on(self, record: MicroBatch) -> MicroBatch:
+        for hook in self._micro_hooks:
+            out = hook(record)
+            if isinstance(out, Drop):
+                return replace(record, dropped=out.reason)
+            if out is not None:
+                grads = Gradients(conform(self.spec, out, what="on_micro_batch hook"),
+                                  loss=record.loss, size=record.size)
+                record = replace(record, grads=grads)
+        return record
+
+    def _compute(self, sess, feed: dict, n: int, what: str) -> tuple[Gradients, int]:
+        loss, values, global_step = self._wiring.compute(sess, feed)
         if np.ndim(loss) != 0:
             raise HostavgError(
                 f"{what}: the loss has shape {np.shape(loss)}, not a scalar; reduce it with tf.reduce_mean")
-        return Gradients(values, loss=float(loss), size=n)
+        return Gradients(values, loss=float(loss), size=n), global_step
 
     def _size(self, feed: dict, size, what: str) -> int:
         n = feed_size(feed, what) if size is None else size
@@ -358,3 +460,10 @@ class Trainer:
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
+
+
+def _renormed(stats: StepStats, mean: Gradients) -> StepStats:
+    """``stats`` with grad_norm and variable_norms of ``mean``, which a hook replaced."""
+    sq = {name: squared_norm(v) for name, v in mean.items()}
+    return replace(stats, grad_norm=math.sqrt(math.fsum(sq.values())),
+                   variable_norms={n: math.sqrt(v) for n, v in sq.items()})

@@ -6,8 +6,9 @@ import sys
 import hostavg
 
 PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "Callback", "EarlyStopping",
-          "Gradients", "History", "HostavgError", "MicroBatch", "SparseGradient", "StepLog",
-          "StepResult", "StopTraining", "Trainer", "VariableSpec", "split", "__version__"}
+          "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "SparseGradient",
+          "StepLog", "StepResult", "StepStats", "StopTraining", "Trainer", "VariableSpec",
+          "hooks", "load_record", "plot", "split", "stats", "__version__"}
 
 
 def test_all_is_exactly_the_public_api_and_every_name_resolves():
@@ -22,5 +23,6 @@ def test_host_math_imports_no_tensorflow():
     code = ("import sys, numpy as np, hostavg\n"
             "acc = hostavg.Accumulator({'w': hostavg.VariableSpec((2,), np.dtype('float32'), False)})\n"
             "acc.add({'w': np.ones(2)}, weight=2); acc.mean(); hostavg.split({'x': np.ones(3)}, 2)\n"
+            "hostavg.stats.noise_scale(np.ones((2, 3)), [1, 2]); hostavg.NoiseScale()\n"
             "assert 'tensorflow' not in sys.modules, 'the NumPy layer imported TensorFlow'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

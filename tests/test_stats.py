@@ -1,0 +1,104 @@
+"""The estimators against brute force and the paper's formulas. Pure NumPy."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hostavg import HostavgError, NoiseScale
+from hostavg import stats
+
+D = 40
+
+
+def draws(sizes, trials, seed=0):
+    """Micro-batch gradients g_i = G + noise with covariance Sigma / b_i, known G and Sigma."""
+    rng = np.random.default_rng(seed)
+    G = rng.normal(0, 0.3, D)
+    scales = rng.uniform(0.5, 2.0, D)  # Sigma = diag(scales^2)
+    b = np.asarray(sizes, float)
+    noise = rng.normal(size=(trials, len(b), D)) * scales / np.sqrt(b)[:, None]
+    return G + noise, b, float(G @ G), float(np.sum(scales ** 2))
+
+
+@pytest.mark.parametrize("sizes", [[16] * 4, [4, 8, 16, 40]], ids=["equal", "unequal"])
+def test_g2_and_trace_sigma_are_unbiased(sizes):
+    Gs, b, g2_true, tr_true = draws(sizes, 20000)
+    est = [stats.noise_scale(G, b) for G in Gs]
+    assert np.mean([e.g2 for e in est]) == pytest.approx(g2_true, rel=0.03)
+    assert np.mean([e.trace_sigma for e in est]) == pytest.approx(tr_true, rel=0.03)
+
+
+def test_equal_sizes_match_the_two_batch_size_formulas_exactly():
+    Gs, b, _, _ = draws([8] * 5, 3)
+    k, small = 5, 8.0
+    big = k * small
+    for G in Gs:
+        g_small_sq = np.mean(np.sum(G ** 2, axis=1))  # |G_small|^2, averaged over the k small batches
+        g_big_sq = float(np.sum(G.mean(0) ** 2))
+        g2 = (big * g_big_sq - small * g_small_sq) / (big - small)
+        S = (g_small_sq - g_big_sq) / (1 / small - 1 / big)
+        est = stats.noise_scale(G, b)
+        assert est.g2 == pytest.approx(g2, rel=1e-12)
+        assert est.trace_sigma == pytest.approx(S, rel=1e-12)
+        assert est.b_simple == pytest.approx(S / g2, rel=1e-12)
+
+
+def test_tests_gsnr_and_cosines_on_a_hand_computed_case():
+    G = np.array([[1.0, 0.0], [3.0, 2.0]])
+    b = [1, 3]
+    gbar = np.array([2.5, 1.5])  # (1 * [1, 0] + 3 * [3, 2]) / 4
+    sq = gbar @ gbar  # 8.5
+    S = (1 * np.sum((G[0] - gbar) ** 2) + 3 * np.sum((G[1] - gbar) ** 2)) / 1  # 3.25 + 1.0833 * 3
+    assert stats.noise_scale(G, b).trace_sigma == pytest.approx(S)
+    assert stats.norm_test(G, b) == pytest.approx(math.sqrt(S / (4 * sq)))
+    v_ip = 1 * (G[0] @ gbar - sq) ** 2 + 3 * (G[1] @ gbar - sq) ** 2
+    assert stats.inner_product_test(G, b) == pytest.approx(math.sqrt(v_ip / (4 * sq ** 2)))
+    v_orth = sum(w * (g @ g - (g @ gbar) ** 2 / sq) for w, g in zip(b, G))
+    assert stats.orthogonality_test(G, b) == pytest.approx(math.sqrt(v_orth / (4 * sq)))
+    var = (1 * (G[0] - gbar) ** 2 + 3 * (G[1] - gbar) ** 2) / 1
+    assert stats.gsnr(G, b) == pytest.approx(np.mean(gbar ** 2 / (var + 1e-5)))
+    np.testing.assert_allclose(stats.cosines(G, b),
+                               [g @ gbar / np.linalg.norm(g) / np.linalg.norm(gbar) for g in G])
+    np.testing.assert_allclose(np.diag(stats.pairwise_cosines(G)), [1, 1])
+
+
+def test_from_sums_equals_the_stack_estimate():
+    Gs, b, _, _ = draws([3, 5, 9], 1)
+    G = Gs[0]
+    gbar = b @ G / b.sum()
+    est = stats.from_sums(float(b @ np.sum(G ** 2, 1)), float(b.sum()), float(gbar @ gbar), 3)
+    for got, want in zip(est, stats.noise_scale(G, b)):
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_flatten_keeps_only_touched_sparse_rows_and_their_dot_products():
+    from hostavg import SparseGradient
+    a = {"w": np.array([1.0, 2.0]), "e": SparseGradient([7, 7, 2], [[1.0], [1.0], [3.0]], (1000, 1))}
+    c = {"w": np.array([0.0, 1.0]), "e": SparseGradient([2], [[4.0]], (1000, 1))}
+    G, total = stats.flatten([a, c])
+    assert total == 1002
+    np.testing.assert_array_equal(G, [[1, 2, 3, 2], [0, 1, 4, 0]])  # rows 2 and 7, 7's summed
+
+
+def test_noise_scale_tracker_bias_corrects_each_average():
+    t = NoiseScale(beta=0.5)
+    assert t.b_simple is None
+    t.update(stats.NoiseScaleEstimate(g2=2.0, trace_sigma=10.0, b_simple=5.0))
+    assert (t.g2, t.trace_sigma, t.b_simple) == (2.0, 10.0, 5.0)
+    t.update(stats.NoiseScaleEstimate(g2=-1.0, trace_sigma=20.0, b_simple=-20.0))
+    # Averages 0.25 * first + 0.5 * second, divided by 1 - 0.5^2; g2's comes to 0.
+    assert t.trace_sigma == pytest.approx((0.25 * 10 + 0.5 * 20) / 0.75)
+    assert t.g2 == pytest.approx((0.25 * 2 - 0.5 * 1) / 0.75)
+    assert t.b_simple == math.inf and [s for s, _ in t.history] == [1, 2]
+
+
+def test_estimators_refuse_one_micro_batch_and_bad_sizes():
+    with pytest.raises(HostavgError, match="need at least 2 micro-batches, got 1"):
+        stats.noise_scale(np.ones((1, 3)), [4])
+    with pytest.raises(HostavgError, match=r"b must hold one size per row of G: shape \(2,\)"):
+        stats.gsnr(np.ones((2, 3)), [4])
+    with pytest.raises(HostavgError, match="b must be finite and > 0"):
+        stats.cosines(np.ones((2, 3)), [4, 0])
+    with pytest.raises(HostavgError, match="beta must be in"):
+        NoiseScale(1.0)
