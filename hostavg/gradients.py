@@ -18,7 +18,8 @@ import numpy as np
 
 from hostavg.errors import HostavgError
 
-__all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "conform", "squared_norm"]
+__all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
+           "squared_norm"]
 
 
 class VariableSpec(NamedTuple):
@@ -69,19 +70,27 @@ class SparseGradient:
 
     def coalesce(self) -> SparseGradient:
         """The same gradient with sorted, unique indices (duplicate rows summed)."""
-        unique, inverse = np.unique(self.indices, return_inverse=True)
-        if len(unique) == len(self.indices):
-            order = np.argsort(self.indices, kind="stable")
-            return SparseGradient(self.indices[order], self.values[order], self.dense_shape)
-        summed = np.zeros((len(unique),) + self.values.shape[1:], self.values.dtype)
-        np.add.at(summed, inverse, self.values)
-        return SparseGradient(unique, summed, self.dense_shape)
+        return SparseGradient(*coalesce_rows(self.indices, self.values), self.dense_shape)
 
     def to_dense(self) -> np.ndarray:
         """The full ``dense_shape`` array, duplicates summed. Allocates the whole table."""
         dense = np.zeros(self.dense_shape, self.values.dtype)
         np.add.at(dense, self.indices, self.values)
         return dense
+
+
+def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ``indices`` and, for each, the sum of its rows of ``values``.
+
+    One stable sort, then ``np.add.reduceat`` over each run of equal indices
+    (rows of the same index are summed in the order they came).
+    """
+    order = np.argsort(indices, kind="stable")
+    ordered = indices[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    if len(starts) == len(indices):
+        return ordered, values[order]
+    return ordered[starts], np.add.reduceat(values[order], starts, axis=0)
 
 
 class Gradients(Mapping):
@@ -96,6 +105,10 @@ class Gradients(Mapping):
         micro-batches' losses), or None where unknown.
       size: the number of samples behind these gradients (for a mean: the sum
         of the weights), or None where unknown.
+      sq_norms: name -> squared L2 norm of that variable's gradient, where
+        already known (``trainer.compute`` has the session reduce the dense
+        ones); the finiteness check and the statistics use them instead of
+        reading the values again. Empty where unknown.
 
     Example:
       >>> g = Gradients({"w": np.array([3.0, 4.0])}, loss=0.5, size=8)
@@ -103,13 +116,14 @@ class Gradients(Mapping):
       5.0
     """
 
-    __slots__ = ("_values", "loss", "size")
+    __slots__ = ("_values", "loss", "size", "sq_norms")
 
     def __init__(self, values: Mapping[str, Any], *, loss: float | None = None,
-                 size: float | None = None):
+                 size: float | None = None, sq_norms: Mapping[str, float] | None = None):
         self._values = dict(values)
         self.loss = loss
         self.size = size
+        self.sq_norms = dict(sq_norms or {})
 
     def __getitem__(self, name: str):
         return self._values[name]
@@ -122,7 +136,8 @@ class Gradients(Mapping):
 
     def global_norm(self) -> float:
         """sqrt of the sum of squares of every entry (sparse rows coalesced first); see :func:`squared_norm`."""
-        return float(np.sqrt(sum(squared_norm(v) for v in self._values.values())))
+        return math.sqrt(math.fsum(self.sq_norms[n] if n in self.sq_norms else squared_norm(v)
+                                   for n, v in self._values.items()))
 
     def __repr__(self) -> str:
         parts = ", ".join(
@@ -152,16 +167,19 @@ def squared_norm(value) -> float:
 _BLOCK = 65536
 
 
-def check_finite(values: Mapping, what: str, loss: float | None = None) -> float:
+def check_finite(values: Mapping, what: str, loss: float | None = None,
+                 known: Mapping[str, float] | None = None) -> float:
     """Raises HostavgError naming every variable with NaN or Inf (and the loss, if given); returns the squared norm.
 
-    One pass per variable: a squared norm is NaN or Inf whenever an entry is.
+    A squared norm is NaN or Inf whenever an entry is, so one is enough per
+    variable: taken from ``known`` where given, else one pass over the values.
     Only a non-finite norm is looked at entry by entry, which also tells an
     overflowing sum of large finite entries from a real Inf.
     """
     total, bad = 0.0, []
+    known = known or {}
     for name, value in values.items():
-        sq = squared_norm(value)
+        sq = known[name] if name in known else squared_norm(value)
         if not math.isfinite(sq):
             array = value.values if isinstance(value, SparseGradient) else np.asarray(value)
             nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -60,11 +61,13 @@ class StepStats:
     """Statistics of one optimizer step, on every StepResult as ``result.stats``.
 
     Estimates that need two micro-batches are None when fewer were
-    accumulated; those marked "stack" are None in ``accumulate="sum"``, which
-    keeps no per-micro-batch gradients. "sum" mode computes the others from
-    running sums (sum_i b_i |g_i|^2 and the mean) in O(parameters) memory.
-    Dropped micro-batches (see hooks) count in ``micro_norms`` and
-    ``micro_losses`` only.
+    accumulated. The noise scale and the norm test come from running sums
+    (sum_i b_i |g_i|^2 and the mean) in O(parameters) memory, in both modes.
+    Those marked "stack" need every micro-batch's gradients, so they are None
+    in ``accumulate="sum"``; in "stack" mode they are computed when first read
+    (they cost passes over a (k, D) float64 copy), so a step pays for them only
+    if someone looks. Dropped micro-batches (see hooks) count in
+    ``micro_norms`` and ``micro_losses`` only.
 
     Attributes:
       grad_norm: L2 norm of the applied mean gradient.
@@ -74,7 +77,8 @@ class StepStats:
       g2, trace_sigma, b_simple: :func:`noise_scale`'s estimates.
       norm_test: :func:`norm_test`.
       inner_product_test, orthogonality_test, gsnr: stack only.
-      cosines: (k_accumulated,) each accumulated micro-batch's cosine with the mean; stack only.
+      cosines: (k_accumulated,) each accumulated micro-batch's cosine with the
+        mean; stack only.
     """
 
     grad_norm: float
@@ -85,10 +89,35 @@ class StepStats:
     trace_sigma: float | None = None
     b_simple: float | None = None
     norm_test: float | None = None
-    inner_product_test: float | None = None
-    orthogonality_test: float | None = None
-    gsnr: float | None = None
-    cosines: tuple | None = None
+    stack: tuple | None = field(default=None, repr=False, compare=False)
+    weights: tuple | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def _flat(self):
+        return flatten(self.stack) if self.stack is not None and len(self.stack) >= 2 else None
+
+    def _of_stack(self, fn):
+        if self._flat is None:
+            return None
+        G, D = self._flat
+        return fn(G, self.weights)
+
+    @cached_property
+    def inner_product_test(self) -> float | None:
+        return self._of_stack(inner_product_test)
+
+    @cached_property
+    def orthogonality_test(self) -> float | None:
+        return self._of_stack(orthogonality_test)
+
+    @cached_property
+    def gsnr(self) -> float | None:
+        return self._of_stack(lambda G, b: gsnr(G, b) * G.shape[1] / self._flat[1])
+
+    @cached_property
+    def cosines(self) -> tuple | None:
+        found = self._of_stack(cosines)
+        return None if found is None else tuple(found)
 
 
 def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],
@@ -106,22 +135,15 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
     gbar_sq = math.fsum(variable_sq.values())
     base = dict(grad_norm=math.sqrt(gbar_sq), micro_norms=tuple(micro_norms),
                 micro_losses=tuple(micro_losses),
-                variable_norms={n: math.sqrt(v) for n, v in variable_sq.items()})
+                variable_norms={n: math.sqrt(v) for n, v in variable_sq.items()},
+                stack=None if stack is None else tuple(stack), weights=tuple(weights))
     k = len(weights)
     if k < 2:
         return StepStats(**base)
-    b = np.asarray(weights, np.float64)
-    B = float(b.sum())
-    if stack is None:
-        est = from_sums(math.fsum(b * np.asarray(sq_norms)), B, gbar_sq, k)
-        return StepStats(**base, g2=est.g2, trace_sigma=est.trace_sigma, b_simple=est.b_simple,
-                         norm_test=_norm_test(est.trace_sigma, B, gbar_sq))
-    G, D = flatten(stack)
-    est = noise_scale(G, b)
+    B = math.fsum(weights)
+    est = from_sums(math.fsum(w * q for w, q in zip(weights, sq_norms)), B, gbar_sq, k)
     return StepStats(**base, g2=est.g2, trace_sigma=est.trace_sigma, b_simple=est.b_simple,
-                     norm_test=norm_test(G, b), inner_product_test=inner_product_test(G, b),
-                     orthogonality_test=orthogonality_test(G, b),
-                     gsnr=gsnr(G, b) * G.shape[1] / D, cosines=tuple(cosines(G, b)))
+                     norm_test=_norm_test(est.trace_sigma, B, gbar_sq))
 
 
 class NoiseScaleEstimate(NamedTuple):

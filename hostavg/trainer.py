@@ -246,7 +246,8 @@ class Trainer:
         """
         self._check_session(sess)
         values = conform(self.spec, grads, what="apply", cast=True)
-        check_finite(values, "apply")
+        known = getattr(grads, "sq_norms", {})  # valid for values that conform passed through
+        check_finite(values, "apply", known={n: q for n, q in known.items() if values[n] is grads[n]})
         return self._wiring.apply(sess, values)
 
     def step(self, sess, feeds: Sequence[Mapping]) -> StepResult:
@@ -269,18 +270,22 @@ class Trainer:
                 f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
         if not len(feeds):
             raise HostavgError("step got no micro-batches; pass at least one feed dict")
+        prepared, start = [], 0
+        for i, feed_dict in enumerate(feeds):
+            what = f"micro-batch {i} of {len(feeds)}"
+            feed = resolve_feed(self.graph, feed_dict, f"step, {what}")
+            n = self._size(feed, None, f"step, {what}")
+            prepared.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
+            start += n
         acc = self._step_accumulator
         acc.reset()
         state = self._wiring.state
         saved = state.save(sess) if state else None
-        micro, kept, norms, start = [], [], [], 0
+        micro, norms = [], []
+        stack = [] if self.accumulate == "stack" else None  # "sum" keeps no gradients alive
         try:
-            for i, feed_dict in enumerate(feeds):
-                what = f"micro-batch {i} of {len(feeds)}"
+            for i, (feed, n, start, what) in enumerate(prepared):
                 try:
-                    feed = resolve_feed(self.graph, feed_dict, what)
-                    n = self._size(feed, None, what)
-                    what = f"{what} (samples {start}:{start + n})"
                     g, global_step = self._compute(sess, feed, n, what)
                     record = self._micro_hooks_on(
                         MicroBatch(i, n, g.loss, g, start, global_step + 1))
@@ -294,14 +299,14 @@ class Trainer:
                         f"step, {what}: the session failed ({type(e).__name__}: "
                         f"{str(e).splitlines()[0]}); check that micro-batch's feed") from e
                 if record.dropped is None:
-                    kept.append(record.grads)
+                    if stack is not None:
+                        stack.append(record.grads)
                     norms.append(math.sqrt(acc.sq_norms[-1]))
                 else:
-                    norms.append(math.sqrt(sum(squared_norm(v) for v in record.grads.values())))
+                    norms.append(record.grads.global_norm())
                 micro.append(record if self.accumulate == "stack" else replace(record, grads=None))
-                start += n
             losses = [m.loss for m in micro]
-            if not kept:
+            if not acc.count:
                 if state:
                     state.restore(sess, saved)
                 return StepResult(None, None, tuple(micro), global_step, 0,
@@ -309,10 +314,11 @@ class Trainer:
                                   skipped=f"all {len(micro)} micro-batches were dropped; "
                                           f"nothing was applied")
             mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
+            stats = step_stats(mean, acc.weights, acc.sq_norms, norms, losses, stack)
+            mean = Gradients(mean, loss=mean.loss, size=mean.size,
+                             sq_norms={n: v * v for n, v in stats.variable_norms.items()})
             result = StepResult(mean.loss, mean, tuple(micro), global_step + 1,
-                                sum(m.size for m in micro if m.dropped is None),
-                                step_stats(mean, acc.weights, acc.sq_norms, norms, losses,
-                                           kept if self.accumulate == "stack" else None))
+                                sum(m.size for m in micro if m.dropped is None), stats)
             for hook in self._step_hooks:
                 new = hook(mean, result)
                 if new is not None:
@@ -432,11 +438,11 @@ class Trainer:
         return record
 
     def _compute(self, sess, feed: dict, n: int, what: str) -> tuple[Gradients, int]:
-        loss, values, global_step = self._wiring.compute(sess, feed)
+        loss, values, global_step, sq_norms = self._wiring.compute(sess, feed)
         if np.ndim(loss) != 0:
             raise HostavgError(
                 f"{what}: the loss has shape {np.shape(loss)}, not a scalar; reduce it with tf.reduce_mean")
-        return Gradients(values, loss=float(loss), size=n), global_step
+        return Gradients(values, loss=float(loss), size=n, sq_norms=sq_norms), global_step
 
     def _size(self, feed: dict, size, what: str) -> int:
         n = feed_size(feed, what) if size is None else size

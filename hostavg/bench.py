@@ -1,0 +1,302 @@
+"""``hostavg bench``: hostavg's step time and host memory side by side with the alternatives.
+
+Every implementation trains the same model from the same initial weights on
+the same micro-batches, in one process, interleaved (each repeat times one
+step of every implementation, in a rotating order), and reports the median
+step time. Implementations:
+
+* ``hostavg``: the defaults (accumulate="sum", average="host");
+* ``hostavg-stack``: accumulate="stack"; ``hostavg-graph``: average="graph";
+* ``in-graph``: non-trainable accumulator variables updated with
+  ``assign_add`` (``scatter_add`` for sparse gradients) per micro-batch, with
+  nothing fetched, then one run that applies their weighted mean and zeroes
+  them: the usual in-graph accumulation;
+* ``plain-host``: the recipe people write by hand: ``sess.run`` of the
+  gradient list per micro-batch, ``np.stack`` per variable, a ``reduce_mean``
+  placeholder graph, then ``sess.run(train_op, feed_dict=...)`` through the
+  gradient tensors (sparse gradients are fetched dense);
+* ``full-batch``: one ``minimize`` step on the concatenated batch, no
+  accumulation: the compute floor, where memory allows.
+
+Peak host memory is measured per implementation in a fresh process (the peak
+resident set size during a few steps, above what it was before them), since a
+process's allocators keep what earlier implementations freed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CONFIG_MODELS", "IMPLEMENTATIONS", "Config", "run"]
+
+IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
+                   "full-batch")
+
+#: name -> (builder keyword arguments, description)
+CONFIG_MODELS = {
+    "mlp-50k": ("mlp", {"features": 784, "hidden": [64], "classes": 10}),
+    "mlp-300k": ("mlp", {"features": 784, "hidden": [384], "classes": 10}),
+    "mlp-2m": ("mlp", {"features": 784, "hidden": [1024, 1024], "classes": 10}),
+    "conv": ("convnet", {"side": 28, "channels": [16, 32], "classes": 10}),
+    "embedding": ("embedding", {"vocab": 100_000, "dim": 32, "length": 16, "classes": 10}),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One cell of the grid: a model, a micro-batch size and a number of micro-batches."""
+
+    model: str
+    micro_batch_size: int
+    k: int
+
+    def __str__(self):
+        return f"{self.model} micro={self.micro_batch_size} k={self.k}"
+
+
+def _build(model: str, seed: int = 0):
+    from hostavg import models
+    builder, kwargs = CONFIG_MODELS[model]
+    return getattr(models, builder)(**kwargs, seed=seed)
+
+
+def _batches(model, config: Config, steps: int, seed: int = 0):
+    """``steps`` lists of k (x, y) micro-batches."""
+    rng = np.random.default_rng(seed)
+    x_shape = model.x.shape.as_list()[1:]
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(config.k):
+            n = config.micro_batch_size
+            if model.x.dtype.is_integer:
+                x = rng.integers(0, CONFIG_MODELS["embedding"][1]["vocab"], (n, *x_shape))
+                x = x.astype(np.int32)
+            else:
+                x = rng.random((n, *x_shape), dtype=np.float32)
+            micro.append((x, rng.integers(0, 10, n).astype(np.int32)))
+        out.append(micro)
+    return out
+
+
+def _optimizer():
+    import tensorflow as tf
+    return tf.compat.v1.train.AdamOptimizer(1e-3)
+
+
+class _Impl:
+    """One implementation of an optimizer step over k micro-batches, in its own graph and session."""
+
+    def __init__(self, model_name: str, session_config=None):
+        import tensorflow as tf
+        self.tf, self.v1 = tf, tf.compat.v1
+        self.model = _build(model_name)
+        with self.model.graph.as_default():
+            self._build()
+            init = self.v1.global_variables_initializer()
+        self.sess = self.v1.Session(graph=self.model.graph, config=session_config)
+        self.sess.run(init)
+
+    def weights(self) -> list:
+        with self.model.graph.as_default():
+            return self.sess.run(self.v1.trainable_variables())
+
+    def feed(self, x, y) -> dict:
+        return {self.model.x: x, self.model.y: y}
+
+
+class _Hostavg(_Impl):
+    def __init__(self, model_name, accumulate="sum", average="host", **kw):
+        self.accumulate, self.average = accumulate, average
+        super().__init__(model_name, **kw)
+
+    def _build(self):
+        from hostavg.trainer import Trainer
+        self.trainer = Trainer(self.model.loss, _optimizer(), accumulate=self.accumulate,
+                               average=self.average)
+
+    def step(self, micro):
+        self.trainer.step(self.sess, [self.feed(x, y) for x, y in micro])
+
+
+class _InGraph(_Impl):
+    def _build(self):
+        tf, v1 = self.tf, self.v1
+        opt = _optimizer()
+        pairs = [(g, v) for g, v in opt.compute_gradients(self.model.loss) if g is not None]
+        self.n = v1.placeholder(tf.float32, ())
+        with tf.name_scope("in_graph_accumulators"):
+            accs = [tf.Variable(tf.zeros(v.shape, v.dtype.base_dtype), trainable=False)
+                    for _, v in pairs]
+            total = tf.Variable(0.0, trainable=False)
+        adds = [total.assign_add(self.n)]
+        for (g, _), acc in zip(pairs, accs):
+            if isinstance(g, tf.IndexedSlices):
+                adds.append(acc.scatter_add(tf.IndexedSlices(g.values * self.n, g.indices)))
+            else:
+                adds.append(acc.assign_add(g * self.n))
+        self.accumulate = tf.group(*adds)
+        apply = opt.apply_gradients([(acc / total, v) for acc, (_, v) in zip(accs, pairs)])
+        with tf.control_dependencies([apply]):
+            self.apply = tf.group(*[acc.assign(tf.zeros_like(acc)) for acc in accs],
+                                  total.assign(0.0))
+
+    def step(self, micro):
+        for x, y in micro:
+            self.sess.run(self.accumulate, {**self.feed(x, y), self.n: len(x)})
+        self.sess.run(self.apply)
+
+
+class _PlainHost(_Impl):
+    def _build(self):
+        tf, v1 = self.tf, self.v1
+        opt = _optimizer()
+        pairs = [(tf.convert_to_tensor(g), v) for g, v in opt.compute_gradients(self.model.loss)
+                 if g is not None]
+        self.grads = [g for g, _ in pairs]
+        self.train = opt.apply_gradients(pairs)
+        self.stacked = [v1.placeholder(g.dtype, [None, *g.shape]) for g in self.grads]
+        self.means = [tf.reduce_mean(s, axis=0) for s in self.stacked]
+
+    def step(self, micro):
+        fetched = [self.sess.run(self.grads, self.feed(x, y)) for x, y in micro]
+        stacks = [np.stack([f[j] for f in fetched]) for j in range(len(self.grads))]
+        means = self.sess.run(self.means, dict(zip(self.stacked, stacks)))
+        self.sess.run(self.train, dict(zip(self.grads, means)))
+
+
+class _FullBatch(_Impl):
+    def _build(self):
+        self.train = _optimizer().minimize(self.model.loss)
+
+    def step(self, micro):
+        self.sess.run(self.train, self.feed(np.concatenate([x for x, _ in micro]),
+                                            np.concatenate([y for _, y in micro])))
+
+
+def _make(name: str, model_name: str, session_config=None) -> _Impl:
+    kw = {"session_config": session_config}
+    return {"hostavg": lambda: _Hostavg(model_name, **kw),
+            "hostavg-stack": lambda: _Hostavg(model_name, accumulate="stack", **kw),
+            "hostavg-graph": lambda: _Hostavg(model_name, average="graph", **kw),
+            "in-graph": lambda: _InGraph(model_name, **kw),
+            "plain-host": lambda: _PlainHost(model_name, **kw),
+            "full-batch": lambda: _FullBatch(model_name, **kw)}[name]()
+
+
+def time_config(config: Config, implementations=IMPLEMENTATIONS, repeats: int = 7,
+                warmup: int = 1) -> dict:
+    """Median step seconds per implementation, timed interleaved; also their weights' agreement."""
+    impls = {name: _make(name, config.model) for name in implementations}
+    model = next(iter(impls.values())).model
+    data = _batches(model, config, warmup + repeats)
+    times = {name: [] for name in impls}
+    names = list(impls)
+    for r, micro in enumerate(data):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            impls[name].step(micro)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    weights = {name: impl.weights() for name, impl in impls.items()}
+    reference = weights[names[0]]
+    diff = {name: max(float(np.max(np.abs(a - b))) for a, b in zip(w, reference))
+            for name, w in weights.items()}
+    for impl in impls.values():
+        impl.sess.close()
+    return {"median_s": {n: statistics.median(t) for n, t in times.items()},
+            "max_weight_diff": diff, "parameters": model.parameters}
+
+
+def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
+    """Peak resident memory added by ``steps`` steps of one implementation, in a fresh process (bytes)."""
+    code = ("import json, sys; from hostavg.bench import _memory_probe, Config; "
+            f"print(json.dumps(_memory_probe(Config({config.model!r}, {config.micro_batch_size}, "
+            f"{config.k}), {implementation!r}, {steps})))")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"memory probe for {implementation} on {config} failed:\n{out.stderr}")
+    return int(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _memory_probe(config: Config, implementation: str, steps: int) -> int:
+    impl = _make(implementation, config.model)
+    model = impl.model
+    data = _batches(model, config, steps + 1)
+    impl.step(data[0])  # graph-building allocations and caches, not step memory
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size to the current one
+    before = _status_kb("VmRSS")
+    for micro in data[1:]:
+        impl.step(micro)
+    return (_status_kb("VmHWM") - before) * 1024
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def grid(name: str) -> list[Config]:
+    """The configurations of grid ``"quick"`` (the default), ``"full"`` or ``"smallest"``."""
+    if name == "smallest":
+        return [Config("mlp-50k", 32, 4)]
+    if name == "quick":
+        return [Config(m, 32, k) for m in CONFIG_MODELS for k in (4, 8)]
+    return [Config(m, micro, k) for m in CONFIG_MODELS for micro in (32, 128) for k in (4, 8, 32)]
+
+
+def run(configs, implementations=IMPLEMENTATIONS, repeats: int = 7, memory: bool = True,
+        memory_config: Config = Config("mlp-2m", 32, 8), out=print) -> dict:
+    """Times every configuration, measures memory, prints tables; returns the JSON-ready results."""
+    results = {"machine": _machine(), "repeats": repeats, "configs": []}
+    out(f"{'configuration':<28}{'params':>10}  " + "".join(f"{n:>15}" for n in implementations))
+    for config in configs:
+        r = time_config(config, implementations, repeats)
+        results["configs"].append({"model": config.model, "micro_batch_size": config.micro_batch_size,
+                                   "k": config.k, **r})
+        base = r["median_s"].get("in-graph")
+        cells = "".join(
+            f"{r['median_s'][n] * 1e3:8.1f}ms" + (f" {r['median_s'][n] / base:4.2f}" if base else "")
+            for n in implementations)
+        out(f"{str(config):<28}{r['parameters']:>10,}  {cells}")
+    if "in-graph" in implementations:
+        out("(each cell: median step time, and its ratio to in-graph accumulation)")
+    if memory:
+        results["memory"] = _memory_tables(implementations, memory_config, out)
+    return results
+
+
+def _memory_tables(implementations, config: Config, out) -> dict:
+    mib = 2 ** 20
+    per_impl = {n: measure_memory(config, n) for n in implementations}
+    out(f"\npeak extra host memory per step, {config}:")
+    for n, b in per_impl.items():
+        out(f"  {n:<15}{b / mib:8.1f} MiB")
+    scaling = {}
+    for n in ("hostavg", "hostavg-stack"):
+        if n in implementations:
+            scaling[n] = {k: measure_memory(Config(config.model, config.micro_batch_size, k), n)
+                          for k in (4, 64)}
+            out(f"  {n:<15} k=4: {scaling[n][4] / mib:.1f} MiB, k=64: {scaling[n][64] / mib:.1f} MiB")
+    return {"config": str(config), "peak_bytes": per_impl, "k_scaling": scaling}
+
+
+def _machine() -> dict:
+    import platform
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
