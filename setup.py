@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 DEMO = ["mlxtend", "scikit-learn"]
 INSPECT = ["pandas", "matplotlib", "tensorboard"]
+NOTEBOOKS = ["jupyter", "nbclient", "nbformat", "ipykernel"] + DEMO + INSPECT
 
 setup(
     name="hostavg",
@@ -19,7 +20,9 @@ setup(
         "demo": DEMO,
         # Tables, plots and TensorBoard logs of gradients.
         "inspect": INSPECT,
-        "test": ["pytest"] + DEMO + INSPECT,
+        # Running the notebooks in notebooks/.
+        "notebooks": NOTEBOOKS,
+        "test": ["pytest"] + NOTEBOOKS,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

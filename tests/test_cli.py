@@ -34,7 +34,8 @@ def test_mistakes_exit_2_with_one_line(tmp_path, capsys):
                    "hostavg train: error: micro_batch_size (32) is larger than batch_size (16)")
     one_line_error(capsys, ["train", "--optimizer", "lamb"],
                    "hostavg train: error: argument --optimizer: invalid choice: 'lamb'")
-    one_line_error(capsys, ["train", "--hidden", "0"], "expected layer widths >= 1")
+    one_line_error(capsys, ["train", "--hidden", "0"], "expected layer widths (integers >= 1)")
+    one_line_error(capsys, ["bench", "--models", "resnet"], "unknown model ['resnet']")
     ckpt = str(tmp_path / "ck")
     assert main(["train", "--dataset", "digits", "--epochs", "1", "--quiet", "--hidden", "16",
                  "--checkpoint-dir", ckpt]) == 0
