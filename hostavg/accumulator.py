@@ -48,7 +48,7 @@ class Reduction(NamedTuple):
     Attributes:
       total: sum of the weights, sum_i w_i.
       weights: (k,) float64, the weights in the order they were added.
-      scale: the first weight, w_1.
+      scale: the first weight, w_1 (None while nothing was added).
       sums: "sum" mode: name -> (sum_i w_i g_i) / scale (in the accumulation
         dtype, or g_1 itself while it is the only one).
       stacks: "stack" mode: name -> [g_1, ..., g_k] as added.
@@ -123,8 +123,8 @@ class RunningSum:
       scale: the first weight, or None while empty.
     """
 
-    def __init__(self, buffer: np.ndarray, scratch: _Scratch):
-        self._buffer, self._scratch = buffer, scratch
+    def __init__(self, buffer: np.ndarray, scratch: _Scratch | None = None):
+        self._buffer, self._scratch = buffer, scratch or _Scratch()
         self.reset()
 
     def reset(self) -> None:
@@ -275,7 +275,9 @@ class Accumulator:
         """The weighted mean of what was added, as new arrays (later adds do not change it).
 
         Args:
-          reducer: for this call only, instead of the accumulator's own.
+          reducer: for this call only, instead of the accumulator's own (an
+            empty accumulator is then allowed: a reducer across processes
+            may bring the micro-batches).
 
         Returns:
           :class:`Gradients` with values in the accumulation dtype; sparse
@@ -284,24 +286,39 @@ class Accumulator:
           micro-batch had none) and ``.size`` the total weight.
 
         Raises:
-          HostavgError: when nothing was added.
+          HostavgError: when nothing was added (and no reducer was given).
         """
-        if self.count == 0:
+        if self.count == 0 and reducer is None:
             raise HostavgError("the accumulator is empty: add() at least one micro-batch before mean()")
-        rows = {name: (np.concatenate([p[0] for p in parts]),
-                       np.concatenate([p[1] for p in parts]),
-                       np.repeat([p[2] for p in parts], [len(p[0]) for p in parts]))
-                for name, parts in self._rows.items()}
-        reduced = (reducer or self._reduce)(Reduction(
-            self.total_weight, np.asarray(self.weights), self.weights[0],
-            {name: running.value for name, running in self._sums.items()}, self._stacks,
-            rows, self._dtypes))
+        reduced = (reducer or self._reduce)(self.reduction())
         out = {}
         for name, s in self.spec.items():
             value = reduced[name]
             out[name] = SparseGradient(*value, s.shape) if s.sparse else value
-        loss = self._loss_sum / self.total_weight if self._losses_known else None
+        loss = self._loss_sum / self.total_weight if self._losses_known and self.count else None
         return Gradients(out, loss=loss, size=self.total_weight)
+
+    @property
+    def loss_sum(self) -> float | None:
+        """sum_i w_i * loss_i over the added micro-batches (None if any had no loss)."""
+        return self._loss_sum if self._losses_known else None
+
+    def reduction(self) -> Reduction:
+        """What a reducer turns into the mean: the running sums or the stacks, and the rows."""
+        rows = {}
+        for name, parts in self._rows.items():
+            shape = self.spec[name].shape
+            if parts:
+                rows[name] = (np.concatenate([p[0] for p in parts]),
+                              np.concatenate([p[1] for p in parts]),
+                              np.repeat([p[2] for p in parts], [len(p[0]) for p in parts]))
+            else:
+                rows[name] = (np.zeros(0, np.int64), np.zeros((0,) + shape[1:], self._dtypes[name]),
+                              np.zeros(0))
+        return Reduction(self.total_weight, np.asarray(self.weights),
+                         self.weights[0] if self.weights else None,
+                         {name: running.value for name, running in self._sums.items()},
+                         self._stacks, rows, self._dtypes)
 
     def __repr__(self) -> str:
         return (f"Accumulator(accumulate={self.accumulate!r}, count={self.count}, "

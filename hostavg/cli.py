@@ -161,17 +161,21 @@ def _train(args) -> int:
     from hostavg.trainer import Trainer
     v1 = tf.compat.v1
 
+    comm = _world()
+    if comm is not None and comm.Get_rank() != 0:
+        args.quiet, args.json = True, None  # rank 0 speaks for the job
     data = datasets.load(args.dataset, seed=args.seed)
     model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
     with model.graph.as_default():
         trainer = Trainer(model.loss, _optimizer(args.optimizer, args.lr),
-                          accumulate=args.accumulate, average=args.average)
+                          accumulate=args.accumulate, average=args.average, comm=comm)
         init = v1.global_variables_initializer()
     test = {model.x: data.x_test, model.y: data.y_test}
     with v1.Session(graph=model.graph) as sess:
         sess.run(init)
         if not args.quiet:
-            print(f"hostavg train: {args.dataset}, {len(data.x_train)} training and "
+            ranks = f" over {comm.Get_size()} MPI ranks" if comm is not None else ""
+            print(f"hostavg train{ranks}: {args.dataset}, {len(data.x_train)} training and "
                   f"{len(data.x_test)} test samples; MLP {args.hidden} with "
                   f"{model.parameters:,} parameters; batch {args.batch_size} = micro-batches of "
                   f"{args.micro_batch_size}; {args.optimizer}", flush=True)
@@ -188,13 +192,30 @@ def _train(args) -> int:
     summary = {"dataset": args.dataset, "test_accuracy": result["accuracy"],
                "test_loss": result["loss"], "steps": len(history.steps),
                "samples": history.samples, "seconds": round(time.perf_counter() - t0, 3)}
-    print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
-          f"after {summary['steps']} steps, {summary['samples']} samples, "
-          f"{summary['seconds']:.1f} s", flush=True)
+    if comm is None or comm.Get_rank() == 0:
+        print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
+              f"after {summary['steps']} steps, {summary['samples']} samples, "
+              f"{summary['seconds']:.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
+
+
+def _world():
+    """MPI.COMM_WORLD when started by mpiexec with more than one rank, else None.
+
+    Open MPI sets OMPI_COMM_WORLD_SIZE, MPICH and Intel MPI set PMI_SIZE.
+    """
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    if size is None or int(size) < 2:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise HostavgError("started by mpiexec with several ranks, but mpi4py is missing: "
+                           "pip install 'hostavg[mpi]'") from None
+    return MPI.COMM_WORLD
 
 
 def main(argv=None) -> int:

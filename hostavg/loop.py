@@ -14,6 +14,14 @@ Three kinds of ``data`` exist:
   with ``seed`` and batches it.
 
 Every batch is weighted by its real number of samples, a short last batch too.
+
+With a trainer made with ``comm=`` (several MPI processes), every rank runs
+fit on the same data: each batch is split into contiguous shares, one per
+rank, so each sample is seen once per epoch overall and one step averages
+over the whole batch. The seed is rank 0's; only rank 0 shows progress and
+writes checkpoints, and every rank resumes from them (the checkpoint folder
+must be one that every rank reads, such as a shared file system).
+Validation runs on every rank over all of the validation data.
 """
 
 from __future__ import annotations
@@ -56,8 +64,14 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
         if state is not None:
             epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
             history = History.from_json(state["history"])
+    comm = trainer.comm
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)
+    if comm is not None:
+        seed = comm.bcast(seed, root=0)  # one order of samples for every rank
+    if rank != 0:
+        ckpt = None  # rank 0 writes the checkpoints; every rank reads them when resuming
     if history.stopped is not None or epoch >= epochs:
         return history
 
@@ -68,7 +82,7 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
         return step
 
     saved_step = int(sess.run(trainer.global_step)) if ckpt is not None else None
-    bar = _Progress(progress)
+    bar = _Progress(progress if rank == 0 else False)
     with _sigterm_as_exit():
         try:
             while epoch < epochs:
@@ -78,7 +92,8 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                     if drop_remainder and n < batch_size:
                         batch += 1
                         continue
-                    result = trainer.step(sess, split(feed, micro_batch_size))
+                    result = trainer.step(sess, _micro_batches(feed, n, micro_batch_size,
+                                                               rank, size))
                     batch += 1
                     loss = math.nan if result.skipped else result.loss
                     history.steps.append(StepLog(epoch, result.step, loss, result.size,
@@ -111,6 +126,17 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
     for hook in hooks["on_train_end"]:
         hook(history)
     return history
+
+
+def _micro_batches(feed: dict, n: int, micro_batch_size: int, rank: int, size: int) -> list:
+    """This rank's micro-batches of a batch of ``n`` samples: its contiguous share, cut up."""
+    if size == 1:
+        return split(feed, micro_batch_size)
+    lo, hi = n * rank // size, n * (rank + 1) // size
+    if lo == hi:
+        return []
+    return split({k: v[lo:hi] if np.ndim(v) >= 1 else v for k, v in feed.items()},
+                 micro_batch_size)
 
 
 def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:

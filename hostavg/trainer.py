@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -12,7 +13,7 @@ import tensorflow as tf
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients, check_finite, conform, squared_norm
-from hostavg.graph import Wiring, resolve_feed
+from hostavg.graph import Wiring, load_variables, resolve_feed
 from hostavg.split import feed_size, split
 from hostavg.stats import StepStats, step_stats
 
@@ -150,6 +151,7 @@ class Trainer:
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
       hooks: the hooks, in the order they run.
+      comm: the communicator, or None.
 
     Example::
 
@@ -159,7 +161,8 @@ class Trainer:
     """
 
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
-                 average: str = "host", accum_dtype=None, global_step=None, hooks=()):
+                 average: str = "host", accum_dtype=None, global_step=None, hooks=(),
+                 comm=None):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
@@ -179,6 +182,16 @@ class Trainer:
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         if var_list is not None and not list(var_list):
             raise HostavgError("var_list is empty: there is nothing to train")
+        if comm is not None and average == "graph":
+            raise HostavgError("average='graph' cannot be combined with comm=: with several "
+                               "processes the mean is the MPI reduction of the host sums")
+        if comm is not None:
+            from hostavg.mpi import Distributed  # multi-worker sits above the trainer: imported on use
+            self._dist = Distributed(comm)
+        else:
+            self._dist = None
+        self.comm = comm
+        self._synchronized = weakref.WeakSet()
         hooks = list(hooks)
         for hook in hooks:
             if not (callable(getattr(hook, "on_micro_batch", None))
@@ -261,64 +274,57 @@ class Trainer:
         Args:
           sess: a session running the trainer's graph.
           feeds: a sequence of feed dicts, one per micro-batch, e.g.
-            ``hostavg.split(feed_dict, micro_batch_size)``.
+            ``hostavg.split(feed_dict, micro_batch_size)``. With ``comm``,
+            this rank's micro-batches (possibly none); the step's mean, loss,
+            size and statistics are over every rank's, ``micro`` lists this
+            rank's, and if any rank fails, every rank raises the same error
+            naming it, with nothing applied anywhere.
         """
         self._check_session(sess)
         if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
             raise HostavgError(
                 f"step takes a list of feed dicts, one per micro-batch, got "
                 f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
-        if not len(feeds):
+        if not len(feeds) and self._dist is None:
             raise HostavgError("step got no micro-batches; pass at least one feed dict")
-        prepared, start = [], 0
-        for i, feed_dict in enumerate(feeds):
-            what = f"micro-batch {i} of {len(feeds)}"
-            feed = resolve_feed(self.graph, feed_dict, f"step, {what}")
-            n = self._size(feed, None, f"step, {what}")
-            prepared.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
-            start += n
+        if self._dist is not None:
+            self._synchronize(sess)
         acc = self._step_accumulator
         acc.reset()
         state = self._wiring.state
         saved = state.save(sess) if state else None
         micro, norms = [], []
-        stack = [] if self.accumulate == "stack" else None  # "sum" keeps no gradients alive
+        stack = [] if self.accumulate == "stack" and self._dist is None else None
         try:
-            for i, (feed, n, start, what) in enumerate(prepared):
-                try:
-                    g, global_step = self._compute(sess, feed, n, what)
-                    record = self._micro_hooks_on(
-                        MicroBatch(i, n, g.loss, g, start, global_step + 1))
-                    if record.dropped is None:
-                        acc.add(record.grads)
-                except HostavgError as e:
-                    raise HostavgError(f"step, {what}: "
-                                       f"{str(e).removeprefix(f'micro-batch {i}: ')}") from None
-                except (tf.errors.OpError, ValueError, TypeError) as e:
-                    raise HostavgError(
-                        f"step, {what}: the session failed ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0]}); check that micro-batch's feed") from e
-                if record.dropped is None:
-                    if stack is not None:
-                        stack.append(record.grads)
-                    norms.append(math.sqrt(acc.sq_norms[-1]))
-                else:
-                    norms.append(record.grads.global_norm())
-                micro.append(record if self.accumulate == "stack" else replace(record, grads=None))
-            losses = [m.loss for m in micro]
-            if not acc.count:
+            try:
+                global_step = self._local(sess, feeds, acc, micro, norms, stack)
+                error = None
+            except Exception as e:  # noqa: BLE001 - with comm, every rank must hear of it
+                if self._dist is None:
+                    raise
+                error, global_step = e, None
+            if self._dist is None:
+                weights, sq_norms, total, loss_sum = acc.weights, acc.sq_norms, acc.total_weight, \
+                    acc.loss_sum
+                losses, size = [m.loss for m in micro], sum(m.size for m in micro if m.dropped is None)
+            else:
+                weights, sq_norms, norms, losses, total, loss_sum, size, global_step = \
+                    self._agree(sess, error, acc, micro, norms, global_step)
+            if not total:
                 if state:
                     state.restore(sess, saved)
                 return StepResult(None, None, tuple(micro), global_step, 0,
                                   StepStats(math.nan, tuple(norms), tuple(losses), {}),
-                                  skipped=f"all {len(micro)} micro-batches were dropped; "
+                                  skipped=f"all {len(norms)} micro-batches were dropped; "
                                           f"nothing was applied")
-            mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
-            stats = step_stats(mean, acc.weights, acc.sq_norms, norms, losses, stack)
-            mean = Gradients(mean, loss=mean.loss, size=mean.size,
+            if self._dist is not None:
+                mean = acc.mean(self._dist.reducer(self.spec, total))
+            else:
+                mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
+            stats = step_stats(mean, weights, sq_norms, norms, losses, stack)
+            mean = Gradients(mean, loss=None if loss_sum is None else loss_sum / total, size=total,
                              sq_norms={n: v * v for n, v in stats.variable_norms.items()})
-            result = StepResult(mean.loss, mean, tuple(micro), global_step + 1,
-                                sum(m.size for m in micro if m.dropped is None), stats)
+            result = StepResult(mean.loss, mean, tuple(micro), global_step + 1, size, stats)
             for hook in self._step_hooks:
                 new = hook(mean, result)
                 if new is not None:
@@ -331,6 +337,66 @@ class Trainer:
                 state.restore(sess, saved)
             raise
         return result
+
+    def _local(self, sess, feeds, acc, micro, norms, stack) -> int | None:
+        """Computes and accumulates this process's micro-batches; returns the global step before the apply."""
+        prepared, start = [], 0
+        for i, feed_dict in enumerate(feeds):
+            what = f"micro-batch {i} of {len(feeds)}"
+            feed = resolve_feed(self.graph, feed_dict, f"step, {what}")
+            n = self._size(feed, None, f"step, {what}")
+            prepared.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
+            start += n
+        global_step = None
+        for i, (feed, n, start, what) in enumerate(prepared):
+            try:
+                g, global_step = self._compute(sess, feed, n, what)
+                record = self._micro_hooks_on(MicroBatch(i, n, g.loss, g, start, global_step + 1))
+                if record.dropped is None:
+                    acc.add(record.grads)
+            except HostavgError as e:
+                raise HostavgError(f"step, {what}: "
+                                   f"{str(e).removeprefix(f'micro-batch {i}: ')}") from None
+            except (tf.errors.OpError, ValueError, TypeError) as e:
+                raise HostavgError(
+                    f"step, {what}: the session failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0]}); check that micro-batch's feed") from e
+            if record.dropped is None:
+                if stack is not None:
+                    stack.append(record.grads)
+                norms.append(math.sqrt(acc.sq_norms[-1]))
+            else:
+                norms.append(record.grads.global_norm())
+            micro.append(record if self.accumulate == "stack" else replace(record, grads=None))
+        return global_step
+
+    def _agree(self, sess, error, acc, micro, norms, global_step):
+        """With comm: every rank's bookkeeping, or, if any rank failed, the same error on every rank."""
+        mine = (None if error is None else str(error) if isinstance(error, HostavgError)
+                else f"{type(error).__name__}: {error}",
+                acc.weights, acc.sq_norms, norms, [m.loss for m in micro], acc.total_weight,
+                acc.loss_sum, sum(m.size for m in micro if m.dropped is None), global_step)
+        ranks = self._dist.gather(mine)
+        failed = [f"rank {r}: {info[0]}" for r, info in enumerate(ranks) if info[0] is not None]
+        if failed:
+            raise HostavgError(f"the step failed on {len(failed)} of {len(ranks)} ranks and nothing "
+                               f"was applied on any: {' | '.join(failed)}") from error
+        losses = [info[6] for info in ranks]
+        steps = [info[8] for info in ranks if info[8] is not None]
+        return ([w for info in ranks for w in info[1]], [q for info in ranks for q in info[2]],
+                [x for info in ranks for x in info[3]], [x for info in ranks for x in info[4]],
+                math.fsum(info[5] for info in ranks),
+                None if None in losses else math.fsum(losses),
+                sum(info[7] for info in ranks),
+                steps[0] if steps else int(sess.run(self.global_step)))
+
+    def _synchronize(self, sess) -> None:
+        """With comm, the first time a session steps: every variable takes rank 0's value."""
+        if sess in self._synchronized:
+            return
+        variables = self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+        load_variables(sess, variables, self._dist.broadcast(sess.run(variables)))
+        self._synchronized.add(sess)
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
         """The loss (and ``metrics``) over ``data``, sample-weighted, without training.

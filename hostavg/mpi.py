@@ -1,0 +1,151 @@
+"""Multi-worker training over MPI, through mpi4py: one reduction of the host sums per step.
+
+Imported only when a Trainer gets ``comm=``. Each rank accumulates its own
+micro-batches on the host as usual; then, per optimizer step:
+
+1. one small ``allgather`` of each rank's bookkeeping: its micro-batches'
+   weights, squared norms and losses, and an error message if that rank
+   failed (then every rank raises, naming the rank, and nothing is applied
+   anywhere);
+2. one ``Allreduce`` (sum) of the dense weighted sums sum_i w_i g_i, packed
+   into one flat buffer per dtype (usually one);
+3. for sparse variables, an ``Allgatherv`` of each rank's touched rows
+   (indices and weighted sums), coalesced on every rank: never densified.
+
+Every rank then divides by the global weight and applies the same mean, so
+all ranks keep identical weights. Noise-scale statistics use every rank's
+micro-batches; the "stack"-only ones (inner-product and orthogonality tests,
+GSNR, cosines) would need every rank's gradients on one host and are None.
+
+Faults: an uncaught exception on any rank calls ``MPI_Abort`` (as
+``python -m mpi4py`` does), so no rank waits forever in a collective for one
+that is gone; a rank killed outright is ended by ``mpiexec`` with the job.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import traceback
+
+import numpy as np
+
+from hostavg.accumulator import Reduction, RunningSum, aligned_empty
+from hostavg.errors import HostavgError
+from hostavg.gradients import coalesce_rows
+
+__all__ = ["Distributed"]
+
+
+class Distributed:
+    """A trainer's communicator: rank, size, and the collectives hostavg needs.
+
+    Attributes:
+      comm: the mpi4py communicator.
+      rank, size: this process's rank and the number of ranks.
+    """
+
+    def __init__(self, comm):
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise HostavgError("comm= needs mpi4py: pip install 'hostavg[mpi]'") from None
+        if not isinstance(comm, MPI.Comm):
+            raise HostavgError(f"comm must be an mpi4py communicator such as MPI.COMM_WORLD, "
+                               f"got {type(comm).__name__}")
+        self.MPI, self.comm = MPI, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        abort_on_uncaught_exception(comm)
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (small, pickled), in rank order."""
+        return self.comm.allgather(obj)
+
+    def broadcast(self, arrays: list) -> list:
+        """Rank 0's ``arrays``, on every rank (others pass arrays of the same shapes and dtypes)."""
+        out = [np.array(a, order="C") for a in arrays]  # 0-d stays 0-d
+        for a in out:
+            self.comm.Bcast(a, root=0)
+        return out
+
+    def broadcast_object(self, obj):
+        return self.comm.bcast(obj, root=0)
+
+    def reducer(self, spec, total: float):
+        """A reducer (see :class:`~hostavg.accumulator.Reduction`) for the global mean over ``total`` weight."""
+        def reduce(r: Reduction) -> dict:
+            out = {}
+            dense = [n for n, s in spec.items() if not s.sparse]
+            for dtype in sorted({r.dtypes[n] for n in dense}, key=str):
+                names = [n for n in dense if r.dtypes[n] == dtype]
+                sizes = [math.prod(spec[n].shape) for n in names]
+                flat = np.zeros(sum(sizes), dtype)
+                offsets = np.cumsum([0] + sizes)
+                for name, a, b in zip(names, offsets[:-1], offsets[1:]):
+                    value = _local_value(r, name)
+                    if value is not None:
+                        np.multiply(value.ravel(), r.scale, out=flat[a:b], dtype=dtype)
+                self.comm.Allreduce(self.MPI.IN_PLACE, flat, op=self.MPI.SUM)
+                for name, a, b in zip(names, offsets[:-1], offsets[1:]):
+                    out[name] = np.divide(flat[a:b].reshape(spec[name].shape), total,
+                                          out=aligned_empty(spec[name].shape, dtype))
+            for name, (indices, values, row_weights) in r.rows.items():
+                dtype = r.dtypes[name]
+                weighted = values.astype(dtype) * row_weights.astype(dtype).reshape(
+                    (-1,) + (1,) * (values.ndim - 1))
+                unique, summed = coalesce_rows(indices.astype(np.int64), weighted)
+                unique, summed = coalesce_rows(*self._gather_rows(unique, summed))
+                out[name] = (unique, np.divide(summed, total, out=summed))
+            return out
+        return reduce
+
+    def _gather_rows(self, indices: np.ndarray, values: np.ndarray):
+        counts = np.asarray(self.comm.allgather(len(indices)))
+        row = values.shape[1:]
+        all_indices = np.empty(counts.sum(), np.int64)
+        self.comm.Allgatherv(np.ascontiguousarray(indices, np.int64), [all_indices, counts])
+        all_values = np.empty((counts.sum(),) + row, values.dtype)
+        self.comm.Allgatherv(np.ascontiguousarray(values),
+                             [all_values, counts * max(1, math.prod(row))])
+        return all_indices, all_values
+
+
+def _local_value(r: Reduction, name: str) -> np.ndarray | None:
+    """This rank's sum_i w_i g_i / scale for a dense variable, or None if it added nothing."""
+    if r.scale is None:
+        return None
+    if name in r.sums:
+        return r.sums[name]
+    gs = r.stacks[name]
+    running = RunningSum(np.empty(gs[0].shape, r.dtypes[name]))
+    for g, w in zip(gs, r.weights):
+        running.add(g, float(w))
+    return running.value
+
+
+_installed = False
+
+
+def abort_on_uncaught_exception(comm) -> None:
+    """Makes an uncaught exception print its traceback and abort the whole MPI job.
+
+    Without it a rank that dies of an exception finalizes MPI and exits, while
+    the others wait forever in the step's next collective.
+    """
+    global _installed
+    if _installed or comm.Get_size() == 1:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            sys.stderr.write(f"hostavg: rank {comm.Get_rank()} of {comm.Get_size()} failed; "
+                             f"aborting the MPI job\n")
+            traceback.print_exception(kind, value, tb)
+            sys.stderr.flush()
+        finally:
+            comm.Abort(1)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    _installed = True

@@ -1,0 +1,55 @@
+"""Runs under mpiexec (or alone) for the multi-worker tests.
+
+usage: python mpi_script.py MODE OUT
+  MODE: dense | sparse (train, write each rank's variables to OUT-rank<r>.npz),
+        nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
+        die (rank 1 exits mid-step).
+The global batch of each step is six micro-batches of unequal sizes; with two
+ranks, rank r takes micro-batches 3r to 3r + 2; alone, all six.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from models import batches, build, cuts, v1  # noqa: E402
+
+import hostavg  # noqa: E402
+
+SIZES = (5, 12, 3, 20, 7, 9)
+STEPS = 8
+
+mode, out = sys.argv[1], sys.argv[2]
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+
+
+class Trouble:
+    def on_micro_batch(self, record):
+        if rank == 1 and record.step == 2 and record.index == 1:
+            if mode == "raise":
+                raise RuntimeError("a hook broke on purpose")
+            if mode == "die":
+                os._exit(3)
+
+
+model = build(sparse=mode == "sparse")
+with model.graph.as_default():
+    trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Trouble()],
+                              comm=comm if size > 1 else None)
+    init = v1.global_variables_initializer()
+sess = v1.Session(graph=model.graph)
+sess.run(init)
+mine = range(len(SIZES)) if size == 1 else range(3 * rank, 3 * rank + 3)
+for step, data in enumerate(batches(7, STEPS, sum(SIZES), sparse=mode == "sparse")):
+    feeds = [model.feed({k: v[s] for k, v in data.items()}) for s in cuts(sum(SIZES), SIZES)]
+    feeds = [feeds[i] for i in mine]
+    if mode == "nan" and rank == 1 and step == 3:
+        x = model.inputs["x"]
+        feeds[2] = {**feeds[2], x: np.full_like(feeds[2][x], np.nan)}
+    result = trainer.step(sess, feeds)
+    assert result.size == sum(SIZES), result.size
+np.savez(f"{out}-rank{rank}.npz", **model.values(sess))
