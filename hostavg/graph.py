@@ -140,6 +140,11 @@ class Callables:
 def _compile(sess, fetches, feed_keys):
     tensors = [f for f in fetches if isinstance(f, tf.Tensor)]
     targets = [f for f in fetches if isinstance(f, tf.Operation)]
+    if not hasattr(sess, "_make_callable_from_options"):
+        # A session wrapper (such as a MonitoredSession) without compiled calls: plain run.
+        def run_plain(*values):
+            return sess.run(tensors + targets, dict(zip(feed_keys, values)))[:len(tensors)]
+        return run_plain
     dtypes = [k.dtype.base_dtype.as_numpy_dtype for k in feed_keys]
     opts = config_pb2.CallableOptions()
     opts.feed.extend(k.name for k in feed_keys)

@@ -212,7 +212,9 @@ class Trainer:
         self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
-        self._step_accumulator = self.accumulator()
+        # step's own, reused: its buffers are allocated once; step passes the reducer per call.
+        self._step_accumulator = Accumulator(self.spec, accumulate=accumulate,
+                                             accum_dtype=self.accum_dtype)
 
     def accumulator(self, sess=None) -> Accumulator:
         """A new, empty :class:`~hostavg.Accumulator` for this trainer's variables and settings.
@@ -221,8 +223,11 @@ class Trainer:
           sess: with ``average="graph"``, the session its mean() runs in
             (required there, ignored otherwise).
         """
+        if self.average == "graph" and sess is None:
+            raise HostavgError("average='graph' computes the mean in a session: pass it, as "
+                               "trainer.accumulator(sess)")
         return Accumulator(self.spec, accumulate=self.accumulate, accum_dtype=self.accum_dtype,
-                           reducer=self._reducer(sess) if sess is not None else None)
+                           reducer=self._reducer(sess) if self.average == "graph" else None)
 
     def compute(self, sess, feed_dict: Mapping, *, size: int | None = None) -> Gradients:
         """Runs one micro-batch forward and backward and fetches its gradients.
@@ -236,7 +241,8 @@ class Trainer:
           size: its number of samples; default the length of its arrays.
 
         Returns:
-          :class:`Gradients` (read-only arrays) with ``.loss`` and ``.size``.
+          :class:`Gradients` (read-only arrays) with ``.loss``, ``.size`` and
+          ``.sq_norms`` (each gradient's squared norm, reduced in the session).
         """
         self._check_session(sess)
         feed = resolve_feed(self.graph, feed_dict, "compute")

@@ -1,8 +1,11 @@
 """The command line: the main job's numbers, and one-line errors for a person's mistakes."""
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,8 +48,10 @@ def test_mistakes_exit_2_with_one_line(tmp_path, capsys):
 
 
 def test_console_script_is_installed():
-    exe = shutil.which("hostavg")
-    assert exe, "the hostavg console script is not on PATH; pip install -e ."
+    # Next to this Python first: `python -m pip` installs scripts there even where that
+    # folder is not on PATH (pyenv without a rehash, say).
+    exe = shutil.which("hostavg", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    assert exe, "no hostavg console script next to this Python or on PATH; pip install -e ."
     run = subprocess.run([exe, "train", "--dataset", "digits", "--epochs", "1", "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -12,3 +12,14 @@ def test_readme_quickstart_runs(capsys):
     assert namespace["res"].step == 5 and len(namespace["res"].micro) == 4
     assert len(namespace["history"].steps) == 20
     assert "micro-batch loss" in capsys.readouterr().out
+
+
+def test_docstring_examples_run():
+    import doctest
+    import importlib
+
+    import numpy
+    for name in ("accumulator", "gradients", "split", "stats"):
+        module = importlib.import_module(f"hostavg.{name}")  # hostavg.split is the function
+        result = doctest.testmod(module, extraglobs={"np": numpy}, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, name
