@@ -31,8 +31,8 @@ from hostavg.errors import HostavgError
 from hostavg.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
                                conform)
 
-__all__ = ["ACCUMULATE_MODES", "Accumulator", "Reduction", "RunningSum", "as_accum_dtype",
-           "numpy_reduce"]
+__all__ = ["ACCUMULATE_MODES", "Accumulator", "Reduction", "RunningSum", "aligned_empty",
+           "as_accum_dtype", "numpy_reduce", "stack_sum", "weighted_rows"]
 
 #: "sum": a running sum, host memory O(parameters) whatever the number of
 #: micro-batches. "stack": every micro-batch's gradients are kept (for
@@ -78,22 +78,29 @@ def numpy_reduce(r: Reduction) -> dict:
     indices, their mean rows).
     """
     factor = r.scale / r.total
-    sums = dict(r.sums)
-    scratch = _Scratch()
-    for name, gs in r.stacks.items():
-        running = RunningSum(np.empty(gs[0].shape, r.dtypes[name]), scratch)
-        for g, w in zip(gs, r.weights):
-            running.add(g, float(w))
-        sums[name] = running.value
+    sums = {**r.sums, **{name: stack_sum(gs, r.weights, r.dtypes[name])
+                         for name, gs in r.stacks.items()}}
     out = {name: np.multiply(s, factor, out=aligned_empty(s.shape, r.dtypes[name]),
                              dtype=r.dtypes[name]) for name, s in sums.items()}
-    for name, (indices, values, row_weights) in r.rows.items():
-        dtype = r.dtypes[name]
-        weighted = values.astype(dtype) * row_weights.astype(dtype).reshape(
-            (-1,) + (1,) * (values.ndim - 1))
-        unique, summed = coalesce_rows(indices, weighted)
+    for name, rows in r.rows.items():
+        unique, summed = weighted_rows(*rows, r.dtypes[name])
         out[name] = (unique, np.divide(summed, r.total, out=summed))
     return out
+
+
+def stack_sum(gs: list, weights, dtype) -> np.ndarray:
+    """(sum_i w_i g_i) / w_1 of stacked micro-batch gradients, with :class:`RunningSum`'s arithmetic."""
+    running = RunningSum(np.empty(gs[0].shape, dtype))
+    for g, w in zip(gs, weights):
+        running.add(g, float(w))
+    return running.value
+
+
+def weighted_rows(indices, values, row_weights, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique row indices and sum_j row_weights[j] * values[j] for each, in ``dtype``."""
+    weighted = values.astype(dtype) * row_weights.astype(dtype).reshape(
+        (-1,) + (1,) * (values.ndim - 1))
+    return coalesce_rows(indices, weighted)
 
 
 def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:

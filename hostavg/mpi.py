@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 
-from hostavg.accumulator import Reduction, RunningSum, aligned_empty
+from hostavg.accumulator import Reduction, aligned_empty, stack_sum, weighted_rows
 from hostavg.errors import HostavgError
 from hostavg.gradients import coalesce_rows
 
@@ -89,11 +89,8 @@ class Distributed:
                 for name, a, b in zip(names, offsets[:-1], offsets[1:]):
                     out[name] = np.divide(flat[a:b].reshape(spec[name].shape), total,
                                           out=aligned_empty(spec[name].shape, dtype))
-            for name, (indices, values, row_weights) in r.rows.items():
-                dtype = r.dtypes[name]
-                weighted = values.astype(dtype) * row_weights.astype(dtype).reshape(
-                    (-1,) + (1,) * (values.ndim - 1))
-                unique, summed = coalesce_rows(indices.astype(np.int64), weighted)
+            for name, rows in r.rows.items():
+                unique, summed = weighted_rows(*rows, r.dtypes[name])
                 unique, summed = coalesce_rows(*self._gather_rows(unique, summed))
                 out[name] = (unique, np.divide(summed, total, out=summed))
             return out
@@ -116,11 +113,7 @@ def _local_value(r: Reduction, name: str) -> np.ndarray | None:
         return None
     if name in r.sums:
         return r.sums[name]
-    gs = r.stacks[name]
-    running = RunningSum(np.empty(gs[0].shape, r.dtypes[name]))
-    for g, w in zip(gs, r.weights):
-        running.add(g, float(w))
-    return running.value
+    return stack_sum(r.stacks[name], r.weights, r.dtypes[name])
 
 
 _installed = False
