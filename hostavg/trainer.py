@@ -6,6 +6,7 @@ import math
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -110,6 +111,25 @@ class StepResult:
             "index": m.index, "start": m.start, "size": m.size, "loss": m.loss, "norm": norm,
             "cosine": next(cos) if cos is not None and m.dropped is None else math.nan,
             "dropped": m.dropped} for m, norm in zip(self.micro, norms)]).set_index("index")
+
+
+class _Tally(NamedTuple):
+    """A step's bookkeeping: this process's, or (with comm) every rank's together.
+
+    weights, sq_norms: of each accumulated micro-batch; norms, losses: of each
+    micro-batch, dropped ones too; total: sum of the weights; loss_sum:
+    sum_i w_i loss_i (None if a loss was missing); size: samples accumulated;
+    global_step: before the apply (None where no micro-batch ran).
+    """
+
+    weights: list
+    sq_norms: list
+    norms: list
+    losses: list
+    total: float
+    loss_sum: float | None
+    size: int
+    global_step: int | None
 
 
 class Trainer:
@@ -309,28 +329,28 @@ class Trainer:
                 if self._dist is None:
                     raise
                 error, global_step = e, None
-            if self._dist is None:
-                weights, sq_norms, total, loss_sum = acc.weights, acc.sq_norms, acc.total_weight, \
-                    acc.loss_sum
-                losses, size = [m.loss for m in micro], sum(m.size for m in micro if m.dropped is None)
-            else:
-                weights, sq_norms, norms, losses, total, loss_sum, size, global_step = \
-                    self._agree(sess, error, acc, micro, norms, global_step)
-            if not total:
+            tally = _Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
+                           acc.total_weight, acc.loss_sum,
+                           sum(m.size for m in micro if m.dropped is None), global_step)
+            if self._dist is not None:
+                tally = self._agree(sess, error, tally)
+            if not tally.total:
                 if state:
                     state.restore(sess, saved)
-                return StepResult(None, None, tuple(micro), global_step, 0,
-                                  StepStats(math.nan, tuple(norms), tuple(losses), {}),
-                                  skipped=f"all {len(norms)} micro-batches were dropped; "
+                return StepResult(None, None, tuple(micro), tally.global_step, 0,
+                                  StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
+                                  skipped=f"all {len(tally.norms)} micro-batches were dropped; "
                                           f"nothing was applied")
             if self._dist is not None:
-                mean = acc.mean(self._dist.reducer(self.spec, total))
+                mean = acc.mean(self._dist.reducer(self.spec, tally.total))
             else:
                 mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
-            stats = step_stats(mean, weights, sq_norms, norms, losses, stack)
-            mean = Gradients(mean, loss=None if loss_sum is None else loss_sum / total, size=total,
+            stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses, stack)
+            mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
+                             size=tally.total,
                              sq_norms={n: v * v for n, v in stats.variable_norms.items()})
-            result = StepResult(mean.loss, mean, tuple(micro), global_step + 1, size, stats)
+            result = StepResult(mean.loss, mean, tuple(micro), tally.global_step + 1, tally.size,
+                                stats)
             for hook in self._step_hooks:
                 new = hook(mean, result)
                 if new is not None:
@@ -376,25 +396,24 @@ class Trainer:
             micro.append(record if self.accumulate == "stack" else replace(record, grads=None))
         return global_step
 
-    def _agree(self, sess, error, acc, micro, norms, global_step):
-        """With comm: every rank's bookkeeping, or, if any rank failed, the same error on every rank."""
-        mine = (None if error is None else str(error) if isinstance(error, HostavgError)
-                else f"{type(error).__name__}: {error}",
-                acc.weights, acc.sq_norms, norms, [m.loss for m in micro], acc.total_weight,
-                acc.loss_sum, sum(m.size for m in micro if m.dropped is None), global_step)
-        ranks = self._dist.gather(mine)
-        failed = [f"rank {r}: {info[0]}" for r, info in enumerate(ranks) if info[0] is not None]
+    def _agree(self, sess, error, tally: _Tally) -> _Tally:
+        """With comm: every rank's tally together, or, if any rank failed, one error on every rank."""
+        message = None if error is None else str(error) if isinstance(error, HostavgError) \
+            else f"{type(error).__name__}: {error}"
+        reports = self._dist.gather((message, tally))
+        failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(reports) if m is not None]
         if failed:
-            raise HostavgError(f"the step failed on {len(failed)} of {len(ranks)} ranks and nothing "
+            raise HostavgError(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing "
                                f"was applied on any: {' | '.join(failed)}") from error
-        losses = [info[6] for info in ranks]
-        steps = [info[8] for info in ranks if info[8] is not None]
-        return ([w for info in ranks for w in info[1]], [q for info in ranks for q in info[2]],
-                [x for info in ranks for x in info[3]], [x for info in ranks for x in info[4]],
-                math.fsum(info[5] for info in ranks),
-                None if None in losses else math.fsum(losses),
-                sum(info[7] for info in ranks),
-                steps[0] if steps else int(sess.run(self.global_step)))
+        tallies = [t for _, t in reports]
+        loss_sums = [t.loss_sum for t in tallies]
+        steps = [t.global_step for t in tallies if t.global_step is not None]
+        return _Tally(*([x for t in tallies for x in getattr(t, f)]
+                        for f in ("weights", "sq_norms", "norms", "losses")),
+                      math.fsum(t.total for t in tallies),
+                      None if None in loss_sums else math.fsum(loss_sums),
+                      sum(t.size for t in tallies),
+                      steps[0] if steps else int(sess.run(self.global_step)))
 
     def _synchronize(self, sess) -> None:
         """With comm, the first time a session steps: every variable takes rank 0's value."""
