@@ -1,7 +1,9 @@
 """Runs under mpiexec (or alone) for the multi-worker tests.
 
 usage: python mpi_script.py MODE OUT
-  MODE: dense | sparse (train, write each rank's variables to OUT-rank<r>.npz),
+  MODE: dense | sparse | stack | uneven (train, write each rank's variables to
+        OUT-rank<r>.npz; uneven: rank 0 takes five micro-batches and rank 1 one,
+        and at step 3 rank 1 takes none),
         nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
         die (rank 1 exits mid-step).
 The global batch of each step is six micro-batches of unequal sizes; with two
@@ -39,14 +41,16 @@ class Trouble:
 model = build(sparse=mode == "sparse")
 with model.graph.as_default():
     trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Trouble()],
+                              accumulate="stack" if mode == "stack" else "sum",
                               comm=comm if size > 1 else None)
     init = v1.global_variables_initializer()
 sess = v1.Session(graph=model.graph)
 sess.run(init)
-mine = range(len(SIZES)) if size == 1 else range(3 * rank, 3 * rank + 3)
 for step, data in enumerate(batches(7, STEPS, sum(SIZES), sparse=mode == "sparse")):
     feeds = [model.feed({k: v[s] for k, v in data.items()}) for s in cuts(sum(SIZES), SIZES)]
-    feeds = [feeds[i] for i in mine]
+    if size > 1:
+        share = 3 if mode != "uneven" else 6 if step == 3 else 5  # rank 0's micro-batches
+        feeds = feeds[:share] if rank == 0 else feeds[share:]
     if mode == "nan" and rank == 1 and step == 3:
         x = model.inputs["x"]
         feeds[2] = {**feeds[2], x: np.full_like(feeds[2][x], np.nan)}

@@ -31,7 +31,7 @@ def alone(*args):
                           env=ENV, timeout=120)
 
 
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize("kind", ["dense", "sparse", "stack", "uneven"])
 def test_two_ranks_equal_one_rank_with_all_micro_batches_and_agree_bitwise(kind, tmp_path):
     script = HERE / "mpi_script.py"
     one = alone(script, kind, tmp_path / "one")
@@ -40,10 +40,9 @@ def test_two_ranks_equal_one_rank_with_all_micro_batches_and_agree_bitwise(kind,
     assert two.returncode == 0, two.stderr
     want = dict(np.load(tmp_path / "one-rank0.npz"))
     ranks = [dict(np.load(tmp_path / f"two-rank{r}.npz")) for r in (0, 1)]
-    for name in want:
+    for name in set(want) - {"forward_passes"}:  # a rank runs only its own micro-batches forward
         np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=name)
-        if name != "forward_passes":  # each rank ran only its own micro-batches forward
-            np.testing.assert_allclose(ranks[0][name], want[name], atol=1e-5, rtol=0, err_msg=name)
+        np.testing.assert_allclose(ranks[0][name], want[name], atol=1e-5, rtol=0, err_msg=name)
     assert ranks[0]["global_step"] == 8
 
 
