@@ -72,3 +72,17 @@ def test_hostavg_train_on_two_ranks_matches_one_process(tmp_path):
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert (a["steps"], a["samples"]) == (b["steps"], b["samples"])
     assert b["test_loss"] == pytest.approx(a["test_loss"], abs=1e-5)
+
+
+def test_two_ranks_resume_from_rank_0s_checkpoints(tmp_path):
+    hostavg = [sys.executable, "-m", "hostavg", "train", "--dataset", "digits", "--quiet",
+               "--checkpoint-dir", tmp_path / "ckpt"]
+    first, _ = mpirun(*hostavg, "--epochs", "1")
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ckpt-0000000006.npz"]
+    resumed, _ = mpirun(*hostavg, "--epochs", "2", "--json", tmp_path / "resumed.json")
+    assert resumed.returncode == 0, resumed.stderr
+    straight, _ = mpirun(sys.executable, "-m", "hostavg", "train", "--dataset", "digits",
+                         "--quiet", "--epochs", "2", "--json", tmp_path / "straight.json")
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("resumed", "straight"))
+    assert a["steps"] == b["steps"] == 12 and a["test_loss"] == b["test_loss"]
