@@ -31,17 +31,21 @@ class SkipNonFinite:
     """
 
     def on_micro_batch(self, record):
-        bad = [name for name, v in record.grads.items() if not _finite(v)]
-        if bad or not math.isfinite(record.loss):
-            return Drop(f"non-finite {'gradients in ' + ', '.join(map(repr, bad)) if bad else ''}"
-                        f"{' and ' if bad and not math.isfinite(record.loss) else ''}"
-                        f"{'loss ' + str(record.loss) if not math.isfinite(record.loss) else ''}")
-        return None
+        grads = record.grads
+        parts = []
+        bad = [name for name, v in grads.items() if not _finite(v, grads.sq_norms.get(name))]
+        if bad:
+            parts.append("gradients in " + ", ".join(map(repr, bad)))
+        if not math.isfinite(record.loss):
+            parts.append(f"loss {record.loss}")
+        return Drop("non-finite " + " and ".join(parts)) if parts else None
 
 
-def _finite(value) -> bool:
-    return math.isfinite(squared_norm(value)) or bool(
-        np.isfinite(value.values if isinstance(value, SparseGradient) else value).all())
+def _finite(value, sq_norm: float | None) -> bool:
+    """Whether every entry is finite; a finite squared norm (known or computed) says so at once."""
+    if math.isfinite(squared_norm(value) if sq_norm is None else sq_norm):
+        return True
+    return bool(np.isfinite(value.values if isinstance(value, SparseGradient) else value).all())
 
 
 def _scaled(grads, factor: float) -> dict:
