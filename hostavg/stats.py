@@ -65,8 +65,8 @@ class StepStats:
     (sum_i b_i |g_i|^2 and the mean) in O(parameters) memory, in both modes.
     Those marked "stack" need every micro-batch's gradients, so they are None
     in ``accumulate="sum"``; in "stack" mode they are computed when first read
-    (they cost passes over a (k, D) float64 copy), so a step pays for them only
-    if someone looks. Dropped micro-batches (see hooks) count in
+    (one dot product per micro-batch and variable, and GSNR's per-coordinate
+    spread), so a step pays for them only if someone looks. Dropped micro-batches (see hooks) count in
     ``micro_norms`` and ``micro_losses`` only.
 
     Attributes:
@@ -91,33 +91,117 @@ class StepStats:
     norm_test: float | None = None
     stack: tuple | None = field(default=None, repr=False, compare=False)
     weights: tuple | None = field(default=None, repr=False, compare=False)
+    mean: Mapping | None = field(default=None, repr=False, compare=False)
+    sq_norms: tuple | None = field(default=None, repr=False, compare=False)
 
     @cached_property
-    def _flat(self):
-        return flatten(self.stack) if self.stack is not None and len(self.stack) >= 2 else None
-
-    def _of_stack(self, fn):
-        if self._flat is None:
+    def _moments(self):
+        if self.stack is None or len(self.stack) < 2:
             return None
-        G, D = self._flat
-        return fn(G, self.weights)
+        return _stack_moments(self.stack, self.weights, self.mean, self.sq_norms)
 
     @cached_property
     def inner_product_test(self) -> float | None:
-        return self._of_stack(inner_product_test)
+        m = self._moments
+        if m is None:
+            return None
+        v = float(m.b @ (m.dots - m.gbar_sq) ** 2) / (len(m.b) - 1)
+        return math.sqrt(v / (m.B * m.gbar_sq ** 2)) if m.gbar_sq > 0 else math.inf
 
     @cached_property
     def orthogonality_test(self) -> float | None:
-        return self._of_stack(orthogonality_test)
+        m = self._moments
+        if m is None:
+            return None
+        if m.gbar_sq == 0:
+            return math.inf
+        v = float(m.b @ (m.sq - m.dots ** 2 / m.gbar_sq)) / (len(m.b) - 1)
+        return math.sqrt(max(v, 0.0) / (m.B * m.gbar_sq))
 
     @cached_property
     def gsnr(self) -> float | None:
-        return self._of_stack(lambda G, b: gsnr(G, b) * G.shape[1] / self._flat[1])
+        return None if self._moments is None else self._moments.gsnr
 
     @cached_property
     def cosines(self) -> tuple | None:
-        found = self._of_stack(cosines)
-        return None if found is None else tuple(found)
+        m = self._moments
+        if m is None:
+            return None
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return tuple(m.dots / np.sqrt(m.sq * m.gbar_sq))
+
+
+class _Moments(NamedTuple):
+    b: np.ndarray  # (k,) weights
+    B: float
+    dots: np.ndarray  # (k,) g_i . Gbar
+    sq: np.ndarray  # (k,) |g_i|^2
+    gbar_sq: float
+    gsnr: float
+
+
+def _stack_moments(stack, weights, mean, sq_norms) -> _Moments:
+    """What the stack-only estimates need, streamed variable by variable.
+
+    The same quantities as :func:`flatten` then the functions above, without
+    the (k, D) float64 copy (see :func:`_blocked_moments`). Gbar is the
+    accumulated mean; a sparse variable counts its touched rows, and its
+    untouched coordinates add 0 to GSNR's sum.
+    """
+    b = np.asarray(weights, np.float64)
+    dots = np.zeros(len(b))
+    gsnr_sum, coordinates = 0.0, 0
+    for name, m in mean.items():
+        if isinstance(m, SparseGradient):
+            coordinates += math.prod(m.dense_shape)
+            gbar = m.values
+            rows = []
+            for g in stack:
+                c = g[name].coalesce()
+                full = np.zeros_like(gbar)
+                full[np.searchsorted(m.indices, c.indices)] = c.values
+                rows.append(full)
+        else:
+            coordinates += m.size
+            gbar, rows = np.asarray(m), [g[name] for g in stack]
+        gsnr_sum += _blocked_moments(np.ravel(gbar), [np.ravel(r) for r in rows], b, dots)
+    gbar_sq = math.fsum(squared_norm(m) for m in mean.values())
+    return _Moments(b, float(b.sum()), dots, np.asarray(sq_norms, np.float64), gbar_sq,
+                    gsnr_sum / coordinates)
+
+
+def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarray) -> float:
+    """Adds g_i . Gbar to ``dots``; returns this variable's sum over coordinates of Gbar_j^2 / (sigma_j^2 + eps).
+
+    Works through blocks of 65,536 coordinates so that every buffer stays in
+    cache (fresh arrays the size of a variable cost page faults on each step).
+    sum_i b_i (g_ij - Gbar_j)^2 is taken as sum_i b_i g_ij^2 - B Gbar_j^2 in
+    float64, the first sum kept as b_0 * sum_i (b_i / b_0) g_ij^2 so that equal
+    weights need no multiply.
+    """
+    k, B = len(b), float(b.sum())
+    squares, tmp = np.empty(_BLOCK), np.empty(_BLOCK)
+    total = 0.0
+    for start in range(0, gbar.size, _BLOCK):
+        gb = gbar[start:start + _BLOCK]
+        n = len(gb)
+        acc = squares[:n]
+        acc[:] = 0.0
+        for i, row in enumerate(rows):
+            r = row[start:start + _BLOCK]
+            dots[i] += float(np.dot(r.astype(gb.dtype, copy=False), gb))
+            np.square(r, out=tmp[:n], dtype=np.float64)
+            if b[i] != b[0]:
+                tmp[:n] *= b[i] / b[0]
+            acc += tmp[:n]
+        gb64 = gb.astype(np.float64)
+        sq = gb64 * gb64
+        spread = np.maximum(b[0] * acc - B * sq, 0.0) / (k - 1)
+        total += float(np.sum(sq / (spread + GSNR_EPS)))
+    return total
+
+
+_BLOCK = 65536  # coordinates per block: 512 KiB of float64, cache-sized
 
 
 def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],
@@ -136,7 +220,8 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
     base = dict(grad_norm=math.sqrt(gbar_sq), micro_norms=tuple(micro_norms),
                 micro_losses=tuple(micro_losses),
                 variable_norms={n: math.sqrt(v) for n, v in variable_sq.items()},
-                stack=None if stack is None else tuple(stack), weights=tuple(weights))
+                stack=None if stack is None else tuple(stack), weights=tuple(weights),
+                mean=mean, sq_norms=tuple(sq_norms))
     k = len(weights)
     if k < 2:
         return StepStats(**base)
