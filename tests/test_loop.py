@@ -1,6 +1,5 @@
 """fit: batches, weighting, data sources, history, callbacks, checkpoints and resume."""
 
-import os
 import signal
 import subprocess
 import sys
