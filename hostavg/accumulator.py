@@ -14,9 +14,9 @@ kept as ``w_1 * buffer``: the buffer starts as g_1, a micro-batch of the same
 weight is added as it is (one pass over the values, the common case), another
 as ``(w_i / w_1) * g_i``; the mean is ``buffer * (w_1 / sum_i w_i)``. The
 "sum" and "stack" modes run this same arithmetic (:class:`RunningSum`), so
-they give bit-identical means. Sparse rows are kept as they come (indices, values, weight) and summed
-once, in :meth:`Accumulator.mean`, so their memory is the number of rows seen,
-never the size of the table.
+they give bit-identical means. Sparse rows are kept as they come (indices,
+values, weight) and summed once, in :meth:`Accumulator.mean`, so their memory
+is the number of rows seen, never the size of the table.
 """
 
 from __future__ import annotations

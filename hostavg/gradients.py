@@ -9,8 +9,8 @@ variable read through ``tf.gather`` / ``embedding_lookup``, to a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -19,7 +19,7 @@ import numpy as np
 from hostavg.errors import HostavgError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
-           "squared_norm"]
+           "nonfinite_entries", "squared_norm"]
 
 
 class VariableSpec(NamedTuple):
@@ -85,6 +85,8 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
     One stable sort, then ``np.add.reduceat`` over each run of equal indices
     (rows of the same index are summed in the order they came).
     """
+    if len(indices) == 0:
+        return indices, values
     order = np.argsort(indices, kind="stable")
     ordered = indices[order]
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
@@ -106,9 +108,9 @@ class Gradients(Mapping):
       size: the number of samples behind these gradients (for a mean: the sum
         of the weights), or None where unknown.
       sq_norms: name -> squared L2 norm of that variable's gradient, where
-        already known (``trainer.compute`` has the session reduce the dense
-        ones); the finiteness check and the statistics use them instead of
-        reading the values again. Empty where unknown.
+        already known (``trainer.compute`` has the session reduce them, sparse
+        rows coalesced); the finiteness check and the statistics use them
+        instead of reading the values again. Empty where unknown.
 
     Example:
       >>> g = Gradients({"w": np.array([3.0, 4.0])}, loss=0.5, size=8)
@@ -158,13 +160,28 @@ def squared_norm(value) -> float:
     flat = np.ravel(value)
     if flat.dtype.kind != "f":
         flat = flat.astype(np.float64)
-    if flat.size <= _BLOCK:
+    if flat.size <= BLOCK:
         return float(np.dot(flat, flat))
-    return math.fsum(float(np.dot(flat[i:i + _BLOCK], flat[i:i + _BLOCK]))
-                     for i in range(0, flat.size, _BLOCK))
+    return math.fsum(float(np.dot(flat[i:i + BLOCK], flat[i:i + BLOCK]))
+                     for i in range(0, flat.size, BLOCK))
 
 
-_BLOCK = 65536
+#: Entries per block of the blocked host reductions: float32 sums stay accurate
+#: within a block, and 65,536 float64 values (512 KiB) stay in cache.
+BLOCK = 65536
+
+
+def nonfinite_entries(value, sq_norm: float | None = None) -> tuple[int, int]:
+    """(NaN count, Inf count) of a gradient's entries.
+
+    A finite squared norm (``sq_norm`` where known, else one pass) means
+    (0, 0) at once; only a non-finite one is counted entry by entry, which also
+    tells an overflowing sum of large finite entries from a real Inf.
+    """
+    if math.isfinite(squared_norm(value) if sq_norm is None else sq_norm):
+        return 0, 0
+    array = value.values if isinstance(value, SparseGradient) else np.asarray(value)
+    return int(np.isnan(array).sum()), int(np.isinf(array).sum())
 
 
 def check_finite(values: Mapping, what: str, loss: float | None = None,
@@ -172,21 +189,21 @@ def check_finite(values: Mapping, what: str, loss: float | None = None,
     """Raises HostavgError naming every variable with NaN or Inf (and the loss, if given); returns the squared norm.
 
     A squared norm is NaN or Inf whenever an entry is, so one is enough per
-    variable: taken from ``known`` where given, else one pass over the values.
-    Only a non-finite norm is looked at entry by entry, which also tells an
-    overflowing sum of large finite entries from a real Inf.
+    variable: taken from ``known`` where given, else one pass over the values
+    (see :func:`nonfinite_entries`).
     """
     total, bad = 0.0, []
     known = known or {}
     for name, value in values.items():
         sq = known[name] if name in known else squared_norm(value)
-        if not math.isfinite(sq):
-            array = value.values if isinstance(value, SparseGradient) else np.asarray(value)
-            nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
-            if nan + inf:
-                bad.append(f"{name!r} ({nan + inf} of {array.size} entries: {nan} NaN, {inf} Inf)")
-                continue
-            sq = squared_norm(array.astype(np.float64))
+        nan, inf = nonfinite_entries(value, sq)
+        if nan + inf:
+            size = (value.values if isinstance(value, SparseGradient) else np.asarray(value)).size
+            bad.append(f"{name!r} ({nan + inf} of {size} entries: {nan} NaN, {inf} Inf)")
+            continue
+        if not math.isfinite(sq):  # large finite entries overflowed the float32 sum
+            sq = squared_norm(np.asarray(value.values if isinstance(value, SparseGradient)
+                                         else value, np.float64))
         total += sq
     loss_ok = loss is None or math.isfinite(loss)
     if bad or not loss_ok:

@@ -120,16 +120,17 @@ class Callables:
     ``make_callable`` falls back to ``run`` whenever there are feeds). A
     callable made from ``CallableOptions`` skips that. Sessions are held
     weakly, so a dropped session takes its callables with it.
-
-    Args:
-      fetches: a flat list of tensors and operations; the callable returns the
-        tensors' values in order (operations are run, not returned).
     """
 
     def __init__(self):
         self._by_session = weakref.WeakKeyDictionary()
 
     def get(self, sess, fetches: list, feed_keys: tuple):
+        """The callable for ``fetches`` (a flat list of tensors and operations) fed ``feed_keys``.
+
+        It takes the feed values in that order and returns the tensors' values
+        in order; operations are run, not returned.
+        """
         made = self._by_session.setdefault(sess, {})
         key = (id(fetches), feed_keys)
         if key not in made:

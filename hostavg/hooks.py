@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hostavg.errors import HostavgError
-from hostavg.gradients import SparseGradient, squared_norm
+from hostavg.gradients import SparseGradient, nonfinite_entries
 from hostavg.record import _SCALARS, RecordWriter
 from hostavg.trainer import Drop
 
@@ -33,19 +33,13 @@ class SkipNonFinite:
     def on_micro_batch(self, record):
         grads = record.grads
         parts = []
-        bad = [name for name, v in grads.items() if not _finite(v, grads.sq_norms.get(name))]
+        bad = [name for name, v in grads.items()
+               if any(nonfinite_entries(v, grads.sq_norms.get(name)))]
         if bad:
             parts.append("gradients in " + ", ".join(map(repr, bad)))
         if not math.isfinite(record.loss):
             parts.append(f"loss {record.loss}")
         return Drop("non-finite " + " and ".join(parts)) if parts else None
-
-
-def _finite(value, sq_norm: float | None) -> bool:
-    """Whether every entry is finite; a finite squared norm (known or computed) says so at once."""
-    if math.isfinite(squared_norm(value) if sq_norm is None else sq_norm):
-        return True
-    return bool(np.isfinite(value.values if isinstance(value, SparseGradient) else value).all())
 
 
 def _scaled(grads, factor: float) -> dict:

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
 
 from hostavg.errors import HostavgError
-from hostavg.gradients import SparseGradient, squared_norm
+from hostavg.gradients import BLOCK, SparseGradient, squared_norm
 
 __all__ = [
     "NoiseScale",
@@ -93,12 +93,21 @@ class StepStats:
     weights: tuple | None = field(default=None, repr=False, compare=False)
     mean: Mapping | None = field(default=None, repr=False, compare=False)
     sq_norms: tuple | None = field(default=None, repr=False, compare=False)
+    mean_sq_norm: float | None = field(default=None, repr=False, compare=False)
+
+    def applied(self, mean: Mapping) -> StepStats:
+        """These statistics with ``grad_norm`` and ``variable_norms`` of ``mean``, the mean a hook applied instead.
+
+        The estimates stay those of the accumulated mean.
+        """
+        return replace(self, **_norms(mean)[0])
 
     @cached_property
     def _moments(self):
         if self.stack is None or len(self.stack) < 2:
             return None
-        return _stack_moments(self.stack, self.weights, self.mean, self.sq_norms)
+        return _stack_moments(self.stack, self.weights, self.mean, self.sq_norms,
+                              self.mean_sq_norm)
 
     @cached_property
     def inner_product_test(self) -> float | None:
@@ -140,7 +149,7 @@ class _Moments(NamedTuple):
     gsnr: float
 
 
-def _stack_moments(stack, weights, mean, sq_norms) -> _Moments:
+def _stack_moments(stack, weights, mean, sq_norms, gbar_sq: float) -> _Moments:
     """What the stack-only estimates need, streamed variable by variable.
 
     The same quantities as :func:`flatten` then the functions above, without
@@ -165,7 +174,6 @@ def _stack_moments(stack, weights, mean, sq_norms) -> _Moments:
             coordinates += m.size
             gbar, rows = np.asarray(m), [g[name] for g in stack]
         gsnr_sum += _blocked_moments(np.ravel(gbar), [np.ravel(r) for r in rows], b, dots)
-    gbar_sq = math.fsum(squared_norm(m) for m in mean.values())
     return _Moments(b, float(b.sum()), dots, np.asarray(sq_norms, np.float64), gbar_sq,
                     gsnr_sum / coordinates)
 
@@ -180,15 +188,15 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
     weights need no multiply.
     """
     k, B = len(b), float(b.sum())
-    squares, tmp = np.empty(_BLOCK), np.empty(_BLOCK)
+    squares, tmp = np.empty(BLOCK), np.empty(BLOCK)
     total = 0.0
-    for start in range(0, gbar.size, _BLOCK):
-        gb = gbar[start:start + _BLOCK]
+    for start in range(0, gbar.size, BLOCK):
+        gb = gbar[start:start + BLOCK]
         n = len(gb)
         acc = squares[:n]
         acc[:] = 0.0
         for i, row in enumerate(rows):
-            r = row[start:start + _BLOCK]
+            r = row[start:start + BLOCK]
             dots[i] += float(np.dot(r.astype(gb.dtype, copy=False), gb))
             np.square(r, out=tmp[:n], dtype=np.float64)
             if b[i] != b[0]:
@@ -201,7 +209,6 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
     return total
 
 
-_BLOCK = 65536  # coordinates per block: 512 KiB of float64, cache-sized
 
 
 def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],
@@ -215,13 +222,10 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
       micro_norms, micro_losses: one per micro-batch of the step, dropped ones included.
       stack: the k accumulated micro-batches' gradients ("stack" mode), or None.
     """
-    variable_sq = {name: squared_norm(v) for name, v in mean.items()}
-    gbar_sq = math.fsum(variable_sq.values())
-    base = dict(grad_norm=math.sqrt(gbar_sq), micro_norms=tuple(micro_norms),
-                micro_losses=tuple(micro_losses),
-                variable_norms={n: math.sqrt(v) for n, v in variable_sq.items()},
+    norms, gbar_sq = _norms(mean)
+    base = dict(**norms, micro_norms=tuple(micro_norms), micro_losses=tuple(micro_losses),
                 stack=None if stack is None else tuple(stack), weights=tuple(weights),
-                mean=mean, sq_norms=tuple(sq_norms))
+                mean=mean, sq_norms=tuple(sq_norms), mean_sq_norm=gbar_sq)
     k = len(weights)
     if k < 2:
         return StepStats(**base)
@@ -229,6 +233,14 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
     est = from_sums(math.fsum(w * q for w, q in zip(weights, sq_norms)), B, gbar_sq, k)
     return StepStats(**base, g2=est.g2, trace_sigma=est.trace_sigma, b_simple=est.b_simple,
                      norm_test=_norm_test(est.trace_sigma, B, gbar_sq))
+
+
+def _norms(mean: Mapping) -> tuple[dict, float]:
+    """StepStats' grad_norm and variable_norms of ``mean``, and its squared norm."""
+    sq = {name: squared_norm(v) for name, v in mean.items()}
+    total = math.fsum(sq.values())
+    return {"grad_norm": math.sqrt(total),
+            "variable_norms": {n: math.sqrt(v) for n, v in sq.items()}}, total
 
 
 class NoiseScaleEstimate(NamedTuple):

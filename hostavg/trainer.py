@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.errors import HostavgError
-from hostavg.gradients import Gradients, check_finite, conform, squared_norm
+from hostavg.gradients import Gradients, check_finite, conform
 from hostavg.graph import Wiring, load_variables, resolve_feed
 from hostavg.split import feed_size, split
 from hostavg.stats import StepStats, step_stats
@@ -356,7 +356,7 @@ class Trainer:
                 if new is not None:
                     mean = Gradients(conform(self.spec, new, what="on_step hook"),
                                      loss=mean.loss, size=mean.size)
-                    result = replace(result, grads=mean, stats=_renormed(result.stats, mean))
+                    result = replace(result, grads=mean, stats=result.stats.applied(mean))
             result = replace(result, step=self.apply(sess, mean))
         except BaseException:
             if state:
@@ -557,10 +557,3 @@ class Trainer:
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
-
-
-def _renormed(stats: StepStats, mean: Gradients) -> StepStats:
-    """``stats`` with grad_norm and variable_norms of ``mean``, which a hook replaced."""
-    sq = {name: squared_norm(v) for name, v in mean.items()}
-    return replace(stats, grad_norm=math.sqrt(math.fsum(sq.values())),
-                   variable_norms={n: math.sqrt(v) for n, v in sq.items()})

@@ -23,3 +23,9 @@ def test_gradients_is_a_read_only_mapping_with_a_global_norm():
     with pytest.raises(TypeError):
         g["a"] = np.zeros(1)
     assert "sparse 2 rows of (3, 1)" in repr(g)
+
+
+def test_an_empty_sparse_gradient_coalesces_to_itself():
+    g = SparseGradient(np.zeros(0, np.int64), np.zeros((0, 3), np.float32), (5, 3)).coalesce()
+    assert g.indices.shape == (0,) and g.values.shape == (0, 3)
+    assert g.to_dense().sum() == 0
