@@ -119,13 +119,16 @@ class Record:
         self._open = None  # (step, last micro-batch index) of the step being written
         self._recorded = []
 
+    def _begin(self, step: int) -> None:
+        self._writer.begin(step)
+        self._recorded = []
+
     def on_micro_batch(self, record):
         if record.step % self.every:
             return None
         # A new step, or the same step run again after a failure: start its file afresh.
         if self._open is None or self._open[0] != record.step or record.index <= self._open[1]:
-            self._writer.begin(record.step)
-            self._recorded = []
+            self._begin(record.step)
         self._open = (record.step, record.index)
         if self.micro:
             self._writer.write(f"micro/{record.index}", record.grads)
@@ -136,8 +139,7 @@ class Record:
         if result.step % self.every:
             return None
         if self._open is None or self._open[0] != result.step:
-            self._writer.begin(result.step)  # every micro-batch went before this hook saw it
-            self._recorded = []
+            self._begin(result.step)  # every micro-batch went before this hook saw it
         self._open = None
         self._writer.write("mean", mean)
         stats = result.stats

@@ -68,9 +68,6 @@ class Distributed:
             self.comm.Bcast(a, root=0)
         return out
 
-    def broadcast_object(self, obj):
-        return self.comm.bcast(obj, root=0)
-
     def reducer(self, spec, total: float):
         """A reducer (see :class:`~hostavg.accumulator.Reduction`) for the global mean over ``total`` weight."""
         def reduce(r: Reduction) -> dict:
