@@ -29,7 +29,7 @@ import numpy as np
 
 from hostavg.errors import HostavgError
 from hostavg.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
-                               conform)
+                               conform, freeze, is_frozen)
 
 __all__ = ["ACCUMULATE_MODES", "Accumulator", "Reduction", "RunningSum", "aligned_empty",
            "as_accum_dtype", "numpy_reduce", "stack_sum", "weighted_rows"]
@@ -120,9 +120,9 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
 class RunningSum:
     """sum_i w_i g_i of one dense variable, kept as ``scale * value`` in a reused buffer.
 
-    The first micro-batch sets the scale (its weight); a read-only first array
-    (as the session returns them) is not even copied: the second add writes
-    ``g_1 + g_2`` into the buffer. A weight equal to the scale then costs one
+    The first micro-batch sets the scale (its weight); a first array hostavg
+    froze (as the session returns them) is not even copied, since it cannot
+    change: the second add writes ``g_1 + g_2`` into the buffer. A weight equal to the scale then costs one
     pass (an add), another multiplies into a scratch buffer first. Arithmetic
     runs in the buffer's dtype.
 
@@ -147,10 +147,10 @@ class RunningSum:
         buf = self._buffer
         if self.scale is None:
             self.scale = w
-            if g.flags.writeable:  # the caller may change it later: keep a copy
-                np.copyto(buf, g, casting="same_kind")
-            else:
+            if is_frozen(g):
                 self._first = g
+            else:  # the caller may change it later: keep a copy
+                np.copyto(buf, g, casting="same_kind")
             return
         base, self._first = self.value, None
         if w == self.scale:
@@ -185,6 +185,11 @@ class Accumulator:
       reducer: turns a :class:`Reduction` into the mean; default
         :func:`numpy_reduce` (a trainer with ``average="graph"`` passes one that
         runs in its session).
+
+    What is added is owned by the accumulator from then on: arrays hostavg
+    froze are kept as they are, any other array is copied (see
+    :mod:`hostavg.gradients`), so changing or reusing it later changes nothing
+    here.
 
     Attributes:
       count: micro-batches added since construction or :meth:`reset`.
@@ -261,7 +266,10 @@ class Accumulator:
         loss = getattr(grads, "loss", None)
         values = conform(self.spec, grads, what=what)
         sq_norm = check_finite(values, what, loss, getattr(grads, "sq_norms", None))
-        weight = float(weight)
+        self._append(values, float(weight), loss, sq_norm)
+
+    def _append(self, values: dict, weight: float, loss: float | None, sq_norm: float) -> None:
+        """Adds values that :func:`~hostavg.gradients.conform` and :func:`check_finite` passed."""
         for name, value in values.items():
             if name in self._rows:
                 self._rows[name].append((value.indices, value.values, weight))
@@ -279,7 +287,7 @@ class Accumulator:
         self.count += 1
 
     def mean(self, reducer: Reducer | None = None) -> Gradients:
-        """The weighted mean of what was added, as new arrays (later adds do not change it).
+        """The weighted mean of what was added, as new read-only arrays (later adds do not change it).
 
         Args:
           reducer: for this call only, instead of the accumulator's own (an
@@ -301,7 +309,7 @@ class Accumulator:
         out = {}
         for name, s in self.spec.items():
             value = reduced[name]
-            out[name] = SparseGradient(*value, s.shape) if s.sparse else value
+            out[name] = SparseGradient(*map(freeze, value), s.shape) if s.sparse else freeze(value)
         loss = self._loss_sum / self.total_weight if self._losses_known and self.count else None
         return Gradients(out, loss=loss, size=self.total_weight)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from hostavg.errors import HostavgError
+from hostavg.errors import HostavgError, positive_int
 from hostavg.graph import load_variables
 
 v1 = tf.compat.v1
@@ -102,10 +102,8 @@ class CheckpointDir:
     """
 
     def __init__(self, path, keep: int = 3):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise HostavgError(f"keep must be an integer >= 1, got {keep!r}")
+        self.keep = positive_int("keep", keep)
         self.path = Path(path)
-        self.keep = keep
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints, oldest first."""

@@ -5,11 +5,24 @@ looks like once it has left the session: a read-only mapping from a variable's
 name (``var.op.name``) to a NumPy array of the variable's shape or, for a
 variable read through ``tf.gather`` / ``embedding_lookup``, to a
 :class:`SparseGradient` holding only the rows that were touched.
+
+Ownership, the one rule every part of hostavg follows:
+
+* what hostavg hands out (gradients from ``compute``, means, ``res.grads``,
+  micro-batch gradients) is **frozen**: a read-only view that cannot be made
+  writeable again, of an array nobody else holds (:func:`freeze`);
+* what hostavg receives (``acc.add``, ``apply``, what a hook returns) is kept
+  as it is when hostavg froze it itself, and **copied** otherwise
+  (:func:`own`), so a caller who later changes or reuses an array cannot
+  change a result;
+* a cached value about an array (a squared norm in :attr:`Gradients.sq_norms`)
+  is trusted only for arrays hostavg froze itself (:func:`is_frozen`).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -19,7 +32,45 @@ import numpy as np
 from hostavg.errors import HostavgError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
-           "nonfinite_entries", "squared_norm"]
+           "freeze", "is_frozen", "nonfinite_entries", "own", "squared_norm"]
+
+#: Every array :func:`freeze` made, by id, held weakly: what the caches may trust.
+_FROZEN = weakref.WeakValueDictionary()
+
+
+def freeze(array) -> np.ndarray:
+    """A read-only view of ``array``, which the caller hands over: nobody else may keep writing to it.
+
+    The view's base is read-only too, so the view cannot be made writeable
+    again. Used on arrays hostavg made (session outputs, means, copies); 0-d
+    values (NumPy scalars) become 0-d arrays.
+    """
+    base = np.asarray(array)
+    base.flags.writeable = False
+    view = base.view()
+    _FROZEN[id(view)] = view
+    return view
+
+
+def is_frozen(value) -> bool:
+    """Whether ``value`` (an array or a :class:`SparseGradient`) is made of arrays :func:`freeze` made."""
+    if isinstance(value, SparseGradient):
+        return is_frozen(value.indices) and is_frozen(value.values)
+    return _FROZEN.get(id(value)) is value
+
+
+def own(value, dtype=None):
+    """``value`` if hostavg froze it (and it has ``dtype``), else a frozen copy (cast to ``dtype``).
+
+    Casting to a narrower float turns values out of its range into Inf, which
+    :func:`check_finite` then reports.
+    """
+    if isinstance(value, SparseGradient):
+        return SparseGradient(own(value.indices), own(value.values, dtype), value.dense_shape)
+    if is_frozen(value) and (dtype is None or value.dtype == dtype):
+        return value
+    with np.errstate(over="ignore"):
+        return freeze(np.array(value, dtype=dtype, copy=True))
 
 
 class VariableSpec(NamedTuple):
@@ -110,7 +161,9 @@ class Gradients(Mapping):
       sq_norms: name -> squared L2 norm of that variable's gradient, where
         already known (``trainer.compute`` has the session reduce them, sparse
         rows coalesced); the finiteness check and the statistics use them
-        instead of reading the values again. Empty where unknown.
+        instead of reading the values again. A norm given to the constructor
+        is kept only for a value hostavg froze (:func:`is_frozen`), which
+        cannot change under it; empty where unknown.
 
     Example:
       >>> g = Gradients({"w": np.array([3.0, 4.0])}, loss=0.5, size=8)
@@ -125,7 +178,8 @@ class Gradients(Mapping):
         self._values = dict(values)
         self.loss = loss
         self.size = size
-        self.sq_norms = dict(sq_norms or {})
+        self.sq_norms = {name: float(q) for name, q in (sq_norms or {}).items()
+                         if name in self._values and is_frozen(self._values[name])}
 
     def __getitem__(self, name: str):
         return self._values[name]
@@ -184,13 +238,18 @@ def nonfinite_entries(value, sq_norm: float | None = None) -> tuple[int, int]:
     return int(np.isnan(array).sum()), int(np.isinf(array).sum())
 
 
+#: What a non-finite micro-batch gradient usually needs.
+INPUTS_HINT = ("Look at that micro-batch's inputs or lower the learning rate; to skip such "
+               "micro-batches instead, pass hooks=[hostavg.hooks.SkipNonFinite()] to the Trainer.")
+
+
 def check_finite(values: Mapping, what: str, loss: float | None = None,
-                 known: Mapping[str, float] | None = None) -> float:
+                 known: Mapping[str, float] | None = None, hint: str = INPUTS_HINT) -> float:
     """Raises HostavgError naming every variable with NaN or Inf (and the loss, if given); returns the squared norm.
 
     A squared norm is NaN or Inf whenever an entry is, so one is enough per
     variable: taken from ``known`` where given, else one pass over the values
-    (see :func:`nonfinite_entries`).
+    (see :func:`nonfinite_entries`). ``hint`` ends the message: where to look.
     """
     total, bad = 0.0, []
     known = known or {}
@@ -210,10 +269,7 @@ def check_finite(values: Mapping, what: str, loss: float | None = None,
         where = f"non-finite gradients in {', '.join(bad)}" if bad else "finite gradients"
         said = "" if loss is None else (f"; the loss was finite ({loss:.6g})" if loss_ok
                                         else f"{' and' if bad else ' but'} the loss is {loss}")
-        raise HostavgError(
-            f"{what}: {where}{said}. Nothing was applied. Look at that micro-batch's inputs "
-            f"or lower the learning rate; to skip such micro-batches instead, pass "
-            f"hooks=[hostavg.hooks.SkipNonFinite()] to the Trainer.")
+        raise HostavgError(f"{what}: {where}{said}. Nothing was applied. {hint}")
     return total
 
 
@@ -229,7 +285,8 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
     :func:`check_finite`'s.
 
     A dense value for a sparse variable becomes a :class:`SparseGradient` of all
-    rows; a sparse value for a dense variable is densified.
+    rows; a sparse value for a dense variable is checked like one for a sparse
+    variable, then densified.
 
     Args:
       spec: the variables, as the trainer sees them.
@@ -239,7 +296,8 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
         finiteness check sees float64 values that overflow float32 as Inf).
 
     Returns:
-      A dict in the spec's order.
+      A dict in the spec's order, of values hostavg owns (:func:`own`): the
+      caller's arrays are copied unless hostavg froze them itself.
     """
     if not isinstance(grads, Mapping):
         raise HostavgError(
@@ -252,26 +310,23 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
             f"{what}: gradient keys do not match the trained variables: "
             f"missing {missing}, unexpected {extra}. Use exactly the names of "
             f"trainer.spec (var.op.name of each variable that has a gradient).")
-    out = {}
-    for name, s in spec.items():
-        value = _conform_value(name, s, grads[name], what)
-        out[name] = _cast(value, s.dtype) if cast else value
-    return out
+    return {name: own(_conform_value(name, s, grads[name], what), s.dtype if cast else None)
+            for name, s in spec.items()}
 
 
 def _conform_value(name: str, s: VariableSpec, value, what: str):
-    if isinstance(value, SparseGradient):
-        if not s.sparse:
-            value = value.to_dense()
-    else:
+    if not isinstance(value, SparseGradient):
         value = np.asarray(value)
         if s.sparse and value.shape == s.shape:
-            value = SparseGradient(np.arange(s.shape[0]), value, s.shape)
+            value = SparseGradient(freeze(np.arange(s.shape[0])), value, s.shape)
     if not np.can_cast(value.dtype, s.dtype, casting="same_kind"):
         raise HostavgError(
             f"{what}: gradient of {name!r} has dtype {value.dtype}, which does not cast "
             f"safely to the variable's {np.dtype(s.dtype).name}; pass floating-point values")
     if isinstance(value, SparseGradient):
+        if not s.shape:
+            raise HostavgError(f"{what}: gradient of {name!r} is sparse (rows), but the variable "
+                               f"is a scalar; pass a 0-d array")
         idx = value.indices
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
             raise HostavgError(
@@ -287,17 +342,11 @@ def _conform_value(name: str, s: VariableSpec, value, what: str):
             raise HostavgError(
                 f"{what}: sparse gradient of {name!r} has row indices outside "
                 f"[0, {s.shape[0]}): min {idx.min()}, max {idx.max()}")
+        value = SparseGradient(idx, value.values, s.shape)
+        if not s.sparse:
+            return freeze(value.to_dense())
     elif value.shape != s.shape:
         raise HostavgError(
             f"{what}: gradient of {name!r} has shape {value.shape}, expected the "
             f"variable's shape {s.shape}")
     return value
-
-
-def _cast(value, dtype):
-    """Casts to ``dtype``; values out of its range become Inf, which check_finite reports."""
-    with np.errstate(over="ignore"):
-        if isinstance(value, SparseGradient):
-            return SparseGradient(value.indices, value.values.astype(dtype, copy=False),
-                                  value.dense_shape)
-        return value.astype(dtype, copy=False)

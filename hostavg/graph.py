@@ -16,12 +16,15 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
 from hostavg.accumulator import Reduction
-from hostavg.errors import HostavgError
-from hostavg.gradients import SparseGradient, VariableSpec
+from hostavg.engine import Computed, HostAverage
+from hostavg.errors import HostavgError, positive_int
+from hostavg.gradients import SparseGradient, VariableSpec, freeze
+from hostavg.split import feed_size
 
 v1 = tf.compat.v1
 
-__all__ = ["Wiring", "load_variables", "resolve_feed"]
+__all__ = ["GraphAverage", "SessionBackend", "Wiring", "assigned_variables", "load_variables",
+           "resolve_feed"]
 
 
 class Wiring:
@@ -66,37 +69,71 @@ class Wiring:
             updates = self.graph.get_collection(v1.GraphKeys.UPDATE_OPS)
             if updates:
                 self._fetches.append(tf.group(*updates, name="hostavg_update_ops"))
+            # What a failed step must restore: every variable the compute call may assign.
+            self.assigned = assigned_variables(self.graph, self._fetches)
+            self._assigned_values = [v.read_value() for v in self.assigned]
             self.train_op = optimizer.apply_gradients(pairs, global_step=self.global_step)
             self._apply_feeds = tuple(
                 t for g in self._grads for t in
                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
                  if isinstance(g, tf.IndexedSlices) else (g,)))
             self._callables = Callables()
+            self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
                 self._step_after = [self.global_step.read_value()]
-            self.state = _State(self.graph, optimizer, self.global_step) if updates else None
             self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
                 if average == "graph" else None
 
-    def compute(self, sess, feed: dict):
-        """Runs forward, backward and the UPDATE_OPS once.
-
-        Returns:
-          (loss, name -> value, global step, name -> squared norm of each gradient).
-        """
+    def compute(self, sess, feed: dict) -> Computed:
+        """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen."""
         out = self._callables.get(sess, self._fetches, tuple(feed))(*feed.values())
         got = iter(out[2:])
         values = {}
         for name, g in zip(self.names, self._grads):
             if isinstance(g, tf.IndexedSlices):
-                values[name] = SparseGradient(next(got), next(got), self.spec[name].shape)
+                values[name] = SparseGradient(freeze(next(got)), freeze(next(got)),
+                                              self.spec[name].shape)
             else:
-                values[name] = next(got)
-        norms = dict(zip(self.names, map(float, got)))
-        for value in values.values():
-            _read_only(*((value.indices, value.values) if isinstance(value, SparseGradient)
-                         else (value,)))
-        return out[0], values, int(out[1]), norms
+                values[name] = freeze(next(got))
+        return Computed(out[0], values, int(out[1]), dict(zip(self.names, map(float, got))))
+
+    def conform_feed(self, feed: dict, what: str) -> dict:
+        """Each value as an array of its key's dtype, checked against its key's shape, as ``sess.run`` would.
+
+        (The compiled session calls skip that check: an array of the wrong
+        shape would broadcast silently.)
+        """
+        out = {}
+        for key, value in feed.items():
+            form = self._feed_forms.get(key)
+            if form is None:
+                shape = key.shape
+                form = self._feed_forms[key] = (
+                    key.dtype.base_dtype.as_numpy_dtype,
+                    None if shape.rank is None else tuple(shape.as_list()))
+            dtype, shape = form
+            try:
+                array = np.asarray(value, dtype)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise HostavgError(f"{what}: feed {key.name!r} cannot be made an array of its "
+                                   f"dtype {np.dtype(dtype).name} ({e})") from None
+            if shape is not None and (array.ndim != len(shape) or any(
+                    want is not None and got != want for got, want in zip(array.shape, shape))):
+                raise HostavgError(
+                    f"{what}: feed {key.name!r} has shape {array.shape}, but it takes shape "
+                    f"{tuple(shape)} (None: any length)")
+            out[key] = array
+        return out
+
+    def snapshot(self, sess) -> list | None:
+        """The values of :attr:`assigned` (None when there are none)."""
+        if not self.assigned:
+            return None
+        return self._callables.get(sess, self._assigned_values, ())()
+
+    def restore(self, sess, values) -> None:
+        if values is not None:
+            load_variables(sess, self.assigned, values)
 
     def apply(self, sess, values: Mapping) -> int:
         """Feeds ``values`` through the gradient tensors, runs the train op once; returns the new global step."""
@@ -110,6 +147,111 @@ class Wiring:
             else:
                 args.append(value)
         return int(self._callables.get(sess, self._step_after, self._apply_feeds)(*args)[0])
+
+
+class SessionBackend:
+    """A trainer's :class:`Wiring` bound to one session: the engine's TF1 backend.
+
+    Session errors come out as :class:`HostavgError` saying what to do: an
+    uninitialized variable asks for the initializer to be run after the
+    Trainer is built; a feed the session refused points at the feed; any other
+    failure is reported as the session's, with its first line.
+    """
+
+    def __init__(self, wiring: Wiring, sess):
+        graph = getattr(sess, "graph", None)
+        if graph is not wiring.graph:
+            raise HostavgError(
+                f"the session runs another graph than the trainer's (got {sess!r}); "
+                f"create it with tf.compat.v1.Session(graph=loss.graph)")
+        self.wiring, self.session = wiring, sess
+        self.spec = wiring.spec
+
+    @property
+    def target(self):
+        return self.session
+
+    def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
+        feed = self.wiring.conform_feed(resolve_feed(self.wiring.graph, feed_dict, what), what)
+        if size is None:
+            n = feed_size(feed, what)
+            if n < 1:
+                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
+            return feed, n
+        return feed, positive_int(f"{what}: size", size)
+
+    def compute(self, feed: dict) -> Computed:
+        with _session_errors("compute"):
+            return self.wiring.compute(self.session, feed)
+
+    def apply(self, mean) -> int:
+        with _session_errors("apply"):
+            return self.wiring.apply(self.session, mean)
+
+    def global_step(self) -> int:
+        return int(self.session.run(self.wiring.global_step))
+
+    def snapshot(self):
+        return self.wiring.snapshot(self.session)
+
+    def restore(self, snapshot) -> None:
+        self.wiring.restore(self.session, snapshot)
+
+    def variables(self) -> list:
+        return self.session.run(self._globals())
+
+    def assign(self, values: list) -> None:
+        load_variables(self.session, self._globals(), values)
+
+    def _globals(self) -> list:
+        return self.wiring.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+
+
+class _session_errors:
+    """Turns what a session call raises into a HostavgError saying what to do."""
+
+    def __init__(self, call: str):
+        self.call = call
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None or isinstance(error, HostavgError) or not isinstance(error, Exception):
+            return False
+        said = f"{type(error).__name__}: {_first_line(error)}"
+        if isinstance(error, tf.errors.FailedPreconditionError) and "initializ" in str(error):
+            raise HostavgError(
+                f"a variable is not initialized ({said}); run "
+                f"tf.compat.v1.global_variables_initializer() after building the Trainer, "
+                f"which creates the optimizer's slots and the global step") from error
+        if isinstance(error, (tf.errors.InvalidArgumentError, ValueError, TypeError,
+                              OverflowError)):
+            raise HostavgError(f"the session refused the {self.call} ({said}); check that "
+                               f"micro-batch's feed") from error
+        if isinstance(error, (tf.errors.OpError, RuntimeError)):
+            raise HostavgError(f"the session failed in {self.call} ({said})") from error
+        return False
+
+
+def _first_line(error) -> str:
+    """The line of a TensorFlow error message that says what went wrong."""
+    for line in str(getattr(error, "message", error)).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ",
+                                         "Node: ")):
+            return line
+    return str(error)
+
+
+class GraphAverage(HostAverage):
+    """average="graph": the mean computed by the trainer's small averaging graph, in the step's session."""
+
+    def __init__(self, wiring: Wiring):
+        self._reducer = wiring.reducer
+
+    def reducer(self, backend: SessionBackend, total: float):
+        return self._reducer.bind(backend.session)
 
 
 class Callables:
@@ -171,6 +313,12 @@ def resolve_feed(graph, feed_dict: Mapping, what: str) -> dict:
             except (KeyError, ValueError, TypeError) as e:
                 raise HostavgError(
                     f"{what}: feed key {key!r} names nothing in the trainer's graph ({e})") from None
+            if isinstance(key, tf.Operation):  # "x" names the op; its one output is "x:0"
+                if len(key.outputs) != 1:
+                    raise HostavgError(
+                        f"{what}: feed key {key.name!r} names an op with {len(key.outputs)} "
+                        f"outputs; name the tensor, such as {key.name + ':0'!r}")
+                key = key.outputs[0]
         if getattr(key, "graph", None) is not graph:
             raise HostavgError(
                 f"{what}: feed key {getattr(key, 'name', key)!r} is not in the trainer's graph; "
@@ -185,31 +333,36 @@ def _coalesced_values(g: tf.IndexedSlices):
     return tf.math.unsorted_segment_sum(g.values, segments, tf.size(unique))
 
 
-def _read_only(*arrays) -> None:
-    for a in arrays:
-        a.flags.writeable = False
+#: Ops that take a variable (its resource handle) only to read it.
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+                    "VarIsInitializedOp", "IsVariableInitialized"})
 
 
-class _State:
-    """Saves and restores what UPDATE_OPS may change, so that a failed step leaves no trace.
+def assigned_variables(graph, fetches) -> list:
+    """The global variables that running ``fetches`` may assign, in collection order.
 
-    Those are the graph's non-trainable global variables other than the
-    optimizer's slots and the global step: batch-norm moving statistics and
-    the like. Reading them costs one small session run per step, and only
-    when the graph has UPDATE_OPS.
+    Walks back from the fetches through inputs and control inputs; a variable
+    counts when an op reached takes it by reference (``Assign``, ``AssignAdd``,
+    scatters) or by resource handle for anything but a read. A variable that
+    is only read (a frozen backbone, the weights) is not among them, so a
+    step's rollback snapshot does not grow with it.
     """
-
-    def __init__(self, graph, optimizer, global_step):
-        skip = {id(v) for v in optimizer.variables()} | {id(global_step)}
-        skip |= {id(v) for v in graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)}
-        self.variables = [v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-                          if id(v) not in skip]
-
-    def save(self, sess):
-        return sess.run(self.variables)
-
-    def restore(self, sess, values) -> None:
-        load_variables(sess, self.variables, values)
+    by_op = {v.op: v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
+    found, seen = set(), set()
+    todo = [f.op if isinstance(f, tf.Tensor) else f for f in fetches]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        for tensor, kind in zip(op.inputs, op._input_types):  # pylint: disable=protected-access
+            source = tensor.op
+            if source in by_op and (kind._is_ref_dtype or (kind == tf.resource  # pylint: disable=protected-access
+                                                           and op.type not in _READS)):
+                found.add(source)
+            todo.append(source)
+        todo.extend(op.control_inputs)
+    return [v for op, v in by_op.items() if op in found]
 
 
 def load_variables(sess, variables, values) -> None:

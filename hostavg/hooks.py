@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hostavg.errors import HostavgError
+from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import SparseGradient, nonfinite_entries
 from hostavg.record import _SCALARS, RecordWriter
-from hostavg.trainer import Drop
+from hostavg.results import Drop
 
 __all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "Record", "SkipNonFinite", "TensorBoard"]
 
@@ -112,8 +112,7 @@ class Record:
     """
 
     def __init__(self, path, every: int = 1, micro: bool = True):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise HostavgError(f"every must be an integer >= 1, got {every!r}")
+        positive_int("every", every)
         self.path, self.every, self.micro = Path(path), every, bool(micro)
         self._writer = RecordWriter(self.path)
         self._open = None  # (step, last micro-batch index) of the step being written
@@ -168,9 +167,7 @@ class TensorBoard:
     """
 
     def __init__(self, logdir, histograms_every: int = 100):
-        if isinstance(histograms_every, bool) or not isinstance(histograms_every, int) \
-                or histograms_every < 1:
-            raise HostavgError(f"histograms_every must be an integer >= 1, got {histograms_every!r}")
+        positive_int("histograms_every", histograms_every)
         self.logdir, self.histograms_every = str(logdir), histograms_every
         self._graph = None
 

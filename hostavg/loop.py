@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from hostavg.callbacks import StopTraining
 from hostavg.checkpoint import CheckpointDir, restore
-from hostavg.errors import HostavgError
+from hostavg.errors import HostavgError, positive_int
 from hostavg.graph import resolve_feed
 from hostavg.history import History, StepLog
 from hostavg.split import feed_size, split
@@ -141,11 +141,11 @@ def _micro_batches(feed: dict, n: int, micro_batch_size: int, rank: int, size: i
 
 def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
     """Raises HostavgError unless the sizes make sense together."""
-    _positive_int("batch_size", batch_size)
-    _positive_int("micro_batch_size", micro_batch_size)
-    _positive_int("epochs", epochs)
+    positive_int("batch_size", batch_size)
+    positive_int("micro_batch_size", micro_batch_size)
+    positive_int("epochs", epochs)
     if checkpoint_every is not None:
-        _positive_int("checkpoint_every", checkpoint_every)
+        positive_int("checkpoint_every", checkpoint_every)
     if micro_batch_size > batch_size:
         raise HostavgError(
             f"micro_batch_size ({micro_batch_size}) is larger than batch_size ({batch_size}); "
@@ -157,11 +157,6 @@ def _epoch_logs(history: History, epoch: int) -> dict:
     samples = sum(s.size for s in steps)
     loss = sum(s.loss * s.size for s in steps if s.size) / samples if samples else math.nan
     return {"epoch": epoch, "loss": loss, "samples": samples, "steps": len(steps)}
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise HostavgError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _callbacks(callbacks) -> dict:

@@ -27,10 +27,12 @@ from __future__ import annotations
 import math
 import sys
 import traceback
+import weakref
 
 import numpy as np
 
 from hostavg.accumulator import Reduction, aligned_empty, stack_sum, weighted_rows
+from hostavg.engine import Tally
 from hostavg.errors import HostavgError
 from hostavg.gradients import coalesce_rows
 
@@ -38,12 +40,15 @@ __all__ = ["Distributed"]
 
 
 class Distributed:
-    """A trainer's communicator: rank, size, and the collectives hostavg needs.
+    """The engine's :class:`~hostavg.engine.Average` across MPI ranks: a trainer's communicator.
 
     Attributes:
       comm: the mpi4py communicator.
       rank, size: this process's rank and the number of ranks.
     """
+
+    #: Each rank holds its own micro-batches only.
+    sees_every_micro_batch = False
 
     def __init__(self, comm):
         try:
@@ -55,7 +60,35 @@ class Distributed:
                                f"got {type(comm).__name__}")
         self.MPI, self.comm = MPI, comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._synchronized = weakref.WeakSet()
         abort_on_uncaught_exception(comm)
+
+    def begin(self, backend) -> None:
+        """The first time a target (a session) steps, every variable takes rank 0's value."""
+        if backend.target not in self._synchronized:
+            backend.assign(self.broadcast(backend.variables()))
+            self._synchronized.add(backend.target)
+
+    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+        """Every rank's tally together; if any rank failed, the same error on every rank."""
+        message = None if error is None else str(error) if isinstance(error, HostavgError) \
+            else f"{type(error).__name__}: {error}"
+        if error is not None and getattr(error, "__notes__", None):
+            message += " (" + "; ".join(error.__notes__) + ")"
+        reports = self.gather((message, tally))
+        failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(reports) if m is not None]
+        if failed:
+            raise HostavgError(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing "
+                               f"was applied on any: {' | '.join(failed)}") from error
+        tallies = [t for _, t in reports]
+        loss_sums = [t.loss_sum for t in tallies]
+        steps = [t.global_step for t in tallies if t.global_step is not None]
+        return Tally(*([x for t in tallies for x in getattr(t, f)]
+                       for f in ("weights", "sq_norms", "norms", "losses")),
+                     math.fsum(t.total for t in tallies),
+                     None if None in loss_sums else math.fsum(loss_sums),
+                     sum(t.size for t in tallies),
+                     steps[0] if steps else None)
 
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (small, pickled), in rank order."""
@@ -68,8 +101,10 @@ class Distributed:
             self.comm.Bcast(a, root=0)
         return out
 
-    def reducer(self, spec, total: float):
+    def reducer(self, backend, total: float):
         """A reducer (see :class:`~hostavg.accumulator.Reduction`) for the global mean over ``total`` weight."""
+        spec = backend.spec
+
         def reduce(r: Reduction) -> dict:
             out = {}
             dense = [n for n, s in spec.items() if not s.sparse]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hostavg.errors import HostavgError
+from hostavg.errors import HostavgError, positive_int
 
 __all__ = ["split", "feed_size"]
 
@@ -70,9 +70,7 @@ def split(feed_dict: Mapping, micro_batch_size: int) -> list[dict]:
       >>> [len(f["x"]) for f in split({"x": np.zeros((10, 3)), "lr": 0.1}, 4)]
       [4, 4, 2]
     """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, (int, np.integer)) \
-            or micro_batch_size < 1:
-        raise HostavgError(f"micro_batch_size must be an integer >= 1, got {micro_batch_size!r}")
+    positive_int("micro_batch_size", micro_batch_size)
     arrays = _arrays(feed_dict)
     n = _length(arrays, "split")
     if not n:

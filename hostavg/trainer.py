@@ -1,135 +1,23 @@
-"""The Trainer: compute a micro-batch's gradients, accumulate them on the host, apply the mean."""
+"""The TF1 face: a Trainer for a ``tf.compat.v1`` graph, over the step engine and a session backend."""
 
 from __future__ import annotations
 
-import math
-import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
+from hostavg.engine import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
 from hostavg.errors import HostavgError
-from hostavg.gradients import Gradients, check_finite, conform
-from hostavg.graph import Wiring, load_variables, resolve_feed
+from hostavg.gradients import Gradients
+from hostavg.graph import GraphAverage, SessionBackend, Wiring, resolve_feed
+from hostavg.results import Drop, MicroBatch, StepResult
 from hostavg.split import feed_size, split
-from hostavg.stats import StepStats, step_stats
 
 v1 = tf.compat.v1
 
 __all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer"]
-
-#: "host": the mean is computed with NumPy. "graph": the averaging runs in the
-#: session, as a division of the fed running sum ("sum") or a weighted reduce
-#: over a fed stack of micro-batch gradients ("stack").
-AVERAGE_MODES = ("host", "graph")
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Returned by a hook's ``on_micro_batch``: leave this micro-batch out of the step.
-
-    Attributes:
-      reason: recorded as the micro-batch's ``dropped``.
-    """
-
-    reason: str = "dropped by a hook"
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch of a step; hooks receive it before it is accumulated.
-
-    Attributes:
-      index: its position in the step, from 0.
-      size: its number of samples (its weight in the mean).
-      loss: its mean loss.
-      grads: its :class:`Gradients`. Hooks always see them; on a StepResult
-        they are kept in ``accumulate="stack"`` and None in "sum", which keeps
-        no per-micro-batch gradients.
-      start: the index of its first sample within the step's samples
-        (it covered samples start:start + size).
-      step: the global step the step will have after its apply.
-      dropped: why a hook dropped it (see :class:`hostavg.hooks.Drop`), or None.
-    """
-
-    index: int
-    size: int
-    loss: float
-    grads: Gradients | None
-    start: int = 0
-    step: int = 0
-    dropped: str | None = None
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did.
-
-    Attributes:
-      loss: the sample-weighted mean loss over the accumulated micro-batches,
-        sum_i n_i loss_i / sum_i n_i (None if the step was skipped).
-      grads: the :class:`Gradients` that were applied (None if skipped).
-      micro: one :class:`MicroBatch` per micro-batch, in order, dropped ones too.
-      step: the global step after the apply (unchanged if skipped).
-      size: samples accumulated, sum_i n_i over micro-batches not dropped.
-      stats: the step's :class:`~hostavg.stats.StepStats` (``grad_norm`` NaN
-        and no estimates if skipped).
-      skipped: why nothing was applied (every micro-batch was dropped), or None.
-      info: what hooks reported, by key (e.g. norms before clipping).
-    """
-
-    loss: float | None
-    grads: Gradients | None
-    micro: tuple
-    step: int
-    size: int
-    stats: StepStats | None = None
-    skipped: str | None = None
-    info: dict = field(default_factory=dict)
-
-    @property
-    def dropped(self) -> tuple:
-        """Indices of the micro-batches that hooks dropped."""
-        return tuple(m.index for m in self.micro if m.dropped is not None)
-
-    def micro_table(self):
-        """A pandas DataFrame, one row per micro-batch: index, start, size, loss, norm, cosine, dropped.
-
-        ``cosine`` (with the mean) is filled in "stack" mode only.
-        """
-        try:
-            import pandas as pd
-        except ImportError:
-            raise HostavgError("micro_table needs pandas: pip install pandas") from None
-        cos = iter(self.stats.cosines) if self.stats and self.stats.cosines else None
-        norms = self.stats.micro_norms if self.stats else [math.nan] * len(self.micro)
-        return pd.DataFrame([{
-            "index": m.index, "start": m.start, "size": m.size, "loss": m.loss, "norm": norm,
-            "cosine": next(cos) if cos is not None and m.dropped is None else math.nan,
-            "dropped": m.dropped} for m, norm in zip(self.micro, norms)]).set_index("index")
-
-
-class _Tally(NamedTuple):
-    """A step's bookkeeping: this process's, or (with comm) every rank's together.
-
-    weights, sq_norms: of each accumulated micro-batch; norms, losses: of each
-    micro-batch, dropped ones too; total: sum of the weights; loss_sum:
-    sum_i w_i loss_i (None if a loss was missing); size: samples accumulated;
-    global_step: before the apply (None where no micro-batch ran).
-    """
-
-    weights: list
-    sq_norms: list
-    norms: list
-    losses: list
-    total: float
-    loss_sum: float | None
-    size: int
-    global_step: int | None
 
 
 class Trainer:
@@ -156,13 +44,16 @@ class Trainer:
         variable's dtype.
       global_step: the variable the train op increments; default the graph's
         global step, created if missing.
-      hooks: objects with ``on_micro_batch(record)`` and/or
-        ``on_step(mean, result)``, called in order (see :mod:`hostavg.hooks`).
+      hooks: objects with ``on_micro_batch(micro)`` and/or
+        ``on_step(mean, result)``, called in order (see
+        :class:`~hostavg.results.Hook` and :mod:`hostavg.hooks`).
         ``on_micro_batch`` gets each :class:`MicroBatch` (with its gradients)
         before it is accumulated and returns None (keep it), a mapping of
         replacement gradients, or a :class:`Drop`. ``on_step`` gets the mean
         and the :class:`StepResult` before the apply and returns None or a
         replacement mean.
+      comm: an mpi4py communicator, to train over several processes
+        (:mod:`hostavg.mpi`).
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
@@ -205,22 +96,11 @@ class Trainer:
         if comm is not None and average == "graph":
             raise HostavgError("average='graph' cannot be combined with comm=: with several "
                                "processes the mean is the MPI reduction of the host sums")
+        hooks = normalize_hooks(hooks)
         if comm is not None:
             from hostavg.mpi import Distributed  # multi-worker sits above the trainer: imported on use
-            self._dist = Distributed(comm)
-        else:
-            self._dist = None
+            averaging = Distributed(comm)
         self.comm = comm
-        self._synchronized = weakref.WeakSet()
-        hooks = list(hooks)
-        for hook in hooks:
-            if not (callable(getattr(hook, "on_micro_batch", None))
-                    or callable(getattr(hook, "on_step", None))):
-                raise HostavgError(f"hook {hook!r} has neither on_micro_batch nor on_step")
-        self.hooks = tuple(hooks)
-        self._micro_hooks = [h.on_micro_batch for h in hooks
-                             if callable(getattr(h, "on_micro_batch", None))]
-        self._step_hooks = [h.on_step for h in hooks if callable(getattr(h, "on_step", None))]
         self.accumulate = accumulate
         self.average = average
         self.accum_dtype = as_accum_dtype(accum_dtype)
@@ -232,9 +112,11 @@ class Trainer:
         self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
-        # step's own, reused: its buffers are allocated once; step passes the reducer per call.
-        self._step_accumulator = Accumulator(self.spec, accumulate=accumulate,
-                                             accum_dtype=self.accum_dtype)
+        if comm is None:
+            averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
+        self._engine = Engine(self.spec, accumulate=accumulate, accum_dtype=self.accum_dtype,
+                              hooks=hooks, average=averaging)
+        self.hooks = self._engine.hooks
 
     def accumulator(self, sess=None) -> Accumulator:
         """A new, empty :class:`~hostavg.Accumulator` for this trainer's variables and settings.
@@ -243,11 +125,14 @@ class Trainer:
           sess: with ``average="graph"``, the session its mean() runs in
             (required there, ignored otherwise).
         """
-        if self.average == "graph" and sess is None:
-            raise HostavgError("average='graph' computes the mean in a session: pass it, as "
-                               "trainer.accumulator(sess)")
+        reducer = None
+        if self.average == "graph":
+            if sess is None:
+                raise HostavgError("average='graph' computes the mean in a session: pass it, as "
+                                   "trainer.accumulator(sess)")
+            reducer = self._wiring.reducer.bind(self._backend(sess).session)
         return Accumulator(self.spec, accumulate=self.accumulate, accum_dtype=self.accum_dtype,
-                           reducer=self._reducer(sess) if self.average == "graph" else None)
+                           reducer=reducer)
 
     def compute(self, sess, feed_dict: Mapping, *, size: int | None = None) -> Gradients:
         """Runs one micro-batch forward and backward and fetches its gradients.
@@ -257,23 +142,23 @@ class Trainer:
 
         Args:
           sess: a session running the trainer's graph.
-          feed_dict: {placeholder or its name: value} for one micro-batch.
+          feed_dict: {placeholder, its name ("x:0") or its op's name ("x"): value}
+            for one micro-batch.
           size: its number of samples; default the length of its arrays.
 
         Returns:
           :class:`Gradients` (read-only arrays) with ``.loss``, ``.size`` and
           ``.sq_norms`` (each gradient's squared norm, reduced in the session).
         """
-        self._check_session(sess)
-        feed = resolve_feed(self.graph, feed_dict, "compute")
-        return self._compute(sess, feed, self._size(feed, size, "compute"), "compute")[0]
+        return self._engine.compute(self._backend(sess), feed_dict, size)
 
     def apply(self, sess, grads: Mapping) -> int:
         """Feeds ``grads`` through the gradient tensors and runs the train op once.
 
         No forward or backward pass runs. ``grads`` is a :class:`Gradients` or
         any mapping with exactly the keys of :attr:`spec` (say, a dict a user
-        edited); values are cast to each variable's dtype.
+        edited); values are cast to each variable's dtype, and copied unless
+        hostavg made them (see :mod:`hostavg.gradients`).
 
         Returns:
           the global step after the apply (one more than before).
@@ -283,19 +168,18 @@ class Trainer:
             does not cast within its kind, or non-finite values; nothing is
             applied then.
         """
-        self._check_session(sess)
-        values = conform(self.spec, grads, what="apply", cast=True)
-        known = getattr(grads, "sq_norms", {})  # valid for values that conform passed through
-        check_finite(values, "apply", known={n: q for n, q in known.items() if values[n] is grads[n]})
-        return self._wiring.apply(sess, values)
+        return self._engine.apply(self._backend(sess), grads)
 
-    def step(self, sess, feeds: Sequence[Mapping]) -> StepResult:
+    def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None
+             ) -> StepResult:
         """One optimizer step over the micro-batches ``feeds``: compute, add, apply.
 
         The step is atomic: if any micro-batch fails (bad feed, non-finite
-        gradient or loss, an error in the session) nothing is applied, and
-        variables that UPDATE_OPS changed are restored, so the model, the
-        optimizer's slots and the global step are as they were.
+        gradient or loss, an error in the session or in a hook) nothing is
+        applied, and every variable that computing a micro-batch assigns
+        (UPDATE_OPS' moving statistics) is restored, so the model, the
+        optimizer's slots and the global step are as they were. See
+        :mod:`hostavg.engine` for the order of things and the threading model.
 
         Args:
           sess: a session running the trainer's graph.
@@ -305,123 +189,11 @@ class Trainer:
             size and statistics are over every rank's, ``micro`` lists this
             rank's, and if any rank fails, every rank raises the same error
             naming it, with nothing applied anywhere.
+          sizes: one number of samples per feed (its weight in the mean),
+            where the arrays can't tell: feeds of scalars only, or arrays of
+            different lengths. Default: the common length of each feed's arrays.
         """
-        self._check_session(sess)
-        if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
-            raise HostavgError(
-                f"step takes a list of feed dicts, one per micro-batch, got "
-                f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
-        if not len(feeds) and self._dist is None:
-            raise HostavgError("step got no micro-batches; pass at least one feed dict")
-        if self._dist is not None:
-            self._synchronize(sess)
-        acc = self._step_accumulator
-        acc.reset()
-        state = self._wiring.state
-        saved = state.save(sess) if state else None
-        micro, norms = [], []
-        stack = [] if self.accumulate == "stack" and self._dist is None else None
-        try:
-            try:
-                global_step = self._local(sess, feeds, acc, micro, norms, stack)
-                error = None
-            except Exception as e:  # noqa: BLE001 - with comm, every rank must hear of it
-                if self._dist is None:
-                    raise
-                error, global_step = e, None
-            tally = _Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
-                           acc.total_weight, acc.loss_sum,
-                           sum(m.size for m in micro if m.dropped is None), global_step)
-            if self._dist is not None:
-                tally = self._agree(sess, error, tally)
-            if not tally.total:
-                if state:
-                    state.restore(sess, saved)
-                return StepResult(None, None, tuple(micro), tally.global_step, 0,
-                                  StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
-                                  skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                          f"nothing was applied")
-            if self._dist is not None:
-                mean = acc.mean(self._dist.reducer(self.spec, tally.total))
-            else:
-                mean = acc.mean(self._reducer(sess) if self.average == "graph" else None)
-            stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses, stack)
-            mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
-                             size=tally.total,
-                             sq_norms={n: v * v for n, v in stats.variable_norms.items()})
-            result = StepResult(mean.loss, mean, tuple(micro), tally.global_step + 1, tally.size,
-                                stats)
-            for hook in self._step_hooks:
-                new = hook(mean, result)
-                if new is not None:
-                    mean = Gradients(conform(self.spec, new, what="on_step hook"),
-                                     loss=mean.loss, size=mean.size)
-                    result = replace(result, grads=mean, stats=result.stats.applied(mean))
-            result = replace(result, step=self.apply(sess, mean))
-        except BaseException:
-            if state:
-                state.restore(sess, saved)
-            raise
-        return result
-
-    def _local(self, sess, feeds, acc, micro, norms, stack) -> int | None:
-        """Computes and accumulates this process's micro-batches; returns the global step before the apply."""
-        prepared, start = [], 0
-        for i, feed_dict in enumerate(feeds):
-            what = f"micro-batch {i} of {len(feeds)}"
-            feed = resolve_feed(self.graph, feed_dict, f"step, {what}")
-            n = self._size(feed, None, f"step, {what}")
-            prepared.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
-            start += n
-        global_step = None
-        for i, (feed, n, start, what) in enumerate(prepared):
-            try:
-                g, global_step = self._compute(sess, feed, n, what)
-                record = self._micro_hooks_on(MicroBatch(i, n, g.loss, g, start, global_step + 1))
-                if record.dropped is None:
-                    acc.add(record.grads)
-            except HostavgError as e:
-                raise HostavgError(f"step, {what}: "
-                                   f"{str(e).removeprefix(f'micro-batch {i}: ')}") from None
-            except (tf.errors.OpError, ValueError, TypeError) as e:
-                raise HostavgError(
-                    f"step, {what}: the session failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0]}); check that micro-batch's feed") from e
-            if record.dropped is None:
-                if stack is not None:
-                    stack.append(record.grads)
-                norms.append(math.sqrt(acc.sq_norms[-1]))
-            else:
-                norms.append(record.grads.global_norm())
-            micro.append(record if self.accumulate == "stack" else replace(record, grads=None))
-        return global_step
-
-    def _agree(self, sess, error, tally: _Tally) -> _Tally:
-        """With comm: every rank's tally together, or, if any rank failed, one error on every rank."""
-        message = None if error is None else str(error) if isinstance(error, HostavgError) \
-            else f"{type(error).__name__}: {error}"
-        reports = self._dist.gather((message, tally))
-        failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(reports) if m is not None]
-        if failed:
-            raise HostavgError(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing "
-                               f"was applied on any: {' | '.join(failed)}") from error
-        tallies = [t for _, t in reports]
-        loss_sums = [t.loss_sum for t in tallies]
-        steps = [t.global_step for t in tallies if t.global_step is not None]
-        return _Tally(*([x for t in tallies for x in getattr(t, f)]
-                        for f in ("weights", "sq_norms", "norms", "losses")),
-                      math.fsum(t.total for t in tallies),
-                      None if None in loss_sums else math.fsum(loss_sums),
-                      sum(t.size for t in tallies),
-                      steps[0] if steps else int(sess.run(self.global_step)))
-
-    def _synchronize(self, sess) -> None:
-        """With comm, the first time a session steps: every variable takes rank 0's value."""
-        if sess in self._synchronized:
-            return
-        variables = self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-        load_variables(sess, variables, self._dist.broadcast(sess.run(variables)))
-        self._synchronized.add(sess)
+        return self._engine.step(self._backend(sess), feeds, sizes)
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
         """The loss (and ``metrics``) over ``data``, sample-weighted, without training.
@@ -517,43 +289,13 @@ class Trainer:
         from hostavg.checkpoint import restore
         return restore(self.graph, sess, path)
 
-    def _micro_hooks_on(self, record: MicroBatch) -> MicroBatch:
-        for hook in self._micro_hooks:
-            out = hook(record)
-            if isinstance(out, Drop):
-                return replace(record, dropped=out.reason)
-            if out is not None:
-                grads = Gradients(conform(self.spec, out, what="on_micro_batch hook"),
-                                  loss=record.loss, size=record.size)
-                record = replace(record, grads=grads)
-        return record
-
-    def _compute(self, sess, feed: dict, n: int, what: str) -> tuple[Gradients, int]:
-        loss, values, global_step, sq_norms = self._wiring.compute(sess, feed)
-        if np.ndim(loss) != 0:
-            raise HostavgError(
-                f"{what}: the loss has shape {np.shape(loss)}, not a scalar; reduce it with tf.reduce_mean")
-        return Gradients(values, loss=float(loss), size=n, sq_norms=sq_norms), global_step
-
-    def _size(self, feed: dict, size, what: str) -> int:
-        n = feed_size(feed, what) if size is None else size
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n!r}")
-        return int(n)
-
-    def _reducer(self, sess):
-        if self._wiring.reducer is None:
-            return None
-        self._check_session(sess)
-        return self._wiring.reducer.bind(sess)
+    def _backend(self, sess) -> SessionBackend:
+        return SessionBackend(self._wiring, sess)
 
     def _check_session(self, sess) -> None:
-        graph = getattr(sess, "graph", None)
-        if graph is not self.graph:
-            raise HostavgError(
-                f"the session runs another graph than the trainer's (got {sess!r}); "
-                f"create it with tf.compat.v1.Session(graph=loss.graph)")
+        self._backend(sess)
 
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
+

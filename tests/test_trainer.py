@@ -264,7 +264,8 @@ def test_step_errors_leave_everything_unchanged():
     wrong_width = [dict(g) for g in f]
     wrong_width[2][x] = np.ones((10, 5), np.float32)
     unchanged(case, lambda: t.step(s, wrong_width),
-              r"step, micro-batch 2 of 4 \(samples 20:30\): the session failed")
+              r"step, micro-batch 2 of 4: feed 'x:0' has shape \(10, 5\), but it takes shape "
+              r"\(None, 6\)")
     other = build()
     with other.graph.as_default():
         stranger = v1.placeholder(np.float32, [None], name="stranger")

@@ -1,0 +1,368 @@
+"""The step engine: one optimizer step over k micro-batches, for any framework. Pure NumPy.
+
+A step runs, in this order (:meth:`Engine.step`):
+
+1. the rollback snapshot is taken: the values of the variables that computing
+   a micro-batch may assign (batch-norm moving statistics);
+2. every micro-batch's feed is checked and sized before any of them runs;
+3. each micro-batch is computed (forward, backward, its UPDATE_OPS), shown to
+   the ``on_micro_batch`` hooks, checked finite and added to the accumulator,
+   weighted by its number of samples;
+4. the averaging agrees on the step (alone: nothing to agree on; over MPI:
+   every rank's bookkeeping, or one error on every rank) and turns the sums
+   into the sample-weighted mean;
+5. the step's statistics and :class:`~hostavg.StepResult` are made and the
+   ``on_step`` hooks run;
+6. the mean is applied: the optimizer's train op runs once.
+
+If anything in 2-6 fails, the snapshot is restored and the error propagates:
+the model, the optimizer's state and the global step are as they were. A
+step whose micro-batches were all dropped by hooks is restored too.
+
+The engine knows no framework. What it needs of one is a :class:`Backend`
+(the TF1 session wiring, :mod:`hostavg.graph`; a Keras model), and where the
+mean is computed is an :class:`Average` chosen when the trainer is made
+(:class:`HostAverage`: NumPy; ``hostavg.graph.GraphAverage``: a small graph
+in the session; ``hostavg.mpi.Distributed``: across MPI ranks).
+
+Threading: a trainer runs one step at a time. A second :meth:`Engine.step`
+while one is running (from another thread, or from a hook) raises
+:class:`~hostavg.HostavgError`; use one trainer per thread. ``compute`` and
+``apply`` keep no state between calls and may run beside a step, with the
+framework's own thread safety (a TF1 session's ``run`` is thread-safe).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from hostavg.accumulator import Accumulator, Reducer
+from hostavg.errors import HostavgError, positive_int
+from hostavg.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform
+from hostavg.results import Drop, MicroBatch, StepResult
+from hostavg.stats import StepStats, step_stats
+
+__all__ = ["AVERAGE_MODES", "Average", "Backend", "Computed", "Engine", "HostAverage", "Tally",
+           "normalize_hooks"]
+
+#: What a non-finite mean of finite micro-batches means.
+OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted sum overflowed the "
+                 "accumulation dtype: accumulate in float64 with accum_dtype='float64'.")
+
+#: Where a trainer computes the mean of the accumulated gradients. "host":
+#: with NumPy. "graph": in the session, as a division of the fed running sum
+#: ("sum") or a weighted reduce over a fed stack of micro-batch gradients ("stack").
+AVERAGE_MODES = ("host", "graph")
+
+
+class Computed(NamedTuple):
+    """One micro-batch as a backend computed it.
+
+    Attributes:
+      loss: its mean loss (a float, or a 0-d array).
+      grads: name -> frozen array or SparseGradient of frozen arrays
+        (:func:`~hostavg.gradients.freeze`), exactly the spec's names.
+      global_step: the global step before this step's apply.
+      sq_norms: name -> squared L2 norm of each gradient (sparse rows
+        coalesced), reduced where the values were made.
+    """
+
+    loss: Any
+    grads: dict
+    global_step: int
+    sq_norms: dict
+
+
+class Backend(Protocol):
+    """What the engine needs of a framework: one model, bound to where its values live.
+
+    Errors of the framework are raised as :class:`~hostavg.HostavgError` whose
+    message says what failed and what to do, without saying where (the engine
+    adds the micro-batch).
+    """
+
+    #: name -> VariableSpec of every trained variable.
+    spec: Mapping[str, VariableSpec]
+    #: The object that holds the variables' values (a TF1 session, a Keras
+    #: model): an Average keeps it weakly, to know whether it met it before.
+    target: Any
+
+    def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
+        """The feed made ready to compute, and its number of samples (``size`` if given)."""
+
+    def compute(self, feed) -> Computed:
+        """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
+
+    def apply(self, mean: Mapping) -> int:
+        """Runs the optimizer once on ``mean`` (conformed, finite); returns the new global step."""
+
+    def global_step(self) -> int:
+        """The global step now."""
+
+    def snapshot(self) -> Any:
+        """The values of every variable :meth:`compute` may assign (None if there are none)."""
+
+    def restore(self, snapshot) -> None:
+        """Sets those variables back to a :meth:`snapshot`."""
+
+    def variables(self) -> list:
+        """Every variable's value (model, optimizer state, global step), in a fixed order."""
+
+    def assign(self, values: list) -> None:
+        """Sets every variable, in :meth:`variables`' order."""
+
+
+class Tally(NamedTuple):
+    """A step's bookkeeping: this process's, or (over MPI) every rank's together.
+
+    Attributes:
+      weights, sq_norms: of each accumulated micro-batch.
+      norms, losses: of each micro-batch, dropped ones too.
+      total: sum of the weights.
+      loss_sum: sum_i w_i loss_i (None if a loss was missing).
+      size: samples accumulated.
+      global_step: before the apply (None where no micro-batch ran).
+    """
+
+    weights: list
+    sq_norms: list
+    norms: list
+    losses: list
+    total: float
+    loss_sum: float | None
+    size: int
+    global_step: int | None
+
+
+class Average(Protocol):
+    """Where the mean of a step is computed; chosen once, when a trainer is made."""
+
+    #: Whether this process holds every micro-batch of the step (then the
+    #: statistics that need every micro-batch's gradients can be computed).
+    sees_every_micro_batch: bool
+
+    def begin(self, backend: Backend) -> None:
+        """Called before each step (over MPI: the first step of a target takes rank 0's values)."""
+
+    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+        """The step's tally; raises if this process (or any rank) failed with ``error``."""
+
+    def reducer(self, backend: Backend, total: float) -> Reducer | None:
+        """The reducer that turns the accumulator's sums into the mean over ``total`` weight (None: NumPy)."""
+
+
+class HostAverage:
+    """One process; the mean is computed on the host with NumPy."""
+
+    sees_every_micro_batch = True
+
+    def begin(self, backend: Backend) -> None:
+        pass
+
+    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+        if error is not None:
+            raise error
+        return tally
+
+    def reducer(self, backend: Backend, total: float) -> Reducer | None:
+        return None
+
+
+class Engine:
+    """Runs steps (and lone computes and applies) of one trainer over a :class:`Backend`.
+
+    Args:
+      spec: name -> :class:`VariableSpec` of every trained variable.
+      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
+      accum_dtype: the host accumulation dtype, or None (each variable's).
+      hooks: see :class:`~hostavg.results.Hook`.
+      average: an :class:`Average`; default :class:`HostAverage`.
+    """
+
+    def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
+                 accum_dtype=None, hooks=(), average: Average | None = None):
+        hooks = normalize_hooks(hooks)
+        self.spec = spec
+        self.hooks = hooks
+        self.average = average or HostAverage()
+        self._micro_hooks = [(h, h.on_micro_batch) for h in hooks
+                             if callable(getattr(h, "on_micro_batch", None))]
+        self._step_hooks = [(h, h.on_step) for h in hooks if callable(getattr(h, "on_step", None))]
+        self._keep_micro = accumulate == "stack"
+        # The step's own accumulator: its buffers are allocated once and reused.
+        self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
+        self._busy = threading.Lock()
+
+    def compute(self, backend: Backend, feed, size: int | None = None) -> Gradients:
+        """One micro-batch's :class:`Gradients` (read-only), with ``.loss``, ``.size``, ``.sq_norms``."""
+        feed, n = backend.prepare(feed, size, "compute")
+        return self._compute(backend, feed, n, "compute")[0]
+
+    def apply(self, backend: Backend, grads: Mapping, what: str = "apply",
+              hint: str = "Look at what produced these values.") -> int:
+        """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them; returns the new global step."""
+        values = conform(self.spec, grads, what=what, cast=True)
+        known = getattr(grads, "sq_norms", {})  # trusted for the values conform kept as they were
+        check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
+                     hint=hint)
+        return backend.apply(values)
+
+    def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None
+             ) -> StepResult:
+        """One optimizer step over the micro-batches ``feeds`` (see the module docstring)."""
+        if not self._busy.acquire(blocking=False):
+            raise HostavgError(
+                "another step of this trainer is running (in another thread, or a hook called "
+                "step); a trainer runs one step at a time: use one trainer per thread")
+        try:
+            self.average.begin(backend)
+            snapshot = backend.snapshot()
+            try:
+                result = self._step(backend, feeds, sizes)
+            except BaseException:
+                backend.restore(snapshot)
+                raise
+            if result.skipped:
+                backend.restore(snapshot)
+            return result
+        finally:
+            self._busy.release()
+
+    def _step(self, backend, feeds, sizes) -> StepResult:
+        acc, micro, kept = self._acc, [], [] if self._keep_micro else None
+        acc.reset()
+        norms = []
+        try:
+            batches = _prepare(backend, feeds, sizes)
+            global_step = self._micro_batches(backend, batches, acc, micro, norms, kept)
+            error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
+                                       acc.total_weight, acc.loss_sum,
+                                       sum(m.size for m in micro if m.dropped is None), global_step)
+        except Exception as e:  # noqa: BLE001 - over MPI every rank must hear of it
+            error, tally = e, None
+        tally = self.average.agree(tally, error)
+        if not tally.norms:
+            raise HostavgError("step got no micro-batches; pass at least one feed dict")
+        global_step = backend.global_step() if tally.global_step is None else tally.global_step
+        if not tally.total:
+            return StepResult(None, None, tuple(micro), global_step, 0,
+                              StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
+                              skipped=f"all {len(tally.norms)} micro-batches were dropped; "
+                                      f"nothing was applied")
+
+        mean = acc.mean(self.average.reducer(backend, tally.total))
+        stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
+                           kept if self.average.sees_every_micro_batch else None)
+        mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
+                         size=tally.total,
+                         sq_norms={n: v * v for n, v in stats.variable_norms.items()})
+        result = StepResult(mean.loss, mean, tuple(micro), global_step + 1, tally.size, stats)
+        what, hint = "step, the mean", OVERFLOW_HINT
+        for hook, on_step in self._step_hooks:
+            new = _call(hook, on_step, (mean, result), f"on_step of step {global_step + 1}")
+            if new is not None:
+                what = f"step, the mean that on_step hook {_name(hook)} returned"
+                hint = "Look at that hook."
+                mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
+                                 size=mean.size)
+                result = replace(result, grads=mean, stats=result.stats.applied(mean))
+        return replace(result, step=self.apply(backend, mean, what, hint))
+
+    def _micro_batches(self, backend, batches, acc, micro, norms, kept) -> int:
+        """Computes, shows to the hooks and accumulates each micro-batch; returns the global step."""
+        global_step = None
+        for i, (feed, n, start, where) in enumerate(batches):
+            g, global_step = self._compute(backend, feed, n, f"step, {where}")
+            record, changed_by = MicroBatch(i, n, g.loss, g, start, global_step + 1), None
+            for hook, on_micro_batch in self._micro_hooks:
+                out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
+                if isinstance(out, Drop):
+                    record = replace(record, dropped=out.reason)
+                    break
+                if out is not None:
+                    changed_by = hook
+                    grads = conform(self.spec, out, what=f"step, {where}, on_micro_batch hook "
+                                                         f"{_name(hook)}'s gradients")
+                    record = replace(record, grads=Gradients(grads, loss=record.loss, size=n))
+            if record.dropped is None:
+                hint = INPUTS_HINT if changed_by is None else (
+                    f"They were finite before on_micro_batch hook {_name(changed_by)} replaced "
+                    f"them: look at that hook." if math.isfinite(g.global_norm()) else INPUTS_HINT)
+                sq_norm = check_finite(record.grads, f"step, {where}", record.loss,
+                                       record.grads.sq_norms, hint)
+                acc._append(dict(record.grads), float(n), record.loss, sq_norm)
+                norms.append(math.sqrt(sq_norm))
+                if kept is not None:
+                    kept.append(record.grads)
+            else:
+                norms.append(record.grads.global_norm())
+            micro.append(record if self._keep_micro else replace(record, grads=None))
+        return global_step
+
+    def _compute(self, backend, feed, n: int, where: str) -> tuple[Gradients, int]:
+        try:
+            out = backend.compute(feed)
+        except HostavgError as e:
+            raise HostavgError(f"{where}: {e}") from e.__cause__
+        if np.ndim(out.loss) != 0:
+            raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
+                               f"reduce it with tf.reduce_mean")
+        return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
+            out.global_step
+
+
+def normalize_hooks(hooks) -> tuple:
+    """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
+    hooks = () if hooks is None else hooks
+    if isinstance(hooks, (Mapping, str)) or not isinstance(hooks, Iterable) or _is_hook(hooks):
+        raise HostavgError(f"hooks must be a list of hook objects, got {hooks!r}; e.g. "
+                           f"hooks=[hostavg.hooks.SkipNonFinite()]")
+    hooks = tuple(hooks)
+    for hook in hooks:
+        if not _is_hook(hook):
+            raise HostavgError(f"hook {hook!r} has neither on_micro_batch nor on_step")
+    return hooks
+
+
+def _prepare(backend, feeds, sizes) -> list:
+    """Every micro-batch checked and sized before any runs: (feed, n, start, where) each."""
+    if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
+        raise HostavgError(
+            f"step takes a list of feed dicts, one per micro-batch, got "
+            f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
+    if sizes is not None:
+        if isinstance(sizes, Mapping) or not isinstance(sizes, (Sequence, np.ndarray)) \
+                or len(sizes) != len(feeds):
+            raise HostavgError(f"sizes must hold one number of samples per feed ({len(feeds)}), "
+                               f"got {sizes!r}")
+        sizes = [positive_int(f"sizes[{i}]", n) for i, n in enumerate(sizes)]
+    out, start = [], 0
+    for i, feed in enumerate(feeds):
+        what = f"micro-batch {i} of {len(feeds)}"
+        feed, n = backend.prepare(feed, None if sizes is None else sizes[i], f"step, {what}")
+        out.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
+        start += n
+    return out
+
+
+def _call(hook, method, args, where: str):
+    """``method(*args)``; an exception it raises propagates as it is, with a note naming the hook."""
+    try:
+        return method(*args)
+    except Exception as e:
+        e.add_note(f"hostavg: raised by hook {_name(hook)} in {where}; nothing was applied")
+        raise
+
+
+def _is_hook(obj) -> bool:
+    return callable(getattr(obj, "on_micro_batch", None)) or callable(getattr(obj, "on_step", None))
+
+
+def _name(hook) -> str:
+    return type(hook).__name__
