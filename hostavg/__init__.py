@@ -13,10 +13,12 @@ import importlib
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator
 from hostavg.callbacks import Callback, EarlyStopping, StopTraining
+from hostavg.engine import AVERAGE_MODES
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.history import History, StepLog
 from hostavg.record import load_record
+from hostavg.results import MicroBatch, StepResult
 from hostavg.split import split
 from hostavg.stats import NoiseScale, StepStats
 
@@ -24,9 +26,6 @@ __version__ = "0.1.0"
 
 # Public names whose module imports TensorFlow (or matplotlib): name -> module.
 _LAZY = {
-    "AVERAGE_MODES": "hostavg.trainer",
-    "MicroBatch": "hostavg.trainer",
-    "StepResult": "hostavg.trainer",
     "Trainer": "hostavg.trainer",
 }
 _SUBMODULES = ("hooks", "plot", "stats")

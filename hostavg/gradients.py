@@ -41,22 +41,28 @@ _FROZEN = weakref.WeakValueDictionary()
 def freeze(array) -> np.ndarray:
     """A read-only view of ``array``, which the caller hands over: nobody else may keep writing to it.
 
-    The view's base is read-only too, so the view cannot be made writeable
-    again. Used on arrays hostavg made (session outputs, means, copies); 0-d
-    values (NumPy scalars) become 0-d arrays.
+    Every NumPy array it is a view of is made read-only too, so the view
+    cannot be made writeable again where NumPy can tell (an array over a
+    foreign buffer, as a session returns them, can still have its flag set
+    back by hand; hostavg then stops trusting it, see :func:`is_frozen`).
+    Used on arrays hostavg made (session outputs, means, copies); 0-d values
+    (NumPy scalars) become 0-d arrays.
     """
     base = np.asarray(array)
-    base.flags.writeable = False
+    link = base
+    while isinstance(link, np.ndarray):
+        link.flags.writeable = False
+        link = link.base
     view = base.view()
     _FROZEN[id(view)] = view
     return view
 
 
 def is_frozen(value) -> bool:
-    """Whether ``value`` (an array or a :class:`SparseGradient`) is made of arrays :func:`freeze` made."""
+    """Whether ``value`` (an array or a :class:`SparseGradient`) is made of arrays :func:`freeze` made, still read-only."""
     if isinstance(value, SparseGradient):
         return is_frozen(value.indices) and is_frozen(value.values)
-    return _FROZEN.get(id(value)) is value
+    return _FROZEN.get(id(value)) is value and not value.flags.writeable
 
 
 def own(value, dtype=None):

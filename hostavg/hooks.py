@@ -1,7 +1,10 @@
 """Built-in trainer hooks: skip non-finite micro-batches, clip, record, log to TensorBoard.
 
-A hook is any object with ``on_micro_batch(record)`` and/or
-``on_step(mean, result)``; pass them as ``hostavg.Trainer(..., hooks=[...])``.
+A hook is any object with ``on_micro_batch(micro)`` and/or
+``on_step(mean, result)`` (:class:`hostavg.results.Hook`); pass them as
+``hostavg.Trainer(..., hooks=[...])``. Everything a hook is given is
+read-only: to change gradients, return new ones. Pure NumPy: TensorFlow is
+imported only when a :class:`TensorBoard` hook writes its first step.
 They run in the order given, so put :class:`Record` and :class:`TensorBoard`
 after the hooks that change gradients, to see what is applied.
 """

@@ -62,6 +62,11 @@ class Trainer:
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
       hooks: the hooks, in the order they run.
+      rollback_variables: the variables a failed step restores: those that
+        computing a micro-batch may assign (UPDATE_OPS' moving statistics,
+        counters in the forward pass). Variables that are only read (weights,
+        a frozen backbone) are not among them; when it is empty a step takes
+        no snapshot at all.
       comm: the communicator, or None.
 
     Example::
@@ -112,6 +117,7 @@ class Trainer:
         self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
+        self.rollback_variables = tuple(self._wiring.assigned)
         if comm is None:
             averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
         self._engine = Engine(self.spec, accumulate=accumulate, accum_dtype=self.accum_dtype,

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from hostavg import bench
 from hostavg.cli import main
 
@@ -20,6 +22,7 @@ def test_bench_smallest_writes_json_and_every_implementation_ends_with_the_same_
     assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
 
 
+@pytest.mark.slow
 def test_sum_mode_memory_does_not_grow_with_k_and_stack_mode_does():
     mib = 2 ** 20
     grad_bytes = 305_290 * 4

@@ -47,6 +47,7 @@ def test_mistakes_exit_2_with_one_line(tmp_path, capsys):
                    "was written by a different model")
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     # Next to this Python first: `python -m pip` installs scripts there even where that
     # folder is not on PATH (pyenv without a rehash, say).

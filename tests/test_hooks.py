@@ -146,6 +146,7 @@ def test_record_holds_what_was_applied_and_loads_lazily_without_pickle(tmp_path)
             assert "meta" in z.files
 
 
+@pytest.mark.slow
 def test_record_survives_a_process_killed_mid_run(tmp_path):
     rec = tmp_path / "rec"
     script = Path(__file__).with_name("record_script.py")

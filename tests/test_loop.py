@@ -232,6 +232,7 @@ def wait_for_step(proc, step, timeout=60):
     raise AssertionError(f"the fit script ended before step {step}: rc {proc.wait()}")
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
     straight = run_script(tmp_path / "straight", tmp_path / "straight.npz")
     killed = run_script(tmp_path / "resumed", tmp_path / "unused.npz", 0.2)

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
@@ -28,6 +29,7 @@ def test_notebooks_are_stored_without_outputs():
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), path.name
 
 
+@pytest.mark.slow
 def test_quickstart_shows_the_accumulated_step_equals_the_full_batch_step():
     printed = run("quickstart")
     diffs = [float(d) for d in re.findall(r"max \|difference\| = (\S+)", printed)]
@@ -35,12 +37,14 @@ def test_quickstart_shows_the_accumulated_step_equals_the_full_batch_step():
     assert float(re.search(r"test accuracy after \d+ steps: (\S+)", printed).group(1)) > 0.85
 
 
+@pytest.mark.slow
 def test_inspect_gradients_finds_then_skips_the_corrupted_micro_batch():
     printed = run("inspect_gradients")
     assert "step, micro-batch 2 of 8 (samples 64:96): non-finite gradients in 'w1'" in printed
     assert "dropped: (2,)" in printed and "samples applied: 224 of 256" in printed
 
 
+@pytest.mark.slow
 def test_batch_size_estimates_the_noise_scale_and_compares_two_batches():
     printed = run("batch_size")
     estimate = float(re.search(r"running B_simple after 150 steps: (\S+) samples", printed).group(1))

@@ -78,11 +78,11 @@ def test_float64_model_and_float64_accumulation():
 class Case:
     """One dense model with a trainer, initialised, plus a batch split into 4 micro-batches."""
 
-    def __init__(self, accumulate="sum", average="host", **model_kw):
+    def __init__(self, accumulate="sum", average="host", hooks=(), **model_kw):
         self.model = build(**model_kw)
         with self.model.graph.as_default():
             self.trainer = hostavg.Trainer(self.model.loss, v1.train.AdamOptimizer(0.01),
-                                           accumulate=accumulate, average=average)
+                                           accumulate=accumulate, average=average, hooks=hooks)
             self.init = v1.global_variables_initializer()
         self.sess = v1.Session(graph=self.model.graph)
         self.sess.run(self.init)
@@ -234,14 +234,15 @@ def test_sparse_gradients_stay_sparse():
 # --- Bad input: one clear error, and nothing changed ----------------------------------
 
 
-def unchanged(case, action, match):
-    """Runs ``action``; asserts it raises HostavgError matching ``match`` and changes nothing."""
+def unchanged(case, action, match, kind=hostavg.HostavgError):
+    """Runs ``action``; asserts it raises ``kind`` matching ``match`` and changes nothing; returns the error."""
     before = case.values()
-    with pytest.raises(hostavg.HostavgError, match=match):
+    with pytest.raises(kind, match=match) as raised:
         action()
     after = case.values()
     for name in before:
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    return raised.value
 
 
 def test_step_errors_leave_everything_unchanged():
