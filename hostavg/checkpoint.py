@@ -69,6 +69,7 @@ def restore(graph, sess, path) -> dict | None:
         by a different model (variables missing, unexpected, or of another
         shape or dtype); no variable is changed then.
     """
+    _refuse_saver_checkpoint(path)
     variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -91,6 +92,18 @@ def restore(graph, sess, path) -> dict | None:
             f"that wrote it, or use another checkpoint directory")
     load_variables(sess, variables, [stored[n] for n in names])
     return meta["fit"]
+
+
+def _refuse_saver_checkpoint(path) -> None:
+    """Raises HostavgError when ``path`` is a ``tf.train.Saver`` checkpoint (a prefix, its files, its folder)."""
+    path = Path(path)
+    prefix = re.sub(r"\.(index|meta|data-\d+-of-\d+)$", "", str(path))
+    if Path(prefix + ".index").exists() or (path.is_dir() and (path / "checkpoint").exists()):
+        shown = prefix if not path.is_dir() else v1.train.latest_checkpoint(str(path)) or path
+        raise HostavgError(
+            f"{path} is a tf.train.Saver checkpoint, not one of hostavg's: restore it with "
+            f"saver.restore(sess, {str(shown)!r}); trainer.restore reads the .npz files that "
+            f"trainer.save and fit(checkpoint_dir=...) write")
 
 
 class CheckpointDir:

@@ -179,6 +179,12 @@ def _train(args) -> int:
                   f"{len(data.x_test)} test samples; MLP {args.hidden} with "
                   f"{model.parameters:,} parameters; batch {args.batch_size} = micro-batches of "
                   f"{args.micro_batch_size}; {args.optimizer}", flush=True)
+        # Does a step over micro-batches equal the full-batch step for this model? Changes nothing.
+        first = slice(0, args.batch_size)
+        check = trainer.check(sess, {model.x: data.x_train[first], model.y: data.y_train[first]},
+                              args.micro_batch_size)
+        if not args.quiet:
+            print(check, flush=True)
         history = trainer.fit(
             sess, {model.x: data.x_train, model.y: data.y_train},
             batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
@@ -191,7 +197,8 @@ def _train(args) -> int:
                                   metrics={"accuracy": model.accuracy})
     summary = {"dataset": args.dataset, "test_accuracy": result["accuracy"],
                "test_loss": result["loss"], "steps": len(history.steps),
-               "samples": history.samples, "seconds": round(time.perf_counter() - t0, 3)}
+               "samples": history.samples, "self_check": check.ok,
+               "seconds": round(time.perf_counter() - t0, 3)}
     if comm is None or comm.Get_rank() == 0:
         print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
               f"after {summary['steps']} steps, {summary['samples']} samples, "

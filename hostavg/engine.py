@@ -43,13 +43,14 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from hostavg.accumulator import Accumulator, Reducer
+from hostavg.check import CheckReport, diagnose
 from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform
 from hostavg.results import Drop, MicroBatch, StepResult
 from hostavg.stats import StepStats, step_stats
 
 __all__ = ["AVERAGE_MODES", "Average", "Backend", "Computed", "Engine", "HostAverage", "Tally",
-           "normalize_hooks"]
+           "normalize_hooks", "step_together"]
 
 #: What a non-finite mean of finite micro-batches means.
 OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted sum overflowed the "
@@ -89,6 +90,9 @@ class Backend(Protocol):
 
     #: name -> VariableSpec of every trained variable.
     spec: Mapping[str, VariableSpec]
+    #: How much an apply adds to the global step: 1, or 0 for a trainer that
+    #: leaves the step to another (the second network of a GAN).
+    increment: int
     #: The object that holds the variables' values (a TF1 session, a Keras
     #: model): an Average keeps it weakly, to know whether it met it before.
     target: Any
@@ -204,37 +208,51 @@ class Engine:
         feed, n = backend.prepare(feed, size, "compute")
         return self._compute(backend, feed, n, "compute")[0]
 
-    def apply(self, backend: Backend, grads: Mapping, what: str = "apply",
-              hint: str = "Look at what produced these values.") -> int:
+    def apply(self, backend: Backend, grads: Mapping) -> int:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them; returns the new global step."""
+        return backend.apply(self._checked(grads, "apply", "Look at what produced these values."))
+
+    def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
+        """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
+
+        Changes nothing: no apply runs, and the rollback variables (moving
+        statistics) are restored afterwards. See :mod:`hostavg.check`.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise HostavgError("check: a step of this trainer is running; check between steps")
+        try:
+            snapshot = backend.snapshot()
+            try:
+                whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
+                whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
+                                for _ in range(2))
+                acc = Accumulator(self.spec, accum_dtype=np.float64)
+                for micro_feed, size, _, where in _prepare(backend, micro_feeds, None, "check"):
+                    g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
+                    acc._append(dict(g), float(size), g.loss,
+                                check_finite(g, f"check, {where}", g.loss, g.sq_norms))
+                mean = acc.mean()
+            finally:
+                backend.restore(snapshot)
+        finally:
+            self._busy.release()
+        return diagnose(whole, again, mean, len(micro_feeds))
+
+    def _checked(self, grads: Mapping, what: str, hint: str) -> dict:
+        """``grads`` conformed to the variables' dtypes and checked finite, ready to apply."""
         values = conform(self.spec, grads, what=what, cast=True)
         known = getattr(grads, "sq_norms", {})  # trusted for the values conform kept as they were
         check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
                      hint=hint)
-        return backend.apply(values)
+        return values
 
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None
              ) -> StepResult:
         """One optimizer step over the micro-batches ``feeds`` (see the module docstring)."""
-        if not self._busy.acquire(blocking=False):
-            raise HostavgError(
-                "another step of this trainer is running (in another thread, or a hook called "
-                "step); a trainer runs one step at a time: use one trainer per thread")
-        try:
-            self.average.begin(backend)
-            snapshot = backend.snapshot()
-            try:
-                result = self._step(backend, feeds, sizes)
-            except BaseException:
-                backend.restore(snapshot)
-                raise
-            if result.skipped:
-                backend.restore(snapshot)
-            return result
-        finally:
-            self._busy.release()
+        return step_together([(self, backend, feeds, sizes)])[0]
 
-    def _step(self, backend, feeds, sizes) -> StepResult:
+    def _step(self, backend, feeds, sizes) -> tuple[StepResult, dict | None]:
+        """Steps 2-5: the result, and the checked mean to apply (None when the step is skipped)."""
         acc, micro, kept = self._acc, [], [] if self._keep_micro else None
         acc.reset()
         norms = []
@@ -254,7 +272,7 @@ class Engine:
             return StepResult(None, None, tuple(micro), global_step, 0,
                               StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                      f"nothing was applied")
+                                      f"nothing was applied"), None
 
         mean = acc.mean(self.average.reducer(backend, tally.total))
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
@@ -262,24 +280,26 @@ class Engine:
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
-        result = StepResult(mean.loss, mean, tuple(micro), global_step + 1, tally.size, stats)
+        after = global_step + backend.increment
+        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
         what, hint = "step, the mean", OVERFLOW_HINT
         for hook, on_step in self._step_hooks:
-            new = _call(hook, on_step, (mean, result), f"on_step of step {global_step + 1}")
+            new = _call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:
                 what = f"step, the mean that on_step hook {_name(hook)} returned"
                 hint = "Look at that hook."
                 mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
                                  size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
-        return replace(result, step=self.apply(backend, mean, what, hint))
+        return result, self._checked(mean, what, hint)
 
     def _micro_batches(self, backend, batches, acc, micro, norms, kept) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch; returns the global step."""
         global_step = None
         for i, (feed, n, start, where) in enumerate(batches):
             g, global_step = self._compute(backend, feed, n, f"step, {where}")
-            record, changed_by = MicroBatch(i, n, g.loss, g, start, global_step + 1), None
+            record, changed_by = MicroBatch(i, n, g.loss, g, start,
+                                            global_step + backend.increment), None
             for hook, on_micro_batch in self._micro_hooks:
                 out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
                 if isinstance(out, Drop):
@@ -317,6 +337,50 @@ class Engine:
             out.global_step
 
 
+def step_together(steps: Sequence[tuple]) -> list[StepResult]:
+    """Steps several trainers from the same weights: every step is computed before any is applied.
+
+    ``steps`` holds ``(engine, backend, feeds, sizes)`` per trainer, such as a
+    GAN's discriminator and generator: both gradients are taken from the
+    weights as they are now, then the means are applied in order (a
+    simultaneous update). Atomic like one step: if any computation, hook or
+    check fails, every snapshot is restored and nothing is applied. (The
+    applies run only once every mean was checked; a session failing inside
+    a later apply cannot undo an earlier one.)
+
+    Returns:
+      one :class:`~hostavg.StepResult` per entry, in order.
+    """
+    held, done = [], []
+    try:
+        for engine, backend, feeds, sizes in steps:
+            if not engine._busy.acquire(blocking=False):
+                raise HostavgError(
+                    "another step of this trainer is running (in another thread, a hook called "
+                    "step, or it is listed twice); a trainer runs one step at a time: use one "
+                    "trainer per thread")
+            held.append(engine)
+            engine.average.begin(backend)
+            snapshot = backend.snapshot()
+            done.append((backend, snapshot))
+            done[-1] += engine._step(backend, feeds, sizes)
+        results = []
+        for backend, snapshot, result, values in done:
+            if values is None:  # skipped: every micro-batch was dropped
+                backend.restore(snapshot)
+                results.append(result)
+            else:
+                results.append(replace(result, step=backend.apply(values)))
+        return results
+    except BaseException:
+        for backend, snapshot, *_ in reversed(done):
+            backend.restore(snapshot)
+        raise
+    finally:
+        for engine in held:
+            engine._busy.release()
+
+
 def normalize_hooks(hooks) -> tuple:
     """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
     hooks = () if hooks is None else hooks
@@ -330,11 +394,11 @@ def normalize_hooks(hooks) -> tuple:
     return hooks
 
 
-def _prepare(backend, feeds, sizes) -> list:
+def _prepare(backend, feeds, sizes, call: str = "step") -> list:
     """Every micro-batch checked and sized before any runs: (feed, n, start, where) each."""
     if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
         raise HostavgError(
-            f"step takes a list of feed dicts, one per micro-batch, got "
+            f"{call} takes a list of feed dicts, one per micro-batch, got "
             f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
     if sizes is not None:
         if isinstance(sizes, Mapping) or not isinstance(sizes, (Sequence, np.ndarray)) \
@@ -345,7 +409,7 @@ def _prepare(backend, feeds, sizes) -> list:
     out, start = [], 0
     for i, feed in enumerate(feeds):
         what = f"micro-batch {i} of {len(feeds)}"
-        feed, n = backend.prepare(feed, None if sizes is None else sizes[i], f"step, {what}")
+        feed, n = backend.prepare(feed, None if sizes is None else sizes[i], f"{call}, {what}")
         out.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
         start += n
     return out

@@ -38,11 +38,12 @@ class Wiring:
     """
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
-                 average: str, accum_dtype):
+                 average: str, accum_dtype, update_ops=None, increment_global_step=True):
         self.graph = loss.graph
         with self.graph.as_default():
-            self.global_step = global_step if global_step is not None \
-                else v1.train.get_or_create_global_step(self.graph)
+            self.global_step = find_global_step(self.graph, global_step)
+            self.increment = 1 if increment_global_step else 0
+            self.update_ops = select_update_ops(self.graph, loss, update_ops)
             pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
                      if g is not None]
             if not pairs:
@@ -66,13 +67,13 @@ class Wiring:
                 self._fetches += [tf.reduce_sum(tf.square(_coalesced_values(g)
                                                           if isinstance(g, tf.IndexedSlices) else g))
                                   for g in self._grads]
-            updates = self.graph.get_collection(v1.GraphKeys.UPDATE_OPS)
-            if updates:
-                self._fetches.append(tf.group(*updates, name="hostavg_update_ops"))
+            if self.update_ops:
+                self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
             # What a failed step must restore: every variable the compute call may assign.
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [v.read_value() for v in self.assigned]
-            self.train_op = optimizer.apply_gradients(pairs, global_step=self.global_step)
+            self.train_op = optimizer.apply_gradients(
+                pairs, global_step=self.global_step if increment_global_step else None)
             self._apply_feeds = tuple(
                 t for g in self._grads for t in
                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
@@ -166,6 +167,7 @@ class SessionBackend:
                 f"create it with tf.compat.v1.Session(graph=loss.graph)")
         self.wiring, self.session = wiring, sess
         self.spec = wiring.spec
+        self.increment = wiring.increment
 
     @property
     def target(self):
@@ -331,6 +333,70 @@ def _coalesced_values(g: tf.IndexedSlices):
     """The rows of ``g`` with duplicate indices summed (what its norm is of)."""
     unique, segments = tf.unique(g.indices)
     return tf.math.unsorted_segment_sum(g.values, segments, tf.size(unique))
+
+
+def find_global_step(graph, global_step):
+    """The trainer's global step: ``global_step`` if given, else the graph's own, else a new one.
+
+    The graph's own is the variable in the GLOBAL_STEP collection, or else a
+    global variable named ``global_step`` (as TF1 programs make it:
+    ``tf.Variable(0, name="global_step", trainable=False)``), ref or resource,
+    of any integer dtype.
+    """
+    if global_step is None:
+        found = graph.get_collection(v1.GraphKeys.GLOBAL_STEP) or [
+            v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+            if v.op.name == "global_step"]
+        if not found:
+            return v1.train.get_or_create_global_step(graph)
+        global_step, what = found[0], "the graph's global step"
+    else:
+        what = "global_step"
+    dtype = getattr(global_step, "dtype", None)
+    if not isinstance(global_step, tf.Variable) or getattr(global_step, "graph", None) is not graph \
+            or not dtype.base_dtype.is_integer or global_step.shape.rank != 0:
+        raise HostavgError(
+            f"{what} must be a scalar integer variable of the loss's graph, got "
+            f"{getattr(global_step, 'name', global_step)!r} "
+            f"({'dtype ' + dtype.base_dtype.name + ', shape ' + str(global_step.shape) if dtype is not None else type(global_step).__name__}); "
+            f"pass global_step= a variable such as tf.Variable(0, name='global_step', trainable=False)")
+    return global_step
+
+
+def select_update_ops(graph, loss, update_ops) -> list:
+    """The ops each micro-batch runs beside forward and backward.
+
+    None: the UPDATE_OPS whose inputs the loss's own feeds can supply (an op
+    that needs a placeholder the loss does not, such as the other network's
+    batch norm in a GAN, is left out); a list: exactly those ops (or tensors);
+    ``[]``: none.
+    """
+    if update_ops is not None:
+        ops = [u.op if isinstance(u, (tf.Tensor, tf.Variable)) else u for u in update_ops]
+        stray = [getattr(u, "name", u) for u in ops
+                 if not isinstance(u, tf.Operation) or u.graph is not graph]
+        if stray:
+            raise HostavgError(f"update_ops must be ops or tensors of the loss's graph, got "
+                               f"{stray[:3]}")
+        return ops
+    needed = _placeholders(loss.op)
+    return [u for u in graph.get_collection(v1.GraphKeys.UPDATE_OPS)
+            if _placeholders(u if isinstance(u, tf.Operation) else u.op) <= needed]
+
+
+def _placeholders(op) -> set:
+    """The placeholder ops that running ``op`` needs fed."""
+    found, seen, todo = set(), set(), [op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in ("Placeholder", "PlaceholderV2"):
+            found.add(op)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return found
 
 
 #: Ops that take a variable (its resource handle) only to read it.

@@ -41,7 +41,7 @@ from hostavg.checkpoint import CheckpointDir, restore
 from hostavg.errors import HostavgError, positive_int
 from hostavg.graph import resolve_feed
 from hostavg.history import History, StepLog
-from hostavg.split import feed_size, split
+from hostavg.split import feed_size, split, take
 
 __all__ = ["check_sizes", "fit"]
 
@@ -49,12 +49,14 @@ __all__ = ["check_sizes", "fit"]
 def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=True,
         seed=None, drop_remainder=False, validation_data=None, metrics=None, inputs=None,
         callbacks=(), progress=True, checkpoint_dir=None, checkpoint_every=None,
-        keep_checkpoints=3) -> History:
+        keep_checkpoints=3, blocks=None) -> History:
     """See :meth:`hostavg.Trainer.fit`."""
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
     if progress not in (True, False, "always"):
         raise HostavgError(f"progress must be True, False or 'always', got {progress!r}")
-    source = _source(trainer.graph, data, inputs, batch_size, shuffle)
+    blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
+              for k, b in resolve_feed(trainer.graph, blocks or {}, "blocks").items()}
+    source = _source(trainer.graph, data, inputs, batch_size, shuffle, blocks)
     hooks = _callbacks(callbacks)
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
@@ -88,12 +90,12 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
             while epoch < epochs:
                 bar.start(f"epoch {epoch + 1}/{epochs}", source.num_batches(drop_remainder))
                 for feed in source.batches(epoch, seed, skip=batch):
-                    n = feed_size(feed, f"batch {batch} of epoch {epoch}")
+                    n = feed_size(feed, f"batch {batch} of epoch {epoch}", blocks)
                     if drop_remainder and n < batch_size:
                         batch += 1
                         continue
-                    result = trainer.step(sess, _micro_batches(feed, n, micro_batch_size,
-                                                               rank, size))
+                    result = trainer.step(sess, *_micro_batches(feed, n, micro_batch_size,
+                                                                rank, size, blocks))
                     batch += 1
                     loss = math.nan if result.skipped else result.loss
                     history.steps.append(StepLog(epoch, result.step, loss, result.size,
@@ -128,15 +130,15 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
     return history
 
 
-def _micro_batches(feed: dict, n: int, micro_batch_size: int, rank: int, size: int) -> list:
-    """This rank's micro-batches of a batch of ``n`` samples: its contiguous share, cut up."""
-    if size == 1:
-        return split(feed, micro_batch_size)
+def _micro_batches(feed: dict, n: int, micro_batch_size: int, rank: int, size: int,
+                   blocks: dict) -> tuple[list, list]:
+    """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up), and their sizes."""
     lo, hi = n * rank // size, n * (rank + 1) // size
     if lo == hi:
-        return []
-    return split({k: v[lo:hi] if np.ndim(v) >= 1 else v for k, v in feed.items()},
-                 micro_batch_size)
+        return [], []
+    share = feed if size == 1 else take(feed, slice(lo, hi), n, blocks)
+    sizes = [min(micro_batch_size, hi - lo - start) for start in range(0, hi - lo, micro_batch_size)]
+    return split(share, micro_batch_size, blocks=blocks), sizes
 
 
 def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
@@ -170,7 +172,7 @@ def _callbacks(callbacks) -> dict:
             for n in names}
 
 
-def _source(graph, data, inputs, batch_size, shuffle):
+def _source(graph, data, inputs, batch_size, shuffle, blocks):
     if isinstance(data, tf.data.Dataset):
         if inputs is None:
             raise HostavgError("a tf.data.Dataset needs inputs=: a mapping from each element's "
@@ -179,7 +181,7 @@ def _source(graph, data, inputs, batch_size, shuffle):
     if inputs is not None:
         raise HostavgError("inputs= is only for a tf.data.Dataset")
     if isinstance(data, Mapping):
-        return _ArraySource(graph, data, batch_size, shuffle)
+        return _ArraySource(graph, data, batch_size, shuffle, blocks)
     if callable(data) or isinstance(data, Iterable):
         return _IterableSource(graph, data)
     raise HostavgError(
@@ -190,12 +192,10 @@ def _source(graph, data, inputs, batch_size, shuffle):
 class _ArraySource:
     """{placeholder: array}: batches by (shuffled) index; the order depends only on (seed, epoch)."""
 
-    def __init__(self, graph, data, batch_size, shuffle):
+    def __init__(self, graph, data, batch_size, shuffle, blocks):
         self.feed = resolve_feed(graph, data, "data")
-        self.n = feed_size(self.feed, "data")
-        self.arrays = {k: np.asarray(v) for k, v in self.feed.items()
-                       if np.ndim(v) >= 1}
-        self.batch_size, self.shuffle = batch_size, shuffle
+        self.n = feed_size(self.feed, "data", blocks)
+        self.batch_size, self.shuffle, self.blocks = batch_size, shuffle, blocks
 
     def num_batches(self, drop_remainder):
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
@@ -206,8 +206,7 @@ class _ArraySource:
             rows = slice(start, start + self.batch_size)
             if order is not None:
                 rows = order[rows]
-            yield {k: self.arrays[k][rows] if k in self.arrays else v
-                   for k, v in self.feed.items()}
+            yield take(self.feed, rows, self.n, self.blocks)
 
 
 class _IterableSource:

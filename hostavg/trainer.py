@@ -8,7 +8,9 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
+from hostavg import engine
 from hostavg.engine import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
+from hostavg.check import CheckReport
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients
 from hostavg.graph import GraphAverage, SessionBackend, Wiring, resolve_feed
@@ -17,7 +19,7 @@ from hostavg.split import feed_size, split
 
 v1 = tf.compat.v1
 
-__all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer"]
+__all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer", "step_together"]
 
 
 class Trainer:
@@ -42,8 +44,17 @@ class Trainer:
       average: one of :data:`AVERAGE_MODES`.
       accum_dtype: host accumulation dtype (e.g. "float64"); None keeps each
         variable's dtype.
-      global_step: the variable the train op increments; default the graph's
-        global step, created if missing.
+      global_step: the variable the train op increments (a scalar integer
+        variable). Default: the graph's own (the GLOBAL_STEP collection, or a
+        variable named "global_step" as TF1 programs make it), created if
+        missing.
+      increment_global_step: False for a trainer whose apply leaves the global
+        step alone, such as the second of two trainers on one graph (a GAN's
+        generator and discriminator): one step of the pair then counts once.
+      update_ops: what each micro-batch runs beside forward and backward. None:
+        the graph's UPDATE_OPS that the loss's own feeds can run (one that needs a
+        placeholder the loss does not, such as the other network's batch norm
+        in a GAN, is left out); a list: exactly those; ``[]``: none.
       hooks: objects with ``on_micro_batch(micro)`` and/or
         ``on_step(mean, result)``, called in order (see
         :class:`~hostavg.results.Hook` and :mod:`hostavg.hooks`).
@@ -61,6 +72,7 @@ class Trainer:
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
+      update_ops: the ops each micro-batch runs (see the argument).
       hooks: the hooks, in the order they run.
       rollback_variables: the variables a failed step restores: those that
         computing a micro-batch may assign (UPDATE_OPS' moving statistics,
@@ -77,8 +89,8 @@ class Trainer:
     """
 
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
-                 average: str = "host", accum_dtype=None, global_step=None, hooks=(),
-                 comm=None):
+                 average: str = "host", accum_dtype=None, global_step=None,
+                 increment_global_step: bool = True, update_ops=None, hooks=(), comm=None):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
@@ -111,12 +123,14 @@ class Trainer:
         self.accum_dtype = as_accum_dtype(accum_dtype)
         self._wiring = Wiring(loss, optimizer, var_list, global_step,
                               accumulate=accumulate, average=average,
-                              accum_dtype=self.accum_dtype)
+                              accum_dtype=self.accum_dtype, update_ops=update_ops,
+                              increment_global_step=bool(increment_global_step))
         self.graph = self._wiring.graph
         self.loss = loss
         self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
+        self.update_ops = tuple(self._wiring.update_ops)
         self.rollback_variables = tuple(self._wiring.assigned)
         if comm is None:
             averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
@@ -201,6 +215,27 @@ class Trainer:
         """
         return self._engine.step(self._backend(sess), feeds, sizes)
 
+    def check(self, sess, feed_dict: Mapping, micro_batch_size: int) -> CheckReport:
+        """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
+
+        Runs ``feed_dict`` whole (twice) and cut into micro-batches of
+        ``micro_batch_size`` from the same weights, and compares the weighted
+        mean of the micro-batch gradients with the whole feed's gradient, per
+        variable. No apply runs, and what UPDATE_OPS moved is restored.
+
+        Returns:
+          a :class:`~hostavg.check.CheckReport`: ``.ok``, the largest relative
+          difference per variable, and when not ok, the likely cause in words
+          (a loss that is a sum rather than a mean, random ops such as dropout
+          in training mode, batch norm in training mode). ``str(report)`` is
+          a one-line verdict.
+
+        Example::
+
+            print(trainer.check(sess, {x: X[:256], y: Y[:256]}, 32))
+        """
+        return self._engine.check(self._backend(sess), feed_dict, split(feed_dict, micro_batch_size))
+
     def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
         """The loss (and ``metrics``) over ``data``, sample-weighted, without training.
 
@@ -234,7 +269,8 @@ class Trainer:
             shuffle: bool = True, seed: int | None = None, drop_remainder: bool = False,
             validation_data: Mapping | None = None, metrics: Mapping | None = None,
             inputs=None, callbacks=(), progress=True, checkpoint_dir=None,
-            checkpoint_every: int | None = None, keep_checkpoints: int = 3):
+            checkpoint_every: int | None = None, keep_checkpoints: int = 3,
+            blocks: Mapping | None = None):
         """Trains over ``data`` for ``epochs``: batches of ``batch_size`` samples, each one step.
 
         Each batch is cut into micro-batches of ``micro_batch_size`` samples and
@@ -265,6 +301,11 @@ class Trainer:
             position, seed and history, so an interrupted and resumed run ends
             with the weights of an uninterrupted one, bit for bit. A run that
             finished or was stopped by a callback does not train further.
+          blocks: {placeholder: b} for arrays that hold b blocks of the
+            samples one after another (the labels of a discriminator fed
+            ``tf.concat([real, fake], 0)``: 2 N labels for N samples); every
+            batch and micro-batch gets the matching rows of each block (see
+            :func:`hostavg.split`).
 
         Returns:
           the :class:`~hostavg.History`.
@@ -274,7 +315,8 @@ class Trainer:
                    epochs=epochs, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
                    validation_data=validation_data, metrics=metrics, inputs=inputs,
                    callbacks=callbacks, progress=progress, checkpoint_dir=checkpoint_dir,
-                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
+                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                   blocks=blocks)
 
     def save(self, sess, path) -> None:
         """Writes every variable of the graph (model, optimizer slots, global step) to ``path``.
@@ -305,3 +347,38 @@ class Trainer:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
 
+
+
+def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:
+    """Steps several trainers of one graph from the same weights: all computed, then all applied.
+
+    A GAN's simultaneous update: the discriminator's and the generator's
+    gradients are both taken before either network changes, as a program's
+    own ``sess.run([train_d, train_g])`` over gradients computed first.
+    Atomic: if any micro-batch of any trainer fails, nothing is applied and
+    every trainer's rollback variables are restored.
+
+    Args:
+      sess: the session running the trainers' graph.
+      steps: ``(trainer, feeds)`` or ``(trainer, feeds, sizes)`` per trainer,
+        as :meth:`Trainer.step` takes them; applied in this order.
+
+    Returns:
+      one :class:`StepResult` per trainer, in order.
+
+    Example::
+
+        d = hostavg.Trainer(d_loss, v1.train.AdamOptimizer(2e-4), var_list=d_vars)
+        g = hostavg.Trainer(g_loss, v1.train.AdamOptimizer(2e-4), var_list=g_vars,
+                            increment_global_step=False)
+        res_d, res_g = hostavg.step_together(sess, [(d, feeds), (g, feeds)])
+    """
+    parts = []
+    for entry in steps:
+        if not isinstance(entry, tuple) or len(entry) not in (2, 3) \
+                or not isinstance(entry[0], Trainer):
+            raise HostavgError(f"step_together takes (trainer, feeds) or (trainer, feeds, sizes) "
+                               f"per trainer, got {entry!r}")
+        trainer, feeds, sizes = entry if len(entry) == 3 else (*entry, None)
+        parts.append((trainer._engine, trainer._backend(sess), feeds, sizes))
+    return engine.step_together(parts)

@@ -54,9 +54,10 @@ def initial_weights(seed: int, dtype, sparse: bool = False) -> dict:
 
 
 def build(seed: int = 0, dtype=np.float32, sparse: bool = False, unused: bool = False,
-          update_op: bool = False) -> Model:
+          update_op: bool = False, scalar: bool = False) -> Model:
     """An MLP with softmax cross-entropy; with ``sparse`` its input is the mean of
-    embedding rows looked up by integer ids (an IndexedSlices gradient)."""
+    embedding rows looked up by integer ids (an IndexedSlices gradient); with
+    ``scalar`` its logits are scaled by a trained 0-d variable."""
     graph = tf.Graph()
     tf_dtype = tf.as_dtype(dtype)
     with graph.as_default():
@@ -74,6 +75,8 @@ def build(seed: int = 0, dtype=np.float32, sparse: bool = False, unused: bool = 
         with tf.control_dependencies([counter.assign_add(1)]):
             h = tf.tanh(tf.matmul(x, weights["hidden/kernel"]) + weights["hidden/bias"])
         logits = tf.matmul(h, weights["out/kernel"]) + weights["out/bias"]
+        if scalar:
+            logits = logits * tf.Variable(np.asarray(1.5, dtype), name="temperature")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=logits))
         extra = {}

@@ -3,9 +3,9 @@
 usage: python mpi_script.py MODES OUT
   MODES: comma-separated, run one after the other in this process (one
         TensorFlow start-up for all):
-        dense | sparse | stack | uneven (train, write each rank's variables to
+        dense | sparse | stack | uneven | scalar (train, write each rank's variables to
         OUT-MODE-rank<r>.npz; uneven: rank 0 takes five micro-batches and rank 1
-        one, and at step 3 rank 1 takes none),
+        one, and at step 3 rank 1 takes none; scalar: with a 0-d variable),
         nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
         die (rank 1 exits mid-step).
 The global batch of each step is six micro-batches of unequal sizes; with two
@@ -44,7 +44,7 @@ class Trouble:
 
 
 def train(mode):
-    model = build(sparse=mode == "sparse")
+    model = build(sparse=mode == "sparse", scalar=mode == "scalar")
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Trouble(mode)],
                                   accumulate="stack" if mode == "stack" else "sum",

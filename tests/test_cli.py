@@ -16,11 +16,15 @@ def test_train_on_digits_writes_a_json_summary_above_the_accuracy_bar(tmp_path, 
     out = tmp_path / "summary.json"
     assert main(["train", "--dataset", "digits", "--epochs", "6", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
-    assert set(summary) == {"dataset", "test_accuracy", "test_loss", "steps", "samples", "seconds"}
+    assert set(summary) == {"dataset", "test_accuracy", "test_loss", "steps", "samples",
+                            "self_check", "seconds"}
     assert summary["test_accuracy"] > 0.85, summary
     assert summary["steps"] == 6 * 6 and summary["samples"] == 6 * 1438
+    assert summary["self_check"] is True
     printed = capsys.readouterr().out
     assert "epoch 6/6: loss" in printed and "test accuracy" in printed.splitlines()[-1]
+    assert printed.splitlines()[1].startswith("self-check passed: 8 micro-batches give the whole "
+                                              "feed's gradient")
 
 
 def one_line_error(capsys, argv, match):

@@ -1,0 +1,469 @@
+"""Classic TF1 programs, written the way TF1 programs were written, switched to hostavg.
+
+Each small model here is in the style of a public example program (linear regression on
+scalar variables, an MLP with dropout fed keep_prob, a GAN with batch norm in both networks,
+word2vec with nce_loss, save/restore with tf.train.Saver) and is compared with its own
+full-batch train op where the program is deterministic."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from models import cuts, v1
+
+import hostavg
+from hostavg.hooks import Record
+
+HERE = Path(__file__).parent
+
+
+def session(graph, init):
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    return sess
+
+
+def values(graph, sess) -> dict:
+    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    return dict(zip([v.op.name for v in variables], sess.run(variables)))
+
+
+def assert_close(got: dict, want: dict, atol: float):
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=atol, rtol=0, err_msg=name)
+
+
+# --- Linear regression: scalar variables, a loss written as a sum, scalar-only feeds --------
+
+
+def regression(loss_kind="mean", global_step=None):
+    """The classic y = W x + b with W and b scalars, fed one sample at a time or in arrays."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, name="x")  # no shape: the classic program feeds floats
+        y = v1.placeholder(tf.float32, name="y")
+        W = tf.Variable(0.3, name="weight")
+        b = tf.Variable(-0.2, name="bias")
+        pred = W * x + b
+        if loss_kind == "mean":
+            loss = tf.reduce_mean(tf.square(pred - y)) / 2
+        else:  # the public example: reduce_sum(...) / (2 * n_samples), a sum over the feed
+            loss = tf.reduce_sum(tf.square(pred - y)) / (2 * 17)
+        if global_step == "program":
+            tf.Variable(0, name="global_step", trainable=False)
+    return graph, x, y, loss
+
+
+def linear_data(n=17, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(0, 10, n).astype(np.float32)
+    return X, (2.0 * X + 1.0 + rng.normal(0, 0.5, n)).astype(np.float32)
+
+
+def test_scalar_variables_fit_checkpoint_and_record(tmp_path):
+    X, Y = linear_data()
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01),
+                                  hooks=[Record(tmp_path / "record")])
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    history = trainer.fit(sess, {x: X, y: Y}, batch_size=8, micro_batch_size=3, epochs=3,
+                          seed=0, progress=False, checkpoint_dir=tmp_path / "ckpt")
+    assert len(history.steps) == 9 and np.isfinite(history.steps[-1].loss)
+    record = hostavg.load_record(tmp_path / "record")
+    last = record[max(record.steps)]
+    assert np.shape(last.mean["weight"]) == () and np.shape(last.micro_grads(0)["bias"]) == ()
+
+    graph2, x2, y2, loss2 = regression()
+    with graph2.as_default():
+        other = hostavg.Trainer(loss2, v1.train.GradientDescentOptimizer(0.01))
+        init2 = v1.global_variables_initializer()
+    sess2 = session(graph2, init2)
+    other.restore(sess2, sorted((tmp_path / "ckpt").iterdir())[-1])
+    assert_close(values(graph2, sess2), values(graph, sess), atol=0)
+
+
+def test_scalar_only_feeds_step_with_sizes_and_equal_the_full_batch_step():
+    X, Y = linear_data()
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        opt = v1.train.AdamOptimizer(0.1)
+        trainer = hostavg.Trainer(loss, opt)
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    one_by_one = [{x: float(a), y: float(b)} for a, b in zip(X, Y)]  # as the example feeds
+    with pytest.raises(hostavg.HostavgError, match=r"only scalars.*sizes= \(one per micro-batch\) "
+                                                   r"to step"):
+        trainer.step(sess, one_by_one)
+    for _ in range(3):
+        trainer.step(sess, one_by_one, sizes=[1] * len(one_by_one))
+
+    oracle, ox, oy, oloss = regression()
+    with oracle.as_default():
+        train = v1.train.AdamOptimizer(0.1).minimize(
+            oloss, global_step=v1.train.get_or_create_global_step())
+        init = v1.global_variables_initializer()
+    osess = session(oracle, init)
+    for _ in range(3):
+        osess.run(train, {ox: X, oy: Y})
+    assert_close(values(graph, sess), values(oracle, osess), atol=1e-5)
+
+
+def test_a_sum_loss_is_caught_by_the_self_check_and_a_mean_loss_passes():
+    X, Y = linear_data()
+    for kind, ok in [("sum", False), ("mean", True)]:
+        graph, x, y, loss = regression(kind)
+        with graph.as_default():
+            trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01))
+            init = v1.global_variables_initializer()
+        sess = session(graph, init)
+        before = values(graph, sess)
+        report = trainer.check(sess, {x: X[:16], y: Y[:16]}, 4)
+        assert report.ok is ok, report
+        assert report.micro_batches == 4
+        assert_close(values(graph, sess), before, atol=0)  # the check changes nothing
+        if ok:
+            assert max(report.max_rel_diff.values()) < 1e-5
+            assert str(report).startswith("self-check passed: 4 micro-batches")
+        else:
+            assert report.scale == pytest.approx(4, rel=1e-5)
+            assert "a sum over samples" in report.cause and "tf.reduce_mean" in report.cause
+            assert str(report).startswith("self-check FAILED: 4 micro-batches differ")
+
+
+# --- The program's own global step ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", ["resource", "ref", "int32", "collection"])
+def test_a_global_step_the_program_made_is_found_and_used(make):
+    X, Y = linear_data()
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        if make == "resource":
+            step = tf.Variable(0, name="global_step", trainable=False, dtype=tf.int64)
+        elif make == "ref":
+            step = v1.Variable(0, name="global_step", trainable=False, dtype=tf.int64,
+                               use_resource=False)
+        elif make == "int32":
+            step = tf.Variable(0, name="global_step", trainable=False, dtype=tf.int32)
+        else:
+            step = tf.Variable(0, name="my_counter", trainable=False, dtype=tf.int64)
+            v1.add_to_collection(v1.GraphKeys.GLOBAL_STEP, step)
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    assert trainer.global_step is step
+    sess = session(graph, init)
+    assert trainer.step(sess, hostavg.split({x: X, y: Y}, 5)).step == 1
+    assert sess.run(step) == 1
+
+
+def test_a_global_step_that_cannot_count_is_refused_with_what_to_do():
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        tf.Variable(0.0, name="global_step", trainable=False)
+        with pytest.raises(hostavg.HostavgError,
+                           match=r"the graph's global step must be a scalar integer variable.*"
+                                 r"dtype float32.*pass global_step="):
+            hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01))
+        with pytest.raises(hostavg.HostavgError, match=r"^global_step must be a scalar integer"):
+            hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01),
+                            global_step=tf.constant(0))
+
+
+# --- Dropout with keep_prob fed as a scalar -------------------------------------------------
+
+
+def dropout_mlp(seed=0):
+    rng = np.random.default_rng(seed)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 10], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        keep_prob = v1.placeholder(tf.float32, name="keep_prob")
+        w1 = tf.Variable(rng.normal(0, 0.3, (10, 16)).astype(np.float32), name="w1")
+        w2 = tf.Variable(rng.normal(0, 0.3, (16, 3)).astype(np.float32), name="w2")
+        h = tf.nn.dropout(tf.nn.relu(tf.matmul(x, w1)), rate=1 - keep_prob, seed=1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, w2)))
+    return graph, (x, y, keep_prob), loss
+
+
+def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_at_a_half():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(24, 10)).astype(np.float32)
+    Y = rng.integers(0, 3, 24)
+    graph, (x, y, keep), loss = dropout_mlp()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.MomentumOptimizer(0.1, 0.9))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, 8)
+    assert not report.ok and report.noise > 0.01
+    assert "random ops in training mode, such as dropout" in report.cause
+    assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, 8).ok
+    for _ in range(4):
+        trainer.step(sess, hostavg.split({x: X, y: Y, keep: 1.0}, 8))
+
+    oracle, (ox, oy, okeep), oloss = dropout_mlp()
+    with oracle.as_default():
+        train = v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            oloss, global_step=v1.train.get_or_create_global_step())
+        init = v1.global_variables_initializer()
+    osess = session(oracle, init)
+    for _ in range(4):
+        osess.run(train, {ox: X, oy: Y, okeep: 1.0})
+    assert_close(values(graph, sess), values(oracle, osess), atol=1e-5)
+
+
+# --- A GAN with batch norm in both networks -------------------------------------------------
+
+
+def batch_norm(h, scope, training=True):
+    """Batch norm as TF1 programs wrote it by hand: moments, moving averages in UPDATE_OPS."""
+    with v1.variable_scope(scope, reuse=v1.AUTO_REUSE):
+        n = h.shape[-1]
+        gamma = v1.get_variable("gamma", [n], initializer=v1.ones_initializer())
+        beta = v1.get_variable("beta", [n], initializer=v1.zeros_initializer())
+        mean_ = v1.get_variable("moving_mean", [n], initializer=v1.zeros_initializer(),
+                                trainable=False)
+        var_ = v1.get_variable("moving_variance", [n], initializer=v1.ones_initializer(),
+                               trainable=False)
+    if not training:
+        return tf.nn.batch_normalization(h, mean_, var_, beta, gamma, 1e-3)
+    m, v = tf.nn.moments(h, [0])
+    v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, mean_.assign(0.9 * mean_ + 0.1 * m))
+    v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, var_.assign(0.9 * var_ + 0.1 * v))
+    return tf.nn.batch_normalization(h, m, v, beta, gamma, 1e-3)
+
+
+def dense(h, units, scope):
+    with v1.variable_scope(scope, reuse=v1.AUTO_REUSE):
+        w = v1.get_variable("w", [h.shape[-1], units],
+                            initializer=v1.random_normal_initializer(0, 0.3, seed=len(scope)))
+        b = v1.get_variable("b", [units], initializer=v1.zeros_initializer())
+    return tf.matmul(h, w) + b
+
+
+def gan():
+    """DCGAN-style: D sees real and generated images together, labelled by a 2 x batch placeholder."""
+    graph = tf.Graph()
+    with graph.as_default():
+        z = v1.placeholder(tf.float32, [None, 4], name="z")
+        real = v1.placeholder(tf.float32, [None, 6], name="real")
+        fake_in = v1.placeholder(tf.float32, [None, 6], name="fake")  # G's samples, fed back
+        labels = v1.placeholder(tf.float32, [None, 1], name="labels")  # real ones, then fake zeros
+
+        def generator(z):
+            with v1.variable_scope("generator"):
+                return tf.tanh(dense(tf.nn.relu(batch_norm(dense(z, 8, "g1"), "bn")), 6, "g2"))
+
+        def discriminator(images):
+            with v1.variable_scope("discriminator"):
+                return dense(tf.nn.relu(batch_norm(dense(images, 8, "d1"), "bn")), 1, "d2")
+
+        samples = generator(z)
+        d_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=labels, logits=discriminator(tf.concat([real, fake_in], 0))))
+        fake_logits = discriminator(samples)
+        g_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=tf.ones_like(fake_logits), logits=fake_logits))
+        d_vars = v1.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES, "discriminator")
+        g_vars = v1.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES, "generator")
+    return graph, dict(z=z, real=real, fake=fake_in, labels=labels, samples=samples,
+                       fake_logits=fake_logits), d_loss, g_loss, d_vars, g_vars
+
+
+def gan_batch(rng, n):
+    return {"z": rng.normal(size=(n, 4)).astype(np.float32),
+            "real": rng.normal(1, 0.5, (n, 6)).astype(np.float32),
+            "labels": np.concatenate([np.ones((n, 1)), np.zeros((n, 1))]).astype(np.float32)}
+
+
+def test_gan_update_ops_are_scoped_to_what_each_loss_can_run():
+    graph, t, d_loss, g_loss, d_vars, g_vars = gan()
+    with graph.as_default():
+        d = hostavg.Trainer(d_loss, v1.train.AdamOptimizer(1e-3), var_list=d_vars)
+        g = hostavg.Trainer(g_loss, v1.train.AdamOptimizer(1e-3), var_list=g_vars,
+                            increment_global_step=False)
+        init = v1.global_variables_initializer()
+    scopes = lambda ops: sorted({op.name.split("/")[0].split("_")[0] for op in ops})  # noqa: E731
+    # D's loss is fed real and fake images: the generator's batch norm (it needs z) is left out.
+    assert scopes(d.update_ops) == ["discriminator"]
+    # G's loss runs both networks on z: both networks' batch norms move.
+    assert scopes(g.update_ops) == ["discriminator", "generator"]
+    sess = session(graph, init)
+    rng = np.random.default_rng(0)
+    feed = gan_batch(rng, 12)
+    fake = sess.run(t["samples"], {t["z"]: feed["z"]})
+    d_feed = {t["real"]: feed["real"], t["fake"]: fake, t["labels"]: feed["labels"]}
+    res = d.step(sess, hostavg.split(d_feed, 4, blocks={t["labels"]: 2}), sizes=[8, 8, 8])
+    assert res.step == 1 and res.size == 24
+    res = g.step(sess, hostavg.split({t["z"]: feed["z"]}, 4))
+    assert res.step == 1 == sess.run(d.global_step)  # the generator leaves the step alone
+    with graph.as_default():
+        none = hostavg.Trainer(d_loss, v1.train.GradientDescentOptimizer(0.1), var_list=d_vars,
+                               update_ops=[], increment_global_step=False)
+    assert none.update_ops == () and not [v for v in none.rollback_variables
+                                          if "moving" in v.op.name]
+
+
+def test_gan_simultaneous_update_equals_the_programs_own_simultaneous_train_op():
+    rng = np.random.default_rng(2)
+    batches = [gan_batch(rng, 10) for _ in range(3)]
+
+    def run(with_hostavg):
+        graph, t, d_loss, g_loss, d_vars, g_vars = gan()
+        with graph.as_default():
+            # One network's loss, both images from the generator: a simultaneous update.
+            d_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                labels=t["labels"], logits=t["fake_logits"]))
+            d_opt, g_opt = v1.train.AdamOptimizer(1e-2), v1.train.AdamOptimizer(1e-2)
+            step = v1.train.get_or_create_global_step()
+            if with_hostavg:
+                d = hostavg.Trainer(d_loss, d_opt, var_list=d_vars, update_ops=[])
+                g = hostavg.Trainer(g_loss, g_opt, var_list=g_vars, update_ops=[],
+                                    increment_global_step=False)
+            else:
+                d_grads = d_opt.compute_gradients(d_loss, d_vars)
+                g_grads = g_opt.compute_gradients(g_loss, g_vars)
+                with tf.control_dependencies([gr for gr, _ in d_grads + g_grads]):
+                    train = tf.group(d_opt.apply_gradients(d_grads, global_step=step),
+                                     g_opt.apply_gradients(g_grads))
+            init = v1.global_variables_initializer()
+        sess = session(graph, init)
+        for b in batches:
+            # D judges G(z) twice over (the labels say which half is "real"): both losses read z.
+            feed = {t["z"]: np.concatenate([b["z"], b["z"][::-1]])[:10], t["labels"]: b["labels"][:10]}
+            if with_hostavg:
+                res_d, res_g = hostavg.step_together(sess, [(d, [feed]), (g, [{t["z"]: feed[t["z"]]}])])
+                assert res_d.step == res_g.step
+            else:
+                sess.run(train, feed)
+        return values(graph, sess)
+
+    assert_close(run(True), run(False), atol=1e-6)
+
+
+def test_step_together_is_atomic_across_trainers():
+    graph, t, d_loss, g_loss, d_vars, g_vars = gan()
+    with graph.as_default():
+        d = hostavg.Trainer(d_loss, v1.train.AdamOptimizer(1e-3), var_list=d_vars)
+        g = hostavg.Trainer(g_loss, v1.train.AdamOptimizer(1e-3), var_list=g_vars,
+                            increment_global_step=False)
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    rng = np.random.default_rng(3)
+    feed = gan_batch(rng, 6)
+    d_feed = {t["real"]: feed["real"], t["fake"]: feed["real"] * 0, t["labels"]: feed["labels"]}
+    before = values(graph, sess)
+    bad_z = {t["z"]: np.full((6, 4), np.nan, np.float32)}
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 1 \(samples 0:6\): "
+                                                   r"non-finite gradients"):
+        hostavg.step_together(sess, [(d, [d_feed], [6]), (g, [bad_z])])
+    assert_close(values(graph, sess), before, atol=0)  # D's step was not applied, BN restored
+    with pytest.raises(hostavg.HostavgError, match="listed twice"):
+        hostavg.step_together(sess, [(g, [{t["z"]: feed["z"]}]), (g, [{t["z"]: feed["z"]}])])
+    assert_close(values(graph, sess), before, atol=0)
+
+
+def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
+    graph, t, d_loss, g_loss, d_vars, g_vars = gan()
+    rng = np.random.default_rng(4)
+    n = 20
+    real, fake = rng.normal(size=(n, 6)).astype(np.float32), rng.normal(size=(n, 6)).astype(np.float32)
+    labels = np.concatenate([np.ones((n, 1)), np.zeros((n, 1))]).astype(np.float32)
+
+    def trained(by_fit):
+        graph, t, d_loss, _, d_vars, _ = gan()
+        with graph.as_default():
+            d = hostavg.Trainer(d_loss, v1.train.AdamOptimizer(1e-2), var_list=d_vars)
+            init = v1.global_variables_initializer()
+        sess = session(graph, init)
+        if by_fit:
+            d.fit(sess, {t["real"]: real, t["fake"]: fake, t["labels"]: labels}, batch_size=8,
+                  micro_batch_size=3, shuffle=False, progress=False, blocks={"labels": 2})
+        else:
+            for s in cuts(n, (8, 8, 4)):
+                m = s.stop - s.start
+                feeds = [{t["real"]: real[s][c], t["fake"]: fake[s][c],
+                          t["labels"]: np.concatenate([labels[:n][s][c], labels[n:][s][c]])}
+                         for c in cuts(m, [3] * (m // 3) + ([m % 3] if m % 3 else []))]
+                d.step(sess, feeds, sizes=[len(f[t["real"]]) for f in feeds])
+        return values(graph, sess)
+
+    assert_close(trained(True), trained(False), atol=0)
+
+
+# --- word2vec with nce_loss: sampled, sparse --------------------------------------------------
+
+
+def test_word2vec_nce_trains_with_sparse_gradients_and_the_check_names_the_sampling():
+    vocab, dim = 60, 8
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = v1.placeholder(tf.int32, [None], name="inputs")
+        context = v1.placeholder(tf.int64, [None, 1], name="context")
+        embeddings = tf.Variable(v1.random_uniform([vocab, dim], -1, 1, seed=1), name="embeddings")
+        nce_w = tf.Variable(v1.truncated_normal([vocab, dim], stddev=0.3, seed=2), name="nce_w")
+        nce_b = tf.Variable(tf.zeros([vocab]), name="nce_b")
+        loss = tf.reduce_mean(tf.nn.nce_loss(
+            weights=nce_w, biases=nce_b, labels=context,
+            inputs=tf.nn.embedding_lookup(embeddings, inputs), num_sampled=5, num_classes=vocab))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.5))
+        init = v1.global_variables_initializer()
+    assert all(trainer.spec[n].sparse for n in ("embeddings", "nce_w", "nce_b"))
+    sess = session(graph, init)
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, vocab, 64).astype(np.int32)
+    feed = {inputs: words, context: ((words + 1) % vocab).astype(np.int64)[:, None]}
+    report = trainer.check(sess, feed, 16)
+    assert not report.ok and "random ops in training mode" in report.cause
+    first = trainer.step(sess, hostavg.split(feed, 16))
+    assert isinstance(first.grads["embeddings"], hostavg.SparseGradient)
+    losses = [trainer.step(sess, hostavg.split(feed, 16)).loss for _ in range(30)]
+    assert np.mean(losses[-5:]) < first.loss
+
+
+# --- tf.train.Saver beside the Trainer --------------------------------------------------------
+
+
+def test_a_saver_built_after_the_trainer_saves_slots_and_step_and_restore_refuses_its_files(tmp_path):
+    X, Y = linear_data()
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(0.1))
+        saver = v1.train.Saver()  # after the Trainer: it sees the slots and the global step
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    trainer.step(sess, hostavg.split({x: X, y: Y}, 6))
+    with graph.as_default():  # TF 2's Saver builds its save ops in the default graph
+        prefix = saver.save(sess, str(tmp_path / "model.ckpt"), global_step=trainer.global_step)
+    want = values(graph, sess)
+    trainer.step(sess, hostavg.split({x: X, y: Y}, 6))
+    with graph.as_default():
+        saver.restore(sess, prefix)
+    assert_close(values(graph, sess), want, atol=0)
+    for path in (prefix, prefix + ".index", tmp_path):
+        with pytest.raises(hostavg.HostavgError, match=r"is a tf\.train\.Saver checkpoint.*"
+                                                       r"saver\.restore\(sess, '.*model\.ckpt-1'\)"):
+            trainer.restore(sess, path)
+    assert_close(values(graph, sess), want, atol=0)
+
+
+# --- The tf-keras recipe: tf.compat.v1.layers and a dynamic RNN -------------------------------
+
+
+@pytest.mark.slow
+def test_legacy_layers_and_a_dynamic_rnn_run_with_tf_keras_and_equal_the_full_batch_step():
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(HERE))
+    run = subprocess.run([sys.executable, str(HERE / "legacy_script.py")], capture_output=True,
+                         text=True, env=env, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "max diff" in run.stdout
+    assert float(run.stdout.split("max diff")[1]) < 1e-5
