@@ -285,13 +285,19 @@ def gan_batch(rng, n):
             "labels": np.concatenate([np.ones((n, 1)), np.zeros((n, 1))]).astype(np.float32)}
 
 
-def test_gan_update_ops_are_scoped_to_what_each_loss_can_run():
+def gan_trainers():
+    """The GAN with a trainer per network; the generator's leaves the global step alone."""
     graph, t, d_loss, g_loss, d_vars, g_vars = gan()
     with graph.as_default():
         d = hostavg.Trainer(d_loss, v1.train.AdamOptimizer(1e-3), var_list=d_vars)
         g = hostavg.Trainer(g_loss, v1.train.AdamOptimizer(1e-3), var_list=g_vars,
                             increment_global_step=False)
         init = v1.global_variables_initializer()
+    return graph, t, d, g, init
+
+
+def test_gan_update_ops_are_scoped_to_what_each_loss_can_run():
+    graph, t, d, g, init = gan_trainers()
     scopes = lambda ops: sorted({op.name.split("/")[0].split("_")[0] for op in ops})  # noqa: E731
     # D's loss is fed real and fake images: the generator's batch norm (it needs z) is left out.
     assert scopes(d.update_ops) == ["discriminator"]
@@ -307,7 +313,8 @@ def test_gan_update_ops_are_scoped_to_what_each_loss_can_run():
     res = g.step(sess, hostavg.split({t["z"]: feed["z"]}, 4))
     assert res.step == 1 == sess.run(d.global_step)  # the generator leaves the step alone
     with graph.as_default():
-        none = hostavg.Trainer(d_loss, v1.train.GradientDescentOptimizer(0.1), var_list=d_vars,
+        none = hostavg.Trainer(d.loss, v1.train.GradientDescentOptimizer(0.1),
+                               var_list=v1.trainable_variables("discriminator"),
                                update_ops=[], increment_global_step=False)
     assert none.update_ops == () and not [v for v in none.rollback_variables
                                           if "moving" in v.op.name]
@@ -351,12 +358,7 @@ def test_gan_simultaneous_update_equals_the_programs_own_simultaneous_train_op()
 
 
 def test_step_together_is_atomic_across_trainers():
-    graph, t, d_loss, g_loss, d_vars, g_vars = gan()
-    with graph.as_default():
-        d = hostavg.Trainer(d_loss, v1.train.AdamOptimizer(1e-3), var_list=d_vars)
-        g = hostavg.Trainer(g_loss, v1.train.AdamOptimizer(1e-3), var_list=g_vars,
-                            increment_global_step=False)
-        init = v1.global_variables_initializer()
+    graph, t, d, g, init = gan_trainers()
     sess = session(graph, init)
     rng = np.random.default_rng(3)
     feed = gan_batch(rng, 6)
