@@ -269,11 +269,12 @@ class Trainer:
         Returns:
           the :class:`~hostavg.History`.
         """
-        from hostavg.loop import fit
-        return fit(self, sess, data, batch_size=batch_size, micro_batch_size=micro_batch_size,
-                   epochs=epochs, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-                   validation_data=validation_data, metrics=metrics, inputs=inputs,
-                   callbacks=callbacks, progress=progress, checkpoint_dir=checkpoint_dir,
+        from hostavg.loop import feed_source, fit
+        return fit(_SessionRun(self, sess, validation_data, micro_batch_size, metrics),
+                   lambda: feed_source(self.graph, data, inputs, batch_size, shuffle),
+                   batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+                   seed=seed, drop_remainder=drop_remainder, callbacks=callbacks,
+                   progress=progress, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
 
     def save(self, sess, path) -> None:
@@ -305,3 +306,31 @@ class Trainer:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
 
+
+
+class _SessionRun:
+    """A TF1 trainer bound to a session, as fit drives it (:class:`hostavg.loop.Run`)."""
+
+    def __init__(self, trainer: Trainer, sess, validation_data, batch_size: int, metrics):
+        self.trainer, self.sess = trainer, sess
+        self.comm = trainer.comm
+        self._validation = validation_data, batch_size, metrics
+
+    def step(self, micro_batches: list) -> StepResult:
+        return self.trainer.step(self.sess, micro_batches)
+
+    def global_step(self) -> int:
+        return int(self.sess.run(self.trainer.global_step))
+
+    def save(self, path, fit: dict) -> None:
+        from hostavg.checkpoint import save
+        save(self.trainer.graph, self.sess, path, fit=fit)
+
+    def restore(self, path) -> dict | None:
+        return self.trainer.restore(self.sess, path)
+
+    def validate(self) -> dict:
+        data, batch_size, metrics = self._validation
+        if data is None:
+            return {}
+        return self.trainer.evaluate(self.sess, data, batch_size=batch_size, metrics=metrics)
