@@ -124,7 +124,7 @@ class Trainer:
             self._average = HostAverage()
         self.model, self.loss, self.optimizer = model, loss, _checked_optimizer(optimizer)
         self.accumulate, self.accum_dtype, self.comm = accumulate, as_accum_dtype(accum_dtype), comm
-        self._backend = KerasBackend(model, _loss_function(loss), self.optimizer)
+        self._backend = KerasBackend(model, _Loss(loss), self.optimizer)
         self._engine = None
 
     @property
@@ -406,7 +406,7 @@ class KerasBackend:
             self.model.reset_metrics()
         total, count = 0.0, 0
         for i, chunk in enumerate(chunks):
-            what = f"evaluate, samples of chunk {i} of {len(chunks)}"
+            what = f"evaluate, chunk {i} of {len(chunks)}"
             chunk, leaves, signature = _leaves(chunk, what)
             function = self._evaluates.get(signature)
             if function is None:
@@ -432,7 +432,7 @@ class KerasBackend:
     def _trace_compute(self, leaves, signature, what: str):
         """The gradient function for one input signature; the first one also fixes spec and apply."""
         x, _, w = _rebuild(signature, leaves)
-        if w is not None and getattr(self._loss, "plain", False):
+        if w is not None and not self._loss.weighs_samples:
             raise HostavgError(
                 f"{what}: the batch has sample weights, but the loss is a plain callable(y_true, "
                 f"y_pred); pass a keras.losses.Loss, which weights samples")
@@ -673,24 +673,32 @@ def _rebuild(signature, flat) -> tuple:
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
-def _loss_function(loss):
-    """``loss`` as a function (y, y_pred, sample_weight or None) -> the micro-batch mean."""
-    if isinstance(loss, keras.losses.Loss):
-        if loss.reduction not in MEAN_REDUCTIONS:
-            raise HostavgError(
-                f"loss {loss.name!r} has reduction={loss.reduction!r}, but hostavg needs the "
-                f"micro-batch MEAN: make it with reduction='sum_over_batch_size' (the default)")
+class _Loss:
+    """A trainer's loss, normalised once: ``loss(y, y_pred, sample_weight or None)`` -> the micro-batch mean.
 
-        def keras_loss(y, y_pred, w):
-            return loss(y, y_pred, sample_weight=w)
-        return keras_loss
-    if callable(loss):
-        def plain(y, y_pred, w):
-            return loss(y, y_pred)
-        plain.plain = True
-        return plain
-    raise HostavgError(f"loss must be a keras.losses.Loss or a callable(y_true, y_pred) giving the "
-                       f"micro-batch mean, got {loss!r}")
+    Attributes:
+      weighs_samples: whether it takes sample weights (a ``keras.losses.Loss``
+        does; a plain callable(y_true, y_pred) does not).
+    """
+
+    def __init__(self, loss):
+        if isinstance(loss, keras.losses.Loss):
+            if loss.reduction not in MEAN_REDUCTIONS:
+                raise HostavgError(
+                    f"loss {loss.name!r} has reduction={loss.reduction!r}, but hostavg needs the "
+                    f"micro-batch MEAN: make it with reduction='sum_over_batch_size' (the default)")
+            self.weighs_samples = True
+        elif callable(loss):
+            self.weighs_samples = False
+        else:
+            raise HostavgError(f"loss must be a keras.losses.Loss or a callable(y_true, y_pred) "
+                               f"giving the micro-batch mean, got {loss!r}")
+        self._loss = loss
+
+    def __call__(self, y, y_pred, sample_weight):
+        if self.weighs_samples:
+            return self._loss(y, y_pred, sample_weight=sample_weight)
+        return self._loss(y, y_pred)
 
 
 def _checked_optimizer(optimizer):
