@@ -7,7 +7,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import CLASSES, FEATURES, HIDDEN, VOCAB, batches, cuts, initial_weights
+from models import CLASSES, FEATURES, HIDDEN, batches, cuts
+from models import keras_model as build
 
 import hostavg
 import hostavg.keras
@@ -28,40 +29,6 @@ OPTIMIZERS = {
 
 def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def build(seed=0, sparse=False, batch_norm=False, dropout=False, regularizer=None,
-          frozen=False, names=True):
-    """tests/models.py's MLP as a Keras functional model, from the same initial weights.
-
-    Layers are named (hidden, out, embedding, bn) unless ``names`` is False.
-    """
-    keras.utils.set_random_seed(seed)
-    name = (lambda n: n) if names else (lambda n: None)
-    if sparse:
-        ids = keras.Input((3,), dtype="int32")
-        inputs, h = ids, keras.layers.GlobalAveragePooling1D()(
-            keras.layers.Embedding(VOCAB, FEATURES, name=name("embedding"))(ids))
-    else:
-        inputs = h = keras.Input((FEATURES,))
-    if frozen:
-        backbone = keras.layers.Dense(FEATURES, name=name("backbone"), trainable=False)
-        h = backbone(h)
-    hidden = keras.layers.Dense(HIDDEN, activation="tanh", name=name("hidden"),
-                                kernel_regularizer=regularizer)
-    h = hidden(h)
-    if batch_norm:
-        h = keras.layers.BatchNormalization(name=name("bn"))(h)
-    if dropout:
-        h = keras.layers.Dropout(0.25)(h)
-    out = keras.layers.Dense(CLASSES, name=name("out"))
-    model = keras.Model(inputs, out(h))
-    w = initial_weights(seed, np.float32, sparse)
-    hidden.set_weights([w["hidden/kernel"], w["hidden/bias"]])
-    out.set_weights([w["out/kernel"], w["out/bias"]])
-    if sparse:
-        model.get_layer(name("embedding") or model.layers[1].name).set_weights([w["embedding"]])
-    return model
 
 
 def xy(d):
