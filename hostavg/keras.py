@@ -9,13 +9,16 @@ input structure with the batch dimension left open, so micro-batches of any
 size share it) runs the forward pass with ``training=True``, the loss (plus
 ``model.losses``), the backward pass and the squared norm of every gradient,
 and reads the optimizer's step. Its outputs cross to NumPy without a copy
-(``np.asarray`` of a CPU tensor) and are frozen. A sparse gradient
+(``np.asarray`` of a CPU tensor; from a GPU, one copy to the host) and are
+frozen. A sparse gradient
 (``IndexedSlices``, as an ``Embedding`` gives) has its duplicate rows summed
 in the same function and stays sparse on the host.
 
 The mean goes back through a second compiled function that takes the
 gradients as inputs and calls ``optimizer.apply_gradients`` once, so
-``optimizer.iterations`` grows by one per step. Sparse means go back as
+``optimizer.iterations`` grows by one per step; when no gradient is sparse it
+is compiled with XLA, which fuses the optimizer's elementwise update into one
+pass per variable. Sparse means go back as
 ``tf.IndexedSlices`` with unique indices: Keras 3's sparse update on
 TensorFlow squares each row it is given, so rows repeated within one
 IndexedSlices would make it differ from the dense step; with unique rows it
@@ -28,6 +31,7 @@ default when JAX and PyTorch are absent).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 
 import keras
 import numpy as np
@@ -188,12 +192,14 @@ class Trainer:
                 "step takes a list of batches, one per micro-batch, got one batch (a tuple of "
                 f"{', '.join(type(b).__name__ for b in batches)}); cut it with "
                 "hostavg.split((x, y), micro_batch_size)")
+        if isinstance(batches, (Mapping, str)) or not isinstance(batches, Sequence):
+            raise HostavgError(
+                f"step takes a list of (x, y) batches, one per micro-batch, got "
+                f"{type(batches).__name__}; cut one with hostavg.split((x, y), micro_batch_size)")
         engine = self._engine
         if engine is None:
-            if isinstance(batches, (Mapping, str)) or not isinstance(batches, Sequence) \
-                    or not batches:
-                raise HostavgError(f"step takes a non-empty list of (x, y) batches, one per "
-                                   f"micro-batch, got {batches!r:.80}")
+            if not batches:
+                raise HostavgError("step got no micro-batches; pass at least one (x, y) batch")
             engine = self._engine_for(batches[0], f"step, micro-batch 0 of {len(batches)}")
         return engine.step(self._backend, batches, sizes)
 
@@ -720,39 +726,29 @@ def _checked_optimizer(optimizer):
     return optimizer
 
 
-class _tensorflow_errors:
+@contextmanager
+def _tensorflow_errors(call: str):
     """Turns what a compiled call raises into a HostavgError saying what to do."""
-
-    def __init__(self, call: str):
-        self.call = call
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if not isinstance(error, tf.errors.OpError):
-            return False
+    try:
+        yield
+    except tf.errors.OpError as error:
         said = f"{type(error).__name__}: {first_line(error)}"
         if isinstance(error, tf.errors.InvalidArgumentError):
-            raise HostavgError(f"TensorFlow refused the {self.call} ({said}); check that "
+            raise HostavgError(f"TensorFlow refused the {call} ({said}); check that "
                                f"micro-batch's x and y") from error
-        raise HostavgError(f"TensorFlow failed in the {self.call} ({said})") from error
+        raise HostavgError(f"TensorFlow failed in the {call} ({said})") from error
 
 
-class _model_errors:
+@contextmanager
+def _model_errors(what: str):
     """Turns an error building or tracing the model on a batch into a HostavgError naming the batch."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if error is None or isinstance(error, HostavgError) or not isinstance(error, Exception):
-            return False
+    try:
+        yield
+    except HostavgError:
+        raise
+    except Exception as error:
         raise HostavgError(
-            f"{self.what}: the model cannot run on this batch ({type(error).__name__}: "
+            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
             f"{_message(error)}); check its x and y against the model's inputs and the loss") \
             from error
 
@@ -760,6 +756,7 @@ class _model_errors:
 def _message(error) -> str:
     """What went wrong, from an error raised while tracing (autograph wraps it in a traceback)."""
     text = str(error).strip()
-    if text.startswith("in user code:"):
-        return text.splitlines()[-1].strip()
-    return first_line(error)
+    if not text.startswith("in user code:"):
+        return first_line(error)
+    last = text.splitlines()[-1].strip()  # "ValueError: what went wrong"
+    return last.removeprefix(f"{type(error).__name__}: ")

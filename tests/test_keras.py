@@ -399,12 +399,19 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
     with pytest.raises(hostavg.HostavgError, match=r"step takes a list of batches, one per "
                                                    r"micro-batch, got one batch .*hostavg\.split"):
         trainer.step((x, y))
+    with pytest.raises(hostavg.HostavgError, match="step got no micro-batches"):
+        trainer.step([])
     trainer.step(hostavg.split((x, y), 20))
+    with pytest.raises(hostavg.HostavgError, match=r"step takes a list of \(x, y\) batches, one "
+                                                   r"per micro-batch, got dict"):
+        trainer.step({"x": x, "y": y})
     before = [v.numpy() for v in model.variables + trainer.optimizer.variables]
     bad = hostavg.split((x, y), 10)
     bad[2] = (np.ones((10, 5), np.float32), y[:10])
     with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 2 of 4: the model cannot "
-                                                   r"run on this batch \(ValueError: .*"):
+                                                   r"run on this batch \(ValueError: Input 0 .*"
+                                                   r"expected shape=\(None, 6\), found shape="
+                                                   r"\(None, 5\)\); check its x and y"):
         trainer.step(bad)
     with pytest.raises(hostavg.HostavgError, match=r"micro-batch 1 of 2: arrays have different "
                                                    r"lengths along axis 0"):
