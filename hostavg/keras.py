@@ -599,7 +599,8 @@ class _ModelRun:
 
 
 _EagerTensor = type(tf.constant(0.0))
-_HOST = tf.constant(0.0).device
+with tf.device("CPU:0"):
+    _HOST = tf.constant(0.0).device  # the host's device name; a call copies to a GPU itself
 
 
 def _tensor(array: np.ndarray, dtype=None):
