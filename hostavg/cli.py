@@ -72,12 +72,13 @@ def _parser() -> _Parser:
     train.set_defaults(run=_train)
 
     bench = commands.add_parser(
-        "bench", help="time hostavg against in-graph accumulation and the plain host recipe",
+        "bench", help="time hostavg against in-graph accumulation, the plain host recipe and "
+                      "Keras 3's own accumulation",
         description="Runs the same model, data and micro-batches through every implementation, "
                     "interleaved in one process; prints median step times, their ratios to "
                     "in-graph accumulation, and peak host memory per implementation.")
     bench.add_argument("--grid", choices=("quick", "full", "smallest"), default="quick",
-                       help="quick (default, about 2 minutes on 2 cores): every model at micro-batch "
+                       help="quick (default, about 4 minutes on 2 cores): every model at micro-batch "
                             "size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
                        help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, embedding")
@@ -88,7 +89,8 @@ def _parser() -> _Parser:
                        help="numbers of micro-batches per step, comma-separated")
     bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
-                            "in-graph, plain-host, full-batch, hostavg-stack+stats")
+                            "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
+                            "hostavg-stack+stats")
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
