@@ -6,7 +6,8 @@ through the gradient tensors to a train op that runs once.
 
 The host math (:class:`Gradients`, :class:`Accumulator`, :func:`split`) is
 pure NumPy; TensorFlow is imported the first time a name that needs it (such
-as :class:`Trainer`) is used, so ``import hostavg`` stays fast.
+as :class:`Trainer`) is used, so ``import hostavg`` stays fast. Keras 3 models
+have their own trainer, ``hostavg.keras.Trainer``, after ``import hostavg.keras``.
 """
 
 import importlib

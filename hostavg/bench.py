@@ -20,7 +20,17 @@ step time. Implementations:
   placeholder graph, then ``sess.run(train_op, feed_dict=...)`` through the
   gradient tensors (sparse gradients are fetched dense);
 * ``full-batch``: one ``minimize`` step on the concatenated batch, no
-  accumulation: the compute floor, where memory allows.
+  accumulation: the compute floor, where memory allows;
+* ``hostavg-keras``: the same model as a Keras 3 model (same layers and
+  initial weights, :mod:`hostavg.models`), trained by ``hostavg.keras.Trainer``
+  with its defaults;
+* ``keras-accum``: that Keras model compiled with Keras 3's own accumulation,
+  ``Adam(..., gradient_accumulation_steps=k)``, one ``train_on_batch`` per
+  micro-batch: Keras's answer to the same problem.
+
+Both Keras implementations use ``keras.optimizers.Adam(1e-3, epsilon=1e-8)``,
+the update of ``tf.compat.v1.train.AdamOptimizer(1e-3)``, so every
+implementation ends with the same weights.
 
 Peak host memory is measured per implementation in a fresh process (the peak
 resident set size during a few steps, above what it was before them), since a
@@ -43,7 +53,7 @@ __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "Confi
            "run", "time_config"]
 
 IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
-                   "full-batch", "hostavg-stack+stats")
+                   "full-batch", "hostavg-keras", "keras-accum", "hostavg-stack+stats")
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds the last one).
 DEFAULT_IMPLEMENTATIONS = IMPLEMENTATIONS[:-1]
 
@@ -69,26 +79,31 @@ class Config:
         return f"{self.model} micro={self.micro_batch_size} k={self.k}"
 
 
-def _build(model: str, seed: int = 0):
+def _build(model: str, seed: int = 0, keras: bool = False):
     from hostavg import models
     builder, kwargs = CONFIG_MODELS[model]
-    return getattr(models, builder)(**kwargs, seed=seed)
+    return getattr(models, f"keras_{builder}" if keras else builder)(**kwargs, seed=seed)
 
 
-def _batches(model, config: Config, steps: int, seed: int = 0):
-    """``steps`` lists of k (x, y) micro-batches."""
+def _batches(model: str, config: Config, steps: int, seed: int = 0):
+    """``steps`` lists of k (x, y) micro-batches for ``model``'s input."""
+    builder, kwargs = CONFIG_MODELS[model]
+    if builder == "embedding":
+        shape = (kwargs["length"],)
+    elif builder == "convnet":
+        shape = (kwargs["side"] ** 2,)
+    else:
+        shape = (kwargs["features"],)
     rng = np.random.default_rng(seed)
-    x_shape = model.x.shape.as_list()[1:]
     out = []
     for _ in range(steps):
         micro = []
         for _ in range(config.k):
             n = config.micro_batch_size
-            if model.x.dtype.is_integer:
-                x = rng.integers(0, CONFIG_MODELS["embedding"][1]["vocab"], (n, *x_shape))
-                x = x.astype(np.int32)
+            if builder == "embedding":
+                x = rng.integers(0, kwargs["vocab"], (n, *shape)).astype(np.int32)
             else:
-                x = rng.random((n, *x_shape), dtype=np.float32)
+                x = rng.random((n, *shape), dtype=np.float32)
             micro.append((x, rng.integers(0, 10, n).astype(np.int32)))
         out.append(micro)
     return out
@@ -97,6 +112,11 @@ def _batches(model, config: Config, steps: int, seed: int = 0):
 def _optimizer():
     import tensorflow as tf
     return tf.compat.v1.train.AdamOptimizer(1e-3)
+
+
+def _keras_optimizer(**kwargs):
+    import keras
+    return keras.optimizers.Adam(1e-3, epsilon=1e-8, **kwargs)
 
 
 class _Impl:
@@ -112,12 +132,19 @@ class _Impl:
         self.sess = self.v1.Session(graph=self.model.graph, config=session_config)
         self.sess.run(init)
 
+    @property
+    def parameters(self) -> int:
+        return self.model.parameters
+
     def weights(self) -> list:
         with self.model.graph.as_default():
             return self.sess.run(self.v1.trainable_variables())
 
     def feed(self, x, y) -> dict:
         return {self.model.x: x, self.model.y: y}
+
+    def close(self) -> None:
+        self.sess.close()
 
 
 class _Hostavg(_Impl):
@@ -192,8 +219,48 @@ class _FullBatch(_Impl):
                                             np.concatenate([y for _, y in micro])))
 
 
-def _make(name: str, model_name: str, session_config=None) -> _Impl:
-    kw = {"session_config": session_config}
+class _KerasImpl:
+    """One implementation on the Keras twin of the model."""
+
+    def __init__(self, model_name: str):
+        self.model = _build(model_name, keras=True)
+
+    @property
+    def parameters(self) -> int:
+        return self.model.count_params()
+
+    def weights(self) -> list:
+        return [v.numpy() for v in self.model.trainable_variables]
+
+    def close(self) -> None:
+        pass
+
+
+class _HostavgKeras(_KerasImpl):
+    def __init__(self, model_name):
+        super().__init__(model_name)
+        from hostavg import models
+        from hostavg.keras import Trainer
+        self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer())
+
+    def step(self, micro):
+        self.trainer.step(micro)
+
+
+class _KerasAccumulation(_KerasImpl):
+    def __init__(self, model_name, k: int):
+        super().__init__(model_name)
+        from hostavg import models
+        self.model.compile(optimizer=_keras_optimizer(gradient_accumulation_steps=k),
+                           loss=models.keras_loss())
+
+    def step(self, micro):
+        for x, y in micro:
+            self.model.train_on_batch(x, y)
+
+
+def _make(name: str, config: Config, session_config=None):
+    kw, model_name = {"session_config": session_config}, config.model
     return {"hostavg": lambda: _Hostavg(model_name, **kw),
             "hostavg-stack": lambda: _Hostavg(model_name, accumulate="stack", **kw),
             "hostavg-stack+stats": lambda: _Hostavg(model_name, accumulate="stack",
@@ -201,15 +268,16 @@ def _make(name: str, model_name: str, session_config=None) -> _Impl:
             "hostavg-graph": lambda: _Hostavg(model_name, average="graph", **kw),
             "in-graph": lambda: _InGraph(model_name, **kw),
             "plain-host": lambda: _PlainHost(model_name, **kw),
-            "full-batch": lambda: _FullBatch(model_name, **kw)}[name]()
+            "full-batch": lambda: _FullBatch(model_name, **kw),
+            "hostavg-keras": lambda: _HostavgKeras(model_name),
+            "keras-accum": lambda: _KerasAccumulation(model_name, config.k)}[name]()
 
 
 def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7,
                 warmup: int = 1) -> dict:
     """Median step seconds per implementation, timed interleaved; also their weights' agreement."""
-    impls = {name: _make(name, config.model) for name in implementations}
-    model = next(iter(impls.values())).model
-    data = _batches(model, config, warmup + repeats)
+    impls = {name: _make(name, config) for name in implementations}
+    data = _batches(config.model, config, warmup + repeats)
     times = {name: [] for name in impls}
     names = list(impls)
     for r, micro in enumerate(data):
@@ -224,9 +292,9 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
     diff = {name: max(float(np.max(np.abs(a - b))) for a, b in zip(w, reference))
             for name, w in weights.items()}
     for impl in impls.values():
-        impl.sess.close()
+        impl.close()
     return {"median_s": {n: statistics.median(t) for n, t in times.items()},
-            "max_weight_diff": diff, "parameters": model.parameters}
+            "max_weight_diff": diff, "parameters": impls[names[0]].parameters}
 
 
 def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
@@ -243,9 +311,8 @@ def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
 
 
 def _memory_probe(config: Config, implementation: str, steps: int) -> int:
-    impl = _make(implementation, config.model)
-    model = impl.model
-    data = _batches(model, config, steps + 1)
+    impl = _make(implementation, config)
+    data = _batches(config.model, config, steps + 1)
     # One step of a single micro-batch first: kernels, caches and one gradient's buffers
     # are allocated then, and a step of k micro-batches cannot hide in memory it freed.
     impl.step(data[0][:1])
@@ -292,6 +359,13 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
         out(f"{str(config):<28}{r['parameters']:>10,}{cells}")
     if "in-graph" in implementations:
         out("(each cell: median step time, and its ratio to in-graph accumulation)")
+    if {"hostavg-keras", "keras-accum"} <= set(implementations):
+        out("\nKeras 3's own accumulation over hostavg's Keras engine (keras-accum / hostavg-keras):")
+        for c in results["configs"]:
+            t = c["median_s"]
+            c["keras_accum_over_hostavg_keras"] = t["keras-accum"] / t["hostavg-keras"]
+            out(f"  {str(Config(c['model'], c['micro_batch_size'], c['k'])):<28}"
+                f"{c['keras_accum_over_hostavg_keras']:.2f}x")
     if memory:
         results["memory"] = _memory_tables(implementations, memory_config, out)
     return results

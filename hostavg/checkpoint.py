@@ -1,8 +1,10 @@
-"""Checkpoints: every variable of the graph, plus fit's position, in one atomic file.
+"""Checkpoints: every variable of the model, plus fit's position, in one atomic file.
 
-Format: one NumPy ``.npz`` file (loads with ``allow_pickle=False``). Each global
-variable of the graph (model weights, optimizer slots, the global step) is the
-array ``var/<name>``; the array ``meta`` is a JSON string with the format
+Format: one NumPy ``.npz`` file (loads with ``allow_pickle=False``). Each
+variable (model weights, optimizer slots, the global step) is the array
+``var/<name>``: for a TF1 graph, each global variable by ``var.op.name``; for a
+Keras model, ``model/<i>`` and ``optimizer/<i>`` by position (see
+:mod:`hostavg.keras`); the array ``meta`` is a JSON string with the format
 version, each variable's shape and dtype, and, when fit wrote it, fit's
 position (epoch, batch, seed) and its History.
 
@@ -19,6 +21,7 @@ import os
 import re
 import tempfile
 import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -29,21 +32,19 @@ from hostavg.graph import load_variables
 
 v1 = tf.compat.v1
 
-__all__ = ["CheckpointDir", "restore", "save"]
+__all__ = ["CheckpointDir", "read", "restore", "save", "write"]
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
 
 
-def save(graph, sess, path, *, fit: dict | None = None) -> Path:
-    """Writes every global variable of ``graph`` (and ``fit``'s state) to ``path`` atomically."""
+def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) -> Path:
+    """Writes the named arrays ``values`` (and ``fit``'s state) to ``path`` atomically."""
     path = Path(path)
-    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-    values = sess.run(variables)
-    arrays = {f"var/{v.op.name}": np.asarray(value) for v, value in zip(variables, values)}
+    arrays = {f"var/{name}": np.asarray(value) for name, value in values.items()}
     meta = {"format": FORMAT,
-            "variables": {v.op.name: [list(np.shape(value)), np.asarray(value).dtype.str]
-                          for v, value in zip(variables, values)},
+            "variables": {name: [list(a.shape), a.dtype.str]
+                          for name, a in zip(values, arrays.values())},
             "fit": fit}
     arrays["meta"] = np.array(json.dumps(meta))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,37 +62,52 @@ def save(graph, sess, path, *, fit: dict | None = None) -> Path:
     return path
 
 
-def restore(graph, sess, path) -> dict | None:
-    """Loads ``path`` into the variables of ``graph``; returns fit's state, or None.
+def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[dict, dict | None]:
+    """The arrays of ``path``, checked against ``forms`` (name -> (shape, NumPy dtype)), and fit's state.
 
     Raises:
       HostavgError: when the file is not a hostavg checkpoint, or was written
-        by a different model (variables missing, unexpected, or of another
-        shape or dtype); no variable is changed then.
+        by a different model (arrays missing, unexpected, or of another
+        shape or dtype than ``forms`` say).
     """
     _refuse_saver_checkpoint(path)
-    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"][()]))
             stored = {name: z[f"var/{name}"] for name in meta["variables"]}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise HostavgError(f"{path} is not a readable hostavg checkpoint ({e})") from None
-    names = [v.op.name for v in variables]
-    missing = [n for n in names if n not in stored]
-    extra = [n for n in stored if n not in set(names)]
-    wrong = [f"{v.op.name!r}: {stored[v.op.name].shape} {stored[v.op.name].dtype} in the "
-             f"checkpoint, {tuple(v.shape.as_list())} {v.dtype.base_dtype.name} in the graph"
-             for v in variables if v.op.name in stored and (
-                 stored[v.op.name].shape != tuple(v.shape.as_list())
-                 or stored[v.op.name].dtype != v.dtype.base_dtype.as_numpy_dtype)]
+    missing = [n for n in forms if n not in stored]
+    extra = [n for n in stored if n not in forms]
+    wrong = [f"{n!r}: {stored[n].shape} {stored[n].dtype} in the checkpoint, {tuple(shape)} "
+             f"{np.dtype(dtype).name} in {where}"
+             for n, (shape, dtype) in forms.items()
+             if n in stored and (stored[n].shape != tuple(shape) or stored[n].dtype != dtype)]
     if missing or extra or wrong:
         raise HostavgError(
             f"checkpoint {path} was written by a different model: missing {_few(list(map(repr, missing)))}, "
             f"unexpected {_few(list(map(repr, extra)))}, mismatched {_few(wrong)}; restore it into the model "
             f"that wrote it, or use another checkpoint directory")
-    load_variables(sess, variables, [stored[n] for n in names])
-    return meta["fit"]
+    return stored, meta["fit"]
+
+
+def save(graph, sess, path, *, fit: dict | None = None) -> Path:
+    """Writes every global variable of ``graph`` (and ``fit``'s state) to ``path`` atomically."""
+    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    return write(path, dict(zip([v.op.name for v in variables], sess.run(variables))), fit=fit)
+
+
+def restore(graph, sess, path) -> dict | None:
+    """Loads ``path`` into the variables of ``graph``; returns fit's state, or None.
+
+    Raises:
+      HostavgError: see :func:`read`; no variable is changed then.
+    """
+    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    stored, fit = read(path, {v.op.name: (v.shape.as_list(), v.dtype.base_dtype.as_numpy_dtype)
+                              for v in variables}, "the graph")
+    load_variables(sess, variables, [stored[v.op.name] for v in variables])
+    return fit
 
 
 def _refuse_saver_checkpoint(path) -> None:
@@ -129,8 +145,10 @@ class CheckpointDir:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, graph, sess, step: int, fit: dict | None = None) -> Path:
-        path = save(graph, sess, self.path / f"ckpt-{step:010d}.npz", fit=fit)
+    def save(self, step: int, write: Callable[[Path], object]) -> Path:
+        """Has ``write(path)`` write the checkpoint of global step ``step``, then deletes the oldest beyond ``keep``."""
+        path = self.path / f"ckpt-{step:010d}.npz"
+        write(path)
         for old in self.checkpoints()[:-self.keep]:
             old.unlink(missing_ok=True)
         return path

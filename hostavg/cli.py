@@ -59,6 +59,9 @@ def _parser() -> _Parser:
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--accumulate", choices=("sum", "stack"), default="sum")
     train.add_argument("--average", choices=("host", "graph"), default="host")
+    train.add_argument("--engine", choices=("tf1", "keras"), default="tf1",
+                       help="tf1 (default): the MLP as a tf.compat.v1 graph; keras: the same MLP, "
+                            "same initial weights, as a Keras 3 model (hostavg.keras)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--checkpoint-dir", default=None,
                        help="write checkpoints here and resume from the newest one")
@@ -69,12 +72,13 @@ def _parser() -> _Parser:
     train.set_defaults(run=_train)
 
     bench = commands.add_parser(
-        "bench", help="time hostavg against in-graph accumulation and the plain host recipe",
+        "bench", help="time hostavg against in-graph accumulation, the plain host recipe and "
+                      "Keras 3's own accumulation",
         description="Runs the same model, data and micro-batches through every implementation, "
                     "interleaved in one process; prints median step times, their ratios to "
                     "in-graph accumulation, and peak host memory per implementation.")
     bench.add_argument("--grid", choices=("quick", "full", "smallest"), default="quick",
-                       help="quick (default, about 2 minutes on 2 cores): every model at micro-batch "
+                       help="quick (default, about 4 minutes on 2 cores): every model at micro-batch "
                             "size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
                        help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, embedding")
@@ -85,7 +89,8 @@ def _parser() -> _Parser:
                        help="numbers of micro-batches per step, comma-separated")
     bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
-                            "in-graph, plain-host, full-batch, hostavg-stack+stats")
+                            "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
+                            "hostavg-stack+stats")
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
@@ -126,18 +131,33 @@ def _bench(args) -> int:
     return 0
 
 
-def _optimizer(name: str, lr: float | None):
-    import tensorflow as tf
-    train = tf.compat.v1.train
+def _learning_rate(name: str, lr: float | None) -> float:
     if lr is None:
         lr = 0.003 if name in ("adam", "rmsprop") else 0.1
     if not lr > 0:
         raise HostavgError(f"--lr must be > 0, got {lr}")
+    return lr
+
+
+def _optimizer(name: str, lr: float):
+    import tensorflow as tf
+    train = tf.compat.v1.train
     return {"sgd": lambda: train.GradientDescentOptimizer(lr),
             "momentum": lambda: train.MomentumOptimizer(lr, momentum=0.9),
             "adam": lambda: train.AdamOptimizer(lr),
             "rmsprop": lambda: train.RMSPropOptimizer(lr),
             "adagrad": lambda: train.AdagradOptimizer(lr)}[name]()
+
+
+def _keras_optimizer(name: str, lr: float):
+    """The Keras 3 optimizer of that name; Adam with TF1's epsilon, so it makes TF1's update."""
+    import keras
+    opt = keras.optimizers
+    return {"sgd": lambda: opt.SGD(lr),
+            "momentum": lambda: opt.SGD(lr, momentum=0.9),
+            "adam": lambda: opt.Adam(lr, epsilon=1e-8),
+            "rmsprop": lambda: opt.RMSprop(lr),
+            "adagrad": lambda: opt.Adagrad(lr)}[name]()
 
 
 class _EpochPrinter:
@@ -155,46 +175,22 @@ def _train(args) -> int:
     t0 = time.perf_counter()
     from hostavg.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
-    import tensorflow as tf
-
-    from hostavg import datasets, models
-    from hostavg.trainer import Trainer
-    v1 = tf.compat.v1
+    if args.engine == "keras" and args.average != "host":
+        raise HostavgError(f"--average {args.average} is for the TF1 engine; the Keras engine "
+                           f"averages on the host")
+    lr = _learning_rate(args.optimizer, args.lr)
+    from hostavg import datasets
 
     comm = _world()
     if comm is not None and comm.Get_rank() != 0:
         args.quiet, args.json = True, None  # rank 0 speaks for the job
     data = datasets.load(args.dataset, seed=args.seed)
-    model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
-    with model.graph.as_default():
-        trainer = Trainer(model.loss, _optimizer(args.optimizer, args.lr),
-                          accumulate=args.accumulate, average=args.average, comm=comm)
-        init = v1.global_variables_initializer()
-    test = {model.x: data.x_test, model.y: data.y_test}
-    with v1.Session(graph=model.graph) as sess:
-        sess.run(init)
-        if not args.quiet:
-            ranks = f" over {comm.Get_size()} MPI ranks" if comm is not None else ""
-            print(f"hostavg train{ranks}: {args.dataset}, {len(data.x_train)} training and "
-                  f"{len(data.x_test)} test samples; MLP {args.hidden} with "
-                  f"{model.parameters:,} parameters; batch {args.batch_size} = micro-batches of "
-                  f"{args.micro_batch_size}; {args.optimizer}", flush=True)
-        # Does a step over micro-batches equal the full-batch step for this model? Changes nothing.
-        first = slice(0, args.batch_size)
-        check = trainer.check(sess, {model.x: data.x_train[first], model.y: data.y_train[first]},
-                              args.micro_batch_size)
-        if not args.quiet:
-            print(check, flush=True)
-        history = trainer.fit(
-            sess, {model.x: data.x_train, model.y: data.y_train},
-            batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-            epochs=args.epochs, seed=args.seed, validation_data=test,
-            metrics={"accuracy": model.accuracy},
-            callbacks=[] if args.quiet else [_EpochPrinter(args.epochs)],
-            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every)
-        result = trainer.evaluate(sess, test, batch_size=args.micro_batch_size,
-                                  metrics={"accuracy": model.accuracy})
+    fit = {"batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size,
+           "epochs": args.epochs, "seed": args.seed, "progress": not args.quiet,
+           "callbacks": [] if args.quiet else [_EpochPrinter(args.epochs)],
+           "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
+    run = _train_keras if args.engine == "keras" else _train_tf1
+    history, result, check = run(args, data, comm, lr, fit)
     summary = {"dataset": args.dataset, "test_accuracy": result["accuracy"],
                "test_loss": result["loss"], "steps": len(history.steps),
                "samples": history.samples, "self_check": check.ok,
@@ -207,6 +203,70 @@ def _train(args) -> int:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
+
+
+def _header(args, data, comm, parameters: int) -> None:
+    if not args.quiet:
+        ranks = f" over {comm.Get_size()} MPI ranks" if comm is not None else ""
+        engine = " (Keras engine)" if args.engine == "keras" else ""
+        print(f"hostavg train{ranks}{engine}: {args.dataset}, {len(data.x_train)} training and "
+              f"{len(data.x_test)} test samples; MLP {args.hidden} with {parameters:,} "
+              f"parameters; batch {args.batch_size} = micro-batches of {args.micro_batch_size}; "
+              f"{args.optimizer}", flush=True)
+
+
+def _self_check(args, check):
+    """Prints the self-check's verdict (``trainer.check`` on the first batch): does a step over
+    micro-batches equal the full-batch step for this model?"""
+    if not args.quiet:
+        print(check, flush=True)
+    return check
+
+
+def _train_tf1(args, data, comm, lr, fit) -> tuple:
+    """The MLP as a tf.compat.v1 graph, trained by hostavg.Trainer: (history, test results)."""
+    import tensorflow as tf
+
+    from hostavg import models
+    from hostavg.trainer import Trainer
+    v1 = tf.compat.v1
+    model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
+    with model.graph.as_default():
+        trainer = Trainer(model.loss, _optimizer(args.optimizer, lr),
+                          accumulate=args.accumulate, average=args.average, comm=comm)
+        init = v1.global_variables_initializer()
+    test = {model.x: data.x_test, model.y: data.y_test}
+    with v1.Session(graph=model.graph) as sess:
+        sess.run(init)
+        _header(args, data, comm, model.parameters)
+        first = slice(0, args.batch_size)
+        check = _self_check(args, trainer.check(
+            sess, {model.x: data.x_train[first], model.y: data.y_train[first]},
+            args.micro_batch_size))
+        history = trainer.fit(sess, {model.x: data.x_train, model.y: data.y_train},
+                              validation_data=test, metrics={"accuracy": model.accuracy}, **fit)
+        return history, trainer.evaluate(sess, test, batch_size=args.micro_batch_size,
+                                         metrics={"accuracy": model.accuracy}), check
+
+
+def _train_keras(args, data, comm, lr, fit) -> tuple:
+    """The same MLP (same initial weights) as a Keras 3 model, trained by hostavg.keras.Trainer."""
+    import keras
+
+    from hostavg import models
+    from hostavg.keras import Trainer
+    model = models.keras_mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
+    model.compile(metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+    trainer = Trainer(model, models.keras_loss(), _keras_optimizer(args.optimizer, lr),
+                      accumulate=args.accumulate, comm=comm)
+    _header(args, data, comm, model.count_params())
+    first = slice(0, args.batch_size)
+    check = _self_check(args, trainer.check(data.x_train[first], data.y_train[first],
+                                            args.micro_batch_size))
+    history = trainer.fit(data.x_train, data.y_train,
+                          validation_data=(data.x_test, data.y_test), **fit)
+    return history, trainer.evaluate(data.x_test, data.y_test,
+                                     batch_size=args.micro_batch_size), check
 
 
 def _world():

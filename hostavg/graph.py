@@ -23,8 +23,8 @@ from hostavg.split import feed_size
 
 v1 = tf.compat.v1
 
-__all__ = ["GraphAverage", "SessionBackend", "Wiring", "assigned_variables", "load_variables",
-           "resolve_feed"]
+__all__ = ["READ_OPS", "GraphAverage", "SessionBackend", "Wiring", "assigned_variables",
+           "first_line", "load_variables", "resolve_feed"]
 
 
 class Wiring:
@@ -221,7 +221,7 @@ class _session_errors:
     def __exit__(self, kind, error, tb):
         if error is None or isinstance(error, HostavgError) or not isinstance(error, Exception):
             return False
-        said = f"{type(error).__name__}: {_first_line(error)}"
+        said = f"{type(error).__name__}: {first_line(error)}"
         if isinstance(error, tf.errors.FailedPreconditionError) and "initializ" in str(error):
             raise HostavgError(
                 f"a variable is not initialized ({said}); run "
@@ -236,7 +236,7 @@ class _session_errors:
         return False
 
 
-def _first_line(error) -> str:
+def first_line(error) -> str:
     """The line of a TensorFlow error message that says what went wrong."""
     for line in str(getattr(error, "message", error)).splitlines():
         line = line.strip()
@@ -400,8 +400,8 @@ def _placeholders(op) -> set:
 
 
 #: Ops that take a variable (its resource handle) only to read it.
-_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
-                    "VarIsInitializedOp", "IsVariableInitialized"})
+READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+                      "VarIsInitializedOp", "IsVariableInitialized"})
 
 
 def assigned_variables(graph, fetches) -> list:
@@ -424,7 +424,7 @@ def assigned_variables(graph, fetches) -> list:
         for tensor, kind in zip(op.inputs, op._input_types):  # pylint: disable=protected-access
             source = tensor.op
             if source in by_op and (kind._is_ref_dtype or (kind == tf.resource  # pylint: disable=protected-access
-                                                           and op.type not in _READS)):
+                                                           and op.type not in READ_OPS)):
                 found.add(source)
             todo.append(source)
         todo.extend(op.control_inputs)

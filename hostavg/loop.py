@@ -1,6 +1,9 @@
 """The training loop behind ``Trainer.fit``: batches, micro-batches, epochs, checkpoints.
 
-Three kinds of ``data`` exist:
+The loop knows no framework: it drives a :class:`Run` (a trainer bound to a
+TF1 session, or a Keras trainer) over a source of batches. A Keras trainer's
+data is arrays ``(x, y)`` or ``(x, y, sample_weight)``, cut by
+:class:`ArraySource`. For the TF1 trainer, three kinds of ``data`` exist:
 
 * a Mapping ``{placeholder: array}``, every array of one length N: each epoch
   is cut into batches of ``batch_size`` samples (shuffled with ``seed`` when
@@ -32,41 +35,68 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import tensorflow as tf
 
 from hostavg.callbacks import StopTraining
-from hostavg.checkpoint import CheckpointDir, restore
+from hostavg.checkpoint import CheckpointDir
 from hostavg.errors import HostavgError, positive_int
 from hostavg.graph import resolve_feed
 from hostavg.history import History, StepLog
+from hostavg.results import StepResult
 from hostavg.split import feed_size, split, take
 
-__all__ = ["check_sizes", "fit"]
+__all__ = ["ArraySource", "Run", "check_sizes", "feed_source", "fit"]
 
 
-def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=True,
-        seed=None, drop_remainder=False, validation_data=None, metrics=None, inputs=None,
-        callbacks=(), progress=True, checkpoint_dir=None, checkpoint_every=None,
-        keep_checkpoints=3, blocks=None) -> History:
-    """See :meth:`hostavg.Trainer.fit`."""
+class Run(Protocol):
+    """What fit needs of a trainer bound to where its values live (a TF1 session, a Keras model)."""
+
+    #: The trainer's MPI communicator, or None.
+    comm: Any
+
+    def step(self, micro_batches: list, sizes: list | None = None) -> StepResult:
+        """One optimizer step over ``micro_batches`` (of ``sizes`` samples, where given)."""
+
+    def global_step(self) -> int:
+        """The global step now."""
+
+    def save(self, path, fit: dict) -> None:
+        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.checkpoint`)."""
+
+    def restore(self, path) -> dict | None:
+        """Loads a checkpoint; returns the fit state it holds, or None."""
+
+    def validate(self) -> dict:
+        """The validation results by name ("loss", metrics), or {} without validation data."""
+
+
+def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
+        drop_remainder=False, callbacks=(), progress=True, checkpoint_dir=None,
+        checkpoint_every=None, keep_checkpoints=3, blocks=None) -> History:
+    """Trains ``run`` over the batches of ``source``; see :meth:`hostavg.Trainer.fit`.
+
+    ``source`` is a callable that returns the batch source (called after
+    the arguments are checked), with ``num_batches(drop_remainder)`` and
+    ``batches(epoch, seed, skip)``. ``blocks``: {key: b} for arrays of b
+    blocks of the samples (see :mod:`hostavg.split`).
+    """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
     if progress not in (True, False, "always"):
         raise HostavgError(f"progress must be True, False or 'always', got {progress!r}")
-    blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
-              for k, b in resolve_feed(trainer.graph, blocks or {}, "blocks").items()}
-    source = _source(trainer.graph, data, inputs, batch_size, shuffle, blocks)
+    source = source()
     hooks = _callbacks(callbacks)
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
     history, epoch, batch = History(), 0, 0
     if ckpt is not None and ckpt.latest() is not None:
-        state = restore(trainer.graph, sess, ckpt.latest())
+        state = run.restore(ckpt.latest())
         if state is not None:
             epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
             history = History.from_json(state["history"])
-    comm = trainer.comm
+    comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)
@@ -78,12 +108,12 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
         return history
 
     def checkpoint():
-        step = int(sess.run(trainer.global_step))
-        ckpt.save(trainer.graph, sess, step, {"epoch": epoch, "batch": batch, "seed": seed,
-                                              "history": history.to_json()})
+        step = run.global_step()
+        state = {"epoch": epoch, "batch": batch, "seed": seed, "history": history.to_json()}
+        ckpt.save(step, lambda path: run.save(path, state))
         return step
 
-    saved_step = int(sess.run(trainer.global_step)) if ckpt is not None else None
+    saved_step = run.global_step() if ckpt is not None else None
     bar = _Progress(progress if rank == 0 else False)
     with _sigterm_as_exit():
         try:
@@ -94,8 +124,8 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                     if drop_remainder and n < batch_size:
                         batch += 1
                         continue
-                    result = trainer.step(sess, *_micro_batches(feed, n, micro_batch_size,
-                                                                rank, size, blocks))
+                    result = run.step(*_micro_batches(feed, n, micro_batch_size, rank, size,
+                                                      blocks))
                     batch += 1
                     loss = math.nan if result.skipped else result.loss
                     history.steps.append(StepLog(epoch, result.step, loss, result.size,
@@ -106,10 +136,7 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                     for hook in hooks["on_step_end"]:
                         hook(result.step, result)
                 logs = _epoch_logs(history, epoch)
-                if validation_data is not None:
-                    val = trainer.evaluate(sess, validation_data, batch_size=micro_batch_size,
-                                           metrics=metrics)
-                    logs.update({f"val_{k}": v for k, v in val.items()})
+                logs.update({f"val_{k}": v for k, v in run.validate().items()})
                 bar.close(logs)
                 history.epochs.append(logs)
                 epoch, batch = epoch + 1, 0
@@ -119,7 +146,7 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
             history.stopped = str(e) or "stopped by a callback"
         except BaseException:
             bar.close(None)
-            if ckpt is not None and int(sess.run(trainer.global_step)) != saved_step:
+            if ckpt is not None and run.global_step() != saved_step:
                 checkpoint()  # the last completed step: a step is atomic
             raise
     bar.close(None)
@@ -130,13 +157,13 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
     return history
 
 
-def _micro_batches(feed: dict, n: int, micro_batch_size: int, rank: int, size: int,
-                   blocks: dict) -> tuple[list, list]:
+def _micro_batches(batch, n: int, micro_batch_size: int, rank: int, size: int,
+                   blocks: dict | None) -> tuple[list, list]:
     """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up), and their sizes."""
     lo, hi = n * rank // size, n * (rank + 1) // size
     if lo == hi:
         return [], []
-    share = feed if size == 1 else take(feed, slice(lo, hi), n, blocks)
+    share = batch if size == 1 else take(batch, slice(lo, hi), n, blocks)
     sizes = [min(micro_batch_size, hi - lo - start) for start in range(0, hi - lo, micro_batch_size)]
     return split(share, micro_batch_size, blocks=blocks), sizes
 
@@ -172,7 +199,8 @@ def _callbacks(callbacks) -> dict:
             for n in names}
 
 
-def _source(graph, data, inputs, batch_size, shuffle, blocks):
+def feed_source(graph, data, inputs, batch_size, shuffle, blocks=None):
+    """The batches of a TF1 trainer's ``data``: a feed dict, an iterable of them, or a tf.data.Dataset."""
     if isinstance(data, tf.data.Dataset):
         if inputs is None:
             raise HostavgError("a tf.data.Dataset needs inputs=: a mapping from each element's "
@@ -181,7 +209,7 @@ def _source(graph, data, inputs, batch_size, shuffle, blocks):
     if inputs is not None:
         raise HostavgError("inputs= is only for a tf.data.Dataset")
     if isinstance(data, Mapping):
-        return _ArraySource(graph, data, batch_size, shuffle, blocks)
+        return ArraySource(resolve_feed(graph, data, "data"), batch_size, shuffle, blocks)
     if callable(data) or isinstance(data, Iterable):
         return _IterableSource(graph, data)
     raise HostavgError(
@@ -189,12 +217,15 @@ def _source(graph, data, inputs, batch_size, shuffle, blocks):
         f"of feed dicts, or a tf.data.Dataset; got {type(data).__name__}")
 
 
-class _ArraySource:
-    """{placeholder: array}: batches by (shuffled) index; the order depends only on (seed, epoch)."""
+class ArraySource:
+    """A batch of arrays (a feed dict, or a tuple (x, y)) cut into batches by (shuffled) index.
 
-    def __init__(self, graph, data, batch_size, shuffle, blocks):
-        self.feed = resolve_feed(graph, data, "data")
-        self.n = feed_size(self.feed, "data", blocks)
+    The order depends only on (seed, epoch).
+    """
+
+    def __init__(self, data, batch_size, shuffle, blocks=None):
+        self.data = data
+        self.n = feed_size(data, "data", blocks)
         self.batch_size, self.shuffle, self.blocks = batch_size, shuffle, blocks
 
     def num_batches(self, drop_remainder):
@@ -204,9 +235,7 @@ class _ArraySource:
         order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle else None
         for start in range(skip * self.batch_size, self.n, self.batch_size):
             rows = slice(start, start + self.batch_size)
-            if order is not None:
-                rows = order[rows]
-            yield take(self.feed, rows, self.n, self.blocks)
+            yield take(self.data, rows if order is None else order[rows], self.n, self.blocks)
 
 
 class _IterableSource:

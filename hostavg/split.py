@@ -1,10 +1,17 @@
-"""Cutting a feed dict into micro-batches. Pure NumPy.
+"""Cutting a batch into micro-batches. Pure NumPy.
 
-An *array* in a feed dict is a NumPy array with at least one dimension, or a
-list or tuple (converted with ``np.asarray``); its axis 0 runs over samples.
+A batch is either
+
+* a feed dict ``{placeholder: value}`` (the TF1 trainer), or
+* a tuple such as ``(x, y)`` or ``(x, y, sample_weight)`` (the Keras
+  trainer), each element a value or a dict ``{name: value}`` (a multi-input
+  model's x).
+
+An *array* is a NumPy array with at least one dimension, or a list or tuple
+inside a dict (converted with ``np.asarray``); its axis 0 runs over samples.
 Every other value (a Python or NumPy scalar, a 0-d array: a learning rate, an
-``is_training`` flag) belongs to no sample and is passed unchanged to every
-micro-batch.
+``is_training`` flag; None) belongs to no sample and is passed unchanged to
+every micro-batch.
 
 Blocks: some programs feed one array whose rows are several blocks of the
 batch's samples one after another, such as the labels of a discriminator that
@@ -23,17 +30,41 @@ import numpy as np
 
 from hostavg.errors import HostavgError, positive_int
 
-__all__ = ["split", "feed_size", "take"]
+__all__ = ["feed_size", "split", "take"]
 
 
-def _arrays(feed_dict: Mapping) -> dict:
-    """The sample-carrying values of a feed, by key, as NumPy arrays."""
+def _leaves(batch) -> dict:
+    """Every value of a batch by its path: a feed dict's key, or (position,) / (position, key) in a tuple."""
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if isinstance(batch, tuple):
+        out = {}
+        for i, part in enumerate(batch):
+            if isinstance(part, Mapping):
+                out.update(((i, key), value) for key, value in part.items())
+            else:
+                out[(i,)] = part
+        return out
+    raise HostavgError(f"a batch is a feed dict or a tuple such as (x, y), got {type(batch).__name__}")
+
+
+def _rebuild(batch, values: dict):
+    """``batch`` with each leaf replaced by ``values[path]`` where given."""
+    if isinstance(batch, Mapping):
+        return {key: values.get(key, value) for key, value in batch.items()}
+    return tuple({key: values.get((i, key), value) for key, value in part.items()}
+                 if isinstance(part, Mapping) else values.get((i,), part)
+                 for i, part in enumerate(batch))
+
+
+def _arrays(batch) -> dict:
+    """The sample-carrying values of a batch, by path, as NumPy arrays."""
     out = {}
-    for key, value in feed_dict.items():
+    for path, value in _leaves(batch).items():
         if isinstance(value, (list, tuple)):
             value = np.asarray(value)
         if isinstance(value, np.ndarray) and value.ndim >= 1:
-            out[key] = value
+            out[path] = value
     return out
 
 
@@ -47,74 +78,72 @@ def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | Non
                            for k, v in arrays.items())
         raise HostavgError(
             f"{what}: arrays have different lengths along axis 0 ({listed}); every array in a "
-            f"feed must hold the same samples. An array of several blocks of the samples (labels "
+            f"batch must hold the same samples. An array of several blocks of the samples (labels "
             f"of tf.concat([real, fake])) is declared with blocks={{key: number_of_blocks}}; "
             f"micro-batches made by hand take sizes= in step")
     return int(lengths.popitem()[1]) if lengths else None
 
 
-def feed_size(feed_dict: Mapping, what: str = "feed", blocks: Mapping | None = None) -> int:
-    """The number of samples in a feed: the common length of its arrays along axis 0.
+def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
+    """The number of samples in a batch: the common length of its arrays along axis 0.
 
     Raises:
-      HostavgError: when the arrays disagree, or the feed holds no array (then
+      HostavgError: when the arrays disagree, or the batch holds no array (then
         the caller must say the size).
     """
-    n = _length(_arrays(feed_dict), what, blocks)
+    n = _length(_arrays(batch), what, blocks)
     if n is None:
         raise HostavgError(
-            f"{what}: no array in the feed dict (only scalars), so its number of samples is "
+            f"{what}: no array in the batch (only scalars), so its number of samples is "
             f"unknown; say it: size= to compute, sizes= (one per micro-batch) to step")
     return n
 
 
-def take(feed_dict: Mapping, rows, n: int, blocks: Mapping | None = None) -> dict:
-    """The feed restricted to the samples ``rows`` (a slice or an index array) of its ``n``.
+def take(batch, rows, n: int | None = None, blocks: Mapping | None = None):
+    """``batch`` restricted to the samples ``rows`` (a slice or indices) of its ``n``; other values shared.
 
     Arrays are indexed along axis 0 (a slice gives views); a key of ``blocks``
-    gets those rows of each of its blocks, one block after another; scalars
-    are passed unchanged.
+    (which needs ``n``) gets those rows of each of its blocks, one block after
+    another.
     """
-    out = {}
-    for key, value in feed_dict.items():
-        if isinstance(value, (list, tuple)):
-            value = np.asarray(value)
-        if not (isinstance(value, np.ndarray) and value.ndim >= 1):
-            out[key] = value
-        elif blocks and key in blocks:
-            out[key] = np.concatenate([value[b * n:(b + 1) * n][rows] for b in range(blocks[key])])
-        else:
-            out[key] = value[rows]
-    return out
+    blocks = blocks or {}
+    return _rebuild(batch, {
+        path: np.concatenate([array[b * n:(b + 1) * n][rows] for b in range(blocks[path])])
+        if path in blocks else array[rows] for path, array in _arrays(batch).items()})
 
 
-def split(feed_dict: Mapping, micro_batch_size: int, *, blocks: Mapping | None = None
-          ) -> list[dict]:
-    """Cuts every array of ``feed_dict`` along axis 0 into micro-batches.
+def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> list:
+    """Cuts every array of ``batch`` along axis 0 into micro-batches.
 
     Args:
-      feed_dict: {placeholder: value}; arrays of N samples each.
+      batch: a feed dict {placeholder: value}, or a tuple such as (x, y) or
+        (x, y, sample_weight) whose elements are arrays or dicts of arrays;
+        arrays of N samples each.
       micro_batch_size: samples per micro-batch, >= 1. The last micro-batch
         holds the remaining N mod micro_batch_size samples when that is not 0.
       blocks: {key: b} for arrays of b blocks of N rows (see the module
         docstring); each micro-batch gets its rows of every block.
 
     Returns:
-      ceil(N / micro_batch_size) feed dicts with the same keys; slices are
-      views, scalars are shared.
+      ceil(N / micro_batch_size) batches of the same form (feed dicts with
+      the same keys, or tuples); slices are views, scalars are shared.
 
     Example:
       >>> [len(f["x"]) for f in split({"x": np.zeros((10, 3)), "lr": 0.1}, 4)]
       [4, 4, 2]
+      >>> [(len(x["a"]), len(y)) for x, y in split(({"a": np.zeros((5, 2))}, np.ones(5)), 3)]
+      [(3, 3), (2, 2)]
     """
     positive_int("micro_batch_size", micro_batch_size)
-    n = _length(_arrays(feed_dict), "split", blocks)
+    n = _length(_arrays(batch), "split", blocks)
     if not n:
         raise HostavgError(
-            "split: the feed dict holds no samples (no array, or arrays of length 0)")
-    return [take(feed_dict, slice(start, start + micro_batch_size), n, blocks)
+            "split: the batch holds no samples (no array, or arrays of length 0)")
+    return [take(batch, slice(start, start + micro_batch_size), n, blocks)
             for start in range(0, n, micro_batch_size)]
 
 
 def _key_name(key) -> str:
+    if isinstance(key, tuple):  # a path in a tuple batch
+        return "batch" + "".join(f"[{k!r}]" for k in key)
     return getattr(key, "name", None) or repr(key)

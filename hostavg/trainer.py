@@ -11,7 +11,7 @@ from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg import engine
 from hostavg.engine import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
 from hostavg.check import CheckReport
-from hostavg.errors import HostavgError
+from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import Gradients
 from hostavg.graph import GraphAverage, SessionBackend, Wiring, resolve_feed
 from hostavg.results import Drop, MicroBatch, StepResult
@@ -310,11 +310,14 @@ class Trainer:
         Returns:
           the :class:`~hostavg.History`.
         """
-        from hostavg.loop import fit
-        return fit(self, sess, data, batch_size=batch_size, micro_batch_size=micro_batch_size,
-                   epochs=epochs, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-                   validation_data=validation_data, metrics=metrics, inputs=inputs,
-                   callbacks=callbacks, progress=progress, checkpoint_dir=checkpoint_dir,
+        from hostavg.loop import feed_source, fit
+        blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
+                  for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
+        return fit(_SessionRun(self, sess, validation_data, micro_batch_size, metrics),
+                   lambda: feed_source(self.graph, data, inputs, batch_size, shuffle, blocks),
+                   batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+                   seed=seed, drop_remainder=drop_remainder, callbacks=callbacks,
+                   progress=progress, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                    blocks=blocks)
 
@@ -347,6 +350,34 @@ class Trainer:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
 
+
+
+class _SessionRun:
+    """A TF1 trainer bound to a session, as fit drives it (:class:`hostavg.loop.Run`)."""
+
+    def __init__(self, trainer: Trainer, sess, validation_data, batch_size: int, metrics):
+        self.trainer, self.sess = trainer, sess
+        self.comm = trainer.comm
+        self._validation = validation_data, batch_size, metrics
+
+    def step(self, micro_batches: list, sizes: list | None = None) -> StepResult:
+        return self.trainer.step(self.sess, micro_batches, sizes)
+
+    def global_step(self) -> int:
+        return int(self.sess.run(self.trainer.global_step))
+
+    def save(self, path, fit: dict) -> None:
+        from hostavg.checkpoint import save
+        save(self.trainer.graph, self.sess, path, fit=fit)
+
+    def restore(self, path) -> dict | None:
+        return self.trainer.restore(self.sess, path)
+
+    def validate(self) -> dict:
+        data, batch_size, metrics = self._validation
+        if data is None:
+            return {}
+        return self.trainer.evaluate(self.sess, data, batch_size=batch_size, metrics=metrics)
 
 
 def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:

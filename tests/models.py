@@ -1,4 +1,4 @@
-"""Small graph-mode models and the full-batch oracle the tests compare hostavg against."""
+"""Small graph-mode models (and their Keras twin) and the full-batch oracle the tests compare hostavg against."""
 
 from __future__ import annotations
 
@@ -122,3 +122,40 @@ def cuts(n: int, sizes) -> list:
     bounds = np.cumsum([0] + list(sizes))
     assert bounds[-1] == n
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def keras_model(seed=0, sparse=False, batch_norm=False, dropout=False, regularizer=None,
+                frozen=False, names=True):
+    """:func:`build`'s MLP as a Keras functional model, from the same initial weights.
+
+    Optionally with batch norm after the hidden layer, dropout, a kernel
+    regularizer, or a frozen Dense backbone in front. Layers are named
+    (hidden, out, embedding, bn, backbone) unless ``names`` is False.
+    """
+    import keras
+    keras.utils.set_random_seed(seed)
+    name = (lambda n: n) if names else (lambda n: None)
+    if sparse:
+        ids = keras.Input((3,), dtype="int32")
+        inputs, h = ids, keras.layers.GlobalAveragePooling1D()(
+            keras.layers.Embedding(VOCAB, FEATURES, name=name("embedding"))(ids))
+    else:
+        inputs = h = keras.Input((FEATURES,))
+    if frozen:
+        backbone = keras.layers.Dense(FEATURES, name=name("backbone"), trainable=False)
+        h = backbone(h)
+    hidden = keras.layers.Dense(HIDDEN, activation="tanh", name=name("hidden"),
+                                kernel_regularizer=regularizer)
+    h = hidden(h)
+    if batch_norm:
+        h = keras.layers.BatchNormalization(name=name("bn"))(h)
+    if dropout:
+        h = keras.layers.Dropout(0.25)(h)
+    out = keras.layers.Dense(CLASSES, name=name("out"))
+    model = keras.Model(inputs, out(h))
+    w = initial_weights(seed, np.float32, sparse)
+    hidden.set_weights([w["hidden/kernel"], w["hidden/bias"]])
+    out.set_weights([w["out/kernel"], w["out/bias"]])
+    if sparse:
+        model.get_layer(name("embedding") or model.layers[1].name).set_weights([w["embedding"]])
+    return model

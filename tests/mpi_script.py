@@ -3,9 +3,10 @@
 usage: python mpi_script.py MODES OUT
   MODES: comma-separated, run one after the other in this process (one
         TensorFlow start-up for all):
-        dense | sparse | stack | uneven | scalar (train, write each rank's variables to
-        OUT-MODE-rank<r>.npz; uneven: rank 0 takes five micro-batches and rank 1
-        one, and at step 3 rank 1 takes none; scalar: with a 0-d variable),
+        dense | sparse | stack | uneven | scalar | keras (train, write each rank's
+        variables to OUT-MODE-rank<r>.npz; uneven: rank 0 takes five micro-batches
+        and rank 1 one, and at step 3 rank 1 takes none; scalar: with a 0-d
+        variable; keras: the dense model as a Keras model with hostavg.keras.Trainer),
         nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
         die (rank 1 exits mid-step).
 The global batch of each step is six micro-batches of unequal sizes; with two
@@ -19,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from models import batches, build, cuts, v1  # noqa: E402
+from models import batches, build, cuts, keras_model, v1  # noqa: E402
 
 import hostavg  # noqa: E402
 
@@ -43,7 +44,26 @@ class Trouble:
                 os._exit(3)
 
 
+def train_keras(mode):
+    import keras
+    import hostavg.keras
+    model = keras_model()
+    trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                    keras.optimizers.Adam(0.01), hooks=[Trouble(mode)],
+                                    comm=comm if size > 1 else None)
+    for step, data in enumerate(batches(7, STEPS, sum(SIZES))):
+        micro = [(data["x"][s], data["y"][s]) for s in cuts(sum(SIZES), SIZES)]
+        if size > 1:
+            micro = micro[:3] if rank == 0 else micro[3:]
+        assert trainer.step(micro).size == sum(SIZES)
+    variables = list(model.variables) + list(trainer.optimizer.variables)
+    np.savez(f"{out}-{mode}-rank{rank}.npz", global_step=trainer.optimizer.iterations.numpy(),
+             **{f"v{i}": v.numpy() for i, v in enumerate(variables)})
+
+
 def train(mode):
+    if mode == "keras":
+        return train_keras(mode)
     model = build(sparse=mode == "sparse", scalar=mode == "scalar")
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Trouble(mode)],

@@ -27,6 +27,21 @@ def test_train_on_digits_writes_a_json_summary_above_the_accuracy_bar(tmp_path, 
                                               "feed's gradient")
 
 
+def test_train_with_the_keras_engine_gives_the_tf1_report(tmp_path, capsys):
+    args = ["train", "--dataset", "digits", "--epochs", "2"]
+    assert main([*args, "--engine", "keras", "--json", str(tmp_path / "keras.json")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("hostavg train (Keras engine): digits, 1438 training and 359 test")
+    assert "epoch 2/2: loss" in printed and "test accuracy" in printed.splitlines()[-1]
+    assert main([*args, "--quiet", "--json", str(tmp_path / "tf1.json")]) == 0
+    keras, tf1 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("keras", "tf1"))
+    assert keras.keys() == tf1.keys()
+    assert (keras["steps"], keras["samples"]) == (tf1["steps"], tf1["samples"]) == (12, 2 * 1438)
+    # The same MLP from the same weights, and Adam's same update: the same training, to round-off.
+    assert keras["test_loss"] == pytest.approx(tf1["test_loss"], abs=1e-4)
+    assert keras["test_accuracy"] == pytest.approx(tf1["test_accuracy"], abs=0.01)
+
+
 def one_line_error(capsys, argv, match):
     with pytest.raises(SystemExit) as exit_:
         raise SystemExit(main(argv))
@@ -43,6 +58,8 @@ def test_mistakes_exit_2_with_one_line(tmp_path, capsys):
                    "hostavg train: error: argument --optimizer: invalid choice: 'lamb'")
     one_line_error(capsys, ["train", "--hidden", "0"], "expected layer widths (integers >= 1)")
     one_line_error(capsys, ["bench", "--models", "resnet"], "unknown model ['resnet']")
+    one_line_error(capsys, ["train", "--engine", "keras", "--average", "graph"],
+                   "--average graph is for the TF1 engine")
     ckpt = str(tmp_path / "ck")
     assert main(["train", "--dataset", "digits", "--epochs", "1", "--quiet", "--hidden", "16",
                  "--checkpoint-dir", ckpt]) == 0

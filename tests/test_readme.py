@@ -14,6 +14,18 @@ def test_readme_quickstart_runs(capsys):
     assert "micro-batch loss" in capsys.readouterr().out
 
 
+def test_readme_keras_example_runs(capsys):
+    readme = Path(__file__).parents[1].joinpath("README.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "hostavg.keras" in c
+               and "Trainer(" in c and "comm=" not in c]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["res"].step == 2 and len(namespace["res"].micro) == 4
+    assert len(namespace["history"].steps) == 20
+    printed = capsys.readouterr().out
+    assert "optimizer.iterations: 1" in printed and "'accuracy'" in printed
+
+
 def test_docstring_examples_run():
     import doctest
     import importlib

@@ -29,3 +29,30 @@ def test_split_refuses_arrays_of_different_lengths_and_empty_feeds():
         split({"x": np.zeros((0, 3))}, 2)
     with pytest.raises(HostavgError, match="holds no samples"):
         split({"lr": 0.1}, 2)
+
+
+def test_split_cuts_tuples_with_dicts_sample_weights_and_none():
+    x = {"a": np.arange(10).reshape(5, 2), "b": np.arange(5)}
+    y, w = np.arange(5) * 10, np.ones(5)
+    parts = split((x, y, w), 2)
+    assert len(parts) == 3 and all(isinstance(p, tuple) and len(p) == 3 for p in parts)
+    np.testing.assert_array_equal(parts[2][0]["a"], [[8, 9]])
+    np.testing.assert_array_equal(parts[1][1], [20, 30])
+    assert set(parts[0][0]) == {"a", "b"} and len(parts[0][2]) == 2
+    (_, _, none), = split((np.zeros((3, 1)), np.zeros(3), None), 4)
+    assert none is None
+    with pytest.raises(HostavgError, match=r"different lengths along axis 0 \(batch\[0\]\['a'\]: 5, "
+                                           r"batch\[0\]\['b'\]: 5, batch\[1\]: 4\)"):
+        split((x, y[:4]), 2)
+    with pytest.raises(HostavgError, match="a batch is a feed dict or a tuple such as"):
+        split([np.zeros(3)], 2)
+
+
+def test_take_and_feed_size_read_tuples_like_feed_dicts():
+    from hostavg.split import feed_size, take
+    batch = ({"a": np.arange(6)}, np.arange(6) * 2, 0.5)
+    assert feed_size(batch) == 6
+    x, y, scalar = take(batch, np.array([5, 0]))
+    np.testing.assert_array_equal(x["a"], [5, 0])
+    np.testing.assert_array_equal(y, [10, 0])
+    assert scalar == 0.5
