@@ -13,11 +13,18 @@ A step runs, in this order (:meth:`Engine.step`):
    into the sample-weighted mean;
 5. the step's statistics and :class:`~hostavg.StepResult` are made and the
    ``on_step`` hooks run;
-6. the mean is applied: the optimizer's train op runs once.
+6. the mean is applied: the optimizer's train op runs once, fed the values
+   the micro-batches share that it reads (a learning-rate placeholder; see
+   :meth:`Backend.apply_feed`).
 
 If anything in 2-6 fails, the snapshot is restored and the error propagates:
 the model, the optimizer's state and the global step are as they were. A
 step whose micro-batches were all dropped by hooks is restored too.
+
+Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
+at once (it is rolled back); one that arrives from the apply on waits until
+the step has returned (or, in fit, until the step is booked), so a step is
+applied completely or not at all (:mod:`hostavg.signals`).
 
 The engine knows no framework. What it needs of one is a :class:`Backend`
 (the TF1 session wiring, :mod:`hostavg.graph`; a Keras model), and where the
@@ -36,16 +43,17 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from hostavg.accumulator import Accumulator, Reducer
-from hostavg.errors import HostavgError, positive_int
+from hostavg.errors import HostavgError, object_list, positive_int
 from hostavg.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform
 from hostavg.results import Drop, MicroBatch, StepResult
+from hostavg.signals import hold, region
 from hostavg.stats import StepStats, step_stats
 
 __all__ = ["AVERAGE_MODES", "Average", "Backend", "Computed", "Engine", "HostAverage", "Tally",
@@ -99,8 +107,18 @@ class Backend(Protocol):
     def compute(self, feed) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
 
-    def apply(self, mean: Mapping) -> int:
-        """Runs the optimizer once on ``mean`` (conformed, finite); returns the new global step."""
+    def apply_feed(self, feeds: Sequence, what: str) -> dict:
+        """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).
+
+        The values every one of ``feeds`` gives to the inputs the optimizer
+        reads (a learning-rate placeholder), by name: small and picklable, so
+        ranks can compare them. Raises HostavgError naming the input when the
+        optimizer needs one that ``feeds`` lack or give different values.
+        """
+
+    def apply(self, mean: Mapping, feed: Mapping) -> int:
+        """Runs the optimizer once on ``mean`` (conformed, finite), fed ``feed`` (from
+        :meth:`apply_feed`); returns the new global step."""
 
     def global_step(self) -> int:
         """The global step now."""
@@ -111,11 +129,11 @@ class Backend(Protocol):
     def restore(self, snapshot) -> None:
         """Sets those variables back to a :meth:`snapshot`."""
 
-    def variables(self) -> list:
-        """Every variable's value (model, optimizer state, global step), in a fixed order."""
+    def variables(self) -> dict:
+        """Every variable's value (model, optimizer state, global step) by name, in a fixed order."""
 
-    def assign(self, values: list) -> None:
-        """Sets every variable, in :meth:`variables`' order."""
+    def assign(self, values: Mapping) -> None:
+        """Sets every variable to ``values`` (:meth:`variables`' names)."""
 
 
 class Tally(NamedTuple):
@@ -128,6 +146,8 @@ class Tally(NamedTuple):
       loss_sum: sum_i w_i loss_i (None if a loss was missing).
       size: samples accumulated.
       global_step: before the apply (None where no micro-batch ran).
+      apply_feed: what the apply is fed (:meth:`Backend.apply_feed`; None
+        where no micro-batch ran).
     """
 
     weights: list
@@ -138,6 +158,7 @@ class Tally(NamedTuple):
     loss_sum: float | None
     size: int
     global_step: int | None
+    apply_feed: dict | None = None
 
 
 class Average(Protocol):
@@ -156,6 +177,10 @@ class Average(Protocol):
     def reducer(self, backend: Backend, total: float) -> Reducer | None:
         """The reducer that turns the accumulator's sums into the mean over ``total`` weight (None: NumPy)."""
 
+    def abandon(self, error: BaseException) -> None:
+        """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
+        other ranks did not raise it too, the job must end, or they would wait forever)."""
+
 
 class HostAverage:
     """One process; the mean is computed on the host with NumPy."""
@@ -172,6 +197,9 @@ class HostAverage:
 
     def reducer(self, backend: Backend, total: float) -> Reducer | None:
         return None
+
+    def abandon(self, error: BaseException) -> None:
+        pass
 
 
 class Engine:
@@ -204,14 +232,15 @@ class Engine:
         feed, n = backend.prepare(feed, size, "compute")
         return self._compute(backend, feed, n, "compute")[0]
 
-    def apply(self, backend: Backend, grads: Mapping, what: str = "apply",
+    def apply(self, backend: Backend, grads: Mapping, feed: Mapping, what: str = "apply",
               hint: str = "Look at what produced these values.") -> int:
-        """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them; returns the new global step."""
+        """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
+        (:meth:`Backend.apply_feed`); returns the new global step."""
         values = conform(self.spec, grads, what=what, cast=True)
         known = getattr(grads, "sq_norms", {})  # trusted for the values conform kept as they were
         check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
                      hint=hint)
-        return backend.apply(values)
+        return backend.apply(values, feed)
 
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None
              ) -> StepResult:
@@ -221,18 +250,32 @@ class Engine:
                 "another step of this trainer is running (in another thread, or a hook called "
                 "step); a trainer runs one step at a time: use one trainer per thread")
         try:
-            self.average.begin(backend)
-            snapshot = backend.snapshot()
-            try:
-                result = self._step(backend, feeds, sizes)
-            except BaseException:
-                backend.restore(snapshot)
-                raise
-            if result.skipped:
-                backend.restore(snapshot)
-            return result
+            with region():
+                return self._atomic_step(backend, feeds, sizes)
         finally:
             self._busy.release()
+
+    def abandon(self, error: BaseException) -> None:
+        """Tells the averaging that the loop around the steps ends with ``error`` (see :meth:`Average.abandon`)."""
+        self.average.abandon(error)
+
+    def _atomic_step(self, backend, feeds, sizes) -> StepResult:
+        self.average.begin(backend)
+        snapshot = backend.snapshot()
+        try:
+            result = self._step(backend, feeds, sizes)
+        except BaseException as error:
+            try:
+                backend.restore(snapshot)
+            except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
+                error.add_note(f"hostavg: restoring the variables the micro-batches assign failed "
+                               f"too ({type(failed).__name__}: {failed}); they may hold this "
+                               f"step's values")
+            self.average.abandon(error)
+            raise
+        if result.skipped:
+            backend.restore(snapshot)
+        return result
 
     def _step(self, backend, feeds, sizes) -> StepResult:
         acc, micro, kept = self._acc, [], [] if self._keep_micro else None
@@ -240,10 +283,12 @@ class Engine:
         norms = []
         try:
             batches = _prepare(backend, feeds, sizes)
+            apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
             global_step = self._micro_batches(backend, batches, acc, micro, norms, kept)
             error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
-                                       sum(m.size for m in micro if m.dropped is None), global_step)
+                                       sum(m.size for m in micro if m.dropped is None), global_step,
+                                       apply_feed)
         except Exception as e:  # noqa: BLE001 - over MPI every rank must hear of it
             error, tally = e, None
         tally = self.average.agree(tally, error)
@@ -272,7 +317,8 @@ class Engine:
                 mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
                                  size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
-        return replace(result, step=self.apply(backend, mean, what, hint))
+        hold()  # from here on a signal waits for the step to be returned whole
+        return replace(result, step=self.apply(backend, mean, tally.apply_feed, what, hint))
 
     def _micro_batches(self, backend, batches, acc, micro, norms, kept) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch; returns the global step."""
@@ -297,7 +343,8 @@ class Engine:
                 sq_norm = check_finite(record.grads, f"step, {where}", record.loss,
                                        record.grads.sq_norms, hint)
                 acc._append(dict(record.grads), float(n), record.loss, sq_norm)
-                norms.append(math.sqrt(sq_norm))
+                norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm)
+                             else record.grads.global_norm())
                 if kept is not None:
                     kept.append(record.grads)
             else:
@@ -319,15 +366,8 @@ class Engine:
 
 def normalize_hooks(hooks) -> tuple:
     """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
-    hooks = () if hooks is None else hooks
-    if isinstance(hooks, (Mapping, str)) or not isinstance(hooks, Iterable) or _is_hook(hooks):
-        raise HostavgError(f"hooks must be a list of hook objects, got {hooks!r}; e.g. "
-                           f"hooks=[hostavg.hooks.SkipNonFinite()]")
-    hooks = tuple(hooks)
-    for hook in hooks:
-        if not _is_hook(hook):
-            raise HostavgError(f"hook {hook!r} has neither on_micro_batch nor on_step")
-    return hooks
+    return object_list("hooks", hooks, ("on_micro_batch", "on_step"),
+                       "hostavg.hooks.SkipNonFinite()")
 
 
 def _prepare(backend, feeds, sizes) -> list:
@@ -358,10 +398,6 @@ def _call(hook, method, args, where: str):
     except Exception as e:
         e.add_note(f"hostavg: raised by hook {_name(hook)} in {where}; nothing was applied")
         raise
-
-
-def _is_hook(obj) -> bool:
-    return callable(getattr(obj, "on_micro_batch", None)) or callable(getattr(obj, "on_step", None))
 
 
 def _name(hook) -> str:

@@ -61,6 +61,11 @@ class Trainer:
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
+      apply_inputs: the placeholders the train op reads besides the gradients
+        (a learning-rate placeholder), by name. ``step`` feeds each the value
+        that every micro-batch of the step feeds it (a value that differs
+        between micro-batches, or is missing, is an error before anything
+        runs); ``apply`` takes them in ``feed_dict``.
       hooks: the hooks, in the order they run.
       rollback_variables: the variables a failed step restores: those that
         computing a micro-batch may assign (UPDATE_OPS' moving statistics,
@@ -117,6 +122,7 @@ class Trainer:
         self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
+        self.apply_inputs = dict(self._wiring.apply_inputs)
         self.rollback_variables = tuple(self._wiring.assigned)
         if comm is None:
             averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
@@ -158,23 +164,28 @@ class Trainer:
         """
         return self._engine.compute(self._backend(sess), feed_dict, size)
 
-    def apply(self, sess, grads: Mapping) -> int:
+    def apply(self, sess, grads: Mapping, feed_dict: Mapping | None = None) -> int:
         """Feeds ``grads`` through the gradient tensors and runs the train op once.
 
         No forward or backward pass runs. ``grads`` is a :class:`Gradients` or
         any mapping with exactly the keys of :attr:`spec` (say, a dict a user
         edited); values are cast to each variable's dtype, and copied unless
-        hostavg made them (see :mod:`hostavg.gradients`).
+        hostavg made them (see :mod:`hostavg.gradients`). ``feed_dict`` feeds
+        the placeholders the train op reads (:attr:`apply_inputs`, such as a
+        learning rate); others in it are ignored.
 
         Returns:
           the global step after the apply (one more than before).
 
         Raises:
           HostavgError: for missing or extra keys, a wrong shape, a dtype that
-            does not cast within its kind, or non-finite values; nothing is
-            applied then.
+            does not cast within its kind, non-finite values, or a placeholder
+            the train op reads missing from ``feed_dict``; nothing is applied
+            then.
         """
-        return self._engine.apply(self._backend(sess), grads)
+        backend = self._backend(sess)
+        feed = backend.apply_feed([backend.conform(feed_dict or {}, "apply")], "apply")
+        return self._engine.apply(backend, grads, feed)
 
     def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None
              ) -> StepResult:
