@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from hostavg.errors import HostavgError
 
@@ -37,6 +39,48 @@ def _int_list(what: str, example: str):
     return parse
 
 
+def _seed(text: str) -> int:
+    """An argparse type: an integer >= 0 (NumPy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _output(text: str) -> str:
+    """An argparse type: a file that can be written, checked before the run that fills it."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} is not writable")
+    return text
+
+
+#: Bytes a trained float32 parameter costs: initial value, variable, two Adam slots,
+#: gradient, running sum, mean, and NumPy's float64 draw of the initial value.
+BYTES_PER_PARAMETER = 36
+
+
+def _check_memory(parameters: int, hidden) -> None:
+    """Refuses a model that cannot fit in this machine's memory, before building it."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        return
+    need = parameters * BYTES_PER_PARAMETER
+    if need > memory:
+        raise HostavgError(f"--hidden {','.join(map(str, hidden))} makes an MLP of "
+                           f"{parameters:,} parameters, which needs about {need / 2**30:,.0f} GiB "
+                           f"to train; this machine has {memory / 2**30:,.0f} GiB")
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -59,11 +103,11 @@ def _parser() -> _Parser:
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--accumulate", choices=("sum", "stack"), default="sum")
     train.add_argument("--average", choices=("host", "graph"), default="host")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=_seed, default=0)
     train.add_argument("--checkpoint-dir", default=None,
                        help="write checkpoints here and resume from the newest one")
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS")
-    train.add_argument("--json", default=None, metavar="PATH",
+    train.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help="write a JSON summary: test_accuracy, test_loss, steps, samples, seconds")
     train.add_argument("--quiet", action="store_true", help="print only the final line")
     train.set_defaults(run=_train)
@@ -90,7 +134,8 @@ def _parser() -> _Parser:
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
     bench.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
-    bench.add_argument("--json", default=None, metavar="PATH", help="write every number as JSON")
+    bench.add_argument("--json", type=_output, default=None, metavar="PATH",
+                       help="write every number as JSON")
     bench.set_defaults(run=_bench)
     return parser
 
@@ -131,8 +176,8 @@ def _optimizer(name: str, lr: float | None):
     train = tf.compat.v1.train
     if lr is None:
         lr = 0.003 if name in ("adam", "rmsprop") else 0.1
-    if not lr > 0:
-        raise HostavgError(f"--lr must be > 0, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise HostavgError(f"--lr must be a finite number > 0, got {lr}")
     return {"sgd": lambda: train.GradientDescentOptimizer(lr),
             "momentum": lambda: train.MomentumOptimizer(lr, momentum=0.9),
             "adam": lambda: train.AdamOptimizer(lr),
@@ -165,6 +210,8 @@ def _train(args) -> int:
     if comm is not None and comm.Get_rank() != 0:
         args.quiet, args.json = True, None  # rank 0 speaks for the job
     data = datasets.load(args.dataset, seed=args.seed)
+    widths = [data.x_train.shape[1], *args.hidden, data.classes]
+    _check_memory(sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])), args.hidden)
     model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
     with model.graph.as_default():
         trainer = Trainer(model.loss, _optimizer(args.optimizer, args.lr),

@@ -383,9 +383,8 @@ def feed_array(value, dtype, what: str) -> np.ndarray:
     if isinstance(value, np.ndarray) and value.dtype == dtype:
         return value
     if isinstance(value, (tf.Tensor, tf.Variable, tf.Operation)):
-        raise HostavgError(f"{what} is a {type(value).__name__} ({getattr(value, 'name', value)!r}); "
-                           f"feed values, such as NumPy arrays, not tensors: compute it with "
-                           f"sess.run first")
+        raise HostavgError(f"{what} is the graph element {value.name!r}; feed values, such as "
+                           f"NumPy arrays, not tensors: compute it with sess.run first")
     want = np.dtype(dtype)
     try:
         array = np.asarray(value)

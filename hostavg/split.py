@@ -71,6 +71,9 @@ def split(feed_dict: Mapping, micro_batch_size: int) -> list[dict]:
       [4, 4, 2]
     """
     positive_int("micro_batch_size", micro_batch_size)
+    if not isinstance(feed_dict, Mapping):
+        raise HostavgError(f"split takes a feed dict {{placeholder: array}}, got "
+                           f"{type(feed_dict).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
     arrays = _arrays(feed_dict)
     n = _length(arrays, "split")
     if not n:

@@ -101,8 +101,15 @@ class Trainer:
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        if var_list is not None and not list(var_list):
-            raise HostavgError("var_list is empty: there is nothing to train")
+        if var_list is not None:
+            var_list = list(var_list)
+            if not var_list:
+                raise HostavgError("var_list is empty: there is nothing to train")
+            for v in var_list:
+                if getattr(v, "graph", None) is not loss.graph:
+                    raise HostavgError(
+                        f"var_list holds variable {getattr(v, 'name', v)!r} of another graph than "
+                        f"the loss's; pass variables of the graph the loss was built in")
         if comm is not None and average == "graph":
             raise HostavgError("average='graph' cannot be combined with comm=: with several "
                                "processes the mean is the MPI reduction of the host sums")

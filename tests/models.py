@@ -1,9 +1,11 @@
-"""Small graph-mode models and the full-batch oracle the tests compare hostavg against."""
+"""Small graph-mode models and the full-batch oracle the tests compare hostavg against; the
+environment of the Python processes tests start."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -11,6 +13,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 v1 = tf.compat.v1
+
+#: For Python processes a test starts: this checkout's hostavg before any installed one (a
+#: script's own folder comes first on its path, not the current one), and these helpers.
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(
+    [str(Path(__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
 
 #: The optimizers every exactness test runs, with learning rates that move the
 #: weights visibly in 20 steps.

@@ -3,11 +3,13 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 
@@ -16,8 +18,7 @@ MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathse
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")]
 # Open MPI refuses to run as root unless told; CI runs as root.
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(HERE))
+ENV = dict(models.ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 
 def mpirun(*args, ranks=2, timeout=120):
@@ -92,3 +93,43 @@ def test_two_ranks_resume_from_rank_0s_checkpoints(tmp_path):
                          "--quiet", "--epochs", "2", "--json", tmp_path / "straight.json")
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("resumed", "straight"))
     assert a["steps"] == b["steps"] == 12 and a["test_loss"] == b["test_loss"]
+
+
+def test_misconfigured_ranks_raise_the_same_error_everywhere_and_stay_in_step(tmp_path):
+    run, seconds = mpirun(sys.executable, HERE / "mpi_script.py", "misconfigured", tmp_path / "m")
+    assert run.returncode == 0, run.stderr
+    said = [sorted(line.split(" caught: ", 1)[1] for line in run.stdout.splitlines()
+                   if line.startswith(f"rank {r} caught: ")) for r in (0, 1)]
+    assert said[0] == said[1] and len(said[0]) == 4, run.stdout
+    for want in [
+            "the ranks' models differ, so nothing was changed on any: rank 1 has variable "
+            "'extra' ((2,) float32), which rank 0 lacks. Build the same graph and Trainer on every "
+            "rank",
+            "variable 'w' is (4, 4) float32 on rank 1, (4, 3) float32 on rank 0; trained variable "
+            "'w' is (4, 4) float32 on rank 1, (4, 3) float32 on rank 0",
+            "the step failed on 1 of 2 ranks and nothing was applied on any: rank 1: step takes a "
+            "list of feed dicts, one per micro-batch, got dict",
+            "the ranks feed different values to 'lr:0' on ranks 0 and 1, which the train op "
+            "reads; nothing was applied on any"]:
+        assert any(want in s for s in said[0]), (want, said[0])
+    w = [np.load(tmp_path / f"m-misconfigured-rank{r}.npz")["w"] for r in (0, 1)]
+    np.testing.assert_array_equal(w[0], w[1])
+    np.testing.assert_allclose(w[0], 1 - 3 * 0.1 / 3, rtol=1e-6)  # three steps of lr 0.1 applied
+
+
+@pytest.mark.parametrize("mode", ["sigterm", "exit"])
+def test_sigterm_or_sys_exit_on_one_rank_during_fit_ends_the_job(mode, tmp_path):
+    start = time.time()
+    proc = subprocess.Popen([MPIEXEC, "--oversubscribe", "-n", "2", sys.executable,
+                             str(HERE / "mpi_script.py"), mode, str(tmp_path / mode)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    if mode == "sigterm":
+        for line in proc.stdout:
+            if line.startswith("rank 1 pid ") and line.split()[-1] == "3":
+                os.kill(int(line.split()[3]), signal.SIGTERM)
+                break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - start < 90, (out, err)
+    left = "SystemExit: 143" if mode == "sigterm" else "SystemExit: 3"
+    assert f"hostavg: rank 1 of 2 left a step or fit on its own ({left}); aborting the MPI job" \
+        in err, err
