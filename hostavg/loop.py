@@ -53,7 +53,7 @@ from hostavg.checkpoint import CheckpointDir, restore
 from hostavg.errors import HostavgError, object_list, positive_int
 from hostavg.graph import resolve_feed
 from hostavg.history import History, StepLog
-from hostavg.signals import hold, region
+from hostavg.signals import hold, region, release
 from hostavg.split import feed_size, split
 
 __all__ = ["check_sizes", "fit"]
@@ -97,7 +97,8 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
 
     saved_step = int(sess.run(trainer.global_step)) if ckpt is not None else None
     bar = _Progress(progress if rank == 0 else False)
-    with _sigterm_as_exit():
+    # A signal that arrives from a step's apply on waits until the step is counted (release).
+    with _sigterm_as_exit(), region():
         try:
             while epoch < epochs:
                 bar.start(f"epoch {epoch + 1}/{epochs}", source.num_batches(drop_remainder))
@@ -106,13 +107,13 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                     if drop_remainder and n < batch_size:
                         batch, samples = batch + 1, samples + n
                         continue
-                    with region():  # a signal after the apply waits for the step to be counted
-                        result = trainer.step(sess, _micro_batches(feed, n, micro_batch_size,
-                                                                   rank, size))
-                        batch, samples = batch + 1, samples + n
-                        loss = math.nan if result.skipped else result.loss
-                        history.steps.append(StepLog(epoch, result.step, loss, result.size,
-                                                     history.samples + result.size))
+                    result = trainer.step(sess, _micro_batches(feed, n, micro_batch_size,
+                                                               rank, size))
+                    batch, samples = batch + 1, samples + n
+                    loss = math.nan if result.skipped else result.loss
+                    history.steps.append(StepLog(epoch, result.step, loss, result.size,
+                                                 history.samples + result.size))
+                    release()
                     bar.update(result)
                     if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
                         saved_step = checkpoint()
@@ -129,10 +130,10 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                                            metrics=metrics)
                     logs.update({f"val_{k}": v for k, v in val.items()})
                 bar.close(logs)
-                with region():
-                    hold()  # the epoch's logs and the next position, together
-                    history.epochs.append(logs)
-                    epoch, batch, samples = epoch + 1, 0, 0
+                hold()  # the epoch's logs and the next position, together
+                history.epochs.append(logs)
+                epoch, batch, samples = epoch + 1, 0, 0
+                release()
                 for hook in hooks["on_epoch_end"]:
                     hook(epoch - 1, logs)
         except StopTraining as e:

@@ -127,7 +127,7 @@ class Distributed:
         """A KeyboardInterrupt or SystemExit leaving a step or fit is this rank's alone: the job
         ends when this process exits (or at its next step)."""
         global _left
-        if not isinstance(error, Exception) and _left is None:
+        if not isinstance(error, Exception) and _left is None and self.size > 1:
             _left = error
 
     def gather(self, what: str, obj) -> list:

@@ -1,9 +1,11 @@
 """A fit run with checkpoints, for the interrupt-and-resume tests.
 
-usage: python fit_script.py CHECKPOINT_DIR OUT.npz [SECONDS_PER_STEP [EPOCHS]]
+usage: python fit_script.py CHECKPOINT_DIR OUT.npz [SECONDS_PER_STEP [EPOCHS [SECONDS_PER_APPLY]]]
 Prints "started" when fit begins and "step N" after each step; writes every
 variable's final value to OUT.npz. A slow step (the optional sleep, in a
-callback) gives the test time to kill the process mid-run.
+callback) gives the test time to kill the process mid-run; a slow apply (a
+sleep as the apply's session call returns, as on a slow device) makes a signal
+sent at a random moment land there often.
 """
 
 import os
@@ -30,7 +32,24 @@ class Slow:
         time.sleep(self.seconds)
 
 
-def main(checkpoint_dir, out, seconds=0.0, epochs=6):
+class SlowApply(v1.Session):
+    def __init__(self, seconds, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def _make_callable_from_options(self, options):
+        run = super()._make_callable_from_options(options)
+        if not any(name.startswith("gradients") for name in options.feed):
+            return run  # not the apply: it is fed the gradients
+
+        def apply(*args, **kwargs):
+            out = run(*args, **kwargs)
+            time.sleep(self.seconds)
+            return out
+        return apply
+
+
+def main(checkpoint_dir, out, seconds=0.0, epochs=6, apply_seconds=0.0):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 10)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
@@ -38,7 +57,7 @@ def main(checkpoint_dir, out, seconds=0.0, epochs=6):
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
         init = v1.global_variables_initializer()
-    with v1.Session(graph=model.graph) as sess:
+    with SlowApply(apply_seconds, graph=model.graph) as sess:
         sess.run(init)
         print("started", flush=True)
         trainer.fit(sess, {model.x: x, model.y: y}, batch_size=64, micro_batch_size=16,
@@ -49,4 +68,4 @@ def main(checkpoint_dir, out, seconds=0.0, epochs=6):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *[f(a) for f, a in zip((float, int), sys.argv[3:])])
+    main(sys.argv[1], sys.argv[2], *[f(a) for f, a in zip((float, int, float), sys.argv[3:])])

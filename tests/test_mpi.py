@@ -21,10 +21,29 @@ pytestmark = [pytest.mark.slow,
 ENV = dict(models.ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 
+def mpiexec(*args, ranks=2):
+    return subprocess.Popen([MPIEXEC, "--oversubscribe", "-n", str(ranks), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def finish(proc, timeout=120) -> subprocess.CompletedProcess:
+    """Waits for an mpiexec; past ``timeout`` ends it with SIGTERM (so that it ends its ranks: a
+    SIGKILL would leave them running) and fails."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def mpirun(*args, ranks=2, timeout=120):
     start = time.time()
-    run = subprocess.run([MPIEXEC, "--oversubscribe", "-n", str(ranks), *map(str, args)],
-                         capture_output=True, text=True, env=ENV, timeout=timeout)
+    run = finish(mpiexec(*args, ranks=ranks), timeout)
     return run, time.time() - start
 
 
@@ -120,16 +139,14 @@ def test_misconfigured_ranks_raise_the_same_error_everywhere_and_stay_in_step(tm
 @pytest.mark.parametrize("mode", ["sigterm", "exit"])
 def test_sigterm_or_sys_exit_on_one_rank_during_fit_ends_the_job(mode, tmp_path):
     start = time.time()
-    proc = subprocess.Popen([MPIEXEC, "--oversubscribe", "-n", "2", sys.executable,
-                             str(HERE / "mpi_script.py"), mode, str(tmp_path / mode)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = mpiexec(sys.executable, HERE / "mpi_script.py", mode, tmp_path / mode)
     if mode == "sigterm":
         for line in proc.stdout:
             if line.startswith("rank 1 pid ") and line.split()[-1] == "3":
                 os.kill(int(line.split()[3]), signal.SIGTERM)
                 break
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and time.time() - start < 90, (out, err)
+    run = finish(proc)
+    assert run.returncode != 0 and time.time() - start < 90, run
     left = "SystemExit: 143" if mode == "sigterm" else "SystemExit: 3"
     assert f"hostavg: rank 1 of 2 left a step or fit on its own ({left}); aborting the MPI job" \
-        in err, err
+        in run.stderr, run.stderr
