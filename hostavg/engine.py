@@ -23,7 +23,7 @@ step whose micro-batches were all dropped by hooks is restored too.
 
 Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
 at once (it is rolled back); one that arrives from the apply on waits until
-the step has returned (or, in fit, until the step is booked), so a step is
+the step has returned (or, in fit, until the step is counted), so a step is
 applied completely or not at all (:mod:`hostavg.signals`).
 
 The engine knows no framework. What it needs of one is a :class:`Backend`

@@ -8,6 +8,7 @@ host. Nothing here does host arithmetic; that lives in the NumPy layer.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
@@ -102,7 +103,7 @@ class Wiring:
                                               self.spec[name].shape)
             else:
                 values[name] = freeze(next(got))
-        sq_norms = {name: q if np.isfinite(q) else squared_norm(values[name])
+        sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
                     for name, q in zip(self.names, map(float, got))}
         return Computed(out[0], values, int(out[1]), sq_norms)
 

@@ -17,6 +17,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from models import AfterApply  # noqa: E402
+
 import hostavg  # noqa: E402
 from hostavg import models  # noqa: E402
 
@@ -32,23 +34,6 @@ class Slow:
         time.sleep(self.seconds)
 
 
-class SlowApply(v1.Session):
-    def __init__(self, seconds, **kwargs):
-        super().__init__(**kwargs)
-        self.seconds = seconds
-
-    def _make_callable_from_options(self, options):
-        run = super()._make_callable_from_options(options)
-        if not any(name.startswith("gradients") for name in options.feed):
-            return run  # not the apply: it is fed the gradients
-
-        def apply(*args, **kwargs):
-            out = run(*args, **kwargs)
-            time.sleep(self.seconds)
-            return out
-        return apply
-
-
 def main(checkpoint_dir, out, seconds=0.0, epochs=6, apply_seconds=0.0):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 10)).astype(np.float32)
@@ -57,7 +42,7 @@ def main(checkpoint_dir, out, seconds=0.0, epochs=6, apply_seconds=0.0):
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
         init = v1.global_variables_initializer()
-    with SlowApply(apply_seconds, graph=model.graph) as sess:
+    with AfterApply(lambda n: time.sleep(apply_seconds), graph=model.graph) as sess:
         sess.run(init)
         print("started", flush=True)
         trainer.fit(sess, {model.x: x, model.y: y}, batch_size=64, micro_batch_size=16,

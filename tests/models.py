@@ -49,6 +49,27 @@ class Model:
         return dict(zip([v.op.name for v in variables], sess.run(variables)))
 
 
+class AfterApply(v1.Session):
+    """A real session that calls ``then(n)`` as its n-th apply returns (the apply: the compiled
+    call fed the gradients), in Python, as a signal's handler would run there."""
+
+    def __init__(self, then, **kwargs):
+        super().__init__(**kwargs)
+        self.then, self.applies = then, 0
+
+    def _make_callable_from_options(self, options):
+        run = super()._make_callable_from_options(options)
+        if not any(name.startswith("gradients") for name in options.feed):
+            return run
+
+        def apply(*args, **kwargs):
+            out = run(*args, **kwargs)
+            self.applies += 1
+            self.then(self.applies)
+            return out
+        return apply
+
+
 def initial_weights(seed: int, dtype, sparse: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     w = {"hidden/kernel": rng.normal(0, 0.5, (FEATURES, HIDDEN)),

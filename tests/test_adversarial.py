@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import ENV, build, v1
+from models import ENV, AfterApply, build, v1
 from test_trainer import Case, unchanged
 
 import hostavg
@@ -261,32 +261,16 @@ def test_a_nan_an_on_step_hook_puts_in_is_blamed_on_the_hook():
 # --- Signals: a step is applied completely or not at all ----------------------------------------
 
 
-class SignalDuringApply(v1.Session):
-    """A real session that sends this process ``signum`` as the apply number ``at`` returns."""
-
-    def __init__(self, signum, at=1, **kwargs):
-        super().__init__(**kwargs)
-        self.signum, self.at, self.applies = signum, at, 0
-
-    def _make_callable_from_options(self, options):
-        run = super()._make_callable_from_options(options)
-        if not any(name.startswith("gradients") for name in options.feed):
-            return run  # not the apply: it is fed the gradients
-
-        def apply(*args, **kwargs):
-            out = run(*args, **kwargs)
-            self.applies += 1
-            if self.applies == self.at:
-                os.kill(os.getpid(), self.signum)  # its handler runs right here, in Python
-            return out
-        return apply
+def signal_at(signum, at):
+    """What AfterApply calls: sends this process ``signum`` as apply number ``at`` returns."""
+    return lambda n: os.kill(os.getpid(), signum) if n == at else None
 
 
 def test_ctrl_c_as_the_apply_returns_leaves_the_step_applied_whole():
     want = Case(update_op=True)
     want.trainer.step(want.sess, want.feeds)
     got = Case(update_op=True)
-    got.sess = SignalDuringApply(signal.SIGINT, graph=got.model.graph)
+    got.sess = AfterApply(signal_at(signal.SIGINT, 1), graph=got.model.graph)
     got.sess.run(got.init)
     with pytest.raises(KeyboardInterrupt):
         got.trainer.step(got.sess, got.feeds)
@@ -305,12 +289,13 @@ def test_ctrl_c_before_the_apply_rolls_the_step_back():
     unchanged(case, lambda: case.trainer.step(case.sess, case.feeds), None, KeyboardInterrupt)
 
 
-def fit_setup(sess_class=v1.Session, **sess_kw):
+def fit_setup(then=None):
+    """A small MLP's trainer, session (an AfterApply calling ``then``, if given) and data."""
     model = hostavg_models.mlp(10, [16], 3, seed=1)
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
         init = v1.global_variables_initializer()
-    sess = sess_class(graph=model.graph, **sess_kw)
+    sess = AfterApply(then, graph=model.graph) if then else v1.Session(graph=model.graph)
     sess.run(init)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(250, 10)).astype(np.float32)
@@ -336,7 +321,7 @@ def test_sigterm_as_an_apply_returns_checkpoints_a_position_that_resumes_bit_for
     trainer.fit(sess, data, **FIT)
     want = variables(trainer, sess)
 
-    trainer, sess, data = fit_setup(SignalDuringApply, signum=signal.SIGTERM, at=3)
+    trainer, sess, data = fit_setup(signal_at(signal.SIGTERM, 3))
     with pytest.raises(SystemExit) as exit_:
         trainer.fit(sess, data, checkpoint_dir=tmp_path, **FIT)
     assert exit_.value.code == 128 + signal.SIGTERM
