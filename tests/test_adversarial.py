@@ -430,18 +430,25 @@ def test_a_resume_with_another_batch_size_continues_at_the_next_sample(tmp_path)
 # --- Restore checks everything before changing anything ----------------------------------------
 
 
-def damaged(tmp_path, change):
-    """A good checkpoint with ``change`` made to its arrays (a dict, "meta" decoded)."""
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> dict:
+    """A checkpoint fit wrote, as its arrays ("meta" decoded)."""
+    folder = tmp_path_factory.mktemp("good")
     trainer, sess, data = fit_setup()
-    trainer.fit(sess, data, checkpoint_dir=tmp_path / "good", **dict(FIT, epochs=1))
-    with np.load(CheckpointDir(tmp_path / "good").latest()) as z:
+    trainer.fit(sess, data, checkpoint_dir=folder, **dict(FIT, epochs=1))
+    with np.load(CheckpointDir(folder).latest()) as z:
         arrays = dict(z)
     arrays["meta"] = json.loads(str(arrays["meta"][()]))
+    return arrays
+
+
+def damaged(path, good, change):
+    """``good`` with ``change`` made to its arrays, written to ``path``."""
+    arrays = {**good, "meta": json.loads(json.dumps(good["meta"]))}  # the metadata copied deep
     change(arrays)
     if not isinstance(arrays["meta"], str):
         arrays["meta"] = json.dumps(arrays["meta"])
     arrays["meta"] = np.array(arrays["meta"])
-    path = tmp_path / "damaged.npz"
     np.savez(path, **arrays)
     return path
 
@@ -468,8 +475,8 @@ def fit_state(**changes):
     (fit_state(history='{"steps": [[1]], "epochs": [], "stopped": null}'),
      r"fit's history: not a History's JSON \(TypeError"),
 ])
-def test_a_damaged_checkpoint_changes_nothing_and_says_so(tmp_path, change, match):
-    path = damaged(tmp_path, change)
+def test_a_damaged_checkpoint_changes_nothing_and_says_so(tmp_path, good_checkpoint, change, match):
+    path = damaged(tmp_path / "damaged.npz", good_checkpoint, change)
     trainer, sess, data = fit_setup()
     before = variables(trainer, sess)
     with pytest.raises(hostavg.HostavgError, match=match):
