@@ -281,8 +281,15 @@ class Trainer:
             step); the newest ``keep_checkpoints`` are kept. If it already holds
             one, fit resumes from the newest: weights, optimizer, global step,
             position, seed and history, so an interrupted and resumed run ends
-            with the weights of an uninterrupted one, bit for bit. A run that
-            finished or was stopped by a callback does not train further.
+            with the weights of an uninterrupted one, bit for bit; resumed with
+            another ``batch_size``, it continues at the sample where it stopped.
+            A run that finished or was stopped by a callback does not train
+            further.
+
+        Raises:
+          HostavgError: before training, for bad arguments, data that gives no
+            batch, or a checkpoint_dir that is a file, cannot be written, or
+            holds a damaged checkpoint or one of another model.
 
         Returns:
           the :class:`~hostavg.History`.
