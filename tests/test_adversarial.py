@@ -217,6 +217,7 @@ def test_half_precision_norms_are_summed_in_float32_in_the_graph():
     np.testing.assert_allclose(sess.run(w), np.full(4, -0.5e-3), rtol=1e-2)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the case itself
 def test_an_overflowing_running_sum_is_named_and_float64_accumulation_fixes_it():
     trainer, sess, x, w, _ = linear(lr=1e-37)
     feeds = [rows(x, 2e38), rows(x, 2e38)]  # each finite; their float32 sum is not
