@@ -6,20 +6,28 @@ variable (model weights, optimizer slots, the global step) is the array
 Keras model, ``model/<i>`` and ``optimizer/<i>`` by position (see
 :mod:`hostavg.keras`); the array ``meta`` is a JSON string with the format
 version, each variable's shape and dtype, and, when fit wrote it, fit's
-position (epoch, batch, seed) and its History.
+state: its position (``epoch``; ``batch`` and ``samples`` taken from the data
+in that epoch), the ``batch_size`` and ``seed`` it ran with, and its History
+(JSON).
 
 Atomic: the file is written under a temporary name in the same folder,
 flushed to disk, then renamed into place, so a crash while saving never leaves
-a file under a checkpoint's name. Only names ``ckpt-<global step>.npz`` count as
-checkpoints of a folder.
+a file under a checkpoint's name; temporaries left by killed processes are
+deleted by the folder's next save (:mod:`hostavg.files`). Only names
+``ckpt-<global step>.npz`` count as checkpoints of a folder.
+
+Restoring reads and checks everything first (the metadata, every array
+against it, every variable against the model, fit's state) and changes
+nothing unless all of it is sound. A ``tf.train.Saver`` checkpoint is refused
+with the line that restores it.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
-import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,7 +36,9 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.errors import HostavgError, positive_int
+from hostavg.files import fsync_dir, remove_stale, temporary
 from hostavg.graph import load_variables
+from hostavg.history import History
 
 v1 = tf.compat.v1
 
@@ -36,6 +46,8 @@ __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
+#: fit's state: key -> the least value it may hold.
+_FIT = {"epoch": 0, "batch": 0, "samples": 0, "batch_size": 1, "seed": 0}
 
 
 def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) -> Path:
@@ -48,17 +60,17 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
             "fit": fit}
     arrays["meta"] = np.array(json.dumps(meta))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temporary(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -66,17 +78,28 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
     """The arrays of ``path``, checked against ``forms`` (name -> (shape, NumPy dtype)), and fit's state.
 
     Raises:
-      HostavgError: when the file is not a hostavg checkpoint, or was written
-        by a different model (arrays missing, unexpected, or of another
-        shape or dtype than ``forms`` say).
+      HostavgError: when the file is a ``tf.train.Saver`` checkpoint, is not a
+        sound hostavg checkpoint (unreadable, damaged metadata, arrays that
+        disagree with it, a malformed fit state), or was written by a
+        different model (arrays missing, unexpected, or of another shape or
+        dtype than ``forms`` say).
     """
     _refuse_saver_checkpoint(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"][()]))
-            stored = {name: z[f"var/{name}"] for name in meta["variables"]}
+            written, fit = _check_meta(meta)
+            stored = {name: z[f"var/{name}"] for name in written}
+    except _Damaged as e:
+        raise HostavgError(f"checkpoint {path} is damaged: {e}; use another checkpoint") from None
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-        raise HostavgError(f"{path} is not a readable hostavg checkpoint ({e})") from None
+        raise HostavgError(f"{path} is not a readable hostavg checkpoint "
+                           f"({type(e).__name__}: {e})") from None
+    damaged = [f"{name!r} is {a.shape} {a.dtype.str}, its metadata says "
+               f"{tuple(written[name][0])} {written[name][1]}" for name, a in stored.items()
+               if (a.shape, a.dtype.str) != (tuple(written[name][0]), written[name][1])]
+    if damaged:
+        raise HostavgError(f"checkpoint {path} is damaged: {_few(damaged)}; use another checkpoint")
     missing = [n for n in forms if n not in stored]
     extra = [n for n in stored if n not in forms]
     wrong = [f"{n!r}: {stored[n].shape} {stored[n].dtype} in the checkpoint, {tuple(shape)} "
@@ -88,7 +111,7 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
             f"checkpoint {path} was written by a different model: missing {_few(list(map(repr, missing)))}, "
             f"unexpected {_few(list(map(repr, extra)))}, mismatched {_few(wrong)}; restore it into the model "
             f"that wrote it, or use another checkpoint directory")
-    return stored, meta["fit"]
+    return stored, fit
 
 
 def save(graph, sess, path, *, fit: dict | None = None) -> Path:
@@ -122,8 +145,42 @@ def _refuse_saver_checkpoint(path) -> None:
             f"trainer.save and fit(checkpoint_dir=...) write")
 
 
+class _Damaged(Exception):
+    """What is wrong with a checkpoint's metadata."""
+
+
+def _check_meta(meta) -> tuple[dict, dict | None]:
+    """(name -> (shape, dtype str), fit's state or None) of a checkpoint's metadata; raises _Damaged."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _Damaged(f"its metadata is not hostavg's format {FORMAT}: {str(meta)[:80]!r}")
+    forms, fit = meta.get("variables"), meta.get("fit")
+    if not isinstance(forms, dict) or not all(
+            isinstance(f, list) and len(f) == 2 and isinstance(f[0], list)
+            and all(isinstance(d, int) and d >= 0 for d in f[0]) and isinstance(f[1], str)
+            for f in forms.values()):
+        raise _Damaged(f"its metadata's variables are not name -> [shape, dtype]: "
+                       f"{str(forms)[:80]!r}")
+    if fit is None:
+        return forms, None
+    if not isinstance(fit, dict) or set(fit) != {*_FIT, "history"}:
+        raise _Damaged(f"fit's state must hold exactly {sorted({*_FIT, 'history'})}, got "
+                       f"{sorted(fit) if isinstance(fit, dict) else fit!r}")
+    bad = [f"{k} {fit[k]!r}" for k, least in _FIT.items()
+           if isinstance(fit[k], bool) or not isinstance(fit[k], numbers.Integral) or fit[k] < least]
+    if bad:
+        raise _Damaged(f"fit's state has {', '.join(bad)}")
+    try:
+        History.from_json(fit["history"])
+    except HostavgError as e:
+        raise _Damaged(f"fit's history: {e}") from None
+    return forms, fit
+
+
 class CheckpointDir:
     """A folder of checkpoints ``ckpt-<global step>.npz``, keeping the newest ``keep``.
+
+    Made (with its parents) if missing; a path that is a file, or a folder
+    that cannot be made or written, is refused at once, before any training.
 
     Attributes:
       path: the folder.
@@ -133,6 +190,17 @@ class CheckpointDir:
     def __init__(self, path, keep: int = 3):
         self.keep = positive_int("keep", keep)
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise HostavgError(f"checkpoint_dir {str(path)!r} is a file, not a folder; name a "
+                               f"folder for the checkpoints")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise HostavgError(f"checkpoint_dir {str(path)!r} cannot be made ({e.strerror}); "
+                               f"name a folder that can") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise HostavgError(f"checkpoint_dir {str(path)!r} is not writable; name a folder "
+                               f"that is")
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints, oldest first."""
@@ -146,26 +214,15 @@ class CheckpointDir:
         return found[-1] if found else None
 
     def save(self, step: int, write: Callable[[Path], object]) -> Path:
-        """Has ``write(path)`` write the checkpoint of global step ``step``, then deletes the oldest beyond ``keep``."""
+        """Has ``write(path)`` write checkpoint ``step``; deletes all but the newest ``keep`` and stale temporaries."""
         path = self.path / f"ckpt-{step:010d}.npz"
         write(path)
         for old in self.checkpoints()[:-self.keep]:
             old.unlink(missing_ok=True)
+        remove_stale(self.path, _NAME)
         return path
 
 
 def _few(items: list, shown: int = 3) -> str:
     more = f" and {len(items) - shown} more" if len(items) > shown else ""
     return "[" + ", ".join(items[:shown]) + "]" + more
-
-
-def _fsync_dir(path: Path) -> None:
-    """Makes a rename in ``path`` durable (where the platform allows opening folders)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from hostavg.errors import HostavgError
 
@@ -37,6 +39,48 @@ def _int_list(what: str, example: str):
     return parse
 
 
+def _seed(text: str) -> int:
+    """An argparse type: an integer >= 0 (NumPy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _output(text: str) -> str:
+    """An argparse type: a file that can be written, checked before the run that fills it."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} is not writable")
+    return text
+
+
+#: Bytes a trained float32 parameter costs: initial value, variable, two Adam slots,
+#: gradient, running sum, mean, and NumPy's float64 draw of the initial value.
+BYTES_PER_PARAMETER = 36
+
+
+def _check_memory(parameters: int, hidden) -> None:
+    """Refuses a model that cannot fit in this machine's memory, before building it."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        return
+    need = parameters * BYTES_PER_PARAMETER
+    if need > memory:
+        raise HostavgError(f"--hidden {','.join(map(str, hidden))} makes an MLP of "
+                           f"{parameters:,} parameters, which needs about {need / 2**30:,.0f} GiB "
+                           f"to train; this machine has {memory / 2**30:,.0f} GiB")
+
+
 def _parser() -> _Parser:
     parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,11 +106,11 @@ def _parser() -> _Parser:
     train.add_argument("--engine", choices=("tf1", "keras"), default="tf1",
                        help="tf1 (default): the MLP as a tf.compat.v1 graph; keras: the same MLP, "
                             "same initial weights, as a Keras 3 model (hostavg.keras)")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=_seed, default=0)
     train.add_argument("--checkpoint-dir", default=None,
                        help="write checkpoints here and resume from the newest one")
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS")
-    train.add_argument("--json", default=None, metavar="PATH",
+    train.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help="write a JSON summary: test_accuracy, test_loss, steps, samples, seconds")
     train.add_argument("--quiet", action="store_true", help="print only the final line")
     train.set_defaults(run=_train)
@@ -95,7 +139,8 @@ def _parser() -> _Parser:
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
     bench.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
-    bench.add_argument("--json", default=None, metavar="PATH", help="write every number as JSON")
+    bench.add_argument("--json", type=_output, default=None, metavar="PATH",
+                       help="write every number as JSON")
     bench.set_defaults(run=_bench)
     return parser
 
@@ -134,8 +179,8 @@ def _bench(args) -> int:
 def _learning_rate(name: str, lr: float | None) -> float:
     if lr is None:
         lr = 0.003 if name in ("adam", "rmsprop") else 0.1
-    if not lr > 0:
-        raise HostavgError(f"--lr must be > 0, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise HostavgError(f"--lr must be a finite number > 0, got {lr}")
     return lr
 
 
@@ -185,6 +230,8 @@ def _train(args) -> int:
     if comm is not None and comm.Get_rank() != 0:
         args.quiet, args.json = True, None  # rank 0 speaks for the job
     data = datasets.load(args.dataset, seed=args.seed)
+    widths = [data.x_train.shape[1], *args.hidden, data.classes]
+    _check_memory(sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])), args.hidden)
     fit = {"batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size,
            "epochs": args.epochs, "seed": args.seed, "progress": not args.quiet,
            "callbacks": [] if args.quiet else [_EpochPrinter(args.epochs)],

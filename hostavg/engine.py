@@ -13,11 +13,18 @@ A step runs, in this order (:meth:`Engine.step`):
    into the sample-weighted mean;
 5. the step's statistics and :class:`~hostavg.StepResult` are made and the
    ``on_step`` hooks run;
-6. the mean is applied: the optimizer's train op runs once.
+6. the mean is applied: the optimizer's train op runs once, fed the values
+   the micro-batches share that it reads (a learning-rate placeholder; see
+   :meth:`Backend.apply_feed`).
 
 If anything in 2-6 fails, the snapshot is restored and the error propagates:
 the model, the optimizer's state and the global step are as they were. A
 step whose micro-batches were all dropped by hooks is restored too.
+
+Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
+at once (it is rolled back); one that arrives from the apply on waits until
+the step has returned (or, in fit, until the step is counted), so a step is
+applied completely or not at all (:mod:`hostavg.signals`).
 
 The engine knows no framework. What it needs of one is a :class:`Backend`
 (the TF1 session wiring, :mod:`hostavg.graph`; a Keras model), and where the
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, Protocol
 
@@ -44,9 +51,10 @@ import numpy as np
 
 from hostavg.accumulator import Accumulator, Reducer
 from hostavg.check import CheckReport, diagnose
-from hostavg.errors import HostavgError, positive_int
+from hostavg.errors import HostavgError, object_list, positive_int
 from hostavg.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform
 from hostavg.results import Drop, MicroBatch, StepResult
+from hostavg.signals import hold, region
 from hostavg.stats import StepStats, step_stats
 
 __all__ = ["AVERAGE_MODES", "Average", "Backend", "Computed", "Engine", "HostAverage", "Tally",
@@ -103,8 +111,18 @@ class Backend(Protocol):
     def compute(self, feed) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
 
-    def apply(self, mean: Mapping) -> int:
-        """Runs the optimizer once on ``mean`` (conformed, finite); returns the new global step."""
+    def apply_feed(self, feeds: Sequence, what: str) -> dict:
+        """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).
+
+        The values every one of ``feeds`` gives to the inputs the optimizer
+        reads (a learning-rate placeholder), by name: small and picklable, so
+        ranks can compare them. Raises HostavgError naming the input when the
+        optimizer needs one that ``feeds`` lack or give different values.
+        """
+
+    def apply(self, mean: Mapping, feed: Mapping) -> int:
+        """Runs the optimizer once on ``mean`` (conformed, finite), fed ``feed`` (from
+        :meth:`apply_feed`); returns the new global step."""
 
     def global_step(self) -> int:
         """The global step now."""
@@ -115,11 +133,11 @@ class Backend(Protocol):
     def restore(self, snapshot) -> None:
         """Sets those variables back to a :meth:`snapshot`."""
 
-    def variables(self) -> list:
-        """Every variable's value (model, optimizer state, global step), in a fixed order."""
+    def variables(self) -> dict:
+        """Every variable's value (model, optimizer state, global step) by name, in a fixed order."""
 
-    def assign(self, values: list) -> None:
-        """Sets every variable, in :meth:`variables`' order."""
+    def assign(self, values: Mapping) -> None:
+        """Sets every variable to ``values`` (:meth:`variables`' names)."""
 
 
 class Tally(NamedTuple):
@@ -132,6 +150,8 @@ class Tally(NamedTuple):
       loss_sum: sum_i w_i loss_i (None if a loss was missing).
       size: samples accumulated.
       global_step: before the apply (None where no micro-batch ran).
+      apply_feed: what the apply is fed (:meth:`Backend.apply_feed`; None
+        where no micro-batch ran).
     """
 
     weights: list
@@ -142,6 +162,7 @@ class Tally(NamedTuple):
     loss_sum: float | None
     size: int
     global_step: int | None
+    apply_feed: dict | None = None
 
 
 class Average(Protocol):
@@ -160,6 +181,10 @@ class Average(Protocol):
     def reducer(self, backend: Backend, total: float) -> Reducer | None:
         """The reducer that turns the accumulator's sums into the mean over ``total`` weight (None: NumPy)."""
 
+    def abandon(self, error: BaseException) -> None:
+        """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
+        other ranks did not raise it too, the job must end, or they would wait forever)."""
+
 
 class HostAverage:
     """One process; the mean is computed on the host with NumPy."""
@@ -176,6 +201,9 @@ class HostAverage:
 
     def reducer(self, backend: Backend, total: float) -> Reducer | None:
         return None
+
+    def abandon(self, error: BaseException) -> None:
+        pass
 
 
 class Engine:
@@ -208,9 +236,11 @@ class Engine:
         feed, n = backend.prepare(feed, size, "compute")
         return self._compute(backend, feed, n, "compute")[0]
 
-    def apply(self, backend: Backend, grads: Mapping) -> int:
-        """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them; returns the new global step."""
-        return backend.apply(self._checked(grads, "apply", "Look at what produced these values."))
+    def apply(self, backend: Backend, grads: Mapping, feed: Mapping) -> int:
+        """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
+        (:meth:`Backend.apply_feed`); returns the new global step."""
+        return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
+                             feed)
 
     def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
@@ -251,17 +281,23 @@ class Engine:
         """One optimizer step over the micro-batches ``feeds`` (see the module docstring)."""
         return step_together([(self, backend, feeds, sizes)])[0]
 
-    def _step(self, backend, feeds, sizes) -> tuple[StepResult, dict | None]:
-        """Steps 2-5: the result, and the checked mean to apply (None when the step is skipped)."""
+    def abandon(self, error: BaseException) -> None:
+        """Tells the averaging that the loop around the steps ends with ``error`` (see :meth:`Average.abandon`)."""
+        self.average.abandon(error)
+
+    def _step(self, backend, feeds, sizes) -> tuple[StepResult, dict | None, dict | None]:
+        """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), and the apply's feed."""
         acc, micro, kept = self._acc, [], [] if self._keep_micro else None
         acc.reset()
         norms = []
         try:
             batches = _prepare(backend, feeds, sizes)
+            apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
             global_step = self._micro_batches(backend, batches, acc, micro, norms, kept)
             error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
-                                       sum(m.size for m in micro if m.dropped is None), global_step)
+                                       sum(m.size for m in micro if m.dropped is None), global_step,
+                                       apply_feed)
         except Exception as e:  # noqa: BLE001 - over MPI every rank must hear of it
             error, tally = e, None
         tally = self.average.agree(tally, error)
@@ -272,7 +308,7 @@ class Engine:
             return StepResult(None, None, tuple(micro), global_step, 0,
                               StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                      f"nothing was applied"), None
+                                      f"nothing was applied"), None, None
 
         mean = acc.mean(self.average.reducer(backend, tally.total))
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
@@ -291,7 +327,7 @@ class Engine:
                 mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
                                  size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
-        return result, self._checked(mean, what, hint)
+        return result, self._checked(mean, what, hint), tally.apply_feed
 
     def _micro_batches(self, backend, batches, acc, micro, norms, kept) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch; returns the global step."""
@@ -317,7 +353,8 @@ class Engine:
                 sq_norm = check_finite(record.grads, f"step, {where}", record.loss,
                                        record.grads.sq_norms, hint)
                 acc._append(dict(record.grads), float(n), record.loss, sq_norm)
-                norms.append(math.sqrt(sq_norm))
+                norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm)
+                             else record.grads.global_norm())
                 if kept is not None:
                     kept.append(record.grads)
             else:
@@ -344,7 +381,8 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     GAN's discriminator and generator: both gradients are taken from the
     weights as they are now, then the means are applied in order (a
     simultaneous update). Atomic like one step: if any computation, hook or
-    check fails, every snapshot is restored and nothing is applied. (The
+    check fails, every snapshot is restored and nothing is applied; a signal
+    arriving once the applies have begun waits until they are done. (The
     applies run only once every mean was checked; a session failing inside
     a later apply cannot undo an earlier one.)
 
@@ -353,29 +391,38 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     """
     held, done = [], []
     try:
-        for engine, backend, feeds, sizes in steps:
-            if not engine._busy.acquire(blocking=False):
-                raise HostavgError(
-                    "another step of this trainer is running (in another thread, a hook called "
-                    "step, or it is listed twice); a trainer runs one step at a time: use one "
-                    "trainer per thread")
-            held.append(engine)
-            engine.average.begin(backend)
-            snapshot = backend.snapshot()
-            done.append((backend, snapshot))
-            done[-1] += engine._step(backend, feeds, sizes)
-        results = []
-        for backend, snapshot, result, values in done:
-            if values is None:  # skipped: every micro-batch was dropped
-                backend.restore(snapshot)
-                results.append(result)
-            else:
-                results.append(replace(result, step=backend.apply(values)))
-        return results
-    except BaseException:
-        for backend, snapshot, *_ in reversed(done):
-            backend.restore(snapshot)
-        raise
+        with region():
+            try:
+                for engine, backend, feeds, sizes in steps:
+                    if not engine._busy.acquire(blocking=False):
+                        raise HostavgError(
+                            "another step of this trainer is running (in another thread, a hook "
+                            "called step, or it is listed twice); a trainer runs one step at a "
+                            "time: use one trainer per thread")
+                    held.append(engine)
+                    engine.average.begin(backend)
+                    done.append((backend, backend.snapshot()))
+                    done[-1] += engine._step(backend, feeds, sizes)
+                hold()  # from here on a signal waits for the steps to be returned whole
+                results = []
+                for backend, snapshot, result, values, feed in done:
+                    if values is None:  # skipped: every micro-batch was dropped
+                        backend.restore(snapshot)
+                        results.append(result)
+                    else:
+                        results.append(replace(result, step=backend.apply(values, feed)))
+                return results
+            except BaseException as error:
+                for backend, snapshot, *_ in reversed(done):
+                    try:
+                        backend.restore(snapshot)
+                    except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
+                        error.add_note(f"hostavg: restoring the variables the micro-batches assign "
+                                       f"failed too ({type(failed).__name__}: {failed}); they may "
+                                       f"hold this step's values")
+                for engine in held:
+                    engine.average.abandon(error)
+                raise
     finally:
         for engine in held:
             engine._busy.release()
@@ -383,15 +430,8 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
 
 def normalize_hooks(hooks) -> tuple:
     """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
-    hooks = () if hooks is None else hooks
-    if isinstance(hooks, (Mapping, str)) or not isinstance(hooks, Iterable) or _is_hook(hooks):
-        raise HostavgError(f"hooks must be a list of hook objects, got {hooks!r}; e.g. "
-                           f"hooks=[hostavg.hooks.SkipNonFinite()]")
-    hooks = tuple(hooks)
-    for hook in hooks:
-        if not _is_hook(hook):
-            raise HostavgError(f"hook {hook!r} has neither on_micro_batch nor on_step")
-    return hooks
+    return object_list("hooks", hooks, ("on_micro_batch", "on_step"),
+                       "hostavg.hooks.SkipNonFinite()")
 
 
 def _prepare(backend, feeds, sizes, call: str = "step") -> list:
@@ -422,10 +462,6 @@ def _call(hook, method, args, where: str):
     except Exception as e:
         e.add_note(f"hostavg: raised by hook {_name(hook)} in {where}; nothing was applied")
         raise
-
-
-def _is_hook(obj) -> bool:
-    return callable(getattr(obj, "on_micro_batch", None)) or callable(getattr(obj, "on_step", None))
 
 
 def _name(hook) -> str:

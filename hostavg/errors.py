@@ -1,8 +1,9 @@
 """The one exception type hostavg raises for bad input."""
 
 import numbers
+from collections.abc import Iterable, Mapping
 
-__all__ = ["HostavgError", "positive_int"]
+__all__ = ["HostavgError", "object_list", "positive_int"]
 
 
 class HostavgError(ValueError):
@@ -19,3 +20,23 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise HostavgError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
+
+
+def object_list(name: str, value, methods: tuple, example: str) -> tuple:
+    """``value``, a list of objects that each have one of ``methods`` (None: none), as a tuple.
+
+    Raises HostavgError naming ``name`` (plural: "hooks") for anything else,
+    such as one such object not in a list, echoing the value.
+    """
+    def fits(obj):
+        return any(callable(getattr(obj, m, None)) for m in methods)
+
+    value = () if value is None else value
+    if isinstance(value, (Mapping, str)) or not isinstance(value, Iterable) or fits(value):
+        raise HostavgError(f"{name} must be a list of objects with {' or '.join(methods)} (or "
+                           f"None), got {value!r}; e.g. {name}=[{example}]")
+    value = tuple(value)
+    for obj in value:
+        if not fits(obj):
+            raise HostavgError(f"{name[:-1]} {obj!r} has none of the methods {methods}")
+    return value

@@ -32,7 +32,7 @@ import numpy as np
 from hostavg.errors import HostavgError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
-           "freeze", "is_frozen", "nonfinite_entries", "own", "squared_norm"]
+           "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm"]
 
 #: Every array :func:`freeze` made, by id, held weakly: what the caches may trust.
 _FROZEN = weakref.WeakValueDictionary()
@@ -197,9 +197,8 @@ class Gradients(Mapping):
         return len(self._values)
 
     def global_norm(self) -> float:
-        """sqrt of the sum of squares of every entry (sparse rows coalesced first); see :func:`squared_norm`."""
-        return math.sqrt(math.fsum(self.sq_norms[n] if n in self.sq_norms else squared_norm(v)
-                                   for n, v in self._values.items()))
+        """sqrt of the sum of squares of every entry (sparse rows coalesced first); see :func:`global_norm`."""
+        return global_norm(self._values, self.sq_norms)
 
     def __repr__(self) -> str:
         parts = ", ".join(
@@ -213,17 +212,54 @@ def squared_norm(value) -> float:
 
     Float32 products are summed in float32 within blocks of 65,536 entries and
     the blocks in float64, so the result has float32's relative accuracy
-    (about 1e-7) whatever the size, in one pass that allocates nothing.
+    (about 1e-7) whatever the size, in one pass that allocates nothing. Where
+    that overflows (float32 entries above ~1e19, float16 above ~250) it is
+    summed again in float64, so finite entries of a narrower float always give
+    a finite result; NaN or Inf entries give NaN or Inf.
     """
     if isinstance(value, SparseGradient):
         value = value.coalesce().values
     flat = np.ravel(value)
     if flat.dtype.kind != "f":
         flat = flat.astype(np.float64)
-    if flat.size <= BLOCK:
-        return float(np.dot(flat, flat))
-    return math.fsum(float(np.dot(flat[i:i + BLOCK], flat[i:i + BLOCK]))
-                     for i in range(0, flat.size, BLOCK))
+    sq = _blocked_dot(flat)
+    if not math.isfinite(sq) and flat.dtype.itemsize < 8:
+        with np.errstate(over="ignore", invalid="ignore"):
+            sq = math.fsum(_blocked_dot(flat[i:i + BLOCK].astype(np.float64))
+                           for i in range(0, flat.size, BLOCK))
+    return sq
+
+
+def _blocked_dot(flat: np.ndarray) -> float:
+    with np.errstate(over="ignore", invalid="ignore"):
+        if flat.size <= BLOCK:
+            return float(np.dot(flat, flat))
+        return math.fsum(float(np.dot(flat[i:i + BLOCK], flat[i:i + BLOCK]))
+                         for i in range(0, flat.size, BLOCK))
+
+
+def global_norm(values: Mapping, sq_norms: Mapping[str, float] | None = None) -> float:
+    """The L2 norm of every entry of ``values`` (name -> array or SparseGradient) together.
+
+    sqrt(sum of :func:`squared_norm`), taken from ``sq_norms`` where given.
+    Where that sum passes float64's range (float64 entries above ~1e154) the
+    entries are scaled by the largest first, so finite values always have a
+    finite norm; any NaN or Inf entry gives NaN or Inf.
+    """
+    sq_norms = sq_norms or {}
+    total = math.fsum(sq_norms[n] if n in sq_norms else squared_norm(v) for n, v in values.items())
+    if not math.isinf(total):
+        return math.sqrt(total)
+    entries = [_entries(v) for v in values.values()]
+    scale = max((float(np.max(np.abs(e))) for e in entries if e.size), default=0.0)
+    if not math.isfinite(scale):
+        return scale
+    return scale * math.sqrt(math.fsum(squared_norm(e / scale) for e in entries))
+
+
+def _entries(value) -> np.ndarray:
+    """The entries a norm is taken of: a sparse gradient's coalesced rows."""
+    return value.coalesce().values if isinstance(value, SparseGradient) else np.asarray(value)
 
 
 #: Entries per block of the blocked host reductions: float32 sums stay accurate
@@ -235,8 +271,8 @@ def nonfinite_entries(value, sq_norm: float | None = None) -> tuple[int, int]:
     """(NaN count, Inf count) of a gradient's entries.
 
     A finite squared norm (``sq_norm`` where known, else one pass) means
-    (0, 0) at once; only a non-finite one is counted entry by entry, which also
-    tells an overflowing sum of large finite entries from a real Inf.
+    (0, 0) at once; only a non-finite one is counted entry by entry (float64
+    entries beyond ~1e154 overflow a squared norm while finite: (0, 0)).
     """
     if math.isfinite(squared_norm(value) if sq_norm is None else sq_norm):
         return 0, 0
@@ -266,9 +302,6 @@ def check_finite(values: Mapping, what: str, loss: float | None = None,
             size = (value.values if isinstance(value, SparseGradient) else np.asarray(value)).size
             bad.append(f"{name!r} ({nan + inf} of {size} entries: {nan} NaN, {inf} Inf)")
             continue
-        if not math.isfinite(sq):  # large finite entries overflowed the float32 sum
-            sq = squared_norm(np.asarray(value.values if isinstance(value, SparseGradient)
-                                         else value, np.float64))
         total += sq
     loss_ok = loss is None or math.isfinite(loss)
     if bad or not loss_ok:
@@ -322,7 +355,10 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
 
 def _conform_value(name: str, s: VariableSpec, value, what: str):
     if not isinstance(value, SparseGradient):
-        value = np.asarray(value)
+        try:
+            value = np.asarray(value)
+        except ValueError as e:  # ragged nested lists
+            raise HostavgError(f"{what}: gradient of {name!r} cannot be made an array ({e})") from None
         if s.sparse and value.shape == s.shape:
             value = SparseGradient(freeze(np.arange(s.shape[0])), value, s.shape)
     if not np.can_cast(value.dtype, s.dtype, casting="same_kind"):
@@ -333,6 +369,9 @@ def _conform_value(name: str, s: VariableSpec, value, what: str):
         if not s.shape:
             raise HostavgError(f"{what}: gradient of {name!r} is sparse (rows), but the variable "
                                f"is a scalar; pass a 0-d array")
+        if value.dense_shape != s.shape:
+            raise HostavgError(f"{what}: sparse gradient of {name!r} has dense_shape "
+                               f"{value.dense_shape}, but the variable's shape is {s.shape}")
         idx = value.indices
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
             raise HostavgError(

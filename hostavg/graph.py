@@ -8,6 +8,7 @@ host. Nothing here does host arithmetic; that lives in the NumPy layer.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
@@ -18,13 +19,13 @@ from tensorflow.core.protobuf import config_pb2
 from hostavg.accumulator import Reduction
 from hostavg.engine import Computed, HostAverage
 from hostavg.errors import HostavgError, positive_int
-from hostavg.gradients import SparseGradient, VariableSpec, freeze
+from hostavg.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.split import feed_size
 
 v1 = tf.compat.v1
 
 __all__ = ["READ_OPS", "GraphAverage", "SessionBackend", "Wiring", "assigned_variables",
-           "first_line", "load_variables", "resolve_feed"]
+           "feed_array", "first_line", "load_variables", "resolve_feed"]
 
 
 class Wiring:
@@ -35,6 +36,9 @@ class Wiring:
       names: the trained variables' names (``var.op.name``), in order.
       spec: name -> :class:`VariableSpec`.
       global_step: the global step variable.
+      apply_inputs: name -> placeholder, each placeholder the train op reads
+        (not through the fed gradients): a learning rate, a schedule's input.
+        The apply is fed them (see :meth:`SessionBackend.apply_feed`).
     """
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
@@ -62,10 +66,12 @@ class Wiring:
             # Squared norms of the gradients (sparse rows coalesced), reduced in the session
             # where the values are fresh in cache and the work is spread over its threads
             # (Eigen's tree reduction: ~1e-7 relative error in float32): the host then makes
-            # one pass per micro-batch (the add) instead of two.
+            # one pass per micro-batch (the add) instead of two. Half precision is summed in
+            # float32; a float32 sum that overflows (entries above ~1e19) is redone on the
+            # host in float64 (see compute).
             with tf.name_scope("hostavg_norms"):
-                self._fetches += [tf.reduce_sum(tf.square(_coalesced_values(g)
-                                                          if isinstance(g, tf.IndexedSlices) else g))
+                self._fetches += [_squared_norm(_coalesced_values(g)
+                                                if isinstance(g, tf.IndexedSlices) else g)
                                   for g in self._grads]
             if self.update_ops:
                 self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
@@ -78,6 +84,8 @@ class Wiring:
                 t for g in self._grads for t in
                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
                  if isinstance(g, tf.IndexedSlices) else (g,)))
+            self.apply_inputs = {t.name: t for t in _placeholders_read(self.train_op,
+                                                                       self._apply_feeds)}
             self._callables = Callables()
             self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
@@ -96,13 +104,19 @@ class Wiring:
                                               self.spec[name].shape)
             else:
                 values[name] = freeze(next(got))
-        return Computed(out[0], values, int(out[1]), dict(zip(self.names, map(float, got))))
+        sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
+                    for name, q in zip(self.names, map(float, got))}
+        return Computed(out[0], values, int(out[1]), sq_norms)
 
     def conform_feed(self, feed: dict, what: str) -> dict:
         """Each value as an array of its key's dtype, checked against its key's shape, as ``sess.run`` would.
 
         (The compiled session calls skip that check: an array of the wrong
-        shape would broadcast silently.)
+        shape would broadcast silently.) Stricter than ``sess.run`` where
+        NumPy's conversion would change values silently: integers out of the
+        placeholder's range, non-integer floats for an integer placeholder,
+        None, text or objects for a numeric one, and tensors are refused
+        (see :func:`feed_array`).
         """
         out = {}
         for key, value in feed.items():
@@ -113,11 +127,7 @@ class Wiring:
                     key.dtype.base_dtype.as_numpy_dtype,
                     None if shape.rank is None else tuple(shape.as_list()))
             dtype, shape = form
-            try:
-                array = np.asarray(value, dtype)
-            except (TypeError, ValueError, OverflowError) as e:
-                raise HostavgError(f"{what}: feed {key.name!r} cannot be made an array of its "
-                                   f"dtype {np.dtype(dtype).name} ({e})") from None
+            array = feed_array(value, dtype, f"{what}: feed {key.name!r}")
             if shape is not None and (array.ndim != len(shape) or any(
                     want is not None and got != want for got, want in zip(array.shape, shape))):
                 raise HostavgError(
@@ -136,9 +146,10 @@ class Wiring:
         if values is not None:
             load_variables(sess, self.assigned, values)
 
-    def apply(self, sess, values: Mapping) -> int:
-        """Feeds ``values`` through the gradient tensors, runs the train op once; returns the new global step."""
-        args = []
+    def apply(self, sess, values: Mapping, feed: Mapping) -> int:
+        """Feeds ``values`` through the gradient tensors (and ``feed``, name -> value, to
+        :attr:`apply_inputs`), runs the train op once; returns the new global step."""
+        args = list(feed.values())
         for name, g in zip(self.names, self._grads):
             value = values[name]
             if isinstance(g, tf.IndexedSlices):
@@ -147,7 +158,8 @@ class Wiring:
                     args.append(np.asarray(self.spec[name].shape))
             else:
                 args.append(value)
-        return int(self._callables.get(sess, self._step_after, self._apply_feeds)(*args)[0])
+        keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
+        return int(self._callables.get(sess, self._step_after, keys)(*args)[0])
 
 
 class SessionBackend:
@@ -173,8 +185,12 @@ class SessionBackend:
     def target(self):
         return self.session
 
+    def conform(self, feed_dict, what: str) -> dict:
+        """``feed_dict`` keyed by tensors, each value checked and converted (:meth:`Wiring.conform_feed`)."""
+        return self.wiring.conform_feed(resolve_feed(self.wiring.graph, feed_dict, what), what)
+
     def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
-        feed = self.wiring.conform_feed(resolve_feed(self.wiring.graph, feed_dict, what), what)
+        feed = self.conform(feed_dict, what)
         if size is None:
             n = feed_size(feed, what)
             if n < 1:
@@ -186,9 +202,37 @@ class SessionBackend:
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed)
 
-    def apply(self, mean) -> int:
+    def apply_feed(self, feeds, what: str) -> dict:
+        """The value every feed gives each of the train op's :attr:`~Wiring.apply_inputs`, by name.
+
+        A placeholder with a default may go unfed (by every feed); any other
+        must be fed the same value by each.
+        """
+        out = {}
+        whose = "micro-batch" if what == "step" else "feed_dict"
+        for name, key in self.wiring.apply_inputs.items():
+            given = [f.get(key) for f in feeds]
+            if all(v is None for v in given) and key.op.type == "PlaceholderWithDefault":
+                continue
+            first = given[0]
+            for i, value in enumerate(given):
+                if value is None:
+                    raise HostavgError(
+                        f"{what}: the train op reads {name!r}, which {whose} {i} does not feed; "
+                        + ("feed it, the same value, to every micro-batch" if what == "step" else
+                           "pass it: trainer.apply(sess, grads, feed_dict={placeholder: value})"))
+                if value is not first and not (value.shape == first.shape
+                                               and np.array_equal(value, first)):
+                    raise HostavgError(
+                        f"{what}: micro-batches 0 and {i} feed different values to {name!r} "
+                        f"({_brief(first)} and {_brief(value)}), which the train op reads; the "
+                        f"train op runs once per step, so feed every micro-batch the same value")
+            out[name] = first
+        return out
+
+    def apply(self, mean, feed) -> int:
         with _session_errors("apply"):
-            return self.wiring.apply(self.session, mean)
+            return self.wiring.apply(self.session, mean, feed)
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))
@@ -199,11 +243,13 @@ class SessionBackend:
     def restore(self, snapshot) -> None:
         self.wiring.restore(self.session, snapshot)
 
-    def variables(self) -> list:
-        return self.session.run(self._globals())
+    def variables(self) -> dict:
+        variables = self._globals()
+        return dict(zip([v.op.name for v in variables], self.session.run(variables)))
 
-    def assign(self, values: list) -> None:
-        load_variables(self.session, self._globals(), values)
+    def assign(self, values) -> None:
+        variables = self._globals()
+        load_variables(self.session, variables, [values[v.op.name] for v in variables])
 
     def _globals(self) -> list:
         return self.wiring.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
@@ -327,6 +373,73 @@ def resolve_feed(graph, feed_dict: Mapping, what: str) -> dict:
                 f"feed the placeholders of the graph the loss was built in")
         out[key] = value
     return out
+
+
+def feed_array(value, dtype, what: str) -> np.ndarray:
+    """``value`` as an array of ``dtype``, refused (HostavgError starting with ``what``) where that would change it.
+
+    Numbers convert within their kind and to wider kinds (bool and integers
+    to float, float64 to float32); integers must fit an integer dtype, and
+    floats given for one must be whole numbers. None, text, objects and
+    tensors are refused for a numeric dtype.
+    """
+    if isinstance(value, np.ndarray) and value.dtype == dtype:
+        return value
+    if isinstance(value, (tf.Tensor, tf.Variable, tf.Operation)):
+        raise HostavgError(f"{what} is the graph element {value.name!r}; feed values, such as "
+                           f"NumPy arrays, not tensors: compute it with sess.run first")
+    want = np.dtype(dtype)
+    try:
+        array = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise HostavgError(f"{what} cannot be made an array ({e})") from None
+    if want.kind not in "biufc" or array.dtype == want:
+        return array.astype(want, copy=False)
+    if array.dtype.kind not in "biuf" or (want.kind == "b" and array.dtype.kind == "f"):
+        raise HostavgError(f"{what} holds {_brief(array)} of dtype {array.dtype}, but the "
+                           f"placeholder takes {want.name}")
+    if want.kind in "iu" and array.size:
+        whole = np.isfinite(array) & (array == np.round(array)) if array.dtype.kind == "f" else True
+        if not np.all(whole):
+            raise HostavgError(f"{what} holds values that are not integers (such as "
+                               f"{array[~whole].flat[0].item()!r}) for a {want.name} placeholder; feed "
+                               f"integers")
+        info = np.iinfo(want)
+        low, high = array.min(), array.max()
+        if low < info.min or high > info.max:
+            raise HostavgError(f"{what} holds values outside {want.name}'s range [{info.min}, "
+                               f"{info.max}] (min {low}, max {high})")
+    return array.astype(want)
+
+
+def _brief(value: np.ndarray) -> str:
+    return repr(value.item()) if value.size == 1 else f"an array of shape {value.shape}"
+
+
+def _squared_norm(g):
+    """The sum of squares of ``g``'s entries, in float32 at least."""
+    if g.dtype.size < 4:
+        g = tf.cast(g, tf.float32)
+    return tf.reduce_sum(tf.square(g))
+
+
+def _placeholders_read(op, fed) -> list:
+    """The placeholders that running ``op`` reads when ``fed`` (tensors) are fed, by name.
+
+    Walks back through inputs and control inputs, stopping at fed tensors.
+    """
+    fed, seen, found = set(fed), set(), []
+    todo = [op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in ("Placeholder", "PlaceholderWithDefault"):
+            found.append(op)
+        todo.extend(t.op for t in op.inputs if t not in fed)
+        todo.extend(op.control_inputs)
+    return [op.outputs[0] for op in sorted(found, key=lambda o: o.name)]
 
 
 def _coalesced_values(g: tf.IndexedSlices):

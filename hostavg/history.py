@@ -66,11 +66,19 @@ class History:
 
     @classmethod
     def from_json(cls, text: str) -> History:
-        data = json.loads(text)
-        history = cls()
-        history.steps = [StepLog(*s) for s in data["steps"]]
-        history.epochs = data["epochs"]
-        history.stopped = data["stopped"]
+        """The History :meth:`to_json` wrote; HostavgError if ``text`` is not one."""
+        try:
+            data = json.loads(text)
+            history = cls()
+            history.steps = [StepLog(*s) for s in data["steps"]]
+            history.epochs, history.stopped = data["epochs"], data["stopped"]
+        except (TypeError, ValueError, KeyError) as e:
+            raise HostavgError(f"not a History's JSON ({type(e).__name__}: {e}): "
+                               f"{str(text)[:80]!r}") from None
+        if not isinstance(history.epochs, list) or not all(isinstance(e, dict) for e in history.epochs) \
+                or not isinstance(history.stopped, (str, type(None))):
+            raise HostavgError(f"not a History's JSON: epochs must be a list of dicts and stopped "
+                               f"a string or null: {str(text)[:80]!r}")
         return history
 
     def __repr__(self) -> str:

@@ -172,7 +172,7 @@ class Trainer:
         Returns:
           ``optimizer.iterations`` after the apply (one more than before).
         """
-        return self._ready_engine("apply()").apply(self._backend, grads)
+        return self._ready_engine("apply()").apply(self._backend, grads, {})
 
     def step(self, batches: Sequence, sizes: Sequence[int] | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``batches``: compute, add, apply.
@@ -298,8 +298,7 @@ class Trainer:
             raise HostavgError(f"{what}: the model is not built yet; run compute, step or fit on a "
                                f"batch first, or give the model an Input")
         self._backend.build_optimizer()
-        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
-                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
+        return self._backend.named_variables()
 
     def _engine_for(self, batch, what: str) -> Engine:
         """The engine, made on the first batch (which the backend traces to learn the spec)."""
@@ -376,7 +375,11 @@ class KerasBackend:
         return Computed(float(loss), grads, int(step),
                         dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
-    def apply(self, mean: Mapping) -> int:
+    def apply_feed(self, feeds, what: str) -> dict:
+        """Nothing: a Keras optimizer reads no input besides the gradients."""
+        return {}
+
+    def apply(self, mean: Mapping, feed: Mapping) -> int:
         args = []
         for name, s in self.spec.items():
             value = mean[name]
@@ -411,12 +414,18 @@ class KerasBackend:
         for i, value in snapshot.items():
             self.assigned[i].assign(value)
 
-    def variables(self) -> list:
-        return [v.numpy() for v in self._all_variables()]
+    def named_variables(self) -> dict:
+        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
+        ``optimizer/<i>``: names that agree between processes that built the same model."""
+        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
+                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
 
-    def assign(self, values: list) -> None:
-        for v, value in zip(self._all_variables(), values):
-            v.assign(value)
+    def variables(self) -> dict:
+        return {name: v.numpy() for name, v in self.named_variables().items()}
+
+    def assign(self, values: Mapping) -> None:
+        for name, v in self.named_variables().items():
+            v.assign(values[name])
 
     # --- Evaluation and building -------------------------------------------------------------
 
@@ -579,9 +588,6 @@ class KerasBackend:
                 self.assigned[i] = v
                 self._snapshot[i] = v.numpy()  # the step being prepared has not computed yet
 
-    def _all_variables(self) -> list:
-        return list(self.model.variables) + list(self.optimizer.variables)
-
 
 class _ModelRun:
     """A Keras trainer as fit drives it (:class:`hostavg.loop.Run`)."""
@@ -611,6 +617,11 @@ class _ModelRun:
                                f"{type(data).__name__}")
         return self.trainer.evaluate(*data[:2], batch_size=batch_size,
                                      sample_weight=data[2] if len(data) == 3 else None)
+
+    def abandon(self, error: BaseException) -> None:
+        engine = self.trainer._engine
+        if engine is not None:
+            engine.abandon(error)
 
 
 _EagerTensor = type(tf.constant(0.0))

@@ -17,6 +17,18 @@ data is arrays ``(x, y)`` or ``(x, y, sample_weight)``, cut by
   with ``seed`` and batches it.
 
 Every batch is weighted by its real number of samples, a short last batch too.
+Data that gives no batch (no samples, or only batches that ``drop_remainder``
+drops) is refused: an epoch must train at least one step.
+
+fit's position is the epoch and, within it, the samples (and batches) taken
+from the data so far. A checkpoint stores it with the seed and the batch size;
+a resumed run continues at that sample of the same epoch's order, with the
+same batch size bit for bit like a run that was never stopped, with another
+at the same sample all the same (an iterable's batches are its own: it
+continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
+or SIGTERM that arrives once the step's apply has begun waits until fit has
+counted the step (see :mod:`hostavg.signals`), so the position saved on the way
+out always matches the global step.
 
 With a trainer made with ``comm=`` (several MPI processes), every rank runs
 fit on the same data: each batch is split into contiguous shares, one per
@@ -42,10 +54,11 @@ import tensorflow as tf
 
 from hostavg.callbacks import StopTraining
 from hostavg.checkpoint import CheckpointDir
-from hostavg.errors import HostavgError, positive_int
+from hostavg.errors import HostavgError, object_list, positive_int
 from hostavg.graph import resolve_feed
 from hostavg.history import History, StepLog
 from hostavg.results import StepResult
+from hostavg.signals import hold, region, release
 from hostavg.split import feed_size, split, take
 
 __all__ = ["ArraySource", "Run", "check_sizes", "feed_source", "fit"]
@@ -72,6 +85,9 @@ class Run(Protocol):
     def validate(self) -> dict:
         """The validation results by name ("loss", metrics), or {} without validation data."""
 
+    def abandon(self, error: BaseException) -> None:
+        """fit ends with ``error`` (over MPI, a rank leaving alone ends the job)."""
+
 
 def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         drop_remainder=False, callbacks=(), progress=True, checkpoint_dir=None,
@@ -80,21 +96,26 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
 
     ``source`` is a callable that returns the batch source (called after
     the arguments are checked), with ``num_batches(drop_remainder)`` and
-    ``batches(epoch, seed, skip)``. ``blocks``: {key: b} for arrays of b
+    ``batches(epoch, seed, batch, samples)``. ``blocks``: {key: b} for arrays of b
     blocks of the samples (see :mod:`hostavg.split`).
     """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
     if progress not in (True, False, "always"):
         raise HostavgError(f"progress must be True, False or 'always', got {progress!r}")
     source = source()
+    n = source.n  # None where the source cannot tell (an iterable of batches)
+    if n == 0 or (drop_remainder and n is not None and n < batch_size):
+        raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
+                           f"batch_size {batch_size}{' (drop_remainder)' if n else ''}; "
+                           f"fit needs at least one batch")
     hooks = _callbacks(callbacks)
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
-    history, epoch, batch = History(), 0, 0
+    history, epoch, batch, samples = History(), 0, 0, 0
     if ckpt is not None and ckpt.latest() is not None:
         state = run.restore(ckpt.latest())
         if state is not None:
-            epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
+            epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
             history = History.from_json(state["history"])
     comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
@@ -109,45 +130,56 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
 
     def checkpoint():
         step = run.global_step()
-        state = {"epoch": epoch, "batch": batch, "seed": seed, "history": history.to_json()}
+        state = {"epoch": epoch, "batch": batch, "samples": samples, "batch_size": batch_size,
+                 "seed": seed, "history": history.to_json()}
         ckpt.save(step, lambda path: run.save(path, state))
         return step
 
     saved_step = run.global_step() if ckpt is not None else None
     bar = _Progress(progress if rank == 0 else False)
-    with _sigterm_as_exit():
+    # A signal that arrives from a step's apply on waits until the step is counted (release).
+    with _sigterm_as_exit(), region():
         try:
             while epoch < epochs:
                 bar.start(f"epoch {epoch + 1}/{epochs}", source.num_batches(drop_remainder))
-                for feed in source.batches(epoch, seed, skip=batch):
+                for feed in source.batches(epoch, seed, batch, samples):
                     n = feed_size(feed, f"batch {batch} of epoch {epoch}", blocks)
                     if drop_remainder and n < batch_size:
-                        batch += 1
+                        batch, samples = batch + 1, samples + n
                         continue
                     result = run.step(*_micro_batches(feed, n, micro_batch_size, rank, size,
                                                       blocks))
-                    batch += 1
+                    batch, samples = batch + 1, samples + n
                     loss = math.nan if result.skipped else result.loss
                     history.steps.append(StepLog(epoch, result.step, loss, result.size,
                                                  history.samples + result.size))
+                    release()
                     bar.update(result)
                     if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
                         saved_step = checkpoint()
                     for hook in hooks["on_step_end"]:
                         hook(result.step, result)
                 logs = _epoch_logs(history, epoch)
+                if not logs["steps"]:
+                    raise HostavgError(
+                        f"epoch {epoch} trained no step: the data gave {batch} batches"
+                        f"{', every one shorter than batch_size and dropped (drop_remainder)' if batch else ''}"
+                        f"; fit needs at least one batch per epoch")
                 logs.update({f"val_{k}": v for k, v in run.validate().items()})
                 bar.close(logs)
+                hold()  # the epoch's logs and the next position, together
                 history.epochs.append(logs)
-                epoch, batch = epoch + 1, 0
+                epoch, batch, samples = epoch + 1, 0, 0
+                release()
                 for hook in hooks["on_epoch_end"]:
                     hook(epoch - 1, logs)
         except StopTraining as e:
             history.stopped = str(e) or "stopped by a callback"
-        except BaseException:
+        except BaseException as error:
             bar.close(None)
             if ckpt is not None and run.global_step() != saved_step:
                 checkpoint()  # the last completed step: a step is atomic
+            run.abandon(error)  # over MPI, a rank leaving alone ends the job
             raise
     bar.close(None)
     if ckpt is not None:
@@ -191,10 +223,7 @@ def _epoch_logs(history: History, epoch: int) -> dict:
 def _callbacks(callbacks) -> dict:
     """Each callback method looked up once: name -> list of bound methods."""
     names = ("on_step_end", "on_epoch_end", "on_train_end")
-    callbacks = list(callbacks)
-    for cb in callbacks:
-        if not any(callable(getattr(cb, n, None)) for n in names):
-            raise HostavgError(f"callback {cb!r} has none of the methods {names}")
+    callbacks = object_list("callbacks", callbacks, names, "hostavg.EarlyStopping()")
     return {n: [getattr(cb, n) for cb in callbacks if callable(getattr(cb, n, None))]
             for n in names}
 
@@ -231,14 +260,17 @@ class ArraySource:
     def num_batches(self, drop_remainder):
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
-    def batches(self, epoch, seed, skip):
+    def batches(self, epoch, seed, batch, samples):
+        """The epoch's batches from sample ``samples`` of its order on (``batch`` is unused)."""
         order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle else None
-        for start in range(skip * self.batch_size, self.n, self.batch_size):
+        for start in range(samples, self.n, self.batch_size):
             rows = slice(start, start + self.batch_size)
             yield take(self.data, rows if order is None else order[rows], self.n, self.blocks)
 
 
 class _IterableSource:
+    n = None  # its batches are its own: how many samples they hold is unknown until read
+
     def __init__(self, graph, data):
         self.graph, self.data = graph, data
         self._used = False
@@ -246,7 +278,8 @@ class _IterableSource:
     def num_batches(self, drop_remainder):
         return len(self.data) if hasattr(self.data, "__len__") else None
 
-    def batches(self, epoch, seed, skip):
+    def batches(self, epoch, seed, batch, samples):
+        """The epoch's batches from batch ``batch`` on: the iterable's own, so samples are not counted."""
         it = self.data() if callable(self.data) else self.data
         it = iter(it)
         if it is self.data:
@@ -256,7 +289,7 @@ class _IterableSource:
                     "list, or a callable that returns a new iterable for every epoch")
             self._used = True
         for i, feed in enumerate(it):
-            if i >= skip:
+            if i >= batch:
                 yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}")
 
 
@@ -265,7 +298,12 @@ class _DatasetSource:
         self.graph, self.dataset, self.batch_size, self.shuffle = graph, dataset, batch_size, shuffle
         self.inputs = dict(inputs) if isinstance(inputs, Mapping) else dict(enumerate(inputs))
         resolve_feed(graph, {v: None for v in self.inputs.values()}, "inputs")
-        n = int(dataset.cardinality())
+        try:
+            n = int(dataset.cardinality())
+        except TypeError:  # its ops live in a graph: it cannot be iterated from Python
+            raise HostavgError(
+                "fit reads a tf.data.Dataset eagerly, but this one is in graph mode: make it, and "
+                "call fit, outside `with graph.as_default():`") from None
         self.n = n if n >= 0 else None
 
     def num_batches(self, drop_remainder):
@@ -273,12 +311,13 @@ class _DatasetSource:
             return None
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
-    def batches(self, epoch, seed, skip):
+    def batches(self, epoch, seed, batch, samples):
+        """The epoch's batches from sample ``samples`` of its (seeded) order on."""
         ds = self.dataset
         if self.shuffle:
             ds = ds.shuffle(self.n or 10_000, seed=(seed + epoch) % 2**63,
                             reshuffle_each_iteration=False)
-        for element in ds.batch(self.batch_size).skip(skip).as_numpy_iterator():
+        for element in ds.skip(samples).batch(self.batch_size).as_numpy_iterator():
             try:
                 yield resolve_feed(self.graph, {ph: element[k] for k, ph in self.inputs.items()},
                                    "inputs")

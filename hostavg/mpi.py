@@ -17,13 +17,26 @@ all ranks keep identical weights. Noise-scale statistics use every rank's
 micro-batches; the "stack"-only ones (inner-product and orthogonality tests,
 GSNR, cosines) would need every rank's gradients on one host and are None.
 
+The first step of each session is agreed too: the ranks compare their
+variables (names, shapes, dtypes, which are trained) through one small
+``allgather`` before rank 0's values are broadcast, so a rank whose model
+differs raises on every rank, naming the difference, before anything changes.
+Every collective carries what the ranks are doing, so ranks that have fallen
+out of step (one starts a session's first step while another runs a step)
+raise on every rank instead of exchanging mismatched data.
+
 Faults: an uncaught exception on any rank calls ``MPI_Abort`` (as
 ``python -m mpi4py`` does), so no rank waits forever in a collective for one
-that is gone; a rank killed outright is ended by ``mpiexec`` with the job.
+that is gone; a rank killed outright is ended by ``mpiexec`` with the job. A
+rank that leaves a step, or fit, on its own (a Ctrl-C or SIGTERM, which fit
+turns into SystemExit, or ``sys.exit`` in a callback) ends the job when the
+process exits, after fit's checkpoint on the way out (SystemExit never
+reaches ``sys.excepthook``), and at once if it tries another step.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import sys
 import traceback
@@ -64,10 +77,29 @@ class Distributed:
         abort_on_uncaught_exception(comm)
 
     def begin(self, backend) -> None:
-        """The first time a target (a session) steps, every variable takes rank 0's value."""
-        if backend.target not in self._synchronized:
-            backend.assign(self.broadcast(backend.variables()))
-            self._synchronized.add(backend.target)
+        """The first time a target (a session) steps, the ranks agree on the variables, then
+        every variable takes rank 0's value."""
+        if _left is not None:
+            _abort(self.comm, f"left a step on its own ({_describe(_left)}) and steps again, "
+                              f"while the other ranks may still wait in that one", 1)
+        if backend.target in self._synchronized:
+            return
+        values = backend.variables()
+        forms = self.gather("the first step of a session", (
+            {name: _form(np.shape(v), np.asarray(v).dtype) for name, v in values.items()},
+            {name: _form(s.shape, s.dtype) + (" sparse" if s.sparse else "")
+             for name, s in backend.spec.items()}))
+        differences = [d for kind, i in (("variable", 0), ("trained variable", 1))
+                       for r in range(1, self.size)
+                       for d in _differences(kind, forms[0][i], forms[r][i], r)]
+        if differences:
+            raise HostavgError(
+                f"the ranks' models differ, so nothing was changed on any: "
+                f"{'; '.join(differences[:6])}{' ...' if len(differences) > 6 else ''}. Build the "
+                f"same graph and Trainer on every rank")
+        names = sorted(values)
+        backend.assign(dict(zip(names, self.broadcast([values[n] for n in names]))))
+        self._synchronized.add(backend.target)
 
     def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
         """Every rank's tally together; if any rank failed, the same error on every rank."""
@@ -75,7 +107,7 @@ class Distributed:
             else f"{type(error).__name__}: {error}"
         if error is not None and getattr(error, "__notes__", None):
             message += " (" + "; ".join(error.__notes__) + ")"
-        reports = self.gather((message, tally))
+        reports = self.gather("a step", (message, tally))
         failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(reports) if m is not None]
         if failed:
             raise HostavgError(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing "
@@ -88,11 +120,29 @@ class Distributed:
                      math.fsum(t.total for t in tallies),
                      None if None in loss_sums else math.fsum(loss_sums),
                      sum(t.size for t in tallies),
-                     steps[0] if steps else None)
+                     steps[0] if steps else None,
+                     _agreed_feed([t.apply_feed for t in tallies]))
 
-    def gather(self, obj) -> list:
-        """Every rank's ``obj`` (small, pickled), in rank order."""
-        return self.comm.allgather(obj)
+    def abandon(self, error: BaseException) -> None:
+        """A KeyboardInterrupt or SystemExit leaving a step or fit is this rank's alone: the job
+        ends when this process exits (or at its next step)."""
+        global _left
+        if not isinstance(error, Exception) and _left is None and self.size > 1:
+            _left = error
+
+    def gather(self, what: str, obj) -> list:
+        """Every rank's ``obj`` (small, pickled), in rank order.
+
+        Raises HostavgError on every rank when some rank is not at ``what``
+        (such as the first step of a session while another runs a step).
+        """
+        reports = self.comm.allgather((what, obj))
+        if any(w != what for w, _ in reports):
+            raise HostavgError(
+                f"the ranks are out of step: "
+                f"{', '.join(f'rank {r} is at {w}' for r, (w, _) in enumerate(reports))}; every "
+                f"rank must make the same calls, with sessions made alike")
+        return [o for _, o in reports]
 
     def broadcast(self, arrays: list) -> list:
         """Rank 0's ``arrays``, on every rank (others pass arrays of the same shapes and dtypes)."""
@@ -139,6 +189,35 @@ class Distributed:
         return all_indices, all_values
 
 
+def _form(shape, dtype) -> str:
+    return f"{tuple(shape)} {np.dtype(dtype).name}"
+
+
+def _differences(kind: str, first: dict, other: dict, rank: int) -> list[str]:
+    """How rank ``rank``'s ``other`` (name -> form) differs from rank 0's ``first``."""
+    return ([f"rank {rank} lacks {kind} {n!r} ({f})" for n, f in first.items() if n not in other]
+            + [f"rank {rank} has {kind} {n!r} ({f}), which rank 0 lacks"
+               for n, f in other.items() if n not in first]
+            + [f"{kind} {n!r} is {other[n]} on rank {rank}, {f} on rank 0"
+               for n, f in first.items() if n in other and other[n] != f])
+
+
+def _agreed_feed(feeds: list) -> dict | None:
+    """The apply feed of the ranks that ran micro-batches, which must be the same on each."""
+    given = [(r, f) for r, f in enumerate(feeds) if f is not None]
+    if not given:
+        return None
+    (r0, first), differ = given[0], []
+    for r, feed in given[1:]:
+        differ += [f"{n!r} on ranks {r0} and {r}" for n in first.keys() | feed.keys()
+                   if n not in first or n not in feed or not np.array_equal(first[n], feed[n])]
+    if differ:
+        raise HostavgError(f"the ranks feed different values to {', '.join(differ)}, which the "
+                           f"train op reads; nothing was applied on any. Feed every rank the same "
+                           f"value")
+    return first
+
+
 def _local_value(r: Reduction, name: str) -> np.ndarray | None:
     """This rank's sum_i w_i g_i / scale for a dense variable, or None if it added nothing."""
     if r.scale is None:
@@ -149,13 +228,17 @@ def _local_value(r: Reduction, name: str) -> np.ndarray | None:
 
 
 _installed = False
+#: The KeyboardInterrupt or SystemExit with which this rank left a step or fit alone, if it did.
+_left: BaseException | None = None
 
 
 def abort_on_uncaught_exception(comm) -> None:
-    """Makes an uncaught exception print its traceback and abort the whole MPI job.
+    """Makes an uncaught exception, and an exit after a rank left a step alone, abort the whole MPI job.
 
     Without it a rank that dies of an exception finalizes MPI and exits, while
-    the others wait forever in the step's next collective.
+    the others wait forever in the step's next collective. SystemExit never
+    reaches ``sys.excepthook``, so a hook at exit ends the job for a rank that
+    left a step or fit with one (see :meth:`Distributed.abandon`).
     """
     global _installed
     if _installed or comm.Get_size() == 1:
@@ -163,14 +246,30 @@ def abort_on_uncaught_exception(comm) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        try:
-            sys.stderr.write(f"hostavg: rank {comm.Get_rank()} of {comm.Get_size()} failed; "
-                             f"aborting the MPI job\n")
-            traceback.print_exception(kind, value, tb)
-            sys.stderr.flush()
-        finally:
-            comm.Abort(1)
+        traceback.print_exception(kind, value, tb)
+        _abort(comm, "failed", 1)
         previous(kind, value, tb)
 
+    def at_exit():
+        if _left is not None:
+            code = _left.code if isinstance(_left, SystemExit) and isinstance(_left.code, int) \
+                and _left.code else 130 if isinstance(_left, KeyboardInterrupt) else 1
+            _abort(comm, f"left a step or fit on its own ({_describe(_left)})", code)
+
     sys.excepthook = hook
+    atexit.register(at_exit)
     _installed = True
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}{f': {error}' if str(error) else ''}"
+
+
+def _abort(comm, what: str, code: int) -> None:
+    """Says that this rank ``what`` and ends every rank of the job with exit status ``code``."""
+    try:
+        sys.stderr.write(f"hostavg: rank {comm.Get_rank()} of {comm.Get_size()} {what}; "
+                         f"aborting the MPI job\n")
+        sys.stderr.flush()
+    finally:
+        comm.Abort(code)

@@ -17,7 +17,10 @@ Format (version 1): a folder holding one file per recorded step,
 A step's file is written under a hidden temporary name, micro-batch by
 micro-batch (so memory stays O(parameters)), and renamed into place only once
 complete and flushed to disk: a crash mid-write leaves every earlier step
-readable, and a reader never sees a partial step.
+readable, and a reader never sees a partial step. Temporaries of killed writers
+are deleted when the next writer starts (:mod:`hostavg.files`). A step's file
+damaged on disk raises HostavgError naming it when read; the other steps stay
+readable.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import os
 import re
 import zipfile
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from hostavg.errors import HostavgError
+from hostavg.files import remove_stale, temporary
 from hostavg.gradients import Gradients, SparseGradient
 
 __all__ = ["RecordedStep", "RecordReader", "RecordWriter", "load_record"]
@@ -49,12 +54,13 @@ class RecordWriter:
     def __init__(self, path):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        remove_stale(self.path, _NAME)
         self._zip = self._tmp = None
 
     def begin(self, step: int) -> None:
         """Starts step ``step``'s file, discarding any step begun and never finished."""
         self.abort()
-        self._tmp = self.path / f".step-{step:010d}.npz.{os.getpid()}.tmp"
+        self._tmp = temporary(self.path / f"step-{step:010d}.npz")
         self._zip = zipfile.ZipFile(self._tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
 
     def write(self, prefix: str, grads: Mapping) -> None:
@@ -89,6 +95,18 @@ class RecordWriter:
             np.lib.format.write_array(f, np.asarray(array), allow_pickle=False)
 
 
+@contextmanager
+def _reading(path: Path):
+    """Turns what reading a damaged step file raises into a HostavgError naming the file."""
+    try:
+        yield
+    except HostavgError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        raise HostavgError(f"the record's file {path} is damaged ({type(e).__name__}: {e}); the "
+                           f"other steps stay readable: delete it, or read around it") from None
+
+
 def _jsonable(value):
     if isinstance(value, np.generic):
         return value.item()
@@ -109,11 +127,12 @@ class RecordedStep:
 
     def __init__(self, path: Path):
         self.path = path
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"][()]))
-        self.step, self.loss, self.size = meta["step"], meta["loss"], meta["size"]
-        self.stats, self.micro = meta["stats"], meta["micro"]
-        self._variables = meta["variables"]
+        with _reading(path):
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"][()]))
+            self.step, self.loss, self.size = meta["step"], meta["loss"], meta["size"]
+            self.stats, self.micro = dict(meta["stats"]), list(meta["micro"])
+            self._variables = dict(meta["variables"])
 
     @property
     def mean(self) -> Gradients:
@@ -131,7 +150,7 @@ class RecordedStep:
         return self._grads(f"micro/{index}", loss=m["loss"], size=m["size"])
 
     def _grads(self, prefix: str, **kw) -> Gradients:
-        with np.load(self.path, allow_pickle=False) as z:
+        with _reading(self.path), np.load(self.path, allow_pickle=False) as z:
             values = {}
             for name, var in self._variables.items():
                 if var["sparse"]:

@@ -135,6 +135,9 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
       [(3, 3), (2, 2)]
     """
     positive_int("micro_batch_size", micro_batch_size)
+    if not isinstance(batch, (Mapping, tuple)):
+        raise HostavgError(f"split takes a feed dict {{placeholder: array}} or a tuple (x, y), got "
+                           f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
     n = _length(_arrays(batch), "split", blocks)
     if not n:
         raise HostavgError(

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.errors import HostavgError
-from hostavg.gradients import BLOCK, SparseGradient, squared_norm
+from hostavg.gradients import BLOCK, SparseGradient, global_norm, squared_norm
 
 __all__ = [
     "NoiseScale",
@@ -137,7 +137,7 @@ class StepStats:
         if m is None:
             return None
         with np.errstate(invalid="ignore", divide="ignore"):
-            return tuple(m.dots / np.sqrt(m.sq * m.gbar_sq))
+            return tuple(m.dots / (np.sqrt(m.sq) * math.sqrt(m.gbar_sq)))
 
 
 class _Moments(NamedTuple):
@@ -191,18 +191,17 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
     squares, tmp = np.empty(BLOCK), np.empty(BLOCK)
     total = 0.0
     for start in range(0, gbar.size, BLOCK):
-        gb = gbar[start:start + BLOCK]
-        n = len(gb)
-        acc = squares[:n]
+        gb64 = gbar[start:start + BLOCK].astype(np.float64)
+        n = len(gb64)
+        acc, r = squares[:n], tmp[:n]
         acc[:] = 0.0
         for i, row in enumerate(rows):
-            r = row[start:start + BLOCK]
-            dots[i] += float(np.dot(r.astype(gb.dtype, copy=False), gb))
-            np.square(r, out=tmp[:n], dtype=np.float64)
+            np.copyto(r, row[start:start + BLOCK])  # float64: products of float32 cannot overflow
+            dots[i] += float(np.dot(r, gb64))
+            np.square(r, out=r)
             if b[i] != b[0]:
-                tmp[:n] *= b[i] / b[0]
-            acc += tmp[:n]
-        gb64 = gb.astype(np.float64)
+                r *= b[i] / b[0]
+            acc += r
         sq = gb64 * gb64
         spread = np.maximum(b[0] * acc - B * sq, 0.0) / (k - 1)
         total += float(np.sum(sq / (spread + GSNR_EPS)))
@@ -238,9 +237,9 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
 def _norms(mean: Mapping) -> tuple[dict, float]:
     """StepStats' grad_norm and variable_norms of ``mean``, and its squared norm."""
     sq = {name: squared_norm(v) for name, v in mean.items()}
-    total = math.fsum(sq.values())
-    return {"grad_norm": math.sqrt(total),
-            "variable_norms": {n: math.sqrt(v) for n, v in sq.items()}}, total
+    return {"grad_norm": global_norm(mean, sq),
+            "variable_norms": {n: global_norm({n: v}, sq) for n, v in mean.items()}}, \
+        math.fsum(sq.values())
 
 
 class NoiseScaleEstimate(NamedTuple):

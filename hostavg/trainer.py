@@ -73,6 +73,11 @@ class Trainer:
       global_step: the global step variable.
       train_op: the optimizer's apply op, fed through the gradient tensors.
       update_ops: the ops each micro-batch runs (see the argument).
+      apply_inputs: the placeholders the train op reads besides the gradients
+        (a learning-rate placeholder), by name. ``step`` feeds each the value
+        that every micro-batch of the step feeds it (a value that differs
+        between micro-batches, or is missing, is an error before anything
+        runs); ``apply`` takes them in ``feed_dict``.
       hooks: the hooks, in the order they run.
       rollback_variables: the variables a failed step restores: those that
         computing a micro-batch may assign (UPDATE_OPS' moving statistics,
@@ -108,8 +113,15 @@ class Trainer:
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        if var_list is not None and not list(var_list):
-            raise HostavgError("var_list is empty: there is nothing to train")
+        if var_list is not None:
+            var_list = list(var_list)
+            if not var_list:
+                raise HostavgError("var_list is empty: there is nothing to train")
+            for v in var_list:
+                if getattr(v, "graph", None) is not loss.graph:
+                    raise HostavgError(
+                        f"var_list holds variable {getattr(v, 'name', v)!r} of another graph than "
+                        f"the loss's; pass variables of the graph the loss was built in")
         if comm is not None and average == "graph":
             raise HostavgError("average='graph' cannot be combined with comm=: with several "
                                "processes the mean is the MPI reduction of the host sums")
@@ -131,6 +143,7 @@ class Trainer:
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
         self.update_ops = tuple(self._wiring.update_ops)
+        self.apply_inputs = dict(self._wiring.apply_inputs)
         self.rollback_variables = tuple(self._wiring.assigned)
         if comm is None:
             averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
@@ -172,23 +185,28 @@ class Trainer:
         """
         return self._engine.compute(self._backend(sess), feed_dict, size)
 
-    def apply(self, sess, grads: Mapping) -> int:
+    def apply(self, sess, grads: Mapping, feed_dict: Mapping | None = None) -> int:
         """Feeds ``grads`` through the gradient tensors and runs the train op once.
 
         No forward or backward pass runs. ``grads`` is a :class:`Gradients` or
         any mapping with exactly the keys of :attr:`spec` (say, a dict a user
         edited); values are cast to each variable's dtype, and copied unless
-        hostavg made them (see :mod:`hostavg.gradients`).
+        hostavg made them (see :mod:`hostavg.gradients`). ``feed_dict`` feeds
+        the placeholders the train op reads (:attr:`apply_inputs`, such as a
+        learning rate); others in it are ignored.
 
         Returns:
           the global step after the apply (one more than before).
 
         Raises:
           HostavgError: for missing or extra keys, a wrong shape, a dtype that
-            does not cast within its kind, or non-finite values; nothing is
-            applied then.
+            does not cast within its kind, non-finite values, or a placeholder
+            the train op reads missing from ``feed_dict``; nothing is applied
+            then.
         """
-        return self._engine.apply(self._backend(sess), grads)
+        backend = self._backend(sess)
+        feed = backend.apply_feed([backend.conform(feed_dict or {}, "apply")], "apply")
+        return self._engine.apply(backend, grads, feed)
 
     def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None
              ) -> StepResult:
@@ -299,13 +317,21 @@ class Trainer:
             step); the newest ``keep_checkpoints`` are kept. If it already holds
             one, fit resumes from the newest: weights, optimizer, global step,
             position, seed and history, so an interrupted and resumed run ends
-            with the weights of an uninterrupted one, bit for bit. A run that
-            finished or was stopped by a callback does not train further.
+            with the weights of an uninterrupted one, bit for bit; resumed with
+            another ``batch_size``, it continues at the sample where it stopped.
+            A run that finished or was stopped by a callback does not train
+            further.
+
           blocks: {placeholder: b} for arrays that hold b blocks of the
             samples one after another (the labels of a discriminator fed
             ``tf.concat([real, fake], 0)``: 2 N labels for N samples); every
             batch and micro-batch gets the matching rows of each block (see
             :func:`hostavg.split`).
+
+        Raises:
+          HostavgError: before training, for bad arguments, data that gives no
+            batch, or a checkpoint_dir that is a file, cannot be written, or
+            holds a damaged checkpoint or one of another model.
 
         Returns:
           the :class:`~hostavg.History`.
@@ -378,6 +404,9 @@ class _SessionRun:
         if data is None:
             return {}
         return self.trainer.evaluate(self.sess, data, batch_size=batch_size, metrics=metrics)
+
+    def abandon(self, error: BaseException) -> None:
+        self.trainer._engine.abandon(error)
 
 
 def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:

@@ -1,9 +1,11 @@
-"""Small graph-mode models (and their Keras twin) and the full-batch oracle the tests compare hostavg against."""
+"""Small graph-mode models (and their Keras twin), the full-batch oracle the tests compare
+hostavg against, and the environment of the Python processes tests start."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -11,6 +13,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 v1 = tf.compat.v1
+
+#: For Python processes a test starts: this checkout's hostavg before any installed one (a
+#: script's own folder comes first on its path, not the current one), and these helpers.
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(
+    [str(Path(__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
 
 #: The optimizers every exactness test runs, with learning rates that move the
 #: weights visibly in 20 steps.
@@ -40,6 +47,27 @@ class Model:
         """Every global variable by name: weights, optimizer slots, global step."""
         variables = self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
         return dict(zip([v.op.name for v in variables], sess.run(variables)))
+
+
+class AfterApply(v1.Session):
+    """A real session that calls ``then(n)`` as its n-th apply returns (the apply: the compiled
+    call fed the gradients), in Python, as a signal's handler would run there."""
+
+    def __init__(self, then, **kwargs):
+        super().__init__(**kwargs)
+        self.then, self.applies = then, 0
+
+    def _make_callable_from_options(self, options):
+        run = super()._make_callable_from_options(options)
+        if not any(name.startswith("gradients") for name in options.feed):
+            return run
+
+        def apply(*args, **kwargs):
+            out = run(*args, **kwargs)
+            self.applies += 1
+            self.then(self.applies)
+            return out
+        return apply
 
 
 def initial_weights(seed: int, dtype, sparse: bool = False) -> dict:

@@ -8,17 +8,24 @@ usage: python mpi_script.py MODES OUT
         and rank 1 one, and at step 3 rank 1 takes none; scalar: with a 0-d
         variable; keras: the dense model as a Keras model with hostavg.keras.Trainer),
         nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
-        die (rank 1 exits mid-step).
+        die (rank 1 exits mid-step),
+        misconfigured (ranks whose models, feeds or learning rates differ: each error
+        is caught and printed as "rank R caught: MESSAGE", then both ranks train on
+        and write OUT-misconfigured-rank<r>.npz),
+        sigterm (fit, printing "rank R pid P step N" per step, slowly: the test sends
+        SIGTERM to rank 1), exit (rank 1 calls sys.exit(3) in a fit callback).
 The global batch of each step is six micro-batches of unequal sizes; with two
 ranks, rank r takes micro-batches 3r to 3r + 2; alone, all six.
 """
 
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from models import batches, build, cuts, keras_model, v1  # noqa: E402
 
@@ -85,5 +92,67 @@ def train(mode):
     np.savez(f"{out}-{mode}-rank{rank}.npz", **model.values(sess))
 
 
+def linear(extra=False, width=3, lr=None):
+    """loss = mean(x @ w); the learning rate a placeholder if ``lr``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.Variable(np.ones((4, width), np.float32), name="w")
+        if extra:
+            tf.Variable(np.zeros(2, np.float32), name="extra")
+        rate = v1.placeholder(tf.float32, (), name="lr") if lr else 0.1
+        trainer = hostavg.Trainer(tf.reduce_mean(tf.matmul(x, w)),
+                                  v1.train.GradientDescentOptimizer(rate), comm=comm)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    return trainer, sess, x, rate
+
+
+def caught(action):
+    try:
+        action()
+    except hostavg.HostavgError as e:
+        print(f"rank {rank} caught: {e}", flush=True)
+    else:
+        raise AssertionError("no error")
+
+
+def misconfigured():
+    feed = lambda x: [{x: np.ones((2, 4), np.float32)}]  # noqa: E731
+    trainer, sess, x, _ = linear(extra=rank == 1)
+    caught(lambda: trainer.step(sess, feed(x)))
+    trainer, sess, x, _ = linear(width=3 + rank)
+    caught(lambda: trainer.step(sess, feed(x)))
+    trainer, sess, x, lr = linear(lr=True)
+    good = [{**feed(x)[0], lr: 0.1}]
+    caught(lambda: trainer.step(sess, good[0] if rank == 1 else good))  # a dict: not a list
+    caught(lambda: trainer.step(sess, [{**feed(x)[0], lr: 0.1 * (1 + rank)}]))
+    for _ in range(3):  # the ranks are still in step
+        trainer.step(sess, good)
+    variables = trainer.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    np.savez(f"{out}-misconfigured-rank{rank}.npz",
+             **dict(zip([v.op.name for v in variables], sess.run(variables))))
+
+
+class Report:
+    def __init__(self, exit_at=None):
+        self.exit_at = exit_at
+
+    def on_step_end(self, step, result):
+        print(f"rank {rank} pid {os.getpid()} step {step}", flush=True)
+        if step == self.exit_at and rank == 1:
+            sys.exit(3)
+        time.sleep(0.2)
+
+
+def fit(exit_at=None):
+    trainer, sess, x, _ = linear()
+    data = np.random.default_rng(0).normal(size=(400, 4)).astype(np.float32)
+    trainer.fit(sess, {x: data}, batch_size=40, micro_batch_size=10, epochs=5, seed=0,
+                progress=False, callbacks=[Report(exit_at)], checkpoint_dir=f"{out}-ckpt")
+
+
 for mode in modes:
-    train(mode)
+    {"misconfigured": misconfigured, "sigterm": fit, "exit": lambda: fit(exit_at=2)}.get(
+        mode, lambda: train(mode))()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from models import batches, build, cuts, v1
+from models import ENV, batches, build, cuts, v1
 
 import hostavg
 from hostavg import stats
@@ -151,7 +151,7 @@ def test_record_survives_a_process_killed_mid_run(tmp_path):
     rec = tmp_path / "rec"
     script = Path(__file__).with_name("record_script.py")
     proc = subprocess.Popen([sys.executable, str(script), str(rec)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, env=ENV)
     try:
         for line in proc.stdout:
             if int(line) >= 6:

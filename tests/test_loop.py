@@ -13,6 +13,7 @@ import tensorflow as tf
 import hostavg
 from hostavg import models
 from hostavg.checkpoint import CheckpointDir
+from models import ENV
 
 v1 = tf.compat.v1
 N = 250  # batches of 96: 96, 96 and a short 58
@@ -220,7 +221,8 @@ def test_checkpoint_dir_keeps_the_newest_and_ignores_unfinished_files(tmp_path):
 def run_script(*args, **kw):
     script = Path(__file__).with_name("fit_script.py")
     return subprocess.Popen([sys.executable, str(script), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            **kw)
 
 
 def wait_for_step(proc, step, timeout=60):

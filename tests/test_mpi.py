@@ -3,11 +3,13 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import models
 import numpy as np
 import pytest
 
@@ -15,16 +17,33 @@ HERE = Path(__file__).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")]
-# Open MPI refuses to run as root unless told; CI runs as root. The checkout's hostavg comes
-# first on the path: the ranks run the code under test, not some other installed copy.
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+# Open MPI refuses to run as root unless told; CI runs as root.
+ENV = dict(models.ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def mpiexec(*args, ranks=2):
+    return subprocess.Popen([MPIEXEC, "--oversubscribe", "-n", str(ranks), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def finish(proc, timeout=120) -> subprocess.CompletedProcess:
+    """Waits for an mpiexec; past ``timeout`` ends it with SIGTERM (so that it ends its ranks: a
+    SIGKILL would leave them running) and fails."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def mpirun(*args, ranks=2, timeout=120):
     start = time.time()
-    run = subprocess.run([MPIEXEC, "--oversubscribe", "-n", str(ranks), *map(str, args)],
-                         capture_output=True, text=True, env=ENV, timeout=timeout)
+    run = finish(mpiexec(*args, ranks=ranks), timeout)
     return run, time.time() - start
 
 
@@ -93,3 +112,41 @@ def test_two_ranks_resume_from_rank_0s_checkpoints(tmp_path):
                          "--quiet", "--epochs", "2", "--json", tmp_path / "straight.json")
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("resumed", "straight"))
     assert a["steps"] == b["steps"] == 12 and a["test_loss"] == b["test_loss"]
+
+
+def test_misconfigured_ranks_raise_the_same_error_everywhere_and_stay_in_step(tmp_path):
+    run, seconds = mpirun(sys.executable, HERE / "mpi_script.py", "misconfigured", tmp_path / "m")
+    assert run.returncode == 0, run.stderr
+    said = [sorted(line.split(" caught: ", 1)[1] for line in run.stdout.splitlines()
+                   if line.startswith(f"rank {r} caught: ")) for r in (0, 1)]
+    assert said[0] == said[1] and len(said[0]) == 4, run.stdout
+    for want in [
+            "the ranks' models differ, so nothing was changed on any: rank 1 has variable "
+            "'extra' ((2,) float32), which rank 0 lacks. Build the same graph and Trainer on every "
+            "rank",
+            "variable 'w' is (4, 4) float32 on rank 1, (4, 3) float32 on rank 0; trained variable "
+            "'w' is (4, 4) float32 on rank 1, (4, 3) float32 on rank 0",
+            "the step failed on 1 of 2 ranks and nothing was applied on any: rank 1: step takes a "
+            "list of feed dicts, one per micro-batch, got dict",
+            "the ranks feed different values to 'lr:0' on ranks 0 and 1, which the train op "
+            "reads; nothing was applied on any"]:
+        assert any(want in s for s in said[0]), (want, said[0])
+    w = [np.load(tmp_path / f"m-misconfigured-rank{r}.npz")["w"] for r in (0, 1)]
+    np.testing.assert_array_equal(w[0], w[1])
+    np.testing.assert_allclose(w[0], 1 - 3 * 0.1 / 3, rtol=1e-6)  # three steps of lr 0.1 applied
+
+
+@pytest.mark.parametrize("mode", ["sigterm", "exit"])
+def test_sigterm_or_sys_exit_on_one_rank_during_fit_ends_the_job(mode, tmp_path):
+    start = time.time()
+    proc = mpiexec(sys.executable, HERE / "mpi_script.py", mode, tmp_path / mode)
+    if mode == "sigterm":
+        for line in proc.stdout:
+            if line.startswith("rank 1 pid ") and line.split()[-1] == "3":
+                os.kill(int(line.split()[3]), signal.SIGTERM)
+                break
+    run = finish(proc)
+    assert run.returncode != 0 and time.time() - start < 90, run
+    left = "SystemExit: 143" if mode == "sigterm" else "SystemExit: 3"
+    assert f"hostavg: rank 1 of 2 left a step or fit on its own ({left}); aborting the MPI job" \
+        in run.stderr, run.stderr

@@ -1,0 +1,58 @@
+"""Files written whole or not at all: under a temporary name in the same folder, flushed, renamed.
+
+A temporary is named ``.<final name>.<pid>.<random>.tmp``, so a process killed
+while writing leaves one that names its writer: :func:`remove_stale` deletes
+those whose process is gone (checkpoints on every save, records when a
+writer starts), and never one that a running process is still writing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+__all__ = ["fsync_dir", "remove_stale", "temporary"]
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]*\.tmp$")
+
+
+def temporary(final: Path) -> Path:
+    """A new empty file beside ``final``, named for it and this process, to fill and rename onto it."""
+    fd, path = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{os.getpid()}.",
+                                suffix=".tmp")
+    os.close(fd)
+    return Path(path)
+
+
+def remove_stale(folder: Path, names: re.Pattern) -> None:
+    """Deletes the temporaries in ``folder`` for final names that ``names`` matches whose writer is gone."""
+    for path in folder.iterdir():
+        m = _TEMPORARY.match(path.name)
+        if m and names.match(m["name"]) and not _running(int(m["pid"])):
+            path.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def fsync_dir(path: Path) -> None:
+    """Makes a rename in ``path`` durable (where the platform allows opening folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

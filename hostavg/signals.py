@@ -1,0 +1,100 @@
+"""Ctrl-C and SIGTERM during a step: the step is applied completely or not at all.
+
+Python runs a signal's handler in the main thread, between two bytecodes: the
+KeyboardInterrupt of a Ctrl-C (or the SystemExit that fit makes of SIGTERM)
+comes out wherever the main thread is, also just after the session call that
+applied a step and before anyone has taken note of it. Three calls keep a step
+whole:
+
+* :func:`region` spans a step (in fit: the whole loop);
+* :func:`hold`, called just before the apply, makes SIGINT and SIGTERM wait;
+* :func:`release` (in fit: once the step is counted), or the end of the
+  region, delivers them, in order, to the handlers they were meant for.
+
+Before the hold a signal acts at once, as it always did (the step is then
+rolled back: nothing was applied). Regions nest: an inner one joins the outer
+one. Off the main thread all three do nothing, since signals interrupt only
+the main thread. The handlers are swapped at a region's first hold and put
+back at its end: about four system calls per region.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
+__all__ = ["hold", "region", "release"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Region:
+    def __init__(self):
+        self.previous = {}  # signal number -> its handler before the region's first hold
+        self.pending = []
+        self.holding = False
+
+
+_open: list[_Region] = []  # the main thread's open region (at most one: inner ones join it)
+
+
+def _main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def region():
+    """A block at whose end the signals that :func:`hold` kept waiting are delivered."""
+    if _open or not _main():
+        yield
+        return
+    here = _Region()
+    _open.append(here)
+    try:
+        yield
+    finally:
+        for signum, handler in here.previous.items():
+            signal.signal(signum, handler)
+        _open.pop()
+        for signum in here.pending:
+            signal.raise_signal(signum)  # its own handler runs now, as it would have then
+
+
+def hold() -> None:
+    """From now until :func:`release` or the region's end, SIGINT and SIGTERM wait (outside a region: nothing)."""
+    if not _open or not _main():
+        return
+    here = _open[-1]
+    here.holding = True
+    if not here.previous:
+        for signum in _SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler is not None:  # None: set outside Python, and we could not put it back
+                here.previous[signum] = handler
+                signal.signal(signum, _handler)
+
+
+def release() -> None:
+    """Signals act at once again; those that waited are delivered now."""
+    if not _open or not _main():
+        return
+    here = _open[-1]
+    here.holding = False
+    pending, here.pending = here.pending, []
+    for signum in pending:
+        signal.raise_signal(signum)  # to _handler, which no longer holds
+
+
+def _handler(signum, frame):
+    here = _open[-1]
+    if here.holding:
+        here.pending.append(signum)
+        return
+    previous = here.previous[signum]
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:  # the default action: end the process, now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
