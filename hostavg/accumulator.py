@@ -80,12 +80,19 @@ def numpy_reduce(r: Reduction) -> dict:
     factor = r.scale / r.total
     sums = {**r.sums, **{name: stack_sum(gs, r.weights, r.dtypes[name])
                          for name, gs in r.stacks.items()}}
-    out = {name: np.multiply(s, factor, out=aligned_empty(s.shape, r.dtypes[name]),
-                             dtype=r.dtypes[name]) for name, s in sums.items()}
+    out = {name: _scaled(s, factor, r.dtypes[name]) for name, s in sums.items()}
     for name, rows in r.rows.items():
         unique, summed = weighted_rows(*rows, r.dtypes[name])
         out[name] = (unique, np.divide(summed, r.total, out=summed))
     return out
+
+
+def _scaled(s: np.ndarray, factor: float, dtype) -> np.ndarray:
+    """``s * factor`` in ``dtype`` as a new array; ``s`` itself where that is the same and it
+    cannot change (one micro-batch: its frozen gradient is the mean)."""
+    if factor == 1.0 and s.dtype == dtype and is_frozen(s):
+        return s
+    return np.multiply(s, factor, out=aligned_empty(s.shape, dtype), dtype=dtype)
 
 
 def stack_sum(gs: list, weights, dtype) -> np.ndarray:

@@ -60,8 +60,13 @@ class Wiring:
                 tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
                 isinstance(g, tf.IndexedSlices)) for g, v in pairs}
             self._grads = [g for g, _ in pairs]
+            # Sparse rows leave the session coalesced: sorted, unique, duplicates summed there
+            # (the host would pay a sort and a segment sum per micro-batch).
+            with tf.name_scope("hostavg_coalesce"):
+                fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
+                           for g in self._grads]
             self._fetches = [loss, self.global_step.read_value()] + [
-                t for g in self._grads
+                t for g in fetched
                 for t in ((g.indices, g.values) if isinstance(g, tf.IndexedSlices) else (g,))]
             # Squared norms of the gradients (sparse rows coalesced), reduced in the session
             # where the values are fresh in cache and the work is spread over its threads
@@ -70,9 +75,8 @@ class Wiring:
             # float32; a float32 sum that overflows (entries above ~1e19) is redone on the
             # host in float64 (see compute).
             with tf.name_scope("hostavg_norms"):
-                self._fetches += [_squared_norm(_coalesced_values(g)
-                                                if isinstance(g, tf.IndexedSlices) else g)
-                                  for g in self._grads]
+                self._fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
+                                  for g in fetched]
             if self.update_ops:
                 self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
             # What a failed step must restore: every variable the compute call may assign.
@@ -442,10 +446,12 @@ def _placeholders_read(op, fed) -> list:
     return [op.outputs[0] for op in sorted(found, key=lambda o: o.name)]
 
 
-def _coalesced_values(g: tf.IndexedSlices):
-    """The rows of ``g`` with duplicate indices summed (what its norm is of)."""
+def _coalesced(g: tf.IndexedSlices) -> tf.IndexedSlices:
+    """``g`` with sorted unique indices, the rows of each index summed."""
     unique, segments = tf.unique(g.indices)
-    return tf.math.unsorted_segment_sum(g.values, segments, tf.size(unique))
+    summed = tf.math.unsorted_segment_sum(g.values, segments, tf.size(unique))
+    order = tf.argsort(unique)
+    return tf.IndexedSlices(tf.gather(summed, order), tf.gather(unique, order), g.dense_shape)
 
 
 def find_global_step(graph, global_step):
