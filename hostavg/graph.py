@@ -8,6 +8,7 @@ host. Nothing here does host arithmetic; that lives in the NumPy layer.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
@@ -16,7 +17,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
 from hostavg.accumulator import Reduction
-from hostavg.engine import Computed, HostAverage
+from hostavg.engine import Applied, Computed, HostAverage
 from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import SparseGradient, VariableSpec, freeze
 from hostavg.split import feed_size
@@ -35,6 +36,8 @@ class Wiring:
       names: the trained variables' names (``var.op.name``), in order.
       spec: name -> :class:`VariableSpec`.
       global_step: the global step variable.
+      learning_rate: the optimizer's learning-rate tensor (fetched with each
+        apply), or None where the optimizer exposes none.
     """
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
@@ -72,8 +75,18 @@ class Wiring:
             # What a failed step must restore: every variable the compute call may assign.
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [v.read_value() for v in self.assigned]
+            variables = [v for _, v in pairs]
+            # The update-to-weight ratios, measured in the apply's own session call: the
+            # weights are read before the optimizer runs (its ops wait for the reads), and
+            # the norms of (after - before) and of before are reduced where the values live.
+            with tf.name_scope("hostavg_update_ratios"):
+                before = [_value_now(v) for v in variables]
+            with tf.control_dependencies(before):
+                fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                       if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in self._grads]
             self.train_op = optimizer.apply_gradients(
-                pairs, global_step=self.global_step if increment_global_step else None)
+                list(zip(fed, variables)),
+                global_step=self.global_step if increment_global_step else None)
             self._apply_feeds = tuple(
                 t for g in self._grads for t in
                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
@@ -82,6 +95,13 @@ class Wiring:
             self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
                 self._step_after = [self.global_step.read_value()]
+                with tf.name_scope("hostavg_update_ratios"):
+                    after = [_value_now(v) for v in variables]
+                    self._step_after += [_sum_squares(a - b) for a, b in zip(after, before)]
+                    self._step_after += [_sum_squares(b) for b in before]
+            self.learning_rate = _learning_rate(optimizer, self.graph)
+            if self.learning_rate is not None:
+                self._step_after.append(self.learning_rate)
             self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
                 if average == "graph" else None
 
@@ -136,8 +156,12 @@ class Wiring:
         if values is not None:
             load_variables(sess, self.assigned, values)
 
-    def apply(self, sess, values: Mapping) -> int:
-        """Feeds ``values`` through the gradient tensors, runs the train op once; returns the new global step."""
+    def apply(self, sess, values: Mapping) -> Applied:
+        """Feeds ``values`` through the gradient tensors, runs the train op once.
+
+        Returns the new global step, the update-to-weight ratios and the
+        learning rate, all from that one session call.
+        """
         args = []
         for name, g in zip(self.names, self._grads):
             value = values[name]
@@ -147,7 +171,12 @@ class Wiring:
                     args.append(np.asarray(self.spec[name].shape))
             else:
                 args.append(value)
-        return int(self._callables.get(sess, self._step_after, self._apply_feeds)(*args)[0])
+        out = self._callables.get(sess, self._step_after, self._apply_feeds)(*args)
+        k = len(self.names)
+        ratios = {name: _ratio(float(u), float(w))
+                  for name, u, w in zip(self.names, out[1:1 + k], out[1 + k:1 + 2 * k])}
+        lr = float(out[1 + 2 * k]) if self.learning_rate is not None else None
+        return Applied(int(out[0]), ratios, lr)
 
 
 class SessionBackend:
@@ -186,7 +215,7 @@ class SessionBackend:
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed)
 
-    def apply(self, mean) -> int:
+    def apply(self, mean) -> Applied:
         with _session_errors("apply"):
             return self.wiring.apply(self.session, mean)
 
@@ -327,6 +356,41 @@ def resolve_feed(graph, feed_dict: Mapping, what: str) -> dict:
                 f"feed the placeholders of the graph the loss was built in")
         out[key] = value
     return out
+
+
+def _value_now(variable):
+    """The variable's value as a tensor that later assignments leave alone.
+
+    A resource variable's read keeps its value (an assignment while the read
+    is held copies first); a reference variable's would alias the buffer
+    that the optimizer updates in place, so it is snapshotted.
+    """
+    if variable.dtype._is_ref_dtype:  # pylint: disable=protected-access
+        return tf.raw_ops.Snapshot(input=variable)
+    return variable.read_value()
+
+
+def _sum_squares(x):
+    if x.dtype.base_dtype not in (tf.float32, tf.float64):
+        x = tf.cast(x, tf.float32)
+    return tf.reduce_sum(tf.square(x))
+
+
+def _ratio(update_sq: float, weight_sq: float) -> float:
+    """|update| / |weights| from their squares: 0 where nothing moved, inf where weights of 0 did."""
+    if update_sq == 0:
+        return 0.0
+    return math.sqrt(update_sq / weight_sq) if weight_sq > 0 else math.inf
+
+
+def _learning_rate(optimizer, graph):
+    """The tensor of the learning rate the optimizer's apply uses, where it exposes one (TF1 optimizers do)."""
+    for attr in ("_learning_rate_tensor", "_lr_t"):
+        t = getattr(optimizer, attr, None)
+        if isinstance(t, tf.Tensor) and t.graph is graph and t.shape.rank == 0 \
+                and t.dtype.base_dtype.is_floating:
+            return t
+    return None
 
 
 def _coalesced_values(g: tf.IndexedSlices):

@@ -40,7 +40,7 @@ from hostavg.callbacks import StopTraining
 from hostavg.checkpoint import CheckpointDir, restore
 from hostavg.errors import HostavgError, positive_int
 from hostavg.graph import resolve_feed
-from hostavg.history import History, StepLog
+from hostavg.history import History
 from hostavg.split import feed_size, split, take
 
 __all__ = ["check_sizes", "fit"]
@@ -61,11 +61,15 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
     history, epoch, batch = History(), 0, 0
+    trainer_hooks = _hook_methods(trainer.hooks)
     if ckpt is not None and ckpt.latest() is not None:
         state = restore(trainer.graph, sess, ckpt.latest())
         if state is not None:
             epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
             history = History.from_json(state["history"])
+        resumed = int(sess.run(trainer.global_step))
+        for on_resume in trainer_hooks["on_resume"]:
+            on_resume(resumed)
     comm = trainer.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
@@ -84,61 +88,105 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
         return step
 
     saved_step = int(sess.run(trainer.global_step)) if ckpt is not None else None
+    global_step = int(sess.run(trainer.global_step))
+    num_batches = source.num_batches(drop_remainder)
     bar = _Progress(progress if rank == 0 else False)
-    with _sigterm_as_exit():
-        try:
-            while epoch < epochs:
-                bar.start(f"epoch {epoch + 1}/{epochs}", source.num_batches(drop_remainder))
-                for feed in source.batches(epoch, seed, skip=batch):
-                    n = feed_size(feed, f"batch {batch} of epoch {epoch}", blocks)
-                    if drop_remainder and n < batch_size:
+    try:
+        with _sigterm_as_exit():
+            try:
+                while epoch < epochs:
+                    bar.start(f"epoch {epoch + 1}/{epochs}", num_batches)
+                    for feed, rows in source.batches(epoch, seed, skip=batch):
+                        where = (f"fit, epoch {epoch + 1}/{epochs}, batch {batch + 1}"
+                                 f"{'' if num_batches is None else f'/{num_batches}'}, "
+                                 f"global step {global_step}")
+                        with _context(where):
+                            n = feed_size(feed, "the batch", blocks)
+                            if drop_remainder and n < batch_size:
+                                batch += 1
+                                continue
+                            feeds, sizes, micro_rows = _micro_batches(
+                                feed, n, micro_batch_size, rank, size, blocks, rows)
+                            result = trainer.step(sess, feeds, sizes, rows=micro_rows)
                         batch += 1
-                        continue
-                    result = trainer.step(sess, *_micro_batches(feed, n, micro_batch_size,
-                                                                rank, size, blocks))
-                    batch += 1
-                    loss = math.nan if result.skipped else result.loss
-                    history.steps.append(StepLog(epoch, result.step, loss, result.size,
-                                                 history.samples + result.size))
-                    bar.update(result)
-                    if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
-                        saved_step = checkpoint()
-                    for hook in hooks["on_step_end"]:
-                        hook(result.step, result)
-                logs = _epoch_logs(history, epoch)
-                if validation_data is not None:
-                    val = trainer.evaluate(sess, validation_data, batch_size=micro_batch_size,
-                                           metrics=metrics)
-                    logs.update({f"val_{k}": v for k, v in val.items()})
-                bar.close(logs)
-                history.epochs.append(logs)
-                epoch, batch = epoch + 1, 0
-                for hook in hooks["on_epoch_end"]:
-                    hook(epoch - 1, logs)
-        except StopTraining as e:
-            history.stopped = str(e) or "stopped by a callback"
-        except BaseException:
-            bar.close(None)
-            if ckpt is not None and int(sess.run(trainer.global_step)) != saved_step:
-                checkpoint()  # the last completed step: a step is atomic
-            raise
-    bar.close(None)
-    if ckpt is not None:
-        checkpoint()
-    for hook in hooks["on_train_end"]:
-        hook(history)
+                        global_step = result.step
+                        history.add(epoch, result)
+                        bar.update(result)
+                        if ckpt is not None and checkpoint_every \
+                                and result.step % checkpoint_every == 0:
+                            saved_step = checkpoint()
+                        for hook in hooks["on_step_end"]:
+                            hook(result.step, result)
+                    logs = _epoch_logs(history, epoch)
+                    if validation_data is not None:
+                        val = trainer.evaluate(sess, validation_data, batch_size=micro_batch_size,
+                                               metrics=metrics)
+                        logs.update({f"val_{k}": v for k, v in val.items()})
+                    bar.close(logs)
+                    history.epochs.append(logs)
+                    epoch, batch = epoch + 1, 0
+                    for hook in hooks["on_epoch_end"] + trainer_hooks["on_epoch_end"]:
+                        hook(epoch - 1, logs)
+            except StopTraining as e:
+                history.stopped = str(e) or "stopped by a callback"
+            except BaseException:
+                bar.close(None)
+                if ckpt is not None and int(sess.run(trainer.global_step)) != saved_step:
+                    checkpoint()  # the last completed step: a step is atomic
+                raise
+        bar.close(None)
+        if ckpt is not None:
+            checkpoint()
+        for hook in hooks["on_train_end"]:
+            hook(history)
+    except BaseException as e:
+        e.history = history  # the loss curve up to the failure, for a look at what led to it
+        raise
+    finally:
+        for close in trainer_hooks["close"]:
+            close()
     return history
 
 
+class _context:
+    """Within the block, an exception is said to have happened at ``where``.
+
+    A HostavgError's message starts with ``where``; any other exception gets
+    a note.
+    """
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if isinstance(error, HostavgError):
+            error.args = (f"{self.where}: {error.args[0] if error.args else ''}", *error.args[1:])
+        elif isinstance(error, Exception):
+            error.add_note(f"hostavg: in {self.where}")
+        return False
+
+
+def _hook_methods(hooks) -> dict:
+    """The trainer's hooks' fit-time methods, looked up once: name -> bound methods."""
+    names = ("on_epoch_end", "on_resume", "close")
+    return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in names}
+
+
 def _micro_batches(feed: dict, n: int, micro_batch_size: int, rank: int, size: int,
-                   blocks: dict) -> tuple[list, list]:
-    """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up), and their sizes."""
+                   blocks: dict, rows) -> tuple[list, list, list | None]:
+    """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up),
+    their sizes, and their data rows (None where the source can't tell)."""
     lo, hi = n * rank // size, n * (rank + 1) // size
     if lo == hi:
-        return [], []
+        return [], [], None if rows is None else []
     share = feed if size == 1 else take(feed, slice(lo, hi), n, blocks)
-    sizes = [min(micro_batch_size, hi - lo - start) for start in range(0, hi - lo, micro_batch_size)]
-    return split(share, micro_batch_size, blocks=blocks), sizes
+    starts = range(0, hi - lo, micro_batch_size)
+    sizes = [min(micro_batch_size, hi - lo - start) for start in starts]
+    micro_rows = None if rows is None else [rows[lo + a:lo + a + b] for a, b in zip(starts, sizes)]
+    return split(share, micro_batch_size, blocks=blocks), sizes, micro_rows
 
 
 def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
@@ -201,12 +249,13 @@ class _ArraySource:
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
     def batches(self, epoch, seed, skip):
-        order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle else None
+        """(feed, data rows) of each batch from ``skip`` on."""
+        order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle \
+            else np.arange(self.n)
         for start in range(skip * self.batch_size, self.n, self.batch_size):
-            rows = slice(start, start + self.batch_size)
-            if order is not None:
-                rows = order[rows]
-            yield take(self.feed, rows, self.n, self.blocks)
+            rows = order[start:start + self.batch_size]
+            yield take(self.feed, rows if self.shuffle else slice(start, start + self.batch_size),
+                       self.n, self.blocks), rows
 
 
 class _IterableSource:
@@ -227,8 +276,8 @@ class _IterableSource:
                     "list, or a callable that returns a new iterable for every epoch")
             self._used = True
         for i, feed in enumerate(it):
-            if i >= skip:
-                yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}")
+            if i >= skip:  # which rows of the user's data a batch holds, fit can't tell
+                yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}"), None
 
 
 class _DatasetSource:
@@ -245,14 +294,15 @@ class _DatasetSource:
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
     def batches(self, epoch, seed, skip):
-        ds = self.dataset
+        """(feed, data rows) of each batch: the rows are the elements' positions in the dataset."""
+        ds = self.dataset.enumerate()
         if self.shuffle:
             ds = ds.shuffle(self.n or 10_000, seed=(seed + epoch) % 2**63,
                             reshuffle_each_iteration=False)
-        for element in ds.batch(self.batch_size).skip(skip).as_numpy_iterator():
+        for rows, element in ds.batch(self.batch_size).skip(skip).as_numpy_iterator():
             try:
                 yield resolve_feed(self.graph, {ph: element[k] for k, ph in self.inputs.items()},
-                                   "inputs")
+                                   "inputs"), rows
             except (KeyError, IndexError, TypeError):
                 raise HostavgError(
                     f"inputs= names elements {list(self.inputs)} but the dataset's elements "
@@ -260,35 +310,63 @@ class _DatasetSource:
 
 
 class _Progress:
-    """A tqdm bar per epoch, with loss and samples/s; shown on a terminal or in Jupyter."""
+    """One progress display per epoch, with loss and samples/s, ending on the epoch's results.
+
+    On a terminal: a tqdm bar on stderr. In Jupyter: one line of text,
+    updated in place at most every half second, so a saved notebook keeps
+    one final line per epoch.
+    """
 
     def __init__(self, progress):
-        stream = sys.stderr
-        interactive = getattr(stream, "isatty", lambda: False)() or "ipykernel" in sys.modules
-        self.enabled = progress == "always" or (progress is True and interactive)
-        self._bar = None
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        self.jupyter = "ipykernel" in sys.modules and not tty
+        self.enabled = progress == "always" or (progress is True and (tty or self.jupyter))
+        self._bar = self._line = None
 
     def start(self, desc, total):
-        if self.enabled:
+        if not self.enabled:
+            return
+        self._t0, self._samples, self._postfix = time.perf_counter(), 0, {}
+        if self.jupyter:
+            from IPython.display import display
+            self._desc, self._total, self._n, self._shown = desc, total, 0, 0.0
+            self._line = display({"text/plain": self._text()}, raw=True, display_id=True)
+        else:
             from tqdm import tqdm
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
-            self._t0, self._samples = time.perf_counter(), 0
 
     def update(self, result):
+        if not self.enabled or (self._bar is None and self._line is None):
+            return
+        self._samples += result.size
+        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
+        self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
+                         "samples_s": f"{rate:.0f}"}
         if self._bar is not None:
-            self._samples += result.size
-            rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-            self._bar.set_postfix(loss="skipped" if result.skipped else f"{result.loss:.4f}",
-                                  samples_s=f"{rate:.0f}", refresh=False)
+            self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.update(1)
+        else:
+            self._n += 1
+            if time.perf_counter() - self._shown > 0.5:
+                self._line.update({"text/plain": self._text()}, raw=True)
 
     def close(self, logs):
+        if logs:
+            self._postfix = {k: f"{v:.4g}" if isinstance(v, float) else v
+                             for k, v in logs.items() if k != "epoch"}
         if self._bar is not None:
-            if logs:
-                self._bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v
-                                       for k, v in logs.items() if k != "epoch"})
+            self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.close()
-            self._bar = None
+        elif self._line is not None:
+            self._line.update({"text/plain": self._text()}, raw=True)
+        self._bar = self._line = None
+
+    def _text(self) -> str:
+        from tqdm import tqdm
+        self._shown = time.perf_counter()
+        postfix = ", ".join(f"{k}={v}" for k, v in self._postfix.items())
+        return tqdm.format_meter(self._n, self._total, self._shown - self._t0, prefix=self._desc,
+                                 unit="step", postfix=postfix or None, ncols=120)
 
 
 class _sigterm_as_exit:

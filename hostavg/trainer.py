@@ -190,8 +190,8 @@ class Trainer:
         """
         return self._engine.apply(self._backend(sess), grads)
 
-    def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None
-             ) -> StepResult:
+    def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None, *,
+             rows: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``feeds``: compute, add, apply.
 
         The step is atomic: if any micro-batch fails (bad feed, non-finite
@@ -212,8 +212,11 @@ class Trainer:
           sizes: one number of samples per feed (its weight in the mean),
             where the arrays can't tell: feeds of scalars only, or arrays of
             different lengths. Default: the common length of each feed's arrays.
+          rows: one array per feed of the row indices, in your data set, of
+            its samples: kept as ``MicroBatch.rows`` and named in errors
+            (``fit`` passes them). Default None.
         """
-        return self._engine.step(self._backend(sess), feeds, sizes)
+        return self._engine.step(self._backend(sess), feeds, sizes, rows)
 
     def check(self, sess, feed_dict: Mapping, micro_batch_size: int) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
@@ -235,6 +238,37 @@ class Trainer:
             print(trainer.check(sess, {x: X[:256], y: Y[:256]}, 32))
         """
         return self._engine.check(self._backend(sess), feed_dict, split(feed_dict, micro_batch_size))
+
+    def per_sample(self, sess, feed_dict: Mapping):
+        """One row per sample of ``feed_dict``: its loss, gradient norm, and cosine with the feed's mean gradient.
+
+        Which samples of a micro-batch pull against the rest (a mislabelled
+        sample has a cosine near or below 0, often with a large norm), or
+        which one holds the NaN. Changes nothing: no apply runs, and what
+        UPDATE_OPS moved is restored.
+
+        Cost: one forward and backward pass per sample (a session call each,
+        so a feed of n samples costs about n times one micro-batch's
+        overhead), and host memory for the n gradients at once. The mean is
+        over the samples whose loss and gradient are finite; the others get
+        a NaN cosine. With batch norm in training mode a sample alone is
+        normalised by itself, so its gradient differs from its share of the
+        batch's.
+
+        Returns:
+          a pandas DataFrame indexed by ``sample`` (position in the feed)
+          with columns ``loss``, ``norm``, ``cosine``.
+
+        Example::
+
+            table = trainer.per_sample(sess, feeds[3])   # micro-batch 3, sample by sample
+            table.sort_values("cosine").head()
+        """
+        from hostavg.record import pandas
+        pd = pandas("per_sample")
+        found = self._engine.per_sample(self._backend(sess), split(feed_dict, 1))
+        return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines},
+                            index=pd.RangeIndex(len(found.losses), name="sample"))
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
         """The loss (and ``metrics``) over ``data``, sample-weighted, without training.

@@ -139,7 +139,9 @@ def test_validation_metrics_history_table_and_callbacks():
     assert history.epochs[-1]["val_loss"] == pytest.approx(
         trainer.evaluate(sess, val, batch_size=40)["loss"], rel=1e-6)
     table = history.to_pandas()
-    assert list(table.columns) == ["epoch", "step", "loss", "size", "samples"]
+    assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
+                                   "trace_sigma", "b_simple", "norm_test", "learning_rate",
+                                   "micro_norms"]
     assert table["samples"].iloc[-1] == 2 * N
     assert list(history.to_pandas("epochs")["val_accuracy"]) == [
         e["val_accuracy"] for e in history.epochs]
