@@ -171,8 +171,8 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
         y = values[:, j]
         line, = ax.plot(x, np.where(y > 0, y, np.nan), label=name, linewidth=1)
         zero = y == 0
-        if zero.any():
-            ax.scatter(x[zero], np.full(zero.sum(), floor), marker="v", s=14,
+        if zero.any():  # each variable a little lower than the last, so that none hides another
+            ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v", s=14,
                        color=line.get_color())
     what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
     ax.set(xlabel="global step", ylabel=what + ("  (triangles: exactly 0)" if (values == 0).any()
