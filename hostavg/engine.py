@@ -142,9 +142,10 @@ class Backend(Protocol):
     def compute(self, feed) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
 
-    def apply(self, mean: Mapping) -> Applied:
-        """Runs the optimizer once on ``mean`` (conformed, finite); returns the new global step
-        and, measured in the same call, the update-to-weight ratios and the learning rate."""
+    def apply(self, mean: Mapping, measure: bool = True) -> Applied:
+        """Runs the optimizer once on ``mean`` (conformed, finite); returns the new global step,
+        the learning rate and, when ``measure``, the update-to-weight ratios, measured in the
+        same call (None otherwise)."""
 
     def global_step(self) -> int:
         """The global step now."""
@@ -227,11 +228,17 @@ class Engine:
       accum_dtype: the host accumulation dtype, or None (each variable's).
       hooks: see :class:`~hostavg.results.Hook`.
       average: an :class:`Average`; default :class:`HostAverage`.
+      update_ratios_every: measure the update-to-weight ratios in the applies
+        of steps whose global step (after the apply) is a multiple of this;
+        None: never. Measuring costs about one more apply.
     """
 
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
-                 accum_dtype=None, hooks=(), average: Average | None = None):
+                 accum_dtype=None, hooks=(), average: Average | None = None,
+                 update_ratios_every: int | None = 1):
         hooks = normalize_hooks(hooks)
+        self.update_ratios_every = 0 if update_ratios_every is None else positive_int(
+            "update_ratios_every", update_ratios_every)
         self.spec = spec
         self.hooks = hooks
         self.average = average or HostAverage()
@@ -252,8 +259,8 @@ class Engine:
 
     def apply(self, backend: Backend, grads: Mapping) -> int:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them; returns the new global step."""
-        return backend.apply(self._checked(grads, "apply", "Look at what produced these values.")
-                             ).global_step
+        return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
+                             False).global_step
 
     def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
@@ -466,12 +473,13 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                 done.append((backend, snapshot))
                 done[-1] += engine._step(backend, feeds, sizes, rows[0] if rows else None)
             results = []
-            for backend, snapshot, result, values in done:
+            for engine, (backend, snapshot, result, values) in zip(held, done):
                 if values is None:  # skipped: every micro-batch was dropped
                     backend.restore(snapshot)
                     results.append(result)
                 else:
-                    applied = backend.apply(values)
+                    every = engine.update_ratios_every
+                    applied = backend.apply(values, bool(every) and result.step % every == 0)
                     results.append(replace(result, step=applied.global_step,
                                            update_ratios=applied.update_ratios,
                                            learning_rate=applied.learning_rate))

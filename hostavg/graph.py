@@ -94,14 +94,16 @@ class Wiring:
             self._callables = Callables()
             self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
-                self._step_after = [self.global_step.read_value()]
+                step_after = self.global_step.read_value()
                 with tf.name_scope("hostavg_update_ratios"):
                     after = [_value_now(v) for v in variables]
-                    self._step_after += [_sum_squares(a - b) for a, b in zip(after, before)]
-                    self._step_after += [_sum_squares(b) for b in before]
+                    squares = [_sum_squares(a - b) for a, b in zip(after, before)] + [
+                        _sum_squares(b) for b in before]
             self.learning_rate = _learning_rate(optimizer, self.graph)
-            if self.learning_rate is not None:
-                self._step_after.append(self.learning_rate)
+            lr = [] if self.learning_rate is None else [self.learning_rate]
+            # What an apply fetches: the global step after it and the learning rate, and
+            # when measuring, the squared norms of each update and of each weight before it.
+            self._apply_fetches = {False: [step_after] + lr, True: [step_after] + lr + squares}
             self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
                 if average == "graph" else None
 
@@ -156,11 +158,14 @@ class Wiring:
         if values is not None:
             load_variables(sess, self.assigned, values)
 
-    def apply(self, sess, values: Mapping) -> Applied:
+    def apply(self, sess, values: Mapping, measure: bool = True) -> Applied:
         """Feeds ``values`` through the gradient tensors, runs the train op once.
 
-        Returns the new global step, the update-to-weight ratios and the
-        learning rate, all from that one session call.
+        Returns the new global step, the learning rate and, with ``measure``,
+        the update-to-weight ratios, all from that one session call.
+        Measuring keeps each weight's value from before the update alive
+        while the optimizer runs (a copy of the weights) and reduces two norms
+        per variable: about the cost of the apply itself again.
         """
         args = []
         for name, g in zip(self.names, self._grads):
@@ -171,11 +176,14 @@ class Wiring:
                     args.append(np.asarray(self.spec[name].shape))
             else:
                 args.append(value)
-        out = self._callables.get(sess, self._step_after, self._apply_feeds)(*args)
+        out = self._callables.get(sess, self._apply_fetches[measure], self._apply_feeds)(*args)
+        rest = out[1:]
+        lr = None
+        if self.learning_rate is not None:
+            lr, rest = float(rest[0]), rest[1:]
         k = len(self.names)
         ratios = {name: _ratio(float(u), float(w))
-                  for name, u, w in zip(self.names, out[1:1 + k], out[1 + k:1 + 2 * k])}
-        lr = float(out[1 + 2 * k]) if self.learning_rate is not None else None
+                  for name, u, w in zip(self.names, rest[:k], rest[k:])} if measure else None
         return Applied(int(out[0]), ratios, lr)
 
 
@@ -215,9 +223,9 @@ class SessionBackend:
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed)
 
-    def apply(self, mean) -> Applied:
+    def apply(self, mean, measure: bool = True) -> Applied:
         with _session_errors("apply"):
-            return self.wiring.apply(self.session, mean)
+            return self.wiring.apply(self.session, mean, measure)
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))

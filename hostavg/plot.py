@@ -169,7 +169,8 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
     floor = positive.min() / 3 if positive.size else 1e-12
     for j, name in enumerate(names):
         y = values[:, j]
-        line, = ax.plot(x, np.where(y > 0, y, np.nan), label=name, linewidth=1)
+        shown = np.isfinite(y) & (y > 0)  # NaN: not measured that step (update_ratios_every)
+        line, = ax.plot(x[shown], y[shown], label=name, linewidth=1)
         zero = y == 0
         if zero.any():  # each variable a little lower than the last, so that none hides another
             ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v", s=14,

@@ -449,3 +449,18 @@ def test_per_sample_is_each_sample_alone_against_the_feeds_mean_and_changes_noth
     table = case.trainer.per_sample(case.sess, bad)
     assert np.isnan(table["norm"][6]) and np.isnan(table["cosine"][6])
     assert np.isfinite(table.drop(index=6).to_numpy()).all()  # the mean of the other nine
+
+
+def test_update_ratios_are_measured_every_so_many_steps_or_never():
+    for every, measured in ((2, [False, True, False, True]), (None, [False] * 4)):
+        case = Case()
+        with case.model.graph.as_default():
+            trainer = hostavg.Trainer(case.model.loss, v1.train.AdamOptimizer(0.01),
+                                      update_ratios_every=every)
+            case.sess.run(v1.global_variables_initializer())
+        results = [trainer.step(case.sess, case.feeds) for _ in range(4)]
+        assert [r.update_ratios is not None for r in results] == measured
+        assert all(r.learning_rate == pytest.approx(0.01) for r in results)
+    with pytest.raises(hostavg.HostavgError, match="update_ratios_every must be an integer >= 1, "
+                                                   "got 0"):
+        hostavg.Trainer(case.model.loss, v1.train.AdamOptimizer(0.01), update_ratios_every=0)
