@@ -38,6 +38,7 @@ framework's own thread safety (a TF1 session's ``run`` is thread-safe).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -426,7 +427,8 @@ class Engine:
                 micro.append(record if self._keep_micro else replace(record, grads=None))
             except Exception as e:
                 if rows is not None:
-                    e.rows = rows  # every data row of the micro-batch that failed
+                    with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                        e.rows = rows  # every data row of the micro-batch that failed
                 raise
         return global_step
 

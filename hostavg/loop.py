@@ -26,6 +26,7 @@ Validation runs on every rank over all of the validation data.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -140,7 +141,8 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
         for hook in hooks["on_train_end"]:
             hook(history)
     except BaseException as e:
-        e.history = history  # the loss curve up to the failure, for a look at what led to it
+        with contextlib.suppress(AttributeError):  # an exception type with __slots__
+            e.history = history  # the loss curve up to the failure, for a look at what led to it
         raise
     finally:
         for close in trainer_hooks["close"]:

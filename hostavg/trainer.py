@@ -353,8 +353,19 @@ class Trainer:
             batch and micro-batch gets the matching rows of each block (see
             :func:`hostavg.split`).
 
+        Each micro-batch knows the rows of ``data`` it holds (``MicroBatch.rows``;
+        None for an iterable of feed dicts, whose rows fit can't tell). The
+        trainer's hooks that have them get ``on_epoch_end(epoch, logs)``,
+        ``on_resume(step)`` (resuming from a checkpoint) and ``close()`` (when
+        fit ends, however it ends).
+
         Returns:
           the :class:`~hostavg.History`.
+
+        Raises:
+          HostavgError: whose message starts with where it happened (epoch,
+            batch, global step) and names the micro-batch's data rows; any
+            exception leaving fit carries ``.history``, the History up to it.
         """
         from hostavg.loop import fit
         return fit(self, sess, data, batch_size=batch_size, micro_batch_size=micro_batch_size,
