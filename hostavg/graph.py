@@ -97,8 +97,9 @@ class Wiring:
                 step_after = self.global_step.read_value()
                 with tf.name_scope("hostavg_update_ratios"):
                     after = [_value_now(v) for v in variables]
-                    squares = [_sum_squares(a - b) for a, b in zip(after, before)] + [
-                        _sum_squares(b) for b in before]
+                    # One fetched vector: |after - before|^2 per variable, then |before|^2.
+                    squares = [tf.stack([_sum_squares(a, b) for a, b in zip(after, before)] +
+                                        [_sum_squares(b) for b in before])]
             self.learning_rate = _learning_rate(optimizer, self.graph)
             lr = [] if self.learning_rate is None else [self.learning_rate]
             # What an apply fetches: the global step after it and the learning rate, and
@@ -177,13 +178,11 @@ class Wiring:
             else:
                 args.append(value)
         out = self._callables.get(sess, self._apply_fetches[measure], self._apply_feeds)(*args)
-        rest = out[1:]
-        lr = None
-        if self.learning_rate is not None:
-            lr, rest = float(rest[0]), rest[1:]
-        k = len(self.names)
-        ratios = {name: _ratio(float(u), float(w))
-                  for name, u, w in zip(self.names, rest[:k], rest[k:])} if measure else None
+        lr = None if self.learning_rate is None else float(out[1])
+        ratios = None
+        if measure:
+            squares, k = out[-1].tolist(), len(self.names)
+            ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
         return Applied(int(out[0]), ratios, lr)
 
 
@@ -378,10 +377,13 @@ def _value_now(variable):
     return variable.read_value()
 
 
-def _sum_squares(x):
+def _sum_squares(x, minus=None):
+    """sum((x - minus)^2), or sum(x^2), in float32 at least (as float64 for a float64 variable)."""
     if x.dtype.base_dtype not in (tf.float32, tf.float64):
         x = tf.cast(x, tf.float32)
-    return tf.reduce_sum(tf.square(x))
+        minus = None if minus is None else tf.cast(minus, tf.float32)
+    squares = tf.square(x) if minus is None else tf.math.squared_difference(x, minus)
+    return tf.cast(tf.reduce_sum(squares), tf.float64)
 
 
 def _ratio(update_sq: float, weight_sq: float) -> float:
