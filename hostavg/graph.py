@@ -98,8 +98,11 @@ class Wiring:
                 with tf.name_scope("hostavg_update_ratios"):
                     after = [_value_now(v) for v in variables]
                     # One fetched vector: |after - before|^2 per variable, then |before|^2.
-                    squares = [tf.stack([_sum_squares(a, b) for a, b in zip(after, before)] +
-                                        [_sum_squares(b) for b in before])]
+                    sums = [_sum_squares(a, b) for a, b in zip(after, before)] + [
+                        _sum_squares(b) for b in before]
+                    if len({t.dtype for t in sums}) > 1:
+                        sums = [tf.cast(t, tf.float64) for t in sums]
+                    squares = [tf.stack(sums)]
             self.learning_rate = _learning_rate(optimizer, self.graph)
             lr = [] if self.learning_rate is None else [self.learning_rate]
             # What an apply fetches: the global step after it and the learning rate, and
@@ -378,12 +381,11 @@ def _value_now(variable):
 
 
 def _sum_squares(x, minus=None):
-    """sum((x - minus)^2), or sum(x^2), in float32 at least (as float64 for a float64 variable)."""
+    """sum((x - minus)^2), or sum(x^2), in the variable's dtype (float32 for narrower floats)."""
     if x.dtype.base_dtype not in (tf.float32, tf.float64):
         x = tf.cast(x, tf.float32)
         minus = None if minus is None else tf.cast(minus, tf.float32)
-    squares = tf.square(x) if minus is None else tf.math.squared_difference(x, minus)
-    return tf.cast(tf.reduce_sum(squares), tf.float64)
+    return tf.reduce_sum(tf.square(x) if minus is None else tf.math.squared_difference(x, minus))
 
 
 def _ratio(update_sq: float, weight_sq: float) -> float:

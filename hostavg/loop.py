@@ -88,66 +88,69 @@ def fit(trainer, sess, data, *, batch_size, micro_batch_size, epochs=1, shuffle=
                                               "history": history.to_json()})
         return step
 
-    saved_step = int(sess.run(trainer.global_step)) if ckpt is not None else None
     global_step = int(sess.run(trainer.global_step))
+    saved_step = global_step if ckpt is not None else None
     num_batches = source.num_batches(drop_remainder)
     bar = _Progress(progress if rank == 0 else False)
-    try:
-        with _sigterm_as_exit():
+    with _sigterm_as_exit():
+        try:
+            while epoch < epochs:
+                bar.start(f"epoch {epoch + 1}/{epochs}", num_batches)
+                for feed, rows in source.batches(epoch, seed, skip=batch):
+                    with _context(f"fit, epoch {epoch + 1}/{epochs}, batch {batch + 1}"
+                                  f"{'' if num_batches is None else f'/{num_batches}'}, "
+                                  f"global step {global_step}"):
+                        n = feed_size(feed, "the batch", blocks)
+                        if drop_remainder and n < batch_size:
+                            batch += 1
+                            continue
+                        result = trainer.step(sess, *_micro_batches(feed, n, micro_batch_size,
+                                                                    rank, size, blocks, rows))
+                    batch += 1
+                    global_step = result.step
+                    history.add(epoch, result)
+                    bar.update(result)
+                    if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
+                        saved_step = checkpoint()
+                    for hook in hooks["on_step_end"]:
+                        hook(result.step, result)
+                logs = _epoch_logs(history, epoch)
+                if validation_data is not None:
+                    val = trainer.evaluate(sess, validation_data, batch_size=micro_batch_size,
+                                           metrics=metrics)
+                    logs.update({f"val_{k}": v for k, v in val.items()})
+                bar.close(logs)
+                history.epochs.append(logs)
+                epoch, batch = epoch + 1, 0
+                for hook in hooks["on_epoch_end"] + trainer_hooks["on_epoch_end"]:
+                    hook(epoch - 1, logs)
+        except StopTraining as e:
+            history.stopped = str(e) or "stopped by a callback"
+        except BaseException as e:
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                e.history = history  # the loss curve up to the failure, to see what led to it
+            bar.close(None)
             try:
-                while epoch < epochs:
-                    bar.start(f"epoch {epoch + 1}/{epochs}", num_batches)
-                    for feed, rows in source.batches(epoch, seed, skip=batch):
-                        where = (f"fit, epoch {epoch + 1}/{epochs}, batch {batch + 1}"
-                                 f"{'' if num_batches is None else f'/{num_batches}'}, "
-                                 f"global step {global_step}")
-                        with _context(where):
-                            n = feed_size(feed, "the batch", blocks)
-                            if drop_remainder and n < batch_size:
-                                batch += 1
-                                continue
-                            feeds, sizes, micro_rows = _micro_batches(
-                                feed, n, micro_batch_size, rank, size, blocks, rows)
-                            result = trainer.step(sess, feeds, sizes, rows=micro_rows)
-                        batch += 1
-                        global_step = result.step
-                        history.add(epoch, result)
-                        bar.update(result)
-                        if ckpt is not None and checkpoint_every \
-                                and result.step % checkpoint_every == 0:
-                            saved_step = checkpoint()
-                        for hook in hooks["on_step_end"]:
-                            hook(result.step, result)
-                    logs = _epoch_logs(history, epoch)
-                    if validation_data is not None:
-                        val = trainer.evaluate(sess, validation_data, batch_size=micro_batch_size,
-                                               metrics=metrics)
-                        logs.update({f"val_{k}": v for k, v in val.items()})
-                    bar.close(logs)
-                    history.epochs.append(logs)
-                    epoch, batch = epoch + 1, 0
-                    for hook in hooks["on_epoch_end"] + trainer_hooks["on_epoch_end"]:
-                        hook(epoch - 1, logs)
-            except StopTraining as e:
-                history.stopped = str(e) or "stopped by a callback"
-            except BaseException:
-                bar.close(None)
                 if ckpt is not None and int(sess.run(trainer.global_step)) != saved_step:
                     checkpoint()  # the last completed step: a step is atomic
-                raise
-        bar.close(None)
+            finally:
+                _close(trainer_hooks)
+            raise
+    bar.close(None)
+    try:
         if ckpt is not None:
             checkpoint()
         for hook in hooks["on_train_end"]:
             hook(history)
-    except BaseException as e:
-        with contextlib.suppress(AttributeError):  # an exception type with __slots__
-            e.history = history  # the loss curve up to the failure, for a look at what led to it
-        raise
     finally:
-        for close in trainer_hooks["close"]:
-            close()
+        _close(trainer_hooks)
     return history
+
+
+def _close(trainer_hooks: dict) -> None:
+    """Closes every hook that can be (TensorBoard flushes its file, Record drops a step never applied)."""
+    for close in trainer_hooks["close"]:
+        close()
 
 
 class _context:

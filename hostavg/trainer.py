@@ -202,7 +202,7 @@ class Trainer:
         """
         return self._engine.apply(self._backend(sess), grads)
 
-    def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None, *,
+    def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``feeds``: compute, add, apply.
 
