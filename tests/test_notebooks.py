@@ -8,16 +8,15 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).parents[1]
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 
 
 def execute(name: str):
-    """The notebook, executed top to bottom (a failing cell fails the test) with this checkout's hostavg."""
+    """The notebook, executed top to bottom (a failing cell fails the test) with this checkout's
+    hostavg (conftest.py puts it on the kernel's PYTHONPATH)."""
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as a user's kernel starts: the notebook quiets TensorFlow
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # as a user's
+    # kernel starts: the notebook quiets TensorFlow itself
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(env=env)
     return nb
