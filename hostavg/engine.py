@@ -15,11 +15,15 @@ A step runs, in this order (:meth:`Engine.step`):
    ``on_step`` hooks run;
 6. the mean is applied: the optimizer's train op runs once, fed the values
    the micro-batches share that it reads (a learning-rate placeholder; see
-   :meth:`Backend.apply_feed`).
+   :meth:`Backend.apply_feed`);
+7. the ``on_applied`` hooks get the final StepResult (with the update-to-weight
+   ratios and the learning rate the apply reported).
 
 If anything in 2-6 fails, the snapshot is restored and the error propagates:
-the model, the optimizer's state and the global step are as they were. A
-step whose micro-batches were all dropped by hooks is restored too.
+the model, the optimizer's state and the global step are as they were, and
+no ``on_applied`` hook has heard of the step. A step whose micro-batches were
+all dropped by hooks is restored too. An exception in an ``on_applied`` hook
+propagates after the step was applied (its note says so).
 
 Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
 at once (it is rolled back); one that arrives from the apply on waits until
@@ -41,6 +45,7 @@ framework's own thread safety (a TF1 session's ``run`` is thread-safe).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -52,13 +57,14 @@ import numpy as np
 from hostavg.accumulator import Accumulator, Reducer
 from hostavg.check import CheckReport, diagnose
 from hostavg.errors import HostavgError, object_list, positive_int
-from hostavg.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform
+from hostavg.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, freeze,
+                               squared_norm)
 from hostavg.results import Drop, MicroBatch, StepResult
 from hostavg.signals import hold, region
 from hostavg.stats import StepStats, step_stats
 
-__all__ = ["AVERAGE_MODES", "Average", "Backend", "Computed", "Engine", "HostAverage", "Tally",
-           "normalize_hooks", "step_together"]
+__all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "Engine", "HostAverage",
+           "SampleStats", "Tally", "describe_rows", "normalize_hooks", "step_together"]
 
 #: What a non-finite mean of finite micro-batches means.
 OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted sum overflowed the "
@@ -86,6 +92,40 @@ class Computed(NamedTuple):
     grads: dict
     global_step: int
     sq_norms: dict
+
+
+class Applied(NamedTuple):
+    """What a backend's apply reports.
+
+    Attributes:
+      global_step: the global step after the apply.
+      update_ratios: name -> |w_after - w_before| / |w_before| of each trained
+        variable (L2 norms over the whole variable, reduced where the values
+        live, in the same call as the apply); 0 where nothing moved, inf where
+        a variable of norm 0 moved. None where the backend cannot tell.
+      learning_rate: the optimizer's learning rate as this apply used it (a
+        schedule's value at this step), or None where the optimizer exposes none.
+    """
+
+    global_step: int
+    update_ratios: dict | None = None
+    learning_rate: float | None = None
+
+
+class SampleStats(NamedTuple):
+    """Per sample of a feed (:meth:`Engine.per_sample`), in order.
+
+    Attributes:
+      losses: each sample's loss.
+      norms: each sample's gradient norm (NaN or Inf where non-finite).
+      cosines: each sample's cosine with the mean gradient of the feed's
+        samples whose loss and gradient are finite (NaN for the others, and
+        where a norm is 0).
+    """
+
+    losses: tuple
+    norms: tuple
+    cosines: tuple
 
 
 class Backend(Protocol):
@@ -120,9 +160,10 @@ class Backend(Protocol):
         optimizer needs one that ``feeds`` lack or give different values.
         """
 
-    def apply(self, mean: Mapping, feed: Mapping) -> int:
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
         """Runs the optimizer once on ``mean`` (conformed, finite), fed ``feed`` (from
-        :meth:`apply_feed`); returns the new global step."""
+        :meth:`apply_feed`); returns the new global step, the learning rate and, when
+        ``measure``, the update-to-weight ratios, measured in the same call (None otherwise)."""
 
     def global_step(self) -> int:
         """The global step now."""
@@ -215,10 +256,14 @@ class Engine:
       accum_dtype: the host accumulation dtype, or None (each variable's).
       hooks: see :class:`~hostavg.results.Hook`.
       average: an :class:`Average`; default :class:`HostAverage`.
+      update_ratios_every: measure the update-to-weight ratios in the applies
+        of steps whose global step (after the apply) is a multiple of this;
+        None: never. Measuring costs about one more apply.
     """
 
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
-                 accum_dtype=None, hooks=(), average: Average | None = None):
+                 accum_dtype=None, hooks=(), average: Average | None = None,
+                 update_ratios_every: int | None = 1):
         hooks = normalize_hooks(hooks)
         self.spec = spec
         self.hooks = hooks
@@ -226,6 +271,10 @@ class Engine:
         self._micro_hooks = [(h, h.on_micro_batch) for h in hooks
                              if callable(getattr(h, "on_micro_batch", None))]
         self._step_hooks = [(h, h.on_step) for h in hooks if callable(getattr(h, "on_step", None))]
+        self._applied_hooks = [(h, h.on_applied) for h in hooks
+                               if callable(getattr(h, "on_applied", None))]
+        self.update_ratios_every = 0 if update_ratios_every is None else positive_int(
+            "update_ratios_every", update_ratios_every)
         self._keep_micro = accumulate == "stack"
         # The step's own accumulator: its buffers are allocated once and reused.
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
@@ -240,7 +289,7 @@ class Engine:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
         (:meth:`Backend.apply_feed`); returns the new global step."""
         return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
-                             feed)
+                             feed, False).global_step
 
     def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
@@ -257,7 +306,7 @@ class Engine:
                 whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
                                 for _ in range(2))
                 acc = Accumulator(self.spec, accum_dtype=np.float64)
-                for micro_feed, size, _, where in _prepare(backend, micro_feeds, None, "check"):
+                for micro_feed, size, _, where, _ in _prepare(backend, micro_feeds, None, "check"):
                     g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
                     acc._append(dict(g), float(size), g.loss,
                                 check_finite(g, f"check, {where}", g.loss, g.sq_norms))
@@ -276,24 +325,68 @@ class Engine:
                      hint=hint)
         return values
 
-    def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None
-             ) -> StepResult:
-        """One optimizer step over the micro-batches ``feeds`` (see the module docstring)."""
-        return step_together([(self, backend, feeds, sizes)])[0]
+    def per_sample(self, backend: Backend, feeds: Sequence) -> SampleStats:
+        """Each of ``feeds`` (one sample each) computed alone: its loss, gradient norm and
+        cosine with their mean gradient. Changes nothing.
+
+        Costs one forward and backward pass per sample (a session call each),
+        and host memory for every sample's gradients at once (the cosines need
+        the mean first). The mean of the samples' gradients is the feed's mean
+        gradient (for a loss that is a mean over samples; ``check`` says
+        whether it is); samples whose loss or gradient is not finite are left
+        out of it. No apply runs, and the rollback variables (moving
+        statistics) are restored afterwards.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise HostavgError("per_sample: a step of this trainer is running; call it between steps")
+        try:
+            snapshot = backend.snapshot()
+            try:
+                losses, norms, kept, index = [], [], [], []
+                acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
+                for i, (feed, n, _, where, _) in enumerate(_prepare(backend, feeds, None,
+                                                                 "per_sample")):
+                    g = self._compute(backend, feed, n, f"per_sample, {where}")[0]
+                    sq = math.fsum(_sq_norms(g).values())
+                    losses.append(g.loss)
+                    norms.append(math.sqrt(sq))
+                    if math.isfinite(sq) and math.isfinite(g.loss):
+                        acc._append(dict(g), float(n), g.loss, sq)
+                        kept.append(g)
+                        index.append(i)
+            finally:
+                backend.restore(snapshot)
+        finally:
+            self._busy.release()
+        cosines = [math.nan] * len(losses)
+        if kept:
+            found = step_stats(acc.mean(), acc.weights, acc.sq_norms, (), (), kept).cosines
+            for i, c in zip(index, found or [1.0]):  # one finite sample: its own mean
+                cosines[i] = float(c)
+        return SampleStats(tuple(losses), tuple(norms), tuple(cosines))
+
+    def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,
+             rows: Sequence | None = None) -> StepResult:
+        """One optimizer step over the micro-batches ``feeds`` (see the module docstring).
+
+        ``rows``: one array per feed of the data set's row indices of its
+        samples (kept as ``MicroBatch.rows`` and named in errors), or None.
+        """
+        return step_together([(self, backend, feeds, sizes, rows)])[0]
 
     def abandon(self, error: BaseException) -> None:
         """Tells the averaging that the loop around the steps ends with ``error`` (see :meth:`Average.abandon`)."""
         self.average.abandon(error)
 
-    def _step(self, backend, feeds, sizes) -> tuple[StepResult, dict | None, dict | None]:
+    def _step(self, backend, feeds, sizes, rows) -> tuple[StepResult, dict | None, dict | None]:
         """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), and the apply's feed."""
         acc, micro, kept = self._acc, [], [] if self._keep_micro else None
         acc.reset()
-        norms = []
+        norms, var_sq = [], []
         try:
-            batches = _prepare(backend, feeds, sizes)
+            batches = _prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, acc, micro, norms, kept)
+            global_step = self._micro_batches(backend, batches, acc, micro, norms, var_sq, kept)
             error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
@@ -311,8 +404,9 @@ class Engine:
                                       f"nothing was applied"), None, None
 
         mean = acc.mean(self.average.reducer(backend, tally.total))
+        every = self.average.sees_every_micro_batch
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
-                           kept if self.average.sees_every_micro_batch else None)
+                           kept if every else None, var_sq if every else None)
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
@@ -329,37 +423,48 @@ class Engine:
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
         return result, self._checked(mean, what, hint), tally.apply_feed
 
-    def _micro_batches(self, backend, batches, acc, micro, norms, kept) -> int:
-        """Computes, shows to the hooks and accumulates each micro-batch; returns the global step."""
+    def _micro_batches(self, backend, batches, acc, micro, norms, var_sq, kept) -> int:
+        """Computes, shows to the hooks and accumulates each micro-batch; returns the global step.
+
+        ``var_sq`` gets each micro-batch's squared norm per variable (dropped ones too).
+        """
         global_step = None
-        for i, (feed, n, start, where) in enumerate(batches):
-            g, global_step = self._compute(backend, feed, n, f"step, {where}")
-            record, changed_by = MicroBatch(i, n, g.loss, g, start,
-                                            global_step + backend.increment), None
-            for hook, on_micro_batch in self._micro_hooks:
-                out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
-                if isinstance(out, Drop):
-                    record = replace(record, dropped=out.reason)
-                    break
-                if out is not None:
-                    changed_by = hook
-                    grads = conform(self.spec, out, what=f"step, {where}, on_micro_batch hook "
-                                                         f"{_name(hook)}'s gradients")
-                    record = replace(record, grads=Gradients(grads, loss=record.loss, size=n))
-            if record.dropped is None:
-                hint = INPUTS_HINT if changed_by is None else (
-                    f"They were finite before on_micro_batch hook {_name(changed_by)} replaced "
-                    f"them: look at that hook." if math.isfinite(g.global_norm()) else INPUTS_HINT)
-                sq_norm = check_finite(record.grads, f"step, {where}", record.loss,
-                                       record.grads.sq_norms, hint)
-                acc._append(dict(record.grads), float(n), record.loss, sq_norm)
-                norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm)
-                             else record.grads.global_norm())
-                if kept is not None:
-                    kept.append(record.grads)
-            else:
-                norms.append(record.grads.global_norm())
-            micro.append(record if self._keep_micro else replace(record, grads=None))
+        for i, (feed, n, start, where, rows) in enumerate(batches):
+            try:
+                g, global_step = self._compute(backend, feed, n, f"step, {where}")
+                record, changed_by = MicroBatch(i, n, g.loss, g, start,
+                                                global_step + backend.increment, rows=rows), None
+                for hook, on_micro_batch in self._micro_hooks:
+                    out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
+                    if isinstance(out, Drop):
+                        record = replace(record, dropped=out.reason)
+                        break
+                    if out is not None:
+                        changed_by = hook
+                        grads = conform(self.spec, out, what=f"step, {where}, on_micro_batch "
+                                                             f"hook {_name(hook)}'s gradients")
+                        record = replace(record, grads=Gradients(grads, loss=record.loss, size=n))
+                sq = _sq_norms(record.grads)
+                var_sq.append(sq)
+                if record.dropped is None:
+                    hint = INPUTS_HINT if changed_by is None else (
+                        f"They were finite before on_micro_batch hook {_name(changed_by)} "
+                        f"replaced them: look at that hook." if math.isfinite(g.global_norm())
+                        else INPUTS_HINT)
+                    sq_norm = check_finite(record.grads, f"step, {where}", record.loss, sq, hint)
+                    acc._append(dict(record.grads), float(n), record.loss, sq_norm)
+                    norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm)
+                                 else record.grads.global_norm())
+                    if kept is not None:
+                        kept.append(record.grads)
+                else:
+                    norms.append(math.sqrt(math.fsum(sq.values())))
+                micro.append(record if self._keep_micro else replace(record, grads=None))
+            except Exception as e:
+                if rows is not None:
+                    with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                        e.rows = rows  # every data row of the micro-batch that failed
+                raise
         return global_step
 
     def _compute(self, backend, feed, n: int, where: str) -> tuple[Gradients, int]:
@@ -377,14 +482,16 @@ class Engine:
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     """Steps several trainers from the same weights: every step is computed before any is applied.
 
-    ``steps`` holds ``(engine, backend, feeds, sizes)`` per trainer, such as a
-    GAN's discriminator and generator: both gradients are taken from the
-    weights as they are now, then the means are applied in order (a
-    simultaneous update). Atomic like one step: if any computation, hook or
-    check fails, every snapshot is restored and nothing is applied; a signal
-    arriving once the applies have begun waits until they are done. (The
-    applies run only once every mean was checked; a session failing inside
-    a later apply cannot undo an earlier one.)
+    ``steps`` holds ``(engine, backend, feeds, sizes)`` or ``(engine, backend,
+    feeds, sizes, rows)`` per trainer, such as a GAN's discriminator and
+    generator: both gradients are taken from the weights as they are now,
+    then the means are applied in order (a simultaneous update). Atomic like
+    one step: if any computation, hook or check fails, every snapshot is
+    restored and nothing is applied; a signal arriving once the applies have
+    begun waits until they are done. (The applies run only once every mean
+    was checked; a session failing inside a later apply cannot undo an
+    earlier one.) Once every apply succeeded, each engine's ``on_applied``
+    hooks get its final result.
 
     Returns:
       one :class:`~hostavg.StepResult` per entry, in order.
@@ -393,7 +500,7 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     try:
         with region():
             try:
-                for engine, backend, feeds, sizes in steps:
+                for engine, backend, feeds, sizes, *rows in steps:
                     if not engine._busy.acquire(blocking=False):
                         raise HostavgError(
                             "another step of this trainer is running (in another thread, a hook "
@@ -402,16 +509,20 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                     held.append(engine)
                     engine.average.begin(backend)
                     done.append((backend, backend.snapshot()))
-                    done[-1] += engine._step(backend, feeds, sizes)
+                    done[-1] += engine._step(backend, feeds, sizes, rows[0] if rows else None)
                 hold()  # from here on a signal waits for the steps to be returned whole
                 results = []
-                for backend, snapshot, result, values, feed in done:
+                for engine, (backend, snapshot, result, values, feed) in zip(held, done):
                     if values is None:  # skipped: every micro-batch was dropped
                         backend.restore(snapshot)
                         results.append(result)
                     else:
-                        results.append(replace(result, step=backend.apply(values, feed)))
-                return results
+                        every = engine.update_ratios_every
+                        applied = backend.apply(values, feed,
+                                                bool(every) and result.step % every == 0)
+                        results.append(replace(result, step=applied.global_step,
+                                               update_ratios=applied.update_ratios,
+                                               learning_rate=applied.learning_rate))
             except BaseException as error:
                 for backend, snapshot, *_ in reversed(done):
                     try:
@@ -426,16 +537,21 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     finally:
         for engine in held:
             engine._busy.release()
+    for engine, result in zip(held, results):
+        if result.skipped is None:
+            for hook, on_applied in engine._applied_hooks:
+                _call(hook, on_applied, (result,), f"on_applied of step {result.step}",
+                      applied=True)
+    return results
 
 
 def normalize_hooks(hooks) -> tuple:
     """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
-    return object_list("hooks", hooks, ("on_micro_batch", "on_step"),
-                       "hostavg.hooks.SkipNonFinite()")
+    return object_list("hooks", hooks, HOOK_METHODS, "hostavg.hooks.SkipNonFinite()")
 
 
-def _prepare(backend, feeds, sizes, call: str = "step") -> list:
-    """Every micro-batch checked and sized before any runs: (feed, n, start, where) each."""
+def _prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
+    """Every micro-batch checked and sized before any runs: (feed, n, start, where, rows) each."""
     if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
         raise HostavgError(
             f"{call} takes a list of feed dicts, one per micro-batch, got "
@@ -446,22 +562,73 @@ def _prepare(backend, feeds, sizes, call: str = "step") -> list:
             raise HostavgError(f"sizes must hold one number of samples per feed ({len(feeds)}), "
                                f"got {sizes!r}")
         sizes = [positive_int(f"sizes[{i}]", n) for i, n in enumerate(sizes)]
+    if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, (Sequence, np.ndarray))
+                             or len(rows) != len(feeds)):
+        raise HostavgError(f"rows must hold one array of row indices per feed ({len(feeds)}), "
+                           f"or be None; got {type(rows).__name__} of length "
+                           f"{len(rows) if hasattr(rows, '__len__') else '?'}")
     out, start = [], 0
     for i, feed in enumerate(feeds):
         what = f"micro-batch {i} of {len(feeds)}"
         feed, n = backend.prepare(feed, None if sizes is None else sizes[i], f"{call}, {what}")
-        out.append((feed, n, start, f"{what} (samples {start}:{start + n})"))
+        indices = None if rows is None else _rows(rows[i], n, f"{call}, {what}")
+        said = "" if indices is None else f", data {describe_rows(indices)}"
+        out.append((feed, n, start, f"{what} (samples {start}:{start + n}{said})", indices))
         start += n
     return out
 
 
-def _call(hook, method, args, where: str):
+def _rows(rows, n: int, what: str) -> np.ndarray | None:
+    """A micro-batch's data rows as a read-only int64 array of length ``n`` (or None)."""
+    if rows is None:
+        return None
+    array = np.asarray(rows)
+    if array.shape != (n,) or (array.size and array.dtype.kind not in "iu"):
+        raise HostavgError(f"{what}: rows must be {n} integer row indices, one per sample, got "
+                           f"shape {array.shape} dtype {array.dtype}")
+    return freeze(array.astype(np.int64))
+
+
+def describe_rows(rows, handful: int = 8) -> str:
+    """Data rows in words: each of a handful, a range ``a:b`` when contiguous, else the first few.
+
+    Example:
+      >>> describe_rows(np.arange(96, 128)), describe_rows([7, 3])
+      ('rows 96:128', 'rows [7, 3]')
+    """
+    rows = np.asarray(rows)
+    if len(rows) <= handful:
+        return f"rows {rows.tolist()}"
+    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+        return f"rows {rows[0]}:{rows[0] + len(rows)}"
+    shown = ", ".join(map(str, rows[:handful // 2].tolist()))
+    return (f"rows [{shown}, ...] ({len(rows)} of them, between {rows.min()} and {rows.max()}; "
+            f"the exception's .rows holds all)")
+
+
+def _sq_norms(grads: Gradients) -> dict:
+    """name -> squared norm of each gradient, the cached ones where known."""
+    known = grads.sq_norms
+    return {name: known[name] if name in known else squared_norm(value)
+            for name, value in grads.items()}
+
+
+def _call(hook, method, args, where: str, applied: bool = False):
     """``method(*args)``; an exception it raises propagates as it is, with a note naming the hook."""
     try:
         return method(*args)
     except Exception as e:
-        e.add_note(f"hostavg: raised by hook {_name(hook)} in {where}; nothing was applied")
+        e.add_note(f"hostavg: raised by hook {_name(hook)} in {where}; "
+                   f"{'the step was applied' if applied else 'nothing was applied'}")
         raise
+
+
+#: The methods that make an object a hook (see :class:`~hostavg.results.Hook`).
+HOOK_METHODS = ("on_micro_batch", "on_step", "on_applied")
+
+
+def _is_hook(obj) -> bool:
+    return any(callable(getattr(obj, m, None)) for m in HOOK_METHODS)
 
 
 def _name(hook) -> str:

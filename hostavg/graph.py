@@ -17,7 +17,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
 from hostavg.accumulator import Reduction
-from hostavg.engine import Computed, HostAverage
+from hostavg.engine import Applied, Computed, HostAverage
 from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.split import feed_size
@@ -39,6 +39,8 @@ class Wiring:
       apply_inputs: name -> placeholder, each placeholder the train op reads
         (not through the fed gradients): a learning rate, a schedule's input.
         The apply is fed them (see :meth:`SessionBackend.apply_feed`).
+      learning_rate: the optimizer's learning-rate tensor (fetched with each
+        apply), or None where the optimizer exposes none.
     """
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
@@ -82,8 +84,18 @@ class Wiring:
             # What a failed step must restore: every variable the compute call may assign.
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [v.read_value() for v in self.assigned]
+            variables = [v for _, v in pairs]
+            # The update-to-weight ratios, measured in the apply's own session call: the
+            # weights are read before the optimizer runs (its ops wait for the reads), and
+            # the norms of (after - before) and of before are reduced where the values live.
+            with tf.name_scope("hostavg_update_ratios"):
+                before = [_value_now(v) for v in variables]
+            with tf.control_dependencies(before):
+                fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                       if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in self._grads]
             self.train_op = optimizer.apply_gradients(
-                pairs, global_step=self.global_step if increment_global_step else None)
+                list(zip(fed, variables)),
+                global_step=self.global_step if increment_global_step else None)
             self._apply_feeds = tuple(
                 t for g in self._grads for t in
                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
@@ -93,7 +105,22 @@ class Wiring:
             self._callables = Callables()
             self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
-                self._step_after = [self.global_step.read_value()]
+                step_after = self.global_step.read_value()
+                with tf.name_scope("hostavg_update_ratios"):
+                    after = [_value_now(v) for v in variables]
+                    # One fetched vector: |after - before|^2 per variable, then |before|^2.
+                    sums = [_sum_squares(a, b) for a, b in zip(after, before)] + [
+                        _sum_squares(b) for b in before]
+                    if len({t.dtype for t in sums}) > 1:
+                        sums = [tf.cast(t, tf.float64) for t in sums]
+                    squares = [tf.stack(sums)]
+            self.learning_rate = _learning_rate(optimizer, self.graph)
+            # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
+            # cannot be fetched.)
+            lr = [] if self.learning_rate is None else [tf.identity(self.learning_rate)]
+            # What an apply fetches: the global step after it and the learning rate, and
+            # when measuring, the squared norms of each update and of each weight before it.
+            self._apply_fetches = {False: [step_after] + lr, True: [step_after] + lr + squares}
             self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
                 if average == "graph" else None
 
@@ -150,9 +177,16 @@ class Wiring:
         if values is not None:
             load_variables(sess, self.assigned, values)
 
-    def apply(self, sess, values: Mapping, feed: Mapping) -> int:
+    def apply(self, sess, values: Mapping, feed: Mapping, measure: bool = True) -> Applied:
         """Feeds ``values`` through the gradient tensors (and ``feed``, name -> value, to
-        :attr:`apply_inputs`), runs the train op once; returns the new global step."""
+        :attr:`apply_inputs`), runs the train op once.
+
+        Returns the new global step, the learning rate and, with ``measure``,
+        the update-to-weight ratios, all from that one session call.
+        Measuring keeps each weight's value from before the update alive
+        while the optimizer runs (a copy of the weights) and reduces two norms
+        per variable: about the cost of the apply itself again.
+        """
         args = list(feed.values())
         for name, g in zip(self.names, self._grads):
             value = values[name]
@@ -163,7 +197,13 @@ class Wiring:
             else:
                 args.append(value)
         keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
-        return int(self._callables.get(sess, self._step_after, keys)(*args)[0])
+        out = self._callables.get(sess, self._apply_fetches[measure], keys)(*args)
+        lr = None if self.learning_rate is None else float(out[1])
+        ratios = None
+        if measure:
+            squares, k = out[-1].tolist(), len(self.names)
+            ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
+        return Applied(int(out[0]), ratios, lr)
 
 
 class SessionBackend:
@@ -234,9 +274,9 @@ class SessionBackend:
             out[name] = first
         return out
 
-    def apply(self, mean, feed) -> int:
+    def apply(self, mean, feed, measure: bool = True) -> Applied:
         with _session_errors("apply"):
-            return self.wiring.apply(self.session, mean, feed)
+            return self.wiring.apply(self.session, mean, feed, measure)
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))
@@ -377,6 +417,43 @@ def resolve_feed(graph, feed_dict: Mapping, what: str) -> dict:
                 f"feed the placeholders of the graph the loss was built in")
         out[key] = value
     return out
+
+
+def _value_now(variable):
+    """The variable's value as a tensor that later assignments leave alone.
+
+    A resource variable's read keeps its value (an assignment while the read
+    is held copies first); a reference variable's would alias the buffer
+    that the optimizer updates in place, so it is snapshotted.
+    """
+    if variable.dtype._is_ref_dtype:  # pylint: disable=protected-access
+        return tf.raw_ops.Snapshot(input=variable)
+    return variable.read_value()
+
+
+def _sum_squares(x, minus=None):
+    """sum((x - minus)^2), or sum(x^2), in the variable's dtype (float32 for narrower floats)."""
+    if x.dtype.base_dtype not in (tf.float32, tf.float64):
+        x = tf.cast(x, tf.float32)
+        minus = None if minus is None else tf.cast(minus, tf.float32)
+    return tf.reduce_sum(tf.square(x) if minus is None else tf.math.squared_difference(x, minus))
+
+
+def _ratio(update_sq: float, weight_sq: float) -> float:
+    """|update| / |weights| from their squares: 0 where nothing moved, inf where weights of 0 did."""
+    if update_sq == 0:
+        return 0.0
+    return math.sqrt(update_sq / weight_sq) if weight_sq > 0 else math.inf
+
+
+def _learning_rate(optimizer, graph):
+    """The tensor of the learning rate the optimizer's apply uses, where it exposes one (TF1 optimizers do)."""
+    for attr in ("_learning_rate_tensor", "_lr_t"):
+        t = getattr(optimizer, attr, None)
+        if isinstance(t, tf.Tensor) and t.graph is graph and t.shape.rank == 0 \
+                and t.dtype.base_dtype.is_floating:
+            return t
+    return None
 
 
 def feed_array(value, dtype, what: str) -> np.ndarray:

@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import NamedTuple
 
 from hostavg.errors import HostavgError
+from hostavg.record import check_quantity, pandas
 
 __all__ = ["History", "StepLog"]
 
 
 class StepLog(NamedTuple):
-    """One optimizer step of fit.
+    """One optimizer step of fit, with the statistics the plots need.
 
     Attributes:
       epoch: the epoch it belongs to, from 0.
       step: the global step after it.
-      loss: its sample-weighted mean loss.
+      loss: its sample-weighted mean loss (NaN if skipped).
       size: its number of samples.
       samples: samples seen by fit so far, this step's included.
+      grad_norm: the applied mean gradient's norm (NaN if skipped).
+      g2, trace_sigma, b_simple, norm_test: the step's own estimates
+        (:class:`~hostavg.StepStats`; None with fewer than 2 micro-batches).
+      learning_rate: the optimizer's learning rate at the apply, or None.
+      micro_norms: each micro-batch's gradient norm, as accumulated.
+      micro_norms_before_clip: the same before
+        :class:`~hostavg.hooks.ClipMicroBatchNorm` clipped them, or None.
+      variable_norms: per trained variable (in :attr:`History.variables`'
+        order) the applied mean gradient's norm.
+      update_ratios: per trained variable, |update| / |weights| of the apply.
     """
 
     epoch: int
@@ -26,22 +38,43 @@ class StepLog(NamedTuple):
     loss: float
     size: int
     samples: int
+    grad_norm: float = math.nan
+    g2: float | None = None
+    trace_sigma: float | None = None
+    b_simple: float | None = None
+    norm_test: float | None = None
+    learning_rate: float | None = None
+    micro_norms: tuple = ()
+    micro_norms_before_clip: tuple | None = None
+    variable_norms: tuple = ()
+    update_ratios: tuple = ()
+
+
+#: StepLog's per-step scalars, as :meth:`History.to_pandas` shows them.
+_SCALARS = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trace_sigma",
+            "b_simple", "norm_test", "learning_rate")
 
 
 class History:
     """The record fit returns, and keeps in its checkpoints.
+
+    Memory: per step, a few numbers plus one per micro-batch and two per
+    trained variable.
 
     Attributes:
       steps: one :class:`StepLog` per optimizer step.
       epochs: one dict per finished epoch: "epoch", "loss" (sample-weighted
         mean over its steps), "samples", "steps", and "val_loss" plus
         "val_<metric>" where validation data was given.
+      variables: the trained variables' names, the order of each StepLog's
+        ``variable_norms`` and ``update_ratios``.
       stopped: why a callback stopped training (a StopTraining message), or None.
     """
 
     def __init__(self):
         self.steps: list[StepLog] = []
         self.epochs: list[dict] = []
+        self.variables: tuple = ()
         self.stopped: str | None = None
 
     @property
@@ -49,20 +82,51 @@ class History:
         """Samples seen so far."""
         return self.steps[-1].samples if self.steps else 0
 
+    def add(self, epoch: int, result) -> StepLog:
+        """Appends a StepLog of the :class:`~hostavg.StepResult` ``result``; returns it."""
+        st = result.stats
+        if not self.variables:
+            self.variables = tuple(st.variable_norms)
+        ratios = result.update_ratios or {}
+        before = result.info.get("micro_norms_before_clip")
+        log = StepLog(epoch, result.step, math.nan if result.skipped else result.loss,
+                      result.size, self.samples + result.size, st.grad_norm, st.g2,
+                      st.trace_sigma, st.b_simple, st.norm_test, result.learning_rate,
+                      tuple(st.micro_norms), None if before is None else tuple(before),
+                      tuple(st.variable_norms.get(n, math.nan) for n in self.variables),
+                      tuple(ratios.get(n, math.nan) for n in self.variables))
+        self.steps.append(log)
+        return log
+
     def to_pandas(self, which: str = "steps"):
-        """A pandas DataFrame of the ``"steps"`` (one row per step) or the ``"epochs"``."""
+        """A pandas DataFrame of the ``"steps"`` (one row per step: its scalars and
+        ``micro_norms``) or the ``"epochs"``; per-variable values: :meth:`variable_norms`."""
         if which not in ("steps", "epochs"):
             raise HostavgError(f"which must be 'steps' or 'epochs', got {which!r}")
-        try:
-            import pandas as pd
-        except ImportError:
-            raise HostavgError("History.to_pandas needs pandas: pip install pandas") from None
+        pd = pandas("History.to_pandas")
         if which == "steps":
-            return pd.DataFrame(self.steps, columns=StepLog._fields)
+            columns = (*_SCALARS, "micro_norms")
+            return pd.DataFrame([[getattr(s, c) for c in columns] for s in self.steps],
+                                columns=columns)
         return pd.DataFrame(self.epochs)
 
+    def variable_norms(self, quantity: str = "grad_norm"):
+        """One row per step (indexed by global step), one column per trained variable.
+
+        ``quantity``: ``"grad_norm"`` (the applied mean gradient's norm) or
+        ``"update_ratio"`` (|update| / |weights|), as in
+        :meth:`hostavg.record.RecordReader.variable_norms`.
+        """
+        check_quantity(quantity)
+        pd = pandas("History.variable_norms")
+        field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
+        return pd.DataFrame([getattr(s, field) or [math.nan] * len(self.variables)
+                             for s in self.steps], columns=list(self.variables),
+                            index=pd.Index([s.step for s in self.steps], name="step"))
+
     def to_json(self) -> str:
-        return json.dumps({"steps": self.steps, "epochs": self.epochs, "stopped": self.stopped})
+        return json.dumps({"steps": self.steps, "epochs": self.epochs,
+                           "variables": self.variables, "stopped": self.stopped})
 
     @classmethod
     def from_json(cls, text: str) -> History:
@@ -70,8 +134,10 @@ class History:
         try:
             data = json.loads(text)
             history = cls()
-            history.steps = [StepLog(*s) for s in data["steps"]]
+            history.steps = [StepLog(*(tuple(v) if isinstance(v, list) else v for v in s))
+                             for s in data["steps"]]
             history.epochs, history.stopped = data["epochs"], data["stopped"]
+            history.variables = tuple(data.get("variables", ()))
         except (TypeError, ValueError, KeyError) as e:
             raise HostavgError(f"not a History's JSON ({type(e).__name__}: {e}): "
                                f"{str(text)[:80]!r}") from None

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.check import CheckReport
-from hostavg.engine import Computed, Engine, HostAverage, normalize_hooks
+from hostavg.engine import Applied, Computed, Engine, HostAverage, normalize_hooks
 from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import Gradients, SparseGradient, VariableSpec, coalesce_rows, freeze
 from hostavg.graph import READ_OPS, first_line
@@ -174,7 +174,8 @@ class Trainer:
         """
         return self._ready_engine("apply()").apply(self._backend, grads, {})
 
-    def step(self, batches: Sequence, sizes: Sequence[int] | None = None) -> StepResult:
+    def step(self, batches: Sequence, sizes: Sequence[int] | None = None,
+             rows: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``batches``: compute, add, apply.
 
         Atomic as :meth:`hostavg.Trainer.step`: if any micro-batch fails
@@ -187,6 +188,9 @@ class Trainer:
             ``hostavg.split((x, y), micro_batch_size)``. With ``comm``, this
             rank's micro-batches.
           sizes: one number of samples per batch (its weight in the mean).
+          rows: one array per batch of the row indices, in your data, of its
+            samples: kept as ``MicroBatch.rows`` and named in errors (fit
+            passes them).
         """
         if isinstance(batches, tuple) and batches and not isinstance(batches[0], (tuple, list)):
             raise HostavgError(
@@ -202,7 +206,7 @@ class Trainer:
             if not batches:
                 raise HostavgError("step got no micro-batches; pass at least one (x, y) batch")
             engine = self._engine_for(batches[0], f"step, micro-batch 0 of {len(batches)}")
-        return engine.step(self._backend, batches, sizes)
+        return engine.step(self._backend, batches, sizes, rows)
 
     def check(self, x, y, micro_batch_size: int, *, sample_weight=None) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
@@ -379,7 +383,12 @@ class KerasBackend:
         """Nothing: a Keras optimizer reads no input besides the gradients."""
         return {}
 
-    def apply(self, mean: Mapping, feed: Mapping) -> int:
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+        """Applies ``mean`` once; reports the new ``optimizer.iterations`` (update-to-weight
+        ratios are not measured by this backend: None)."""
+        return Applied(self._apply_mean(mean), None, None)
+
+    def _apply_mean(self, mean: Mapping) -> int:
         args = []
         for name, s in self.spec.items():
             value = mean[name]
@@ -593,11 +602,12 @@ class _ModelRun:
     """A Keras trainer as fit drives it (:class:`hostavg.loop.Run`)."""
 
     def __init__(self, trainer: Trainer, validation_data, batch_size: int):
-        self.trainer, self.comm = trainer, trainer.comm
+        self.trainer, self.comm, self.hooks = trainer, trainer.comm, trainer.hooks
         self._validation = validation_data, batch_size
 
-    def step(self, micro_batches: list, sizes: list | None = None) -> StepResult:
-        return self.trainer.step(micro_batches, sizes)
+    def step(self, micro_batches: list, sizes: list | None = None, rows: list | None = None
+             ) -> StepResult:
+        return self.trainer.step(micro_batches, sizes, rows)
 
     def global_step(self) -> int:
         return self.trainer._backend.global_step()

@@ -41,6 +41,7 @@ Validation runs on every rank over all of the validation data.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -56,7 +57,7 @@ from hostavg.callbacks import StopTraining
 from hostavg.checkpoint import CheckpointDir
 from hostavg.errors import HostavgError, object_list, positive_int
 from hostavg.graph import resolve_feed
-from hostavg.history import History, StepLog
+from hostavg.history import History
 from hostavg.results import StepResult
 from hostavg.signals import hold, region, release
 from hostavg.split import feed_size, split, take
@@ -69,9 +70,13 @@ class Run(Protocol):
 
     #: The trainer's MPI communicator, or None.
     comm: Any
+    #: The trainer's hooks (fit calls their on_epoch_end, on_resume and close).
+    hooks: tuple
 
-    def step(self, micro_batches: list, sizes: list | None = None) -> StepResult:
-        """One optimizer step over ``micro_batches`` (of ``sizes`` samples, where given)."""
+    def step(self, micro_batches: list, sizes: list | None = None, rows: list | None = None
+             ) -> StepResult:
+        """One optimizer step over ``micro_batches`` (of ``sizes`` samples and holding the data
+        ``rows``, where given)."""
 
     def global_step(self) -> int:
         """The global step now."""
@@ -112,11 +117,15 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
     history, epoch, batch, samples = History(), 0, 0, 0
+    trainer_hooks = _hook_methods(run.hooks)
     if ckpt is not None and ckpt.latest() is not None:
         state = run.restore(ckpt.latest())
         if state is not None:
             epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
             history = History.from_json(state["history"])
+        resumed = run.global_step()
+        for on_resume in trainer_hooks["on_resume"]:
+            on_resume(resumed)
     comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
@@ -135,24 +144,28 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         ckpt.save(step, lambda path: run.save(path, state))
         return step
 
-    saved_step = run.global_step() if ckpt is not None else None
+    global_step = run.global_step()
+    saved_step = global_step if ckpt is not None else None
+    num_batches = source.num_batches(drop_remainder)
     bar = _Progress(progress if rank == 0 else False)
     # A signal that arrives from a step's apply on waits until the step is counted (release).
     with _sigterm_as_exit(), region():
         try:
             while epoch < epochs:
-                bar.start(f"epoch {epoch + 1}/{epochs}", source.num_batches(drop_remainder))
-                for feed in source.batches(epoch, seed, batch, samples):
-                    n = feed_size(feed, f"batch {batch} of epoch {epoch}", blocks)
-                    if drop_remainder and n < batch_size:
-                        batch, samples = batch + 1, samples + n
-                        continue
-                    result = run.step(*_micro_batches(feed, n, micro_batch_size, rank, size,
-                                                      blocks))
+                bar.start(f"epoch {epoch + 1}/{epochs}", num_batches)
+                for feed, rows in source.batches(epoch, seed, batch, samples):
+                    with _context(f"fit, epoch {epoch + 1}/{epochs}, batch {batch + 1}"
+                                  f"{'' if num_batches is None else f'/{num_batches}'}, "
+                                  f"global step {global_step}"):
+                        n = feed_size(feed, "the batch", blocks)
+                        if drop_remainder and n < batch_size:
+                            batch, samples = batch + 1, samples + n
+                            continue
+                        result = run.step(*_micro_batches(feed, n, micro_batch_size, rank, size,
+                                                          blocks, rows))
                     batch, samples = batch + 1, samples + n
-                    loss = math.nan if result.skipped else result.loss
-                    history.steps.append(StepLog(epoch, result.step, loss, result.size,
-                                                 history.samples + result.size))
+                    global_step = result.step
+                    history.add(epoch, result)
                     release()
                     bar.update(result)
                     if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
@@ -171,33 +184,77 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                 history.epochs.append(logs)
                 epoch, batch, samples = epoch + 1, 0, 0
                 release()
-                for hook in hooks["on_epoch_end"]:
+                for hook in hooks["on_epoch_end"] + trainer_hooks["on_epoch_end"]:
                     hook(epoch - 1, logs)
         except StopTraining as e:
             history.stopped = str(e) or "stopped by a callback"
         except BaseException as error:
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                error.history = history  # the loss curve up to the failure, to see what led to it
             bar.close(None)
-            if ckpt is not None and run.global_step() != saved_step:
-                checkpoint()  # the last completed step: a step is atomic
+            try:
+                if ckpt is not None and run.global_step() != saved_step:
+                    checkpoint()  # the last completed step: a step is atomic
+            finally:
+                _close(trainer_hooks)
             run.abandon(error)  # over MPI, a rank leaving alone ends the job
             raise
     bar.close(None)
-    if ckpt is not None:
-        checkpoint()
-    for hook in hooks["on_train_end"]:
-        hook(history)
+    try:
+        if ckpt is not None:
+            checkpoint()
+        for hook in hooks["on_train_end"]:
+            hook(history)
+    finally:
+        _close(trainer_hooks)
     return history
 
 
+def _close(trainer_hooks: dict) -> None:
+    """Closes every hook that can be (TensorBoard flushes its file, Record drops a step never applied)."""
+    for close in trainer_hooks["close"]:
+        close()
+
+
+class _context:
+    """Within the block, an exception is said to have happened at ``where``.
+
+    A HostavgError's message starts with ``where``; any other exception gets
+    a note.
+    """
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if isinstance(error, HostavgError):
+            error.args = (f"{self.where}: {error.args[0] if error.args else ''}", *error.args[1:])
+        elif isinstance(error, Exception):
+            error.add_note(f"hostavg: in {self.where}")
+        return False
+
+
+def _hook_methods(hooks) -> dict:
+    """The trainer's hooks' fit-time methods, looked up once: name -> bound methods."""
+    names = ("on_epoch_end", "on_resume", "close")
+    return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in names}
+
+
 def _micro_batches(batch, n: int, micro_batch_size: int, rank: int, size: int,
-                   blocks: dict | None) -> tuple[list, list]:
-    """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up), and their sizes."""
+                   blocks: dict | None, rows) -> tuple[list, list, list | None]:
+    """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up),
+    their sizes, and their data rows (None where the source can't tell)."""
     lo, hi = n * rank // size, n * (rank + 1) // size
     if lo == hi:
-        return [], []
+        return [], [], None if rows is None else []
     share = batch if size == 1 else take(batch, slice(lo, hi), n, blocks)
-    sizes = [min(micro_batch_size, hi - lo - start) for start in range(0, hi - lo, micro_batch_size)]
-    return split(share, micro_batch_size, blocks=blocks), sizes
+    starts = range(0, hi - lo, micro_batch_size)
+    sizes = [min(micro_batch_size, hi - lo - start) for start in starts]
+    micro_rows = None if rows is None else [rows[lo + a:lo + a + b] for a, b in zip(starts, sizes)]
+    return split(share, micro_batch_size, blocks=blocks), sizes, micro_rows
 
 
 def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
@@ -261,11 +318,14 @@ class ArraySource:
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
     def batches(self, epoch, seed, batch, samples):
-        """The epoch's batches from sample ``samples`` of its order on (``batch`` is unused)."""
-        order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle else None
+        """(batch, data rows) of the epoch's batches from sample ``samples`` of its order on
+        (``batch`` is unused)."""
+        order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle \
+            else np.arange(self.n)
         for start in range(samples, self.n, self.batch_size):
-            rows = slice(start, start + self.batch_size)
-            yield take(self.data, rows if order is None else order[rows], self.n, self.blocks)
+            rows = order[start:start + self.batch_size]
+            yield take(self.data, rows if self.shuffle else slice(start, start + self.batch_size),
+                       self.n, self.blocks), rows
 
 
 class _IterableSource:
@@ -289,8 +349,8 @@ class _IterableSource:
                     "list, or a callable that returns a new iterable for every epoch")
             self._used = True
         for i, feed in enumerate(it):
-            if i >= batch:
-                yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}")
+            if i >= batch:  # which rows of the user's data a batch holds, fit can't tell
+                yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}"), None
 
 
 class _DatasetSource:
@@ -312,15 +372,16 @@ class _DatasetSource:
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
     def batches(self, epoch, seed, batch, samples):
-        """The epoch's batches from sample ``samples`` of its (seeded) order on."""
-        ds = self.dataset
+        """(feed, data rows) of the epoch's batches from sample ``samples`` of its (seeded)
+        order on: the rows are the elements' positions in the dataset."""
+        ds = self.dataset.enumerate()
         if self.shuffle:
             ds = ds.shuffle(self.n or 10_000, seed=(seed + epoch) % 2**63,
                             reshuffle_each_iteration=False)
-        for element in ds.skip(samples).batch(self.batch_size).as_numpy_iterator():
+        for rows, element in ds.skip(samples).batch(self.batch_size).as_numpy_iterator():
             try:
                 yield resolve_feed(self.graph, {ph: element[k] for k, ph in self.inputs.items()},
-                                   "inputs")
+                                   "inputs"), rows
             except (KeyError, IndexError, TypeError):
                 raise HostavgError(
                     f"inputs= names elements {list(self.inputs)} but the dataset's elements "
@@ -328,35 +389,63 @@ class _DatasetSource:
 
 
 class _Progress:
-    """A tqdm bar per epoch, with loss and samples/s; shown on a terminal or in Jupyter."""
+    """One progress display per epoch, with loss and samples/s, ending on the epoch's results.
+
+    On a terminal: a tqdm bar on stderr. In Jupyter: one line of text,
+    updated in place at most every half second, so a saved notebook keeps
+    one final line per epoch.
+    """
 
     def __init__(self, progress):
-        stream = sys.stderr
-        interactive = getattr(stream, "isatty", lambda: False)() or "ipykernel" in sys.modules
-        self.enabled = progress == "always" or (progress is True and interactive)
-        self._bar = None
+        tty = getattr(sys.stderr, "isatty", lambda: False)()
+        self.jupyter = "ipykernel" in sys.modules and not tty
+        self.enabled = progress == "always" or (progress is True and (tty or self.jupyter))
+        self._bar = self._line = None
 
     def start(self, desc, total):
-        if self.enabled:
+        if not self.enabled:
+            return
+        self._t0, self._samples, self._postfix = time.perf_counter(), 0, {}
+        if self.jupyter:
+            from IPython.display import display
+            self._desc, self._total, self._n, self._shown = desc, total, 0, 0.0
+            self._line = display({"text/plain": self._text()}, raw=True, display_id=True)
+        else:
             from tqdm import tqdm
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
-            self._t0, self._samples = time.perf_counter(), 0
 
     def update(self, result):
+        if not self.enabled or (self._bar is None and self._line is None):
+            return
+        self._samples += result.size
+        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
+        self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
+                         "samples_s": f"{rate:.0f}"}
         if self._bar is not None:
-            self._samples += result.size
-            rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-            self._bar.set_postfix(loss="skipped" if result.skipped else f"{result.loss:.4f}",
-                                  samples_s=f"{rate:.0f}", refresh=False)
+            self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.update(1)
+        else:
+            self._n += 1
+            if time.perf_counter() - self._shown > 0.5:
+                self._line.update({"text/plain": self._text()}, raw=True)
 
     def close(self, logs):
+        if logs:
+            self._postfix = {k: f"{v:.4g}" if isinstance(v, float) else v
+                             for k, v in logs.items() if k != "epoch"}
         if self._bar is not None:
-            if logs:
-                self._bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v
-                                       for k, v in logs.items() if k != "epoch"})
+            self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.close()
-            self._bar = None
+        elif self._line is not None:
+            self._line.update({"text/plain": self._text()}, raw=True)
+        self._bar = self._line = None
+
+    def _text(self) -> str:
+        from tqdm import tqdm
+        self._shown = time.perf_counter()
+        postfix = ", ".join(f"{k}={v}" for k, v in self._postfix.items())
+        return tqdm.format_meter(self._n, self._total, self._shown - self._t0, prefix=self._desc,
+                                 unit="step", postfix=postfix or None, ncols=120)
 
 
 class _sigterm_as_exit:

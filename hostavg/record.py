@@ -1,14 +1,21 @@
 """An on-disk record of training steps: the mean gradient, each micro-batch's, and statistics.
 
-Format (version 1): a folder holding one file per recorded step,
+Format (version 2): a folder holding one file per recorded step,
 ``step-<global step, 10 digits>.npz``, a NumPy zip archive that loads with
 ``allow_pickle=False``:
 
 * ``meta``: a JSON string: ``format``, ``step``, ``loss``, ``size``,
-  ``stats`` (the step's scalar statistics and ``micro_norms``/``cosines``
-  lists), ``micro`` (per micro-batch: ``index``, ``start``, ``size``, ``loss``,
-  ``dropped``, ``recorded``) and ``variables`` (name -> ``{"sparse": bool,
-  "shape": [...]}``);
+  ``stats`` (the step's scalar statistics, ``micro_norms``/``cosines``
+  lists, ``variable_norms`` (name -> norm of the applied mean's gradient)
+  and ``micro_variable_norms`` (per micro-batch, name -> norm, or null)),
+  ``update_ratios`` (name -> |update| / |weights|, or null),
+  ``learning_rate`` (or null), ``info`` (what hooks reported that JSON can
+  hold, such as ``micro_norms_before_clip``), ``micro`` (per micro-batch:
+  ``index``, ``start``, ``size``, ``loss``, ``dropped``, ``recorded``,
+  ``rows``: its data rows or null) and ``variables`` (name -> ``{"sparse":
+  bool, "shape": [...]}``). Version 1 lacks the per-variable entries,
+  ``update_ratios``, ``learning_rate``, ``info`` and ``rows``; it reads as
+  missing values;
 * ``mean/<name>``: the applied mean gradient of a dense variable, or
   ``mean/<name>/indices`` and ``mean/<name>/values`` for a sparse one;
 * ``micro/<i>/<name>`` (and ``.../indices``, ``.../values``): micro-batch i's
@@ -42,7 +49,7 @@ from hostavg.gradients import Gradients, SparseGradient
 
 __all__ = ["RecordedStep", "RecordReader", "RecordWriter", "load_record"]
 
-FORMAT = 1
+FORMAT = 2
 _NAME = re.compile(r"^step-(\d+)\.npz$")
 _SCALARS = ("grad_norm", "g2", "trace_sigma", "b_simple", "norm_test", "inner_product_test",
             "orthogonality_test", "gsnr")
@@ -84,7 +91,17 @@ class RecordWriter:
         self._zip = self._tmp = None
         return final
 
+    def steps(self, since: int = 0) -> list[int]:
+        """The steps in the folder, oldest first, from ``since`` on."""
+        return sorted(s for s in _listing(self.path) if s >= since)
+
+    def delete(self, steps) -> None:
+        """Removes those steps' files."""
+        for step in steps:
+            (self.path / f"step-{step:010d}.npz").unlink(missing_ok=True)
+
     def abort(self) -> None:
+        """Discards the step begun and not finished, if any."""
         if self._zip is not None:
             self._zip.close()
             self._tmp.unlink(missing_ok=True)
@@ -107,6 +124,23 @@ def _reading(path: Path):
                            f"other steps stay readable: delete it, or read around it") from None
 
 
+def _listing(path: Path) -> dict:
+    """step -> file of every finished step in a record folder."""
+    return {int(m.group(1)): p for p in path.iterdir() if (m := _NAME.match(p.name))}
+
+
+def jsonable(info: dict) -> dict:
+    """The entries of ``info`` that a record's JSON can hold (numbers, strings, lists of them)."""
+    out = {}
+    for key, value in info.items():
+        try:
+            json.dumps(value, default=_jsonable)
+        except (TypeError, ValueError):
+            continue
+        out[str(key)] = value
+    return out
+
+
 def _jsonable(value):
     if isinstance(value, np.generic):
         return value.item()
@@ -121,8 +155,12 @@ class RecordedStep:
     Attributes:
       step, loss, size: the global step, mean loss and samples.
       stats: the step's statistics (a dict with StepStats' scalar names,
-        ``micro_norms`` and ``cosines``).
-      micro: per micro-batch: index, start, size, loss, dropped, recorded.
+        ``micro_norms``, ``cosines``, ``variable_norms`` and
+        ``micro_variable_norms``).
+      update_ratios: name -> |update| / |weights| of the apply (or None).
+      learning_rate: the optimizer's learning rate at the apply (or None).
+      info: what hooks reported (``micro_norms_before_clip``, ...).
+      micro: per micro-batch: index, start, size, loss, dropped, recorded, rows.
     """
 
     def __init__(self, path: Path):
@@ -132,6 +170,9 @@ class RecordedStep:
                 meta = json.loads(str(z["meta"][()]))
             self.step, self.loss, self.size = meta["step"], meta["loss"], meta["size"]
             self.stats, self.micro = dict(meta["stats"]), list(meta["micro"])
+            self.update_ratios = meta.get("update_ratios")
+            self.learning_rate = meta.get("learning_rate")
+            self.info = meta.get("info", {})
             self._variables = dict(meta["variables"])
 
     @property
@@ -171,10 +212,8 @@ class RecordReader:
         self.path = Path(path)
         if not self.path.is_dir():
             raise HostavgError(f"no record at {self.path}: not a folder")
-        found = sorted((int(m.group(1)), p) for p in self.path.iterdir()
-                       if (m := _NAME.match(p.name)))
-        self.steps = [s for s, _ in found]
-        self._paths = dict(found)
+        self._paths = dict(sorted(_listing(self.path).items()))
+        self.steps = list(self._paths)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -189,25 +228,81 @@ class RecordReader:
         return RecordedStep(self._paths[step])
 
     def to_pandas(self):
-        """One row per step: step, loss, size, and the scalar statistics."""
-        pd = _pandas()
-        return pd.DataFrame([{"step": s.step, "loss": s.loss, "size": s.size,
-                              **{k: s.stats.get(k) for k in _SCALARS}} for s in self]
-                            ).set_index("step")
+        """One row per step: step, loss, size, learning_rate, the scalar statistics, and
+        ``grad_norm_before_clip`` where :class:`~hostavg.hooks.ClipGlobalNorm` reported it."""
+        pd = pandas("this table")
+        rows = []
+        for s in self:
+            row = {"step": s.step, "loss": s.loss, "size": s.size,
+                   "learning_rate": s.learning_rate, **{k: s.stats.get(k) for k in _SCALARS}}
+            if "grad_norm_before_clip" in s.info:
+                row["grad_norm_before_clip"] = s.info["grad_norm_before_clip"]
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("step")
 
     def micro_table(self):
-        """One row per (step, micro-batch): start, size, loss, norm, dropped."""
-        pd = _pandas()
+        """One row per (step, micro-batch): start, size, loss, norm, dropped; and where known,
+        ``norm_before_clip`` (:class:`~hostavg.hooks.ClipMicroBatchNorm`) and ``rows``."""
+        pd = pandas("this table")
         rows = []
         for s in self:
             norms = s.stats.get("micro_norms") or [math.nan] * len(s.micro)
-            rows += [{"step": s.step, "index": m["index"], "start": m["start"], "size": m["size"],
-                      "loss": m["loss"], "norm": norm, "dropped": m["dropped"]}
-                     for m, norm in zip(s.micro, norms)]
+            before = s.info.get("micro_norms_before_clip")
+            for i, (m, norm) in enumerate(zip(s.micro, norms)):
+                row = {"step": s.step, "index": m["index"], "start": m["start"],
+                       "size": m["size"], "loss": m["loss"], "norm": norm,
+                       "dropped": m["dropped"]}
+                if before is not None:
+                    row["norm_before_clip"] = before[i]
+                if m.get("rows") is not None:
+                    row["rows"] = m["rows"]
+                rows.append(row)
         return pd.DataFrame(rows).set_index(["step", "index"])
+
+    def variable_norms(self, quantity: str = "grad_norm", micro: bool = False):
+        """One row per step (or per step and micro-batch), one column per trained variable.
+
+        Args:
+          quantity: ``"grad_norm"``, the norm of each variable's applied mean
+            gradient; or ``"update_ratio"``, |update| / |weights| of the apply.
+          micro: with ``"grad_norm"``, one row per (step, micro-batch) of
+            each micro-batch's gradient norm per variable instead.
+
+        Example::
+
+            record = hostavg.load_record("runs/record")
+            record.variable_norms().tail()            # a variable stuck at 0 stands out
+        """
+        pd = pandas("this table")
+        check_quantity(quantity)
+        if micro and quantity != "grad_norm":
+            raise HostavgError(f"micro=True tabulates each micro-batch's gradient norms, "
+                               f"quantity='grad_norm'; got quantity={quantity!r}")
+        rows, index = [], []
+        for s in self:
+            if micro:
+                for m, norms in zip(s.micro, s.stats.get("micro_variable_norms") or ()):
+                    rows.append(norms)
+                    index.append((s.step, m["index"]))
+            else:
+                rows.append((s.stats.get("variable_norms") if quantity == "grad_norm"
+                             else s.update_ratios) or {})
+                index.append(s.step)
+        names = ["step", "index"] if micro else ["step"]
+        return pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=names)
+                            if micro else pd.Index(index, name="step"))
 
     def __repr__(self) -> str:
         return f"RecordReader({str(self.path)!r}, {len(self.steps)} steps)"
+
+
+#: What a per-variable view shows: each variable's gradient norm, or |update| / |weights|.
+QUANTITIES = ("grad_norm", "update_ratio")
+
+
+def check_quantity(quantity: str) -> None:
+    if quantity not in QUANTITIES:
+        raise HostavgError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
 
 
 def load_record(path) -> RecordReader:
@@ -215,9 +310,10 @@ def load_record(path) -> RecordReader:
     return RecordReader(path)
 
 
-def _pandas():
+def pandas(what: str):
+    """The pandas module, or a HostavgError saying ``what`` needs it."""
     try:
         import pandas as pd
     except ImportError:
-        raise HostavgError("this table needs pandas: pip install pandas") from None
+        raise HostavgError(f"{what} needs pandas: pip install pandas") from None
     return pd

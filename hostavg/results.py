@@ -1,9 +1,10 @@
 """What a step hands back, and what hooks see and return: pure data, no TensorFlow.
 
-A hook is any object with ``on_micro_batch(micro)`` and/or
-``on_step(mean, result)`` (see :class:`Hook`). Every array reachable from
-these objects is read-only (see :mod:`hostavg.gradients`): to change a
-gradient, return a new mapping from the hook.
+A hook is any object with some of ``on_micro_batch(micro)``,
+``on_step(mean, result)`` and ``on_applied(result)`` (see :class:`Hook`).
+Every array reachable from these objects is read-only (see
+:mod:`hostavg.gradients`): to change a gradient, return a new mapping from
+the hook.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hostavg.errors import HostavgError
+import numpy as np
+
 from hostavg.gradients import Gradients
+from hostavg.record import pandas
 from hostavg.stats import StepStats
 
 __all__ = ["Drop", "Hook", "MicroBatch", "StepResult"]
@@ -46,6 +49,9 @@ class MicroBatch:
         (it covered samples start:start + size).
       step: the global step the step will have after its apply.
       dropped: why a hook dropped it (see :class:`hostavg.hooks.Drop`), or None.
+      rows: the row indices, in the data set, of its samples (a read-only
+        int64 array of ``size``), where the caller said them (``fit`` does
+        for a dict of arrays and a ``tf.data.Dataset``); else None.
     """
 
     index: int
@@ -55,6 +61,7 @@ class MicroBatch:
     start: int = 0
     step: int = 0
     dropped: str | None = None
+    rows: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,15 @@ class StepResult:
         and no estimates if skipped).
       skipped: why nothing was applied (every micro-batch was dropped), or None.
       info: what hooks reported, by key (e.g. norms before clipping).
+      update_ratios: name -> |w_after - w_before| / |w_before| of each
+        trained variable over this step's apply (the size of the update
+        relative to the weights; about 1e-3 is usual, 0 means the variable
+        did not move), measured in the same session call as the apply. None
+        until applied: ``on_step`` hooks see None, ``on_applied`` hooks and
+        the caller see the values.
+      learning_rate: the optimizer's learning rate at this apply (a
+        schedule's value), or None where the optimizer exposes none, or
+        before the apply.
     """
 
     loss: float | None
@@ -82,6 +98,8 @@ class StepResult:
     stats: StepStats | None = None
     skipped: str | None = None
     info: dict = field(default_factory=dict)
+    update_ratios: dict | None = None
+    learning_rate: float | None = None
 
     @property
     def dropped(self) -> tuple:
@@ -89,35 +107,75 @@ class StepResult:
         return tuple(m.index for m in self.micro if m.dropped is not None)
 
     def micro_table(self):
-        """A pandas DataFrame, one row per micro-batch: index, start, size, loss, norm, cosine, dropped.
+        """A pandas DataFrame, one row per micro-batch: start, size, loss, norm, cosine, dropped.
 
-        ``cosine`` (with the mean) is filled in "stack" mode only.
+        ``cosine`` (with the mean) is filled in "stack" mode only. With
+        :class:`~hostavg.hooks.ClipMicroBatchNorm`, ``norm_before_clip`` is
+        each norm before clipping (``norm`` is what was accumulated); where
+        the micro-batches know their data rows, ``rows`` holds them.
         """
-        try:
-            import pandas as pd
-        except ImportError:
-            raise HostavgError("micro_table needs pandas: pip install pandas") from None
+        pd = pandas("micro_table")
         cos = iter(self.stats.cosines) if self.stats and self.stats.cosines else None
         norms = self.stats.micro_norms if self.stats else [math.nan] * len(self.micro)
-        return pd.DataFrame([{
+        table = pd.DataFrame([{
             "index": m.index, "start": m.start, "size": m.size, "loss": m.loss, "norm": norm,
             "cosine": next(cos) if cos is not None and m.dropped is None else math.nan,
             "dropped": m.dropped} for m, norm in zip(self.micro, norms)]).set_index("index")
+        before = self.info.get("micro_norms_before_clip")
+        if before is not None:
+            table.insert(table.columns.get_loc("norm"), "norm_before_clip", list(before))
+        if any(m.rows is not None for m in self.micro):
+            table["rows"] = [None if m.rows is None else m.rows.tolist() for m in self.micro]
+        return table
+
+    def variable_table(self):
+        """A pandas DataFrame, one row per trained variable: the applied mean gradient's norm
+        (``grad_norm``), the update-to-weight ratio (``update_ratio``), and each micro-batch's
+        gradient norm for that variable (columns ``micro 0``, ``micro 1``, ...).
+
+        Example::
+
+            res = trainer.step(sess, feeds)
+            res.variable_table().sort_values("update_ratio")
+        """
+        pd = pandas("variable_table")
+        st = self.stats
+        names = list(st.variable_norms) if st and st.variable_norms else list(self.grads or ())
+        table = pd.DataFrame({"grad_norm": [st.variable_norms.get(n, math.nan) for n in names],
+                              "update_ratio": [(self.update_ratios or {}).get(n, math.nan)
+                                               for n in names]},
+                             index=pd.Index(names, name="variable"))
+        for m, norms in zip(self.micro, (st.micro_variable_norms or ()) if st else ()):
+            table[f"micro {m.index}"] = [norms.get(n, math.nan) for n in names]
+        return table
 
 
 class Hook(Protocol):
-    """What a trainer calls during a step; a hook has either method or both.
+    """What a trainer calls during a step; a hook has any of these methods.
 
     ``on_micro_batch(micro)`` gets each :class:`MicroBatch`, with its
     gradients, before it is accumulated, and returns None (keep it), a
     mapping of replacement gradients, or a :class:`Drop`.
     ``on_step(mean, result)`` gets the mean :class:`Gradients` and the
     :class:`StepResult` before the apply, and returns None or a replacement
-    mean. Hooks run in the order given; an exception raised in a hook
-    propagates as it is, with a note naming the hook and the micro-batch, and
-    nothing is applied.
+    mean. ``on_applied(result)`` gets the final StepResult once the apply
+    succeeded (what was applied, ``update_ratios``, ``learning_rate``); it is
+    never called for a step that failed, was rolled back or was skipped, so a
+    hook that writes steps somewhere (:class:`hostavg.hooks.Record`,
+    :class:`hostavg.hooks.TensorBoard`) writes only steps that happened.
+
+    Hooks run in the order given; an exception raised in a hook propagates as
+    it is, with a note naming the hook and the micro-batch; raised before the
+    apply, nothing is applied; raised in ``on_applied``, the step was applied.
+
+    ``fit`` also calls, where a hook has them: ``on_epoch_end(epoch, logs)``
+    after each epoch (with the validation results), ``on_resume(step)`` when
+    it resumes from a checkpoint at global step ``step``, and ``close()`` when
+    it ends, however it ends.
     """
 
     def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | None: ...
 
     def on_step(self, mean: Gradients, result: StepResult) -> Mapping | None: ...
+
+    def on_applied(self, result: StepResult) -> None: ...

@@ -74,6 +74,10 @@ class StepStats:
       micro_norms: (k,) each micro-batch's gradient norm, as accumulated.
       micro_losses: (k,) each micro-batch's loss.
       variable_norms: name -> L2 norm of that variable's applied mean gradient.
+      micro_variable_norms: (k,) per micro-batch (dropped ones too), name ->
+        L2 norm of its gradient for that variable, as accumulated; the
+        session already reduced them, so they cost nothing. None over MPI
+        (each rank holds its own micro-batches only).
       g2, trace_sigma, b_simple: :func:`noise_scale`'s estimates.
       norm_test: :func:`norm_test`.
       inner_product_test, orthogonality_test, gsnr: stack only.
@@ -85,6 +89,7 @@ class StepStats:
     micro_norms: tuple
     micro_losses: tuple
     variable_norms: dict
+    micro_variable_norms: tuple | None = None
     g2: float | None = None
     trace_sigma: float | None = None
     b_simple: float | None = None
@@ -212,7 +217,8 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
 
 def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],
                micro_norms: Sequence[float], micro_losses: Sequence[float],
-               stack: Sequence[Mapping] | None = None) -> StepStats:
+               stack: Sequence[Mapping] | None = None,
+               micro_variable_sq_norms: Sequence[Mapping] | None = None) -> StepStats:
     """A step's :class:`StepStats`.
 
     Args:
@@ -220,9 +226,14 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
       weights, sq_norms: b_i and |g_i|^2 of the k accumulated micro-batches.
       micro_norms, micro_losses: one per micro-batch of the step, dropped ones included.
       stack: the k accumulated micro-batches' gradients ("stack" mode), or None.
+      micro_variable_sq_norms: per micro-batch (dropped ones included), name ->
+        squared norm of its gradient for that variable; or None.
     """
     norms, gbar_sq = _norms(mean)
+    per_variable = None if micro_variable_sq_norms is None else tuple(
+        {name: math.sqrt(q) for name, q in sq.items()} for sq in micro_variable_sq_norms)
     base = dict(**norms, micro_norms=tuple(micro_norms), micro_losses=tuple(micro_losses),
+                micro_variable_norms=per_variable,
                 stack=None if stack is None else tuple(stack), weights=tuple(weights),
                 mean=mean, sq_norms=tuple(sq_norms), mean_sq_norm=gbar_sq)
     k = len(weights)

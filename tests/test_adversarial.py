@@ -568,7 +568,8 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     with model.graph.as_default():
         assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None).hooks == ()
         with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
-                           r"on_micro_batch or on_step \(or None\), got <hostavg.hooks.SkipNonFinite"):
+                           r"on_micro_batch or on_step or on_applied \(or None\), got "
+                           r"<hostavg.hooks.SkipNonFinite"):
             hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1),
                             hooks=hostavg.hooks.SkipNonFinite())
 
@@ -611,9 +612,9 @@ def test_command_line_mistakes_are_one_line_before_any_training(tmp_path, capsys
     a_file.write_text("")
     one_line(capsys, [*train, "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'")
     one_line(capsys, [*train, "--checkpoint-dir", str(a_file)],
-             f"hostavg train: error: checkpoint_dir '{a_file}' is a file, not a folder")
+             f"hostavg train: error: --checkpoint-dir '{a_file}' is a file, not a folder")
     one_line(capsys, [*train, "--checkpoint-dir", str(a_file / "sub")],
-             f"checkpoint_dir '{a_file / 'sub'}' cannot be made (Not a directory)")
+             f"--checkpoint-dir '{a_file / 'sub'}': '{a_file}' is not a writable folder")
     one_line(capsys, [*train, "--hidden", "1000000000"],
              "hostavg train: error: --hidden 1000000000 makes an MLP of 75,000,000,010 parameters, "
              "which needs about")

@@ -78,3 +78,64 @@ def test_console_script_is_installed():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("test accuracy ")
+
+
+def test_a_path_that_cannot_be_written_is_refused_before_training(tmp_path, capsys):
+    import time
+    t0 = time.perf_counter()
+    one_line_error(capsys, ["train", "--dataset", "digits", "--json", "/nonexistent/x.json"],
+                   "hostavg train: error: argument --json: the folder '/nonexistent' of "
+                   "'/nonexistent/x.json' does not exist")
+    one_line_error(capsys, ["train", "--json", str(tmp_path)], "is a folder; name a file")
+    (tmp_path / "file").write_text("")
+    one_line_error(capsys, ["train", "--checkpoint-dir", str(tmp_path / "file")],
+                   "--checkpoint-dir")
+    one_line_error(capsys, ["train", "--checkpoint-dir", str(tmp_path / "file" / "ck")],
+                   "is not a writable folder")
+    one_line_error(capsys, ["bench", "--json", "/nonexistent/b.json"], "does not exist")
+    assert time.perf_counter() - t0 < 5  # refused before TensorFlow and the data load
+
+
+def test_version_and_help_for_every_option(capsys):
+    from hostavg import __version__
+    from hostavg.cli import _parser
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"hostavg {__version__}\n"
+    parser = _parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in [("hostavg", parser), *commands.items()]:
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help"
+        text = sub.format_help()
+        assert "%%" not in text and "%(" not in text, name
+    assert "20% test split" in " ".join(commands["train"].format_help().split())
+    assert "smallest (about 15 s, a smoke test)" in " ".join(commands["bench"].format_help().split())
+
+
+def test_one_display_per_epoch_under_the_historys_names(tmp_path, capsys, monkeypatch):
+    argv = ["train", "--dataset", "digits", "--epochs", "2", "--hidden", "16"]
+    assert main(argv) == 0  # not a terminal: one line per epoch
+    out = capsys.readouterr()
+    lines = [line for line in out.out.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2 and "val_loss" in lines[0] and "val_accuracy" in lines[0], lines
+    assert "test loss" not in lines[0] and out.err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar alone
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert not [line for line in out.out.splitlines() if line.startswith("epoch ")]
+    assert "epoch 2/2: 100%" in out.err and "val_loss=" in out.err and "val_accuracy=" in out.err
+
+
+def test_the_tensorflow_import_prints_nothing_unless_asked():
+    code = ("import hostavg\n"
+            "tf = hostavg.import_tensorflow()\n"
+            "g = tf.Graph()\n"
+            "with g.as_default():\n"
+            "    c = tf.constant(2.0)\n"
+            "print(tf.compat.v1.Session(graph=g).run(c))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0 and run.stdout == "2.0\n" and run.stderr == "", run.stderr

@@ -201,3 +201,240 @@ def test_plots_draw_what_the_steps_hold():
     summed = Setup()
     with pytest.raises(hostavg.HostavgError, match="accumulate='stack'"):
         hostavg.plot.cosine_heatmap(summed.trainer.step(summed.sess, summed.feeds))
+
+
+# --- Honest records: only applied steps, one run per folder ----------------------------------
+
+
+class FailOnce:
+    """Raises in on_step at global step ``at``, once."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step(self, mean, result):
+        if result.step == self.at:
+            self.at = None
+            raise RuntimeError("flaky hook")
+
+
+def events(logdir) -> dict:
+    """tag -> [(step, value)] of every event file under ``logdir``."""
+    import tensorflow as tf
+    seen = {}
+    for path in sorted(Path(logdir).iterdir()):
+        for event in v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                seen.setdefault(value.tag, []).append((event.step, tf.make_ndarray(value.tensor)))
+    return seen
+
+
+def test_a_step_that_failed_after_record_and_tensorboard_saw_it_leaves_nothing(tmp_path):
+    board = TensorBoard(tmp_path / "tb")
+    s = Setup(hooks=[Record(tmp_path / "rec"), board, FailOnce(at=2)])
+    s.trainer.step(s.sess, s.feeds)
+    with pytest.raises(RuntimeError, match="flaky hook") as raised:
+        s.trainer.step(s.sess, s.feeds)
+    assert raised.value.__notes__ == ["hostavg: raised by hook FailOnce in on_step of step 2; "
+                                      "nothing was applied"]
+    assert hostavg.load_record(tmp_path / "rec").steps == [1]
+    s.trainer.step(s.sess, s.feeds)  # step 2 again, this time applied
+    board.close()
+    assert hostavg.load_record(tmp_path / "rec").steps == [1, 2]
+    assert [step for step, _ in events(tmp_path / "tb")["hostavg/loss"]] == [1, 2]
+    assert not [p for p in (tmp_path / "rec").iterdir() if p.name.startswith(".")]
+
+
+def test_an_on_applied_hook_that_fails_says_the_step_was_applied():
+    class Late:
+        def on_applied(self, result):
+            raise RuntimeError("late")
+
+    s = Setup(hooks=[Late()])
+    with pytest.raises(RuntimeError, match="late") as raised:
+        s.trainer.step(s.sess, s.feeds)
+    assert raised.value.__notes__ == ["hostavg: raised by hook Late in on_applied of step 1; "
+                                      "the step was applied"]
+    assert s.sess.run(s.trainer.global_step) == 1
+
+
+def test_a_record_folder_of_another_run_is_refused_unless_overwritten(tmp_path):
+    rec = tmp_path / "rec"
+    first = Setup(hooks=[Record(rec)])
+    for _ in range(3):
+        first.trainer.step(first.sess, first.feeds)
+    again = Setup(hooks=[Record(rec)])  # the same cell run again: a new model from step 0
+    before = again.model.values(again.sess)
+    with pytest.raises(hostavg.HostavgError,
+                       match=rf"Record: the folder '{re.escape(str(rec))}' already holds 3 steps at "
+                             rf"or after step 1, the first this run writes \(1, 2, 3\).*"
+                             rf"overwrite=True"):
+        again.trainer.step(again.sess, again.feeds)
+    after = again.model.values(again.sess)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    # The first run's trainer goes on with its own record.
+    first.trainer.step(first.sess, first.feeds)
+    assert hostavg.load_record(rec).steps == [1, 2, 3, 4]
+    fresh = Setup(hooks=[Record(rec, overwrite=True)])
+    res = fresh.trainer.step(fresh.sess, fresh.poison(0)[1:])
+    record = hostavg.load_record(rec)
+    assert record.steps == [1] and record[1].loss == res.loss and record[1].size == 35
+
+
+# --- Clipping shows both norms ---------------------------------------------------------------
+
+
+def test_norms_before_clipping_stay_aligned_with_micro_batches_when_one_is_dropped(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    probe = Setup()
+    norms = [g.global_norm() for g in probe.computes(probe.feeds)]
+    limit = float(np.median(norms))
+    s = Setup(hooks=[SkipNonFinite(), ClipMicroBatchNorm(limit), Record(tmp_path / "rec")])
+    res = s.trainer.step(s.sess, s.poison(1))
+    before = res.info["micro_norms_before_clip"]
+    assert len(before) == 4 and np.isnan(before[1])
+    np.testing.assert_allclose([before[i] for i in (0, 2, 3)], [norms[i] for i in (0, 2, 3)],
+                               rtol=1e-6)
+    table = res.micro_table()
+    assert list(table.columns[:6]) == ["start", "size", "loss", "norm_before_clip", "norm",
+                                       "cosine"]
+    np.testing.assert_allclose(table["norm"][[0, 2, 3]],
+                               np.minimum([norms[i] for i in (0, 2, 3)], limit), rtol=1e-5)
+    recorded = hostavg.load_record(tmp_path / "rec").micro_table()
+    np.testing.assert_allclose(recorded["norm_before_clip"].to_numpy(), before, rtol=1e-12)
+    ax = hostavg.plot.micro_norms([res])
+    assert [len(c.get_offsets()) for c in ax.collections] == [4, 4]
+    assert "before clipping" in ax.get_legend_handles_labels()[1][1]
+
+
+# --- Per-variable views ----------------------------------------------------------------------
+
+
+def test_per_variable_norms_and_update_ratios_in_records_tables_and_plots(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    s = Setup(hooks=[Record(tmp_path / "rec")], accumulate="stack")
+    results = [s.trainer.step(s.sess, s.feeds) for _ in range(3)]
+    record = hostavg.load_record(tmp_path / "rec")
+    names = list(s.trainer.spec)
+    norms = record.variable_norms()
+    assert list(norms.index) == [1, 2, 3] and list(norms.columns) == names
+    for res in results:
+        for name in names:
+            assert norms.loc[res.step, name] == res.stats.variable_norms[name]
+            assert record.variable_norms("update_ratio").loc[res.step, name] == \
+                res.update_ratios[name]
+    micro = record.variable_norms(micro=True)
+    assert list(micro.index[:2]) == [(1, 0), (1, 1)] and len(micro) == 3 * 4
+    for i, m in enumerate(results[-1].micro):  # each micro-batch's own gradient, per variable
+        for name in names:
+            assert micro.loc[(3, i), name] == pytest.approx(np.linalg.norm(m.grads[name]), rel=1e-5)
+    assert record.to_pandas()["learning_rate"].tolist() == pytest.approx([0.01] * 3)
+    table = results[-1].variable_table()
+    assert list(table.index) == names and list(table.columns) == [
+        "grad_norm", "update_ratio", "micro 0", "micro 1", "micro 2", "micro 3"]
+    ax = hostavg.plot.variable_norms(record)
+    assert [line.get_label() for line in ax.lines] == names
+    ax = hostavg.plot.variable_norms(results, quantity="update_ratio")
+    np.testing.assert_allclose(ax.lines[0].get_ydata(),
+                               [r.update_ratios[names[0]] for r in results])
+    with pytest.raises(hostavg.HostavgError, match=r"quantity must be one of \('grad_norm', "
+                                                   r"'update_ratio'\), got 'norm'"):
+        hostavg.plot.variable_norms(results, quantity="norm")
+
+
+def test_a_variable_whose_gradient_is_exactly_zero_shows_on_the_plot():
+    import matplotlib
+    matplotlib.use("Agg")
+
+    class ZeroBias:
+        def on_micro_batch(self, micro):
+            return {n: np.zeros_like(v) if n == "out/bias" else v for n, v in micro.grads.items()}
+
+    s = Setup(hooks=[ZeroBias()])
+    results = [s.trainer.step(s.sess, s.feeds) for _ in range(2)]
+    assert results[-1].stats.variable_norms["out/bias"] == 0
+    assert results[-1].update_ratios["out/bias"] == 0  # Adam with a zero gradient: no move
+    ax = hostavg.plot.variable_norms(results)
+    assert len(ax.collections) == 1 and len(ax.collections[0].get_offsets()) == 2
+    assert "exactly 0" in ax.get_ylabel()
+
+
+# --- TensorBoard -----------------------------------------------------------------------------
+
+
+def test_tensorboard_without_its_package_is_refused_when_made(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(hostavg.HostavgError, match=r"pip install tensorboard"):
+        TensorBoard(tmp_path / "tb")
+
+
+def test_tensorboard_in_fit_logs_the_running_noise_scale_rates_and_validation_and_closes(tmp_path):
+    from hostavg import models
+    model = models.mlp(6, [8], 3, seed=0)
+    board = TensorBoard(tmp_path / "tb", beta=0.5)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.GradientDescentOptimizer(0.1),
+                                  hooks=[board])
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    data = {model.x: x, model.y: (x[:, 0] > 0).astype(np.int32)}
+    history = trainer.fit(sess, data, batch_size=32, micro_batch_size=8, epochs=2, seed=0,
+                          validation_data=data, metrics={"accuracy": model.accuracy},
+                          progress=False)
+    seen = events(tmp_path / "tb")  # no flush by hand: fit closed the writer
+    assert [step for step, _ in seen["hostavg/loss"]] == [1, 2, 3, 4]
+    tracker = hostavg.NoiseScale(0.5)
+    running = [tracker.update(hostavg.stats.NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple))
+               for s in history.steps]
+    np.testing.assert_allclose([v for _, v in seen["hostavg/b_simple"]], running, rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in seen["hostavg/b_simple_one_step"]],
+                               [s.b_simple for s in history.steps], rtol=1e-6)
+    assert [float(v) for _, v in seen["hostavg/learning_rate"]] == pytest.approx([0.1] * 4)
+    for name in history.variables:
+        assert len(seen[f"grad_norm/{name}"]) == len(seen[f"update_ratio/{name}"]) == 4
+    assert [(step, float(v)) for step, v in seen["epoch/val_accuracy"]] == [
+        (2, pytest.approx(history.epochs[0]["val_accuracy"])),
+        (4, pytest.approx(history.epochs[1]["val_accuracy"]))]
+
+
+# --- Plots take what training produced -------------------------------------------------------
+
+
+def test_every_plot_takes_a_record_results_or_a_history_and_refuses_the_rest_before_drawing(
+        tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from hostavg import models
+    model = models.mlp(6, [8], 3, seed=0)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), accumulate="stack",
+                                  hooks=[Record(tmp_path / "rec")])
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    x = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)
+    history = trainer.fit(sess, {model.x: x, model.y: (x[:, 0] > 0).astype(np.int32)},
+                          batch_size=32, micro_batch_size=8, epochs=2, seed=0, progress=False)
+    record = hostavg.load_record(tmp_path / "rec")
+    results = [trainer.step(sess, hostavg.split({model.x: x[:32], model.y: x[:32, 0] > 0}, 8))]
+    for plot in (hostavg.plot.micro_norms, hostavg.plot.noise_scale, hostavg.plot.variable_norms):
+        drawn = [plot(source) for source in (record, history, results)]
+        assert all(ax.has_data() for ax in drawn), plot.__name__
+    np.testing.assert_allclose(hostavg.plot.micro_norms(history).lines[0].get_ydata(),
+                               hostavg.plot.micro_norms(record).lines[0].get_ydata(), rtol=1e-12)
+    assert hostavg.plot.cosine_heatmap(record).images and hostavg.plot.cosine_heatmap(results).images
+    plt.close("all")
+    for plot in (hostavg.plot.micro_norms, hostavg.plot.noise_scale, hostavg.plot.variable_norms,
+                 hostavg.plot.cosine_heatmap):
+        for wrong in ({"loss": [1.0]}, [1.0, 2.0], history.to_pandas()):
+            with pytest.raises(hostavg.HostavgError, match=rf"hostavg\.plot\.{plot.__name__} takes"):
+                plot(wrong)
+        assert plt.get_fignums() == [], plot.__name__  # nothing drawn
+    with pytest.raises(hostavg.HostavgError, match="History that fit returns does not keep"):
+        hostavg.plot.cosine_heatmap(history)

@@ -140,7 +140,9 @@ def test_validation_metrics_history_table_and_callbacks():
     assert history.epochs[-1]["val_loss"] == pytest.approx(
         trainer.evaluate(sess, val, batch_size=40)["loss"], rel=1e-6)
     table = history.to_pandas()
-    assert list(table.columns) == ["epoch", "step", "loss", "size", "samples"]
+    assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
+                                   "trace_sigma", "b_simple", "norm_test", "learning_rate",
+                                   "micro_norms"]
     assert table["samples"].iloc[-1] == 2 * N
     assert list(history.to_pandas("epochs")["val_accuracy"]) == [
         e["val_accuracy"] for e in history.epochs]
@@ -256,3 +258,109 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path
     assert want["global_step"] == 30
     for name in ("resumed.npz", "termed.npz"):
         assert_bitwise_equal(dict(np.load(tmp_path / name)), want)
+
+
+# --- Errors inside fit point at the data, and keep what came before ---------------------------
+
+
+def test_an_error_inside_fit_names_rows_epoch_batch_and_global_step_and_keeps_the_history():
+    model, trainer, sess = setup()
+    d = data(model)
+    order = np.random.default_rng([5, 0]).permutation(N)  # fit's order of epoch 0 with seed 5
+    bad_row = int(order[96 + 50])  # in batch 1, micro-batch 12
+    d[model.x] = d[model.x].copy()
+    d[model.x][bad_row, 3] = np.nan
+    seen = []
+
+    class Rows:
+        def on_step_end(self, step, result):
+            seen.append([m.rows for m in result.micro])
+
+    with pytest.raises(hostavg.HostavgError) as raised:
+        trainer.fit(sess, d, batch_size=96, micro_batch_size=4, epochs=2, seed=5,
+                    callbacks=[Rows()], progress=False)
+    error = raised.value
+    batch, micro = 1, 12
+    rows = order[batch * 96 + micro * 4:batch * 96 + micro * 4 + 4]
+    assert str(error).startswith(
+        f"fit, epoch 1/2, batch {batch + 1}/3, global step {batch}: step, micro-batch {micro} of "
+        f"24 (samples {micro * 4}:{micro * 4 + 4}, data rows {rows.tolist()}): non-finite "
+        f"gradients in 'hidden0/kernel'"), str(error)
+    assert bad_row in error.rows
+    assert len(error.history.steps) == batch and error.history.steps[-1].step == batch
+    for got, start in zip(seen, range(0, N, 96)):  # each micro-batch's rows of the user's data
+        np.testing.assert_array_equal(np.concatenate(got), order[start:start + 96])
+    assert sess.run(trainer.global_step) == batch
+
+
+def test_any_exception_leaving_fit_carries_the_history_and_a_note_where_it_happened():
+    class Boom:
+        def on_micro_batch(self, micro):
+            if micro.step == 3:
+                raise KeyError("boom")
+
+    model = models.mlp(10, [16], 3, seed=1)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Boom()])
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    with pytest.raises(KeyError) as raised:
+        trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
+                    shuffle=False, progress=False)
+    assert [s.step for s in raised.value.history.steps] == [1, 2]
+    assert raised.value.__notes__[-1] == "hostavg: in fit, epoch 1/2, batch 3/3, global step 2"
+
+
+def test_a_dataset_source_knows_its_rows():
+    model, trainer, sess = setup()
+    d = data(model)
+    rows = []
+
+    class Rows:
+        def on_step_end(self, step, result):
+            rows.extend(r for m in result.micro for r in m.rows)
+
+    dataset = tf.data.Dataset.from_tensor_slices({"x": d[model.x], "y": d[model.y]})
+    trainer.fit(sess, dataset, inputs={"x": model.x, "y": model.y}, batch_size=96,
+                micro_batch_size=32, seed=0, callbacks=[Rows()], progress=False)
+    assert sorted(rows) == list(range(N)) and rows != list(range(N))  # shuffled, each row once
+    trainer.fit(sess, [{model.x: d[model.x][:96], model.y: d[model.y][:96]}], batch_size=96,
+                micro_batch_size=32, callbacks=[type("Check", (), {
+                    "on_step_end": lambda self, step, result: rows.append(result.micro[0].rows)})()],
+                progress=False)
+    assert rows[-1] is None  # batches given as feed dicts: fit can't tell the rows
+
+
+def test_a_resumed_fit_continues_its_record(tmp_path):
+    rec, ckpt = tmp_path / "rec", tmp_path / "ck"
+
+    class StopAt:
+        def __init__(self, step):
+            self.step = step
+
+        def on_step_end(self, step, result):
+            if step == self.step:
+                raise RuntimeError("interrupted")
+
+    def run(stop=None):
+        model = models.mlp(10, [16], 3, seed=1)
+        with model.graph.as_default():
+            trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01),
+                                      hooks=[hostavg.hooks.Record(rec, micro=False)])
+            init = v1.global_variables_initializer()
+        sess = v1.Session(graph=model.graph)
+        sess.run(init)
+        return trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
+                           seed=3, checkpoint_dir=ckpt, checkpoint_every=2, progress=False,
+                           callbacks=[StopAt(stop)] if stop else [])
+
+    with pytest.raises(RuntimeError):
+        run(stop=5)
+    assert hostavg.load_record(rec).steps == [1, 2, 3, 4, 5]
+    CheckpointDir(ckpt).latest().unlink()  # as if killed: the newest checkpoint is of step 4
+    assert CheckpointDir(ckpt).latest().name == "ckpt-0000000004.npz"
+    history = run()
+    record = hostavg.load_record(rec)
+    assert record.steps == [1, 2, 3, 4, 5, 6]
+    assert [record[s].loss for s in record.steps] == [s.loss for s in history.steps]

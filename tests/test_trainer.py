@@ -343,3 +343,124 @@ def test_constructor_errors():
             hostavg.Trainer(model.loss, opt, accum_dtype="int32")
     with pytest.raises(hostavg.HostavgError, match="loss must be a scalar tensor of a"):
         hostavg.Trainer(3.0, v1.train.AdamOptimizer(0.01))
+
+
+# --- What a step tells about the weights and the data -------------------------------------
+
+LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01, "rmsprop": 0.01, "adagrad": 0.1}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_update_ratios_and_learning_rate_are_those_of_the_apply(optimizer, sparse):
+    model = build(sparse=sparse)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, OPTIMIZERS[optimizer]())
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    for d in batches(0, 3, BATCH, sparse=sparse):
+        before = model.values(sess)
+        res = trainer.step(sess, hostavg.split(model.feed(d), 10))
+        after = model.values(sess)
+        assert res.update_ratios.keys() == trainer.spec.keys()
+        for name in trainer.spec:
+            moved, norm = np.linalg.norm(after[name] - before[name]), np.linalg.norm(before[name])
+            want = 0.0 if moved == 0 else moved / norm if norm else np.inf
+            assert res.update_ratios[name] == pytest.approx(want, rel=1e-4), name
+        assert res.learning_rate == pytest.approx(LEARNING_RATES[optimizer], rel=1e-6)
+
+
+def test_a_scheduled_learning_rate_is_read_at_its_apply_and_ref_variables_get_ratios():
+    graph = v1.Graph()
+    with graph.as_default():
+        x = v1.placeholder(np.float32, [None, 2])
+        w = v1.Variable(np.ones((2, 1), np.float32), use_resource=False, name="w")  # a ref variable
+        step = v1.train.get_or_create_global_step()
+        lr = v1.train.exponential_decay(0.5, step, decay_steps=1, decay_rate=0.5)
+        trainer = hostavg.Trainer(v1.reduce_mean(v1.matmul(x, w) ** 2),
+                                  v1.train.GradientDescentOptimizer(lr))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    feed = {x: np.array([[1.0, 2.0], [0.5, -1.0]], np.float32)}
+    for k in range(3):
+        before = sess.run(w)
+        g = trainer.compute(sess, feed)["w"]
+        res = trainer.step(sess, [feed])
+        assert res.learning_rate == pytest.approx(0.5 * 0.5 ** k)  # the schedule before the increment
+        want = np.linalg.norm(sess.run(w) - before) / np.linalg.norm(before)
+        assert res.update_ratios["w"] == pytest.approx(want, rel=1e-5)
+        assert want == pytest.approx(res.learning_rate * np.linalg.norm(g) / np.linalg.norm(before),
+                                     rel=1e-5)
+
+
+def test_rows_go_onto_micro_batches_and_into_errors():
+    case = Case()
+    rows = [np.arange(100, 110), [7, 3, 5, 1, 9, 2, 8, 4, 6, 0],
+            np.random.default_rng(0).permutation(1000)[:10], np.arange(30, 40)]
+    res = case.trainer.step(case.sess, case.feeds, rows=rows)
+    for m, r in zip(res.micro, rows):
+        np.testing.assert_array_equal(m.rows, r)
+        assert m.rows.dtype == np.int64 and not m.rows.flags.writeable
+    assert res.micro_table()["rows"].tolist()[1] == rows[1]
+    x = case.model.inputs["x"]
+    bad = [dict(f) for f in case.feeds]
+    bad[2][x] = bad[2][x].copy()
+    bad[2][x][4, 0] = np.nan
+    error = unchanged(case, lambda: case.trainer.step(case.sess, bad, rows=rows),
+                      r"^step, micro-batch 2 of 4 \(samples 20:30, data rows \[\d+, \d+, \d+, \d+, "
+                      r"\.\.\.\] \(10 of them, between \d+ and \d+; the exception's \.rows holds "
+                      r"all\)\): non-finite gradients")
+    np.testing.assert_array_equal(error.rows, rows[2])
+    unchanged(case, lambda: case.trainer.step(case.sess, [bad[0], bad[2]], rows=rows[:2]),
+              r"step, micro-batch 1 of 2 \(samples 10:20, data rows \[7, 3, 5, 1, \.\.\.\]")
+    unchanged(case, lambda: case.trainer.step(case.sess, case.feeds, rows=rows[:3]),
+              r"rows must hold one array of row indices per feed \(4\)")
+    unchanged(case, lambda: case.trainer.step(case.sess, case.feeds, rows=[[1, 2]] * 4),
+              r"micro-batch 0 of 4: rows must be 10 integer row indices, one per sample, got "
+              r"shape \(2,\)")
+    assert hostavg.engine.describe_rows(np.arange(96, 128)) == "rows 96:128"
+
+
+def test_per_sample_is_each_sample_alone_against_the_feeds_mean_and_changes_nothing():
+    case = Case(update_op=True)
+    feed = case.feeds[0]
+    before = case.values()
+    table = case.trainer.per_sample(case.sess, feed)
+    after = case.values()
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    assert list(table.columns) == ["loss", "norm", "cosine"] and len(table) == 10
+    alone = [case.trainer.compute(case.sess, f) for f in hostavg.split(feed, 1)]
+    whole = case.trainer.compute(case.sess, feed)
+    flat = lambda g: np.concatenate([np.ravel(g[n]) for n in case.trainer.spec])  # noqa: E731
+    mean = flat(whole)
+    for i, g in enumerate(alone):
+        assert table["loss"][i] == pytest.approx(g.loss, rel=1e-6)
+        assert table["norm"][i] == pytest.approx(np.linalg.norm(flat(g)), rel=1e-5)
+        want = flat(g) @ mean / (np.linalg.norm(flat(g)) * np.linalg.norm(mean))
+        assert table["cosine"][i] == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+    x = case.model.inputs["x"]
+    bad = dict(feed)
+    bad[x] = feed[x].copy()
+    bad[x][6, 2] = np.nan
+    table = case.trainer.per_sample(case.sess, bad)
+    assert np.isnan(table["norm"][6]) and np.isnan(table["cosine"][6])
+    assert np.isfinite(table.drop(index=6).to_numpy()).all()  # the mean of the other nine
+
+
+def test_update_ratios_are_measured_every_so_many_steps_or_never():
+    for every, measured in ((2, [False, True, False, True]), (None, [False] * 4)):
+        case = Case()
+        with case.model.graph.as_default():
+            trainer = hostavg.Trainer(case.model.loss, v1.train.AdamOptimizer(0.01),
+                                      update_ratios_every=every)
+            case.sess.run(v1.global_variables_initializer())
+        results = [trainer.step(case.sess, case.feeds) for _ in range(4)]
+        assert [r.update_ratios is not None for r in results] == measured
+        assert all(r.learning_rate == pytest.approx(0.01) for r in results)
+    with pytest.raises(hostavg.HostavgError, match="update_ratios_every must be an integer >= 1, "
+                                                   "got 0"):
+        hostavg.Trainer(case.model.loss, v1.train.AdamOptimizer(0.01), update_ratios_every=0)
