@@ -297,25 +297,32 @@ class Engine:
         Changes nothing: no apply runs, and the rollback variables (moving
         statistics) are restored afterwards. See :mod:`hostavg.check`.
         """
+        with self._leaving_no_trace(backend, "check"):
+            whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
+            whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
+                            for _ in range(2))
+            acc = Accumulator(self.spec, accum_dtype=np.float64)
+            for micro_feed, size, _, where, _ in _prepare(backend, micro_feeds, None, "check"):
+                g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
+                acc._append(dict(g), float(size), g.loss,
+                            check_finite(g, f"check, {where}", g.loss, g.sq_norms))
+            mean = acc.mean()
+        return diagnose(whole, again, mean, len(micro_feeds))
+
+    @contextlib.contextmanager
+    def _leaving_no_trace(self, backend: Backend, call: str):
+        """Within the block no step of this trainer runs, and afterwards what the computes
+        assigned (moving statistics) is as before: for calls that only look."""
         if not self._busy.acquire(blocking=False):
-            raise HostavgError("check: a step of this trainer is running; check between steps")
+            raise HostavgError(f"{call}: a step of this trainer is running; call it between steps")
         try:
             snapshot = backend.snapshot()
             try:
-                whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
-                whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
-                                for _ in range(2))
-                acc = Accumulator(self.spec, accum_dtype=np.float64)
-                for micro_feed, size, _, where, _ in _prepare(backend, micro_feeds, None, "check"):
-                    g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
-                    acc._append(dict(g), float(size), g.loss,
-                                check_finite(g, f"check, {where}", g.loss, g.sq_norms))
-                mean = acc.mean()
+                yield
             finally:
                 backend.restore(snapshot)
         finally:
             self._busy.release()
-        return diagnose(whole, again, mean, len(micro_feeds))
 
     def _checked(self, grads: Mapping, what: str, hint: str) -> dict:
         """``grads`` conformed to the variables' dtypes and checked finite, ready to apply."""
@@ -337,27 +344,19 @@ class Engine:
         out of it. No apply runs, and the rollback variables (moving
         statistics) are restored afterwards.
         """
-        if not self._busy.acquire(blocking=False):
-            raise HostavgError("per_sample: a step of this trainer is running; call it between steps")
-        try:
-            snapshot = backend.snapshot()
-            try:
-                losses, norms, kept, index = [], [], [], []
-                acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
-                for i, (feed, n, _, where, _) in enumerate(_prepare(backend, feeds, None,
-                                                                 "per_sample")):
-                    g = self._compute(backend, feed, n, f"per_sample, {where}")[0]
-                    sq = math.fsum(_sq_norms(g).values())
-                    losses.append(g.loss)
-                    norms.append(math.sqrt(sq))
-                    if math.isfinite(sq) and math.isfinite(g.loss):
-                        acc._append(dict(g), float(n), g.loss, sq)
-                        kept.append(g)
-                        index.append(i)
-            finally:
-                backend.restore(snapshot)
-        finally:
-            self._busy.release()
+        with self._leaving_no_trace(backend, "per_sample"):
+            losses, norms, kept, index = [], [], [], []
+            acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
+            for i, (feed, n, _, where, _) in enumerate(_prepare(backend, feeds, None,
+                                                             "per_sample")):
+                g = self._compute(backend, feed, n, f"per_sample, {where}")[0]
+                sq = math.fsum(_sq_norms(g).values())
+                losses.append(g.loss)
+                norms.append(math.sqrt(sq))
+                if math.isfinite(sq) and math.isfinite(g.loss):
+                    acc._append(dict(g), float(n), g.loss, sq)
+                    kept.append(g)
+                    index.append(i)
         cosines = [math.nan] * len(losses)
         if kept:
             found = step_stats(acc.mean(), acc.weights, acc.sq_norms, (), (), kept).cosines
