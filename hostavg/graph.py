@@ -504,11 +504,14 @@ def _squared_norm(g):
     return tf.reduce_sum(tf.square(g))
 
 
-def _placeholders_read(op, fed) -> list:
+def _placeholders_read(op, fed=(), with_default: bool = True) -> list:
     """The placeholders that running ``op`` reads when ``fed`` (tensors) are fed, by name.
 
     Walks back through inputs and control inputs, stopping at fed tensors.
+    ``with_default``: count placeholders with a default too (read, though
+    they need no feed).
     """
+    kinds = ("Placeholder", "PlaceholderWithDefault") if with_default else ("Placeholder",)
     fed, seen, found = set(fed), set(), []
     todo = [op]
     while todo:
@@ -516,7 +519,7 @@ def _placeholders_read(op, fed) -> list:
         if op in seen:
             continue
         seen.add(op)
-        if op.type in ("Placeholder", "PlaceholderWithDefault"):
+        if op.type in kinds:
             found.append(op)
         todo.extend(t.op for t in op.inputs if t not in fed)
         todo.extend(op.control_inputs)
@@ -575,24 +578,10 @@ def select_update_ops(graph, loss, update_ops) -> list:
             raise HostavgError(f"update_ops must be ops or tensors of the loss's graph, got "
                                f"{stray[:3]}")
         return ops
-    needed = _placeholders(loss.op)
+    needed = set(_placeholders_read(loss.op, with_default=False))
     return [u for u in graph.get_collection(v1.GraphKeys.UPDATE_OPS)
-            if _placeholders(u if isinstance(u, tf.Operation) else u.op) <= needed]
-
-
-def _placeholders(op) -> set:
-    """The placeholder ops that running ``op`` needs fed."""
-    found, seen, todo = set(), set(), [op]
-    while todo:
-        op = todo.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in ("Placeholder", "PlaceholderV2"):
-            found.add(op)
-        todo.extend(t.op for t in op.inputs)
-        todo.extend(op.control_inputs)
-    return found
+            if set(_placeholders_read(u if isinstance(u, tf.Operation) else u.op,
+                                      with_default=False)) <= needed]
 
 
 #: Ops that take a variable (its resource handle) only to read it.
