@@ -240,13 +240,13 @@ def _train(args) -> int:
     t0 = time.perf_counter()
     if args.checkpoint_dir:
         _check_folder(args.checkpoint_dir, "--checkpoint-dir")
+    import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
     from hostavg.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
     if args.engine == "keras" and args.average != "host":
         raise HostavgError(f"--average {args.average} is for the TF1 engine; the Keras engine "
                            f"averages on the host")
     lr = _learning_rate(args.optimizer, args.lr)
-    import_tensorflow()
     from hostavg import datasets
 
     comm = _world()

@@ -74,10 +74,13 @@ def test_console_script_is_installed():
     # folder is not on PATH (pyenv without a rehash, say).
     exe = shutil.which("hostavg", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert exe, "no hostavg console script next to this Python or on PATH; pip install -e ."
+    # As a user's shell starts it: TensorFlow's log level unset, so hostavg quiets it.
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     run = subprocess.run([exe, "train", "--dataset", "digits", "--epochs", "1", "--quiet"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("test accuracy ")
+    assert run.stderr == "", run.stderr  # no TensorFlow start-up lines
 
 
 def test_a_path_that_cannot_be_written_is_refused_before_training(tmp_path, capsys):
