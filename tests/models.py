@@ -187,3 +187,20 @@ def keras_model(seed=0, sparse=False, batch_norm=False, dropout=False, regulariz
     if sparse:
         model.get_layer(name("embedding") or model.layers[1].name).set_weights([w["embedding"]])
     return model
+
+
+class FetchSpy(v1.Session):
+    """A real session that notes the fetches of every compiled call it runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fetched = []
+
+    def _make_callable_from_options(self, options):
+        run = super()._make_callable_from_options(options)
+        fetch = list(options.fetch)
+
+        def spy(*args, **kwargs):
+            self.fetched.append(fetch)
+            return run(*args, **kwargs)
+        return spy

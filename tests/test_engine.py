@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import OPTIMIZERS, batches, build, cuts, v1
+from models import OPTIMIZERS, FetchSpy, batches, build, cuts, v1
 from test_trainer import BATCH, Case, unchanged
 
 import hostavg
@@ -160,23 +160,6 @@ def test_two_threads_hammering_one_trainer_never_get_an_inconsistent_step():
 
 
 # --- The rollback snapshot holds only what a micro-batch assigns --------------------------
-
-
-class FetchSpy(v1.Session):
-    """A real session that notes the fetches of every compiled call it runs."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fetched = []
-
-    def _make_callable_from_options(self, options):
-        run = super()._make_callable_from_options(options)
-        fetch = list(options.fetch)
-
-        def spy(*args, **kwargs):
-            self.fetched.append(fetch)
-            return run(*args, **kwargs)
-        return spy
 
 
 def test_a_large_frozen_variable_is_not_in_the_rollback_snapshot():

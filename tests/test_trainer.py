@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from models import OPTIMIZERS, build, batches, cuts, full_batch, v1
+from models import OPTIMIZERS, FetchSpy, batches, build, cuts, full_batch, v1
 
 import hostavg
 
@@ -119,41 +119,27 @@ def test_sum_mode_keeps_no_micro_batch_gradients_and_matches_stack():
 
 
 def test_graph_average_runs_its_reduce_in_the_session():
-    class SpySession(v1.Session):
-        """A real session that notes the fetches of every compiled call it runs."""
-
-        fetched = []
-
-        def _make_callable_from_options(self, options):
-            run = super()._make_callable_from_options(options)
-            fetch = list(options.fetch)
-
-            def spy(*args, **kwargs):
-                SpySession.fetched.append(fetch)
-                return run(*args, **kwargs)
-            return spy
-
     def averaging(calls):
         return [f for f in calls if all(name.startswith("hostavg_average/") for name in f)]
 
     for accumulate in ("sum", "stack"):
         case = Case(accumulate=accumulate, average="graph")
         host = Case(accumulate=accumulate)
-        sess = SpySession(graph=case.model.graph)
+        sess = FetchSpy(graph=case.model.graph)
         sess.run(case.init)
-        SpySession.fetched.clear()
+        sess.fetched.clear()
         got = case.trainer.step(sess, case.feeds).grads
-        assert len(averaging(SpySession.fetched)) == 1
-        assert len(averaging(SpySession.fetched)[0]) == len(got)
+        assert len(averaging(sess.fetched)) == 1
+        assert len(averaging(sess.fetched)[0]) == len(got)
         want = host.trainer.step(host.sess, host.feeds).grads
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
         # The interactive accumulator of a graph-averaging trainer needs its session.
         acc = case.trainer.accumulator(sess)
         acc.add(case.trainer.compute(sess, case.feeds[0]))
-        SpySession.fetched.clear()
+        sess.fetched.clear()
         acc.mean()
-        assert len(averaging(SpySession.fetched)) == 1 == len(SpySession.fetched)
+        assert len(averaging(sess.fetched)) == 1 == len(sess.fetched)
 
 
 def test_interactive_compute_add_mean_apply_equals_step():
