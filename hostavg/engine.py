@@ -263,7 +263,7 @@ class Engine:
 
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), average: Average | None = None,
-                 update_ratios_every: int | None = 1):
+                 update_ratios_every: int | None = None):
         hooks = normalize_hooks(hooks)
         self.spec = spec
         self.hooks = hooks

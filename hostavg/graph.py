@@ -85,17 +85,21 @@ class Wiring:
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [v.read_value() for v in self.assigned]
             variables = [v for _, v in pairs]
-            # The update-to-weight ratios, measured in the apply's own session call: the
-            # weights are read before the optimizer runs (its ops wait for the reads), and
-            # the norms of (after - before) and of before are reduced where the values live.
+            step = self.global_step if increment_global_step else None
+            self.train_op = optimizer.apply_gradients(pairs, global_step=step)
+            # The update-to-weight ratios, measured in the apply's own session call by a
+            # second apply op of the same optimizer (same slots): the weights are read before
+            # it runs (its ops wait for the reads), and the norms of (after - before) and of
+            # before are reduced where the values live. Holding the reads makes the optimizer
+            # copy what it updates in place (a whole embedding table), so the plain train op
+            # above, which reads nothing first, serves the applies that do not measure.
             with tf.name_scope("hostavg_update_ratios"):
                 before = [_value_now(v) for v in variables]
             with tf.control_dependencies(before):
                 fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
                        if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in self._grads]
-            self.train_op = optimizer.apply_gradients(
-                list(zip(fed, variables)),
-                global_step=self.global_step if increment_global_step else None)
+            measured_train_op = optimizer.apply_gradients(list(zip(fed, variables)),
+                                                          global_step=step)
             self._apply_feeds = tuple(
                 t for g in self._grads for t in
                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
@@ -106,6 +110,8 @@ class Wiring:
             self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
                 step_after = self.global_step.read_value()
+            with tf.control_dependencies([measured_train_op]):
+                measured_step_after = self.global_step.read_value()
                 with tf.name_scope("hostavg_update_ratios"):
                     after = [_value_now(v) for v in variables]
                     # One fetched vector: |after - before|^2 per variable, then |before|^2.
@@ -120,7 +126,8 @@ class Wiring:
             lr = [] if self.learning_rate is None else [tf.identity(self.learning_rate)]
             # What an apply fetches: the global step after it and the learning rate, and
             # when measuring, the squared norms of each update and of each weight before it.
-            self._apply_fetches = {False: [step_after] + lr, True: [step_after] + lr + squares}
+            self._apply_fetches = {False: [step_after] + lr,
+                                   True: [measured_step_after] + lr + squares}
             self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
                 if average == "graph" else None
 

@@ -106,7 +106,7 @@ class Trainer:
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
                  average: str = "host", accum_dtype=None, global_step=None,
                  increment_global_step: bool = True, update_ops=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = 1):
+                 update_ratios_every: int | None = None):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "

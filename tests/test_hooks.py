@@ -21,7 +21,8 @@ class Setup:
         self.model = build(sparse=sparse)
         with self.model.graph.as_default():
             self.trainer = hostavg.Trainer(self.model.loss, v1.train.AdamOptimizer(0.01),
-                                           accumulate=accumulate, hooks=hooks)
+                                           accumulate=accumulate, hooks=hooks,
+                                           update_ratios_every=1)
             init = v1.global_variables_initializer()
         self.sess = v1.Session(graph=self.model.graph)
         self.sess.run(init)
@@ -376,7 +377,7 @@ def test_tensorboard_in_fit_logs_the_running_noise_scale_rates_and_validation_an
     board = TensorBoard(tmp_path / "tb", beta=0.5)
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.GradientDescentOptimizer(0.1),
-                                  hooks=[board])
+                                  hooks=[board], update_ratios_every=1)
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=model.graph)
     sess.run(init)

@@ -341,7 +341,7 @@ LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01, "rmsprop": 0.01, "
 def test_update_ratios_and_learning_rate_are_those_of_the_apply(optimizer, sparse):
     model = build(sparse=sparse)
     with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, OPTIMIZERS[optimizer]())
+        trainer = hostavg.Trainer(model.loss, OPTIMIZERS[optimizer](), update_ratios_every=1)
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=model.graph)
     sess.run(init)
@@ -365,7 +365,7 @@ def test_a_scheduled_learning_rate_is_read_at_its_apply_and_ref_variables_get_ra
         step = v1.train.get_or_create_global_step()
         lr = v1.train.exponential_decay(0.5, step, decay_steps=1, decay_rate=0.5)
         trainer = hostavg.Trainer(v1.reduce_mean(v1.matmul(x, w) ** 2),
-                                  v1.train.GradientDescentOptimizer(lr))
+                                  v1.train.GradientDescentOptimizer(lr), update_ratios_every=1)
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=graph)
     sess.run(init)
