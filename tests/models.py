@@ -204,3 +204,14 @@ class FetchSpy(v1.Session):
             self.fetched.append(fetch)
             return run(*args, **kwargs)
         return spy
+
+
+class FailAt:
+    """A fit callback that raises RuntimeError("stopped on purpose") after global step ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, step, result):
+        if step == self.step:
+            raise RuntimeError("stopped on purpose")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import ENV, AfterApply, build, v1
+from models import ENV, AfterApply, FailAt, build, v1
 from test_trainer import Case, unchanged
 
 import hostavg
@@ -398,15 +398,6 @@ def wait_started(proc) -> float:
 
 
 # --- Resume: the position is samples, so another batch size continues at the right one ---------
-
-
-class FailAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, step, result):
-        if step == self.step:
-            raise RuntimeError("stopped on purpose")
 
 
 def test_a_resume_with_another_batch_size_continues_at_the_next_sample(tmp_path):

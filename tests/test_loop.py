@@ -13,7 +13,7 @@ import tensorflow as tf
 import hostavg
 from hostavg import models
 from hostavg.checkpoint import CheckpointDir
-from models import ENV
+from models import ENV, FailAt
 
 v1 = tf.compat.v1
 N = 250  # batches of 96: 96, 96 and a short 58
@@ -335,14 +335,6 @@ def test_a_dataset_source_knows_its_rows():
 def test_a_resumed_fit_continues_its_record(tmp_path):
     rec, ckpt = tmp_path / "rec", tmp_path / "ck"
 
-    class StopAt:
-        def __init__(self, step):
-            self.step = step
-
-        def on_step_end(self, step, result):
-            if step == self.step:
-                raise RuntimeError("interrupted")
-
     def run(stop=None):
         model = models.mlp(10, [16], 3, seed=1)
         with model.graph.as_default():
@@ -353,9 +345,9 @@ def test_a_resumed_fit_continues_its_record(tmp_path):
         sess.run(init)
         return trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=2,
                            seed=3, checkpoint_dir=ckpt, checkpoint_every=2, progress=False,
-                           callbacks=[StopAt(stop)] if stop else [])
+                           callbacks=[FailAt(stop)] if stop else [])
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
         run(stop=5)
     assert hostavg.load_record(rec).steps == [1, 2, 3, 4, 5]
     CheckpointDir(ckpt).latest().unlink()  # as if killed: the newest checkpoint is of step 4
