@@ -215,3 +215,12 @@ class FailAt:
     def on_step_end(self, step, result):
         if step == self.step:
             raise RuntimeError("stopped on purpose")
+
+
+def poisoned(case, index: int) -> list:
+    """``case.feeds`` (micro-batches of a dense model) with one NaN input in micro-batch ``index``."""
+    x = case.model.inputs["x"]
+    feeds = [dict(f) for f in case.feeds]
+    feeds[index][x] = feeds[index][x].copy()
+    feeds[index][x][0, 0] = np.nan
+    return feeds

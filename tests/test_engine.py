@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import OPTIMIZERS, FetchSpy, batches, build, cuts, v1
+from models import OPTIMIZERS, FetchSpy, batches, build, cuts, poisoned, v1
 from test_trainer import BATCH, Case, unchanged
 
 import hostavg
@@ -206,14 +206,6 @@ def test_a_failed_step_restores_what_update_ops_assigned():
 
 
 # --- Errors name the real culprit ---------------------------------------------------------
-
-
-def poisoned(case, index):
-    x = case.model.inputs["x"]
-    feeds = [dict(f) for f in case.feeds]
-    feeds[index][x] = feeds[index][x].copy()
-    feeds[index][x][0, 0] = np.nan
-    return feeds
 
 
 def test_a_nan_after_a_dropped_micro_batch_is_named_by_its_own_index():

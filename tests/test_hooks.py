@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from models import ENV, batches, build, cuts, v1
+from models import ENV, batches, build, cuts, poisoned, v1
 
 import hostavg
 from hostavg import stats
@@ -30,11 +30,7 @@ class Setup:
         self.feeds = [self.model.feed({k: v[s] for k, v in data.items()}) for s in cuts(40, SIZES)]
 
     def poison(self, index):
-        x = self.model.inputs["x"]
-        feeds = [dict(f) for f in self.feeds]
-        feeds[index][x] = feeds[index][x].copy()
-        feeds[index][x][0, 0] = np.nan
-        return feeds
+        return poisoned(self, index)
 
     def computes(self, feeds):
         return [self.trainer.compute(self.sess, f) for f in feeds]
