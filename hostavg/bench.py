@@ -20,7 +20,8 @@ step time. Implementations:
   placeholder graph, then ``sess.run(train_op, feed_dict=...)`` through the
   gradient tensors (sparse gradients are fetched dense);
 * ``full-batch``: one ``minimize`` step on the concatenated batch, no
-  accumulation: the compute floor, where memory allows;
+  accumulation: the compute floor, where memory allows. At k = 1 it is the
+  program's own train op run on the same feed, what hostavg replaces;
 * ``hostavg-keras``: the same model as a Keras 3 model (same layers and
   initial weights, :mod:`hostavg.models`), trained by ``hostavg.keras.Trainer``
   with its defaults;
@@ -28,9 +29,17 @@ step time. Implementations:
   ``Adam(..., gradient_accumulation_steps=k)``, one ``train_on_batch`` per
   micro-batch: Keras's answer to the same problem.
 
-Both Keras implementations use ``keras.optimizers.Adam(1e-3, epsilon=1e-8)``,
-the update of ``tf.compat.v1.train.AdamOptimizer(1e-3)``, so every
-implementation ends with the same weights.
+Every implementation uses the configuration's optimizer (:data:`OPTIMIZERS`):
+``tf.compat.v1.train.AdamOptimizer(1e-3)`` or ``GradientDescentOptimizer(0.1)``;
+the Keras ones ``keras.optimizers.Adam(1e-3, epsilon=1e-8)`` (the same update)
+or ``SGD(0.1)``, so every implementation ends with the same weights.
+
+Each configuration's ratios are to its baseline: ``full-batch`` at k = 1 (the
+program's own ``minimize`` step, so the ratio is hostavg's overhead), else
+``in-graph`` (the usual way to accumulate). Steps of a millisecond or less
+are timed several at a time (``min_sample_s``): one sample is as many
+consecutive steps as the slowest implementation takes that long for, and
+records their mean.
 
 Peak host memory is measured per implementation in a fresh process (the peak
 resident set size during a few steps, above what it was before them), since a
@@ -39,7 +48,9 @@ process's allocators keep what earlier implementations freed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -49,13 +60,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "Config", "measure_memory",
-           "run", "time_config"]
+from hostavg.errors import HostavgError
+
+__all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "OPTIMIZERS", "Config",
+           "baseline", "grid", "measure_memory", "run", "time_config"]
 
 IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
                    "full-batch", "hostavg-keras", "keras-accum", "hostavg-stack+stats")
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds the last one).
 DEFAULT_IMPLEMENTATIONS = IMPLEMENTATIONS[:-1]
+#: What ``hostavg bench --grid overhead`` runs unless told otherwise.
+OVERHEAD_IMPLEMENTATIONS = ("hostavg", "full-batch", "in-graph")
+#: The optimizers a configuration can name (see :func:`_optimizer`).
+OPTIMIZERS = ("adam", "sgd")
+#: Most consecutive steps one timed sample may hold (see :func:`time_config`).
+MAX_STEPS_PER_SAMPLE = 2000
+#: ``min_sample_s`` of ``hostavg bench --grid overhead``, whose steps take a millisecond or less.
+OVERHEAD_MIN_SAMPLE_S = 0.1
 
 #: name -> (builder keyword arguments, description)
 CONFIG_MODELS = {
@@ -64,19 +85,44 @@ CONFIG_MODELS = {
     "mlp-2m": ("mlp", {"features": 784, "hidden": [1024, 1024], "classes": 10}),
     "conv": ("convnet", {"side": 28, "channels": [16, 32], "classes": 10}),
     "embedding": ("embedding", {"vocab": 100_000, "dim": 32, "length": 16, "classes": 10}),
+    "logreg": ("mlp", {"features": 784, "hidden": [], "classes": 10}),
+    "embedding-50k": ("embedding", {"vocab": 50_000, "dim": 64, "length": 16, "classes": 10}),
 }
+#: The models of the quick and full grids.
+_GRID_MODELS = ("mlp-50k", "mlp-300k", "mlp-2m", "conv", "embedding")
 
 
 @dataclass(frozen=True)
 class Config:
-    """One cell of the grid: a model, a micro-batch size and a number of micro-batches."""
+    """One cell of the grid: a model, a micro-batch size, a number of micro-batches, an optimizer.
+
+    ``optimizer`` is one of :data:`OPTIMIZERS` (default "adam"; ``str`` names
+    it only when it is another).
+    """
 
     model: str
     micro_batch_size: int
     k: int
+    optimizer: str = "adam"
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise HostavgError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                               f"got {self.optimizer!r}")
 
     def __str__(self):
-        return f"{self.model} micro={self.micro_batch_size} k={self.k}"
+        opt = "" if self.optimizer == "adam" else f" opt={self.optimizer}"
+        return f"{self.model} micro={self.micro_batch_size} k={self.k}{opt}"
+
+
+def baseline(config: Config) -> str:
+    """The implementation ``config``'s ratios are to: ``full-batch`` at k = 1, else ``in-graph``.
+
+    With one micro-batch, ``full-batch`` is the program's own train op run on
+    the same feed, so the ratio is what hostavg adds; with more, in-graph
+    accumulation is what hostavg replaces.
+    """
+    return "full-batch" if config.k == 1 else "in-graph"
 
 
 def _build(model: str, seed: int = 0, keras: bool = False):
@@ -109,23 +155,30 @@ def _batches(model: str, config: Config, steps: int, seed: int = 0):
     return out
 
 
-def _optimizer():
+def _optimizer(name: str):
+    """The TF1 optimizer ``name`` (one of :data:`OPTIMIZERS`)."""
     import tensorflow as tf
-    return tf.compat.v1.train.AdamOptimizer(1e-3)
+    train = tf.compat.v1.train
+    return {"adam": lambda: train.AdamOptimizer(1e-3),
+            "sgd": lambda: train.GradientDescentOptimizer(0.1)}[name]()
 
 
-def _keras_optimizer(**kwargs):
+def _keras_optimizer(name: str, **kwargs):
+    """The Keras 3 twin of ``_optimizer(name)``: the same update (Adam with TF1's epsilon)."""
     import keras
-    return keras.optimizers.Adam(1e-3, epsilon=1e-8, **kwargs)
+    opt = keras.optimizers
+    return {"adam": lambda: opt.Adam(1e-3, epsilon=1e-8, **kwargs),
+            "sgd": lambda: opt.SGD(0.1, **kwargs)}[name]()
 
 
 class _Impl:
     """One implementation of an optimizer step over k micro-batches, in its own graph and session."""
 
-    def __init__(self, model_name: str, session_config=None):
+    def __init__(self, config: Config, session_config=None):
         import tensorflow as tf
         self.tf, self.v1 = tf, tf.compat.v1
-        self.model = _build(model_name)
+        self.config = config
+        self.model = _build(config.model)
         with self.model.graph.as_default():
             self._build()
             init = self.v1.global_variables_initializer()
@@ -148,14 +201,14 @@ class _Impl:
 
 
 class _Hostavg(_Impl):
-    def __init__(self, model_name, accumulate="sum", average="host", read_stats=False, **kw):
+    def __init__(self, config, accumulate="sum", average="host", read_stats=False, **kw):
         self.accumulate, self.average, self.read_stats = accumulate, average, read_stats
-        super().__init__(model_name, **kw)
+        super().__init__(config, **kw)
 
     def _build(self):
         from hostavg.trainer import Trainer
-        self.trainer = Trainer(self.model.loss, _optimizer(), accumulate=self.accumulate,
-                               average=self.average)
+        self.trainer = Trainer(self.model.loss, _optimizer(self.config.optimizer),
+                               accumulate=self.accumulate, average=self.average)
 
     def step(self, micro):
         result = self.trainer.step(self.sess, [self.feed(x, y) for x, y in micro])
@@ -167,7 +220,7 @@ class _Hostavg(_Impl):
 class _InGraph(_Impl):
     def _build(self):
         tf, v1 = self.tf, self.v1
-        opt = _optimizer()
+        opt = _optimizer(self.config.optimizer)
         pairs = [(g, v) for g, v in opt.compute_gradients(self.model.loss) if g is not None]
         self.n = v1.placeholder(tf.float32, ())
         with tf.name_scope("in_graph_accumulators"):
@@ -195,7 +248,7 @@ class _InGraph(_Impl):
 class _PlainHost(_Impl):
     def _build(self):
         tf, v1 = self.tf, self.v1
-        opt = _optimizer()
+        opt = _optimizer(self.config.optimizer)
         pairs = [(tf.convert_to_tensor(g), v) for g, v in opt.compute_gradients(self.model.loss)
                  if g is not None]
         self.grads = [g for g, _ in pairs]
@@ -212,7 +265,7 @@ class _PlainHost(_Impl):
 
 class _FullBatch(_Impl):
     def _build(self):
-        self.train = _optimizer().minimize(self.model.loss)
+        self.train = _optimizer(self.config.optimizer).minimize(self.model.loss)
 
     def step(self, micro):
         self.sess.run(self.train, self.feed(np.concatenate([x for x, _ in micro]),
@@ -222,8 +275,9 @@ class _FullBatch(_Impl):
 class _KerasImpl:
     """One implementation on the Keras twin of the model."""
 
-    def __init__(self, model_name: str):
-        self.model = _build(model_name, keras=True)
+    def __init__(self, config: Config):
+        self.config = config
+        self.model = _build(config.model, keras=True)
 
     @property
     def parameters(self) -> int:
@@ -237,21 +291,23 @@ class _KerasImpl:
 
 
 class _HostavgKeras(_KerasImpl):
-    def __init__(self, model_name):
-        super().__init__(model_name)
+    def __init__(self, config):
+        super().__init__(config)
         from hostavg import models
         from hostavg.keras import Trainer
-        self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer())
+        self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer(config.optimizer))
 
     def step(self, micro):
         self.trainer.step(micro)
 
 
 class _KerasAccumulation(_KerasImpl):
-    def __init__(self, model_name, k: int):
-        super().__init__(model_name)
+    def __init__(self, config):
+        super().__init__(config)
         from hostavg import models
-        self.model.compile(optimizer=_keras_optimizer(gradient_accumulation_steps=k),
+        # Keras accepts gradient_accumulation_steps >= 2 only; one micro-batch is a plain step.
+        steps = {"gradient_accumulation_steps": config.k} if config.k > 1 else {}
+        self.model.compile(optimizer=_keras_optimizer(config.optimizer, **steps),
                            loss=models.keras_loss())
 
     def step(self, micro):
@@ -260,33 +316,51 @@ class _KerasAccumulation(_KerasImpl):
 
 
 def _make(name: str, config: Config, session_config=None):
-    kw, model_name = {"session_config": session_config}, config.model
-    return {"hostavg": lambda: _Hostavg(model_name, **kw),
-            "hostavg-stack": lambda: _Hostavg(model_name, accumulate="stack", **kw),
-            "hostavg-stack+stats": lambda: _Hostavg(model_name, accumulate="stack",
-                                                    read_stats=True, **kw),
-            "hostavg-graph": lambda: _Hostavg(model_name, average="graph", **kw),
-            "in-graph": lambda: _InGraph(model_name, **kw),
-            "plain-host": lambda: _PlainHost(model_name, **kw),
-            "full-batch": lambda: _FullBatch(model_name, **kw),
-            "hostavg-keras": lambda: _HostavgKeras(model_name),
-            "keras-accum": lambda: _KerasAccumulation(model_name, config.k)}[name]()
+    kw = {"session_config": session_config}
+    return {"hostavg": lambda: _Hostavg(config, **kw),
+            "hostavg-stack": lambda: _Hostavg(config, accumulate="stack", **kw),
+            "hostavg-stack+stats": lambda: _Hostavg(config, accumulate="stack", read_stats=True,
+                                                    **kw),
+            "hostavg-graph": lambda: _Hostavg(config, average="graph", **kw),
+            "in-graph": lambda: _InGraph(config, **kw),
+            "plain-host": lambda: _PlainHost(config, **kw),
+            "full-batch": lambda: _FullBatch(config, **kw),
+            "hostavg-keras": lambda: _HostavgKeras(config),
+            "keras-accum": lambda: _KerasAccumulation(config)}[name]()
 
 
 def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7,
-                warmup: int = 1) -> dict:
-    """Median step seconds per implementation, timed interleaved; also their weights' agreement."""
+                warmup: int = 1, min_sample_s: float = 0.0) -> dict:
+    """Median step seconds per implementation, timed interleaved; also their weights' agreement.
+
+    After ``warmup`` steps of each, ``repeats`` rounds each draw new
+    micro-batches and take one sample of every implementation on them, in an
+    order that rotates by one each round. A sample is ``steps_per_sample``
+    consecutive steps on that round's micro-batches and records their mean
+    time: one step when ``min_sample_s`` is 0, else as many as the slowest
+    implementation takes ``min_sample_s`` seconds for (per-step times from
+    a few probe steps of each; at most ``MAX_STEPS_PER_SAMPLE``), the same for
+    every implementation. Every implementation takes the same steps on the
+    same micro-batches, so all should end with the same weights:
+    ``max_weight_diff`` is each one's largest difference from the first one's.
+    """
+    if not (min_sample_s >= 0 and math.isfinite(min_sample_s)):
+        raise HostavgError(f"min_sample_s must be a finite number >= 0, got {min_sample_s!r}")
     impls = {name: _make(name, config) for name in implementations}
     data = _batches(config.model, config, warmup + repeats)
+    for micro in data[:warmup]:
+        for impl in impls.values():
+            impl.step(micro)
+    inner = _steps_per_sample(impls, data[0], min_sample_s)
     times = {name: [] for name in impls}
     names = list(impls)
-    for r, micro in enumerate(data):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
+    for r, micro in enumerate(data[warmup:]):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = impls[name].step
             t0 = time.perf_counter()
-            impls[name].step(micro)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+            for _ in range(inner):
+                step(micro)
+            times[name].append((time.perf_counter() - t0) / inner)
     weights = {name: impl.weights() for name, impl in impls.items()}
     reference = weights[names[0]]
     diff = {name: max(float(np.max(np.abs(a - b))) for a, b in zip(w, reference))
@@ -295,7 +369,27 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
         impl.close()
     return {"median_s": {n: statistics.median(t) for n, t in times.items()},
             "iqr_s": {n: _iqr(t) for n, t in times.items()},
-            "max_weight_diff": diff, "parameters": impls[names[0]].parameters}
+            "max_weight_diff": diff, "parameters": impls[names[0]].parameters,
+            "steps_per_sample": inner}
+
+
+def _steps_per_sample(impls: dict, micro: list, min_sample_s: float, probes: int = 5) -> int:
+    """Steps that make the slowest implementation's sample last ``min_sample_s`` (1 if it is 0).
+
+    Takes ``probes`` steps of each implementation on ``micro`` (all take
+    them, so their weights stay equal) and uses the slowest median step time.
+    """
+    if min_sample_s == 0:
+        return 1
+    slowest = 0.0
+    for impl in impls.values():
+        steps = []
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            impl.step(micro)
+            steps.append(time.perf_counter() - t0)
+        slowest = max(slowest, statistics.median(steps))
+    return max(1, min(MAX_STEPS_PER_SAMPLE, math.ceil(min_sample_s / slowest)))
 
 
 def _iqr(values: list) -> float:
@@ -309,8 +403,7 @@ def _iqr(values: list) -> float:
 def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
     """Peak resident memory added by ``steps`` steps of one implementation, in a fresh process (bytes)."""
     code = ("import json, sys; from hostavg.bench import _memory_probe, Config; "
-            f"print(json.dumps(_memory_probe(Config({config.model!r}, {config.micro_batch_size}, "
-            f"{config.k}), {implementation!r}, {steps})))")
+            f"print(json.dumps(_memory_probe({config!r}, {implementation!r}, {steps})))")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=600)
@@ -342,54 +435,98 @@ def _status_kb(field: str) -> int:
 
 
 def grid(name: str) -> list[Config]:
-    """The configurations of grid ``"quick"`` (the default), ``"full"`` or ``"smallest"``.
+    """The configurations of grid "quick" (the default), "full", "smallest" or "overhead".
 
-    smallest: mlp-50k, micro-batches of 32, k = 4 (a smoke test); quick: every
-    model at micro-batch size 32 with k = 4 and 8; full: micro-batch sizes 32
-    and 128 with k = 4, 8 and 32.
+    smallest: mlp-50k, micro-batches of 32, k = 4 (a smoke test); quick: the
+    five original models (mlp-50k, mlp-300k, mlp-2m, conv, embedding) at
+    micro-batch size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128
+    with k = 4, 8 and 32. overhead: one micro-batch of 32 (k = 1) of logreg,
+    mlp-50k and embedding-50k with Adam and of embedding-50k with SGD, whose
+    baseline is the program's own train op; then embedding-50k at k = 8 with
+    SGD and Adam against in-graph accumulation.
     """
     if name == "smallest":
         return [Config("mlp-50k", 32, 4)]
     if name == "quick":
-        return [Config(m, 32, k) for m in CONFIG_MODELS for k in (4, 8)]
-    return [Config(m, micro, k) for m in CONFIG_MODELS for micro in (32, 128) for k in (4, 8, 32)]
+        return [Config(m, 32, k) for m in _GRID_MODELS for k in (4, 8)]
+    if name == "overhead":
+        return [*(Config(m, 32, 1, opt) for m, opt in (("logreg", "adam"), ("mlp-50k", "adam"),
+                                                        ("embedding-50k", "adam"),
+                                                        ("embedding-50k", "sgd"))),
+                Config("embedding-50k", 32, 8, "sgd"), Config("embedding-50k", 32, 8, "adam")]
+    return [Config(m, micro, k) for m in _GRID_MODELS for micro in (32, 128) for k in (4, 8, 32)]
 
 
 def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memory: bool = True,
-        memory_config: Config = Config("mlp-2m", 32, 8), out=print, progress=None) -> dict:
+        memory_config: Config = Config("mlp-2m", 32, 8), out=print, progress=None,
+        min_sample_s: float = 0.0) -> dict:
     """Times every configuration, measures memory, prints tables; returns the JSON-ready results.
 
+    Each configuration's ratios are to its :func:`baseline` (``ratio_to_baseline``,
+    empty when that implementation is not run; ``ratio_to_in_graph`` is kept
+    for older readers). ``min_sample_s``: see :func:`time_config`.
     ``progress``: a stream for one line per configuration and memory probe
     as it starts (default standard error; False for none).
     """
     say = _progress(progress)
     results = {"machine": _machine(), "repeats": repeats, "configs": []}
+    first = max([28, *(len(str(c)) + 2 for c in configs)])
     widths = [max(len(n), 19) + 2 for n in implementations]
-    out(f"{'configuration':<28}{'params':>10}" + "".join(f"{n:>{w}}" for n, w in
-                                                          zip(implementations, widths)))
+    out(f"{'configuration':<{first}}{'params':>10}" + "".join(f"{n:>{w}}" for n, w in
+                                                               zip(implementations, widths)))
+    samples = (f"{repeats} samples of each of {len(implementations)} implementations, a sample "
+               f"being as many steps as the slowest takes {min_sample_s:g} s for"
+               if min_sample_s else
+               f"{repeats} steps of each of {len(implementations)} implementations")
     for i, config in enumerate(configs):
-        say(f"timing {config} ({i + 1} of {len(configs)}): {repeats} steps of each of "
-            f"{len(implementations)} implementations")
-        r = time_config(config, implementations, repeats)
-        base = r["median_s"].get("in-graph")
-        r["ratio_to_in_graph"] = {n: t / base for n, t in r["median_s"].items()} if base else {}
-        results["configs"].append({"model": config.model, "micro_batch_size": config.micro_batch_size,
-                                   "k": config.k, **r})
-        cells = "".join(f"{_cell(r['median_s'][n], r['iqr_s'][n], base):>{w}}"
+        say(f"timing {config} ({i + 1} of {len(configs)}): {samples}")
+        r = time_config(config, implementations, repeats, min_sample_s=min_sample_s)
+        t = r["median_s"]
+        base_name = baseline(config)
+        base = t.get(base_name)
+        r["baseline"] = base_name
+        r["ratio_to_baseline"] = {n: v / base for n, v in t.items()} if base else {}
+        in_graph = t.get("in-graph")
+        r["ratio_to_in_graph"] = {n: v / in_graph for n, v in t.items()} if in_graph else {}
+        results["configs"].append({**dataclasses.asdict(config), **r})
+        cells = "".join(f"{_cell(t[n], r['iqr_s'][n], base):>{w}}"
                         for n, w in zip(implementations, widths))
-        out(f"{str(config):<28}{r['parameters']:>10,}{cells}")
+        out(f"{str(config):<{first}}{r['parameters']:>10,}{cells}")
     out("(each cell: median step time, its interquartile range in parentheses"
-        + (", and its ratio to in-graph accumulation)" if "in-graph" in implementations else ")"))
+        + _ratio_note(configs, implementations))
+    steps = sorted({c["steps_per_sample"] for c in results["configs"]})
+    if steps and steps[-1] > 1:
+        out(f"(times per step; each sample timed {steps[0]}"
+            + (f" to {steps[-1]}" if len(steps) > 1 else "")
+            + f" consecutive steps, as many as the slowest implementation takes "
+              f"{min_sample_s:g} s for)")
     if {"hostavg-keras", "keras-accum"} <= set(implementations):
         out("\nKeras 3's own accumulation over hostavg's Keras engine (keras-accum / hostavg-keras):")
-        for c in results["configs"]:
+        for config, c in zip(configs, results["configs"]):
             t = c["median_s"]
             c["keras_accum_over_hostavg_keras"] = t["keras-accum"] / t["hostavg-keras"]
-            out(f"  {str(Config(c['model'], c['micro_batch_size'], c['k'])):<28}"
-                f"{c['keras_accum_over_hostavg_keras']:.2f}x")
+            out(f"  {str(config):<{first}}{c['keras_accum_over_hostavg_keras']:.2f}x")
     if memory:
         results["memory"] = _memory_tables(implementations, memory_config, out, say)
     return results
+
+
+#: How the table's footer names each baseline, and where it is the baseline.
+_BASELINE_WORDS = {
+    "full-batch": ("full-batch, the program's own train op on the same feed", "k = 1"),
+    "in-graph": ("in-graph accumulation", "k > 1")}
+
+
+def _ratio_note(configs, implementations) -> str:
+    """The end of the table's footer: what each cell's ratio is relative to."""
+    wanted = {baseline(c) for c in configs}
+    shown = [b for b in _BASELINE_WORDS if b in wanted and b in implementations]
+    if not shown:
+        return ")"
+    if wanted == set(shown) and len(shown) == 1:
+        return f", and its ratio to {_BASELINE_WORDS[shown[0]][0]})"
+    return (", and its ratio to the configuration's baseline: "
+            + "; ".join("{}, where {}".format(*_BASELINE_WORDS[b]) for b in shown) + ")")
 
 
 def _progress(stream):
@@ -399,7 +536,10 @@ def _progress(stream):
 
 
 def _cell(seconds: float, iqr: float, base: float | None) -> str:
-    return f"{seconds * 1e3:.1f}ms ({iqr * 1e3:.1f})" + (f" {seconds / base:.2f}" if base else "")
+    """``median (iqr) ratio``, in milliseconds: to 0.01 ms under a millisecond, else to 0.1 ms."""
+    digits = 2 if seconds < 1e-3 else 1
+    return (f"{seconds * 1e3:.{digits}f}ms ({iqr * 1e3:.{digits}f})"
+            + (f" {seconds / base:.2f}" if base else ""))
 
 
 def _memory_tables(implementations, config: Config, out, say) -> dict:
@@ -415,8 +555,7 @@ def _memory_tables(implementations, config: Config, out, say) -> dict:
     for n in ("hostavg", "hostavg-stack"):
         if n in implementations:
             say(f"measuring memory: {n} at k = 4 and 64")
-            scaling[n] = {k: measure_memory(Config(config.model, config.micro_batch_size, k), n)
-                          for k in (4, 64)}
+            scaling[n] = {k: measure_memory(dataclasses.replace(config, k=k), n) for k in (4, 64)}
             out(f"  {n:<22}k=4: {scaling[n][4] / mib:.1f} MiB, k=64: {scaling[n][64] / mib:.1f} MiB")
     return {"config": str(config), "peak_bytes": per_impl, "k_scaling": scaling}
 

@@ -132,14 +132,27 @@ def _parser() -> _Parser:
                       "Keras 3's own accumulation",
         description="Runs the same model, data and micro-batches through every implementation, "
                     "interleaved in one process; prints median step times, their ratios to "
-                    "in-graph accumulation, and peak host memory per implementation.")
-    bench.add_argument("--grid", choices=("quick", "full", "smallest"), default="quick",
-                       help="quick (default, about 4 minutes on 2 cores): every model at micro-batch "
-                            "size 32 with k = 4 and 8; full: micro-batch sizes 32 and 128, "
-                            "k = 4, 8, 32; smallest (about 15 s, a smoke test): mlp-50k at "
-                            "micro-batch size 32 with k = 4, no memory probes")
+                    "each configuration's baseline (in-graph accumulation; with one micro-batch, "
+                    "the program's own train op), and peak host memory per implementation.")
+    bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead"), default="quick",
+                       help="quick (default, about 4 minutes on 2 cores): mlp-50k, mlp-300k, "
+                            "mlp-2m, conv and embedding at micro-batch size 32 with k = 4 and 8; "
+                            "full: micro-batch sizes 32 and 128, k = 4, 8, 32; smallest (about "
+                            "15 s, a smoke test): mlp-50k at micro-batch size 32 with k = 4, no "
+                            "memory probes; overhead (about 25 s on 2 cores): what hostavg adds "
+                            "to a step of one micro-batch (k = 1) against the program's own train "
+                            "op (full-batch) on logreg, mlp-50k and embedding-50k with Adam and "
+                            "embedding-50k with SGD, then embedding-50k at k = 8 with SGD and Adam "
+                            "against in-graph accumulation; hostavg, full-batch and in-graph, "
+                            "each sample as many steps as the slowest takes 0.1 s for, no memory "
+                            "probes")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
-                       help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, embedding")
+                       help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, "
+                            "embedding, logreg, embedding-50k")
+    bench.add_argument("--optimizers", type=_names, default=None, metavar="NAMES",
+                       help="only these optimizers, comma-separated: adam (AdamOptimizer(1e-3)), "
+                            "sgd (GradientDescentOptimizer(0.1)); default the grid's (adam, and "
+                            "also sgd in the overhead grid)")
     bench.add_argument("--micro-batch-sizes", type=_int_list("micro-batch sizes", "32,128"), default=None,
                        metavar="SIZES", help="only these micro-batch sizes, comma-separated")
     bench.add_argument("--k", type=_int_list("numbers of micro-batches", "4,8"), default=None,
@@ -168,27 +181,39 @@ def _bench(args) -> int:
     import_tensorflow()
     from hostavg import bench
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
-                               ("implementation", args.implementations, bench.IMPLEMENTATIONS)):
+                               ("implementation", args.implementations, bench.IMPLEMENTATIONS),
+                               ("optimizer", args.optimizers, bench.OPTIMIZERS)):
         unknown = sorted(set(given or ()) - set(known))
         if unknown:
             raise HostavgError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
     if args.repeats < 1:
         raise HostavgError(f"--repeats must be >= 1, got {args.repeats}")
-    configs = [c for c in bench.grid(args.grid)
-               if (args.models is None or c.model in args.models)]
-    if args.models or args.micro_batch_sizes or args.k:
-        models = args.models or sorted({c.model for c in configs}, key=list(bench.CONFIG_MODELS).index)
-        sizes = args.micro_batch_sizes or sorted({c.micro_batch_size for c in configs})
-        ks = args.k or sorted({c.k for c in configs})
-        configs = [bench.Config(m, b, k) for m in models for b in sizes for k in ks]
-    implementations = tuple(args.implementations or bench.DEFAULT_IMPLEMENTATIONS)
+    whole = bench.grid(args.grid)
+    by_model = [c for c in whole if args.models is None or c.model in args.models]
+    configs = [c for c in by_model if args.optimizers is None or c.optimizer in args.optimizers]
+    if args.models or args.micro_batch_sizes or args.k or args.optimizers:
+        # What is not named comes from the grid's configurations that the filters keep, else
+        # from those of the named models, else from the whole grid.
+        pool = configs or by_model or whole
+        models = args.models or sorted({c.model for c in pool}, key=list(bench.CONFIG_MODELS).index)
+        sizes = args.micro_batch_sizes or sorted({c.micro_batch_size for c in pool})
+        ks = args.k or sorted({c.k for c in pool})
+        optimizers = args.optimizers or sorted({c.optimizer for c in pool},
+                                               key=bench.OPTIMIZERS.index)
+        configs = [bench.Config(m, b, k, o) for m in models for b in sizes for k in ks
+                   for o in optimizers]
+    overhead = args.grid == "overhead"
+    implementations = tuple(args.implementations or (bench.OVERHEAD_IMPLEMENTATIONS if overhead
+                                                     else bench.DEFAULT_IMPLEMENTATIONS))
     if args.stats and "hostavg-stack+stats" not in implementations:
         implementations += ("hostavg-stack+stats",)
-    memory = not args.no_memory and args.grid != "smallest"
-    results = bench.run(configs, implementations, repeats=args.repeats, memory=memory)
-    if args.grid == "smallest" and not args.no_memory:
-        print("(memory not measured with --grid smallest: each probe starts TensorFlow in a fresh "
-              "process; see --grid quick)")
+    unprobed = args.grid in ("smallest", "overhead")
+    results = bench.run(configs, implementations, repeats=args.repeats,
+                        memory=not args.no_memory and not unprobed,
+                        min_sample_s=bench.OVERHEAD_MIN_SAMPLE_S if overhead else 0.0)
+    if unprobed and not args.no_memory:
+        print(f"(memory not measured with --grid {args.grid}: each probe starts TensorFlow in a "
+              f"fresh process; see --grid quick)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

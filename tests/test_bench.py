@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hostavg import bench
+from hostavg import HostavgError, bench
 from hostavg.cli import main
 
 
@@ -45,5 +45,85 @@ def test_bench_smallest_is_quick_says_what_it_does_and_shows_each_cells_spread(t
     assert "interquartile range" in printed.out and "memory not measured" in printed.out
     (config,) = json.loads(out.read_text())["configs"]
     assert "memory" not in json.loads(out.read_text())
-    for name, iqr in config["iqr_s"].items():
-        assert 0 <= iqr and f"ms ({iqr * 1e3:.1f})" in printed.out, name
+    for name, iqr in config["iqr_s"].items():  # to 0.01 ms under a millisecond, else to 0.1 ms
+        digits = 2 if config["median_s"][name] < 1e-3 else 1
+        assert 0 <= iqr and f"ms ({iqr * 1e3:.{digits}f})" in printed.out, name
+
+
+def test_every_implementation_takes_the_same_steps_against_the_baseline_of_its_k():
+    lines = []
+    configs = [bench.Config("logreg", 8, 1, "sgd"), bench.Config("embedding-50k", 8, 2, "sgd")]
+    result = bench.run(configs, ("hostavg", "full-batch", "in-graph"), repeats=2, memory=False,
+                       out=lines.append, progress=False, min_sample_s=0.02)
+    logreg, embedding = result["configs"]
+    assert (logreg["model"], logreg["k"], logreg["optimizer"]) == ("logreg", 1, "sgd")
+    assert (logreg["parameters"], embedding["parameters"]) == (785 * 10, 50_000 * 64 + 65 * 10)
+    # k = 1: the program's own train op on the same feed; k > 1: in-graph accumulation.
+    assert (logreg["baseline"], embedding["baseline"]) == ("full-batch", "in-graph")
+    for config in (logreg, embedding):
+        assert config["ratio_to_baseline"][config["baseline"]] == 1.0
+        assert set(config["ratio_to_baseline"]) == set(config["median_s"])
+        assert config["ratio_to_in_graph"]["in-graph"] == 1.0
+        assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
+        assert config["steps_per_sample"] >= 1
+    assert logreg["steps_per_sample"] > 1  # a step of under a millisecond: several per sample
+    for config, row in zip(result["configs"], lines[1:]):
+        assert row.startswith(str(bench.Config(config["model"], 8, config["k"], "sgd")) + " ")
+        assert row.split()[7::3] == [f"{config['ratio_to_baseline'][n]:.2f}"
+                                     for n in ("hostavg", "full-batch", "in-graph")], row
+    assert lines[len(configs) + 1] == (
+        "(each cell: median step time, its interquartile range in parentheses, and its ratio to "
+        "the configuration's baseline: full-batch, the program's own train op on the same feed, "
+        "where k = 1; in-graph accumulation, where k > 1)")
+
+
+def test_configs_name_their_optimizer_and_the_overhead_grid_pairs_k_with_its_baseline():
+    assert str(bench.Config("mlp-50k", 32, 4)) == "mlp-50k micro=32 k=4"
+    assert str(bench.Config("logreg", 32, 1, "sgd")) == "logreg micro=32 k=1 opt=sgd"
+    with pytest.raises(HostavgError, match=r"^optimizer must be one of adam, sgd, got 'lamb'$"):
+        bench.Config("logreg", 32, 1, "lamb")
+    assert [str(c) for c in bench.grid("overhead")] == [
+        "logreg micro=32 k=1", "mlp-50k micro=32 k=1", "embedding-50k micro=32 k=1",
+        "embedding-50k micro=32 k=1 opt=sgd", "embedding-50k micro=32 k=8 opt=sgd",
+        "embedding-50k micro=32 k=8"]
+    assert [bench.baseline(c) for c in bench.grid("overhead")] == (["full-batch"] * 4
+                                                                   + ["in-graph"] * 2)
+    assert {c.model for c in bench.grid("quick")} == {"mlp-50k", "mlp-300k", "mlp-2m", "conv",
+                                                      "embedding"}
+
+
+def test_bench_overhead_prints_ratios_to_the_programs_own_train_op(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--grid", "overhead", "--models", "logreg", "--repeats", "2",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "bench: timing logreg micro=32 k=1 (1 of 1): 2 samples of each of 3 implementations, " \
+           "a sample being as many steps as the slowest takes 0.1 s for\n" in printed.err
+    header, row, footer, steps, memory = printed.out.splitlines()
+    assert header.split() == ["configuration", "params", "hostavg", "full-batch", "in-graph"]
+    (config,) = json.loads(out.read_text())["configs"]
+    assert (config["model"], config["k"], config["optimizer"]) == ("logreg", 1, "adam")
+    assert config["baseline"] == "full-batch" and config["ratio_to_baseline"]["full-batch"] == 1.0
+    cells = row.split()[4:]
+    assert row.startswith("logreg micro=32 k=1") and len(cells) == 9, row
+    assert cells[2::3] == [f"{config['ratio_to_baseline'][n]:.2f}"
+                           for n in ("hostavg", "full-batch", "in-graph")]
+    assert footer.endswith("interquartile range in parentheses, and its ratio to full-batch, "
+                           "the program's own train op on the same feed)")
+    assert steps == (f"(times per step; each sample timed {config['steps_per_sample']} consecutive "
+                     f"steps, as many as the slowest implementation takes 0.1 s for)")
+    assert memory.startswith("(memory not measured with --grid overhead")
+    assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
+
+
+def test_bench_optimizers_pick_configs_and_an_unknown_one_is_one_line(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--grid", "overhead", "--models", "logreg", "--optimizers", "sgd",
+                 "--implementations", "hostavg,full-batch", "--repeats", "1", "--json",
+                 str(out)]) == 0
+    assert [(c["model"], c["k"], c["optimizer"]) for c in json.loads(out.read_text())["configs"]] \
+        == [("logreg", 1, "sgd")]
+    capsys.readouterr()
+    assert main(["bench", "--optimizers", "adam,lamb"]) == 2
+    err = capsys.readouterr().err
+    assert err == "hostavg bench: error: unknown optimizer ['lamb']; choose from adam, sgd\n"
