@@ -81,8 +81,12 @@ def numpy_reduce(r: Reduction) -> dict:
     sums = {**r.sums, **{name: stack_sum(gs, r.weights, r.dtypes[name])
                          for name, gs in r.stacks.items()}}
     out = {name: _scaled(s, factor, r.dtypes[name]) for name, s in sums.items()}
-    for name, rows in r.rows.items():
-        unique, summed = weighted_rows(*rows, r.dtypes[name])
+    alone = len(r.weights) == 1 and r.weights[0] == r.total  # one micro-batch: its rows are the mean
+    for name, (indices, values, row_weights) in r.rows.items():
+        if alone and values.dtype == r.dtypes[name]:
+            out[name] = coalesce_rows(indices, values)  # as they are when already coalesced
+            continue
+        unique, summed = weighted_rows(indices, values, row_weights, r.dtypes[name])
         out[name] = (unique, np.divide(summed, r.total, out=summed))
     return out
 
@@ -330,7 +334,10 @@ class Accumulator:
         rows = {}
         for name, parts in self._rows.items():
             shape = self.spec[name].shape
-            if parts:
+            if len(parts) == 1:
+                indices, values, weight = parts[0]
+                rows[name] = (indices, values, np.full(len(indices), weight))
+            elif parts:
                 rows[name] = (np.concatenate([p[0] for p in parts]),
                               np.concatenate([p[1] for p in parts]),
                               np.repeat([p[2] for p in parts], [len(p[0]) for p in parts]))

@@ -324,9 +324,16 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _checked(self, grads: Mapping, what: str, hint: str) -> dict:
-        """``grads`` conformed to the variables' dtypes and checked finite, ready to apply."""
-        values = conform(self.spec, grads, what=what, cast=True)
+    def _checked(self, grads: Mapping, what: str, hint: str, mine: bool = False) -> dict:
+        """``grads`` conformed to the variables' dtypes and checked finite, ready to apply.
+
+        ``mine``: ``grads`` is a mean this engine's accumulator made (conformed and
+        frozen already); only a cast from the accumulation dtype remains to check.
+        """
+        if mine and all(np.dtype(v.dtype) == self.spec[n].dtype for n, v in grads.items()):
+            values = dict(grads)
+        else:
+            values = conform(self.spec, grads, what=what, cast=True)
         known = getattr(grads, "sq_norms", {})  # trusted for the values conform kept as they were
         check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
                      hint=hint)
@@ -381,11 +388,12 @@ class Engine:
         """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), and the apply's feed."""
         acc, micro, kept = self._acc, [], [] if self._keep_micro else None
         acc.reset()
-        norms, var_sq = [], []
+        norms, var_sq, added_sq = [], [], []
         try:
             batches = _prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, acc, micro, norms, var_sq, kept)
+            global_step = self._micro_batches(backend, batches, acc, micro, norms, var_sq, added_sq,
+                                              kept)
             error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
@@ -404,14 +412,17 @@ class Engine:
 
         mean = acc.mean(self.average.reducer(backend, tally.total))
         every = self.average.sees_every_micro_batch
+        # One accumulated micro-batch of the step's whole weight: the mean is its gradient
+        # (times w/w = 1, exactly), whose squared norms are known already.
+        known = added_sq[0] if every and len(tally.weights) == 1 else None
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
-                           kept if every else None, var_sq if every else None)
+                           kept if every else None, var_sq if every else None, known)
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
         after = global_step + backend.increment
         result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
-        what, hint = "step, the mean", OVERFLOW_HINT
+        what, hint, mine = "step, the mean", OVERFLOW_HINT, True
         for hook, on_step in self._step_hooks:
             new = _call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:
@@ -420,12 +431,14 @@ class Engine:
                 mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
                                  size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
-        return result, self._checked(mean, what, hint), tally.apply_feed
+                mine = False
+        return result, self._checked(mean, what, hint, mine), tally.apply_feed
 
-    def _micro_batches(self, backend, batches, acc, micro, norms, var_sq, kept) -> int:
+    def _micro_batches(self, backend, batches, acc, micro, norms, var_sq, added_sq, kept) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch; returns the global step.
 
-        ``var_sq`` gets each micro-batch's squared norm per variable (dropped ones too).
+        ``var_sq`` gets each micro-batch's squared norm per variable (dropped ones
+        too), ``added_sq`` those of the accumulated ones.
         """
         global_step = None
         for i, (feed, n, start, where, rows) in enumerate(batches):
@@ -452,6 +465,7 @@ class Engine:
                         else INPUTS_HINT)
                     sq_norm = check_finite(record.grads, f"step, {where}", record.loss, sq, hint)
                     acc._append(dict(record.grads), float(n), record.loss, sq_norm)
+                    added_sq.append(sq)
                     norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm)
                                  else record.grads.global_norm())
                     if kept is not None:

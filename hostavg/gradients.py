@@ -143,15 +143,17 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
     them) come back as they are, after one comparison pass. Otherwise one
     stable sort, then the rows of each index are summed in the order they
     came: with few duplicates the first row of each index is copied and the
-    others added to it (``np.add.at``), with many ``np.add.reduceat`` sums each
-    run (it costs about a microsecond per run of equal indices, whatever its
-    length). Either way the result depends only on the input.
+    others added to it (one fancy-indexed add when no index comes three times,
+    else ``np.add.at``, which costs ~20 us even for a few rows), with many
+    ``np.add.reduceat`` sums each run (it costs about a microsecond per run of
+    equal indices, whatever its length). Either way the result depends only on
+    the input.
     """
     n = len(indices)
     if n < 2 or bool(np.all(indices[1:] > indices[:-1])):
         return indices, values
-    order = np.argsort(indices, kind="stable")
-    ordered, rows = indices[order], values[order]
+    order = _stable_order(indices)
+    ordered, rows = indices[order], np.take(values, order, axis=0)
     first = np.empty(n, bool)
     first[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
@@ -160,11 +162,26 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
         return ordered, rows
     if 2 * len(starts) > n:  # few duplicates
         summed = rows[starts]
-        repeats = ~first
-        np.add.at(summed, np.cumsum(first)[repeats] - 1, rows[repeats])
+        repeats = np.flatnonzero(~first)
+        into = np.cumsum(first)[repeats] - 1
+        if bool(np.all(into[1:] > into[:-1])):  # no index thrice: one fancy add does it
+            summed[into] += rows[repeats]
+        else:
+            np.add.at(summed, into, rows[repeats])
     else:
         summed = np.add.reduceat(rows, starts, axis=0)
     return ordered[starts], summed
+
+
+def _stable_order(indices: np.ndarray) -> np.ndarray:
+    """``np.argsort(indices, kind="stable")``, computed as the unstable sort of unique keys
+    (index, position), which NumPy does about five times faster (8192 int32: 0.13 vs 0.55 ms)."""
+    n = len(indices)
+    if n < 2 ** 31 and int(indices.max()) < 2 ** 31:
+        keys = indices.astype(np.int64) << 32
+        keys |= np.arange(n)
+        return np.argsort(keys)
+    return np.argsort(indices, kind="stable")
 
 
 class Gradients(Mapping):

@@ -19,12 +19,27 @@ from tensorflow.core.protobuf import config_pb2
 from hostavg.accumulator import Reduction
 from hostavg.engine import Applied, Computed, HostAverage
 from hostavg.errors import HostavgError, positive_int
-from hostavg.gradients import SparseGradient, VariableSpec, freeze, squared_norm
+from hostavg.gradients import SparseGradient, VariableSpec, coalesce_rows, freeze, squared_norm
 from hostavg.split import feed_size
 
 v1 = tf.compat.v1
 
-__all__ = ["READ_OPS", "GraphAverage", "SessionBackend", "Wiring", "assigned_variables",
+#: Where a trainer's session calls run their ops. "caller": in the thread that calls
+#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the session's
+#: inter-op thread pool and back, which costs 50-100 us per call on 2 cores, as much as a
+#: small model's whole compute; the kernels still use the intra-op pool, and a graph
+#: placed on several devices (CPU and GPU) uses the inter-op pool anyway. "pool": the
+#: inter-op pool runs independent ops side by side, as ``sess.run`` does: for wide graphs
+#: of large independent ops.
+SESSION_THREADS = ("caller", "pool")
+
+#: Rows of a sparse gradient per micro-batch above which the session coalesces them
+#: (:meth:`Wiring.compute`); the host does at and below. Measured on 2 cores with 64-wide
+#: rows from a 50,000-row table: the host is faster up to about this many.
+SESSION_COALESCE_ROWS = 16384
+
+__all__ = ["READ_OPS", "SESSION_COALESCE_ROWS", "SESSION_THREADS", "GraphAverage", "SessionBackend", "Wiring",
+           "assigned_variables",
            "feed_array", "first_line", "load_variables", "resolve_feed"]
 
 
@@ -44,7 +59,8 @@ class Wiring:
     """
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
-                 average: str, accum_dtype, update_ops=None, increment_global_step=True):
+                 average: str, accum_dtype, update_ops=None, increment_global_step=True,
+                 session_threads: str = "caller"):
         self.graph = loss.graph
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
@@ -62,31 +78,50 @@ class Wiring:
                 tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
                 isinstance(g, tf.IndexedSlices)) for g, v in pairs}
             self._grads = [g for g, _ in pairs]
-            # Sparse rows leave the session coalesced: sorted, unique, duplicates summed there
-            # (the host would pay a sort and a segment sum per micro-batch).
+            # Sparse rows are coalesced (sorted, unique, duplicates summed) where that is
+            # cheaper: on the host for up to SESSION_COALESCE_ROWS rows (NumPy's sort and a
+            # few adds beat the session's unique, segment-sum and sort ops, about 20 us each
+            # whatever the size), in the session above that (see compute). Squared norms are
+            # reduced in the session where the values are fresh in cache and the work is
+            # spread over its threads (Eigen's tree reduction: ~1e-7 relative error in
+            # float32): the host then makes one pass per micro-batch (the add) instead of
+            # two. Half precision is summed in float32; a float32 sum that overflows (entries
+            # above ~1e19) is redone on the host in float64.
+            head = [loss, self.global_step.read_value()]
             with tf.name_scope("hostavg_coalesce"):
-                fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
-                           for g in self._grads]
-            self._fetches = [loss, self.global_step.read_value()] + [
-                t for g in fetched
-                for t in ((g.indices, g.values) if isinstance(g, tf.IndexedSlices) else (g,))]
-            # Squared norms of the gradients (sparse rows coalesced), reduced in the session
-            # where the values are fresh in cache and the work is spread over its threads
-            # (Eigen's tree reduction: ~1e-7 relative error in float32): the host then makes
-            # one pass per micro-batch (the add) instead of two. Half precision is summed in
-            # float32; a float32 sum that overflows (entries above ~1e19) is redone on the
-            # host in float64 (see compute).
+                coalesced = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
+                             for g in self._grads]
             with tf.name_scope("hostavg_norms"):
-                self._fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
-                                  for g in fetched]
+                norms = [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
+                         for g in coalesced]
+            self._sparse = [isinstance(g, tf.IndexedSlices) for g in self._grads]
+            # What a compute call fetches, by where the rows are coalesced. In the session:
+            # the coalesced values, every squared norm, and each sparse gradient's number of
+            # rows before coalescing; on the host: the values as they are and the dense norms.
+            self._fetches = {
+                True: head + _flat(coalesced) + norms + [
+                    tf.size(g.indices) for g in self._grads if isinstance(g, tf.IndexedSlices)],
+                False: head + _flat(self._grads) + [
+                    q for q, sparse in zip(norms, self._sparse) if not sparse]}
+            self._coalesce_in_session = False  # until a micro-batch brings more rows
             if self.update_ops:
-                self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
+                update = tf.group(*self.update_ops, name="hostavg_update_ops")
+                for fetches in self._fetches.values():
+                    fetches.append(update)
             # What a failed step must restore: every variable the compute call may assign.
-            self.assigned = assigned_variables(self.graph, self._fetches)
+            self.assigned = assigned_variables(self.graph, self._fetches[True])
             self._assigned_values = [v.read_value() for v in self.assigned]
             variables = [v for _, v in pairs]
             step = self.global_step if increment_global_step else None
-            self.train_op = optimizer.apply_gradients(pairs, global_step=step)
+            # TF1's AdamOptimizer updates every row of its slots and variable on a sparse step
+            # too (m = beta1 * m, then a scatter-add of the rows; the same for v; then the whole
+            # variable), in about eight passes over the table; its dense kernel does the same
+            # arithmetic in one fused pass. The mean's rows (unique: coalesced) are therefore
+            # scattered into a dense gradient in the graph, where the table lives, and applied
+            # densely: 6.5 instead of 13.9 ms for a 50,000 x 64 table on 2 cores. Any other
+            # optimizer gets the rows as they are: its sparse update is its own semantics.
+            densify = type(optimizer) is v1.train.AdamOptimizer
+            self.train_op = optimizer.apply_gradients(_applied(pairs, densify), global_step=step)
             # The update-to-weight ratios, measured in the apply's own session call by a
             # second apply op of the same optimizer (same slots): the weights are read before
             # it runs (its ops wait for the reads), and the norms of (after - before) and of
@@ -98,7 +133,7 @@ class Wiring:
             with tf.control_dependencies(before):
                 fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
                        if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in self._grads]
-            measured_train_op = optimizer.apply_gradients(list(zip(fed, variables)),
+            measured_train_op = optimizer.apply_gradients(_applied(zip(fed, variables), densify),
                                                           global_step=step)
             self._apply_feeds = tuple(
                 t for g in self._grads for t in
@@ -106,7 +141,7 @@ class Wiring:
                  if isinstance(g, tf.IndexedSlices) else (g,)))
             self.apply_inputs = {t.name: t for t in _placeholders_read(self.train_op,
                                                                        self._apply_feeds)}
-            self._callables = Callables()
+            self._callables = Callables(session_threads)
             self._feed_forms = {}  # feed key -> (NumPy dtype, shape with None where any)
             with tf.control_dependencies([self.train_op]):
                 step_after = self.global_step.read_value()
@@ -128,22 +163,39 @@ class Wiring:
             # when measuring, the squared norms of each update and of each weight before it.
             self._apply_fetches = {False: [step_after] + lr,
                                    True: [measured_step_after] + lr + squares}
-            self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate) \
+            self.reducer = _GraphReducer(self.spec, accum_dtype, accumulate, session_threads) \
                 if average == "graph" else None
 
     def compute(self, sess, feed: dict) -> Computed:
-        """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen."""
-        out = self._callables.get(sess, self._fetches, tuple(feed))(*feed.values())
+        """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen.
+
+        Sparse rows come back coalesced, by the host or (when the last micro-batch
+        brought more than :data:`SESSION_COALESCE_ROWS` rows of a gradient) the session.
+        """
+        in_session = self._coalesce_in_session
+        out = self._callables.get(sess, self._fetches[in_session], tuple(feed))(*feed.values())
         got = iter(out[2:])
-        values = {}
-        for name, g in zip(self.names, self._grads):
-            if isinstance(g, tf.IndexedSlices):
-                values[name] = SparseGradient(freeze(next(got)), freeze(next(got)),
-                                              self.spec[name].shape)
+        values, rows = {}, []
+        for name, sparse in zip(self.names, self._sparse):
+            if sparse:
+                indices, vals = next(got), next(got)
+                if not in_session:
+                    rows.append(len(indices))
+                    indices, vals = coalesce_rows(indices, vals)
+                values[name] = SparseGradient(freeze(indices), freeze(vals), self.spec[name].shape)
             else:
                 values[name] = freeze(next(got))
-        sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
-                    for name, q in zip(self.names, map(float, got))}
+        sq_norms = {}
+        for name, sparse in zip(self.names, self._sparse):
+            if in_session or not sparse:
+                q = float(next(got))
+                sq_norms[name] = q if math.isfinite(q) else squared_norm(values[name])
+            else:
+                sq_norms[name] = squared_norm(values[name])
+        if in_session:
+            rows = [int(n) for n in got]
+        if rows:
+            self._coalesce_in_session = max(rows) > SESSION_COALESCE_ROWS
         return Computed(out[0], values, int(out[1]), sq_norms)
 
     def conform_feed(self, feed: dict, what: str) -> dict:
@@ -243,7 +295,10 @@ class SessionBackend:
     def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
         feed = self.conform(feed_dict, what)
         if size is None:
-            n = feed_size(feed, what)
+            # Every value is an array now: one length along axis 0 is the size (feed_size
+            # walks any structure, and says what is wrong when the lengths differ).
+            lengths = {len(a) for a in feed.values() if a.ndim}
+            n = lengths.pop() if len(lengths) == 1 else feed_size(feed, what)
             if n < 1:
                 raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
             return feed, n
@@ -361,10 +416,15 @@ class Callables:
     ``make_callable`` falls back to ``run`` whenever there are feeds). A
     callable made from ``CallableOptions`` skips that. Sessions are held
     weakly, so a dropped session takes its callables with it.
+
+    ``threads`` (one of :data:`SESSION_THREADS`): "caller" runs each call's
+    ops in the calling thread (``RunOptions.inter_op_thread_pool = -1``), "pool"
+    hands them to the session's inter-op thread pool, as ``sess.run`` does.
     """
 
-    def __init__(self):
+    def __init__(self, threads: str = "caller"):
         self._by_session = weakref.WeakKeyDictionary()
+        self.threads = threads
 
     def get(self, sess, fetches: list, feed_keys: tuple):
         """The callable for ``fetches`` (a flat list of tensors and operations) fed ``feed_keys``.
@@ -375,11 +435,11 @@ class Callables:
         made = self._by_session.setdefault(sess, {})
         key = (id(fetches), feed_keys)
         if key not in made:
-            made[key] = _compile(sess, fetches, feed_keys)
+            made[key] = _compile(sess, fetches, feed_keys, self.threads)
         return made[key]
 
 
-def _compile(sess, fetches, feed_keys):
+def _compile(sess, fetches, feed_keys, threads: str):
     tensors = [f for f in fetches if isinstance(f, tf.Tensor)]
     targets = [f for f in fetches if isinstance(f, tf.Operation)]
     if not hasattr(sess, "_make_callable_from_options"):
@@ -392,6 +452,8 @@ def _compile(sess, fetches, feed_keys):
     opts.feed.extend(k.name for k in feed_keys)
     opts.fetch.extend(t.name for t in tensors)
     opts.target.extend(op.name for op in targets)
+    if threads == "caller":
+        opts.run_options.inter_op_thread_pool = -1
     run = sess._make_callable_from_options(opts)  # pylint: disable=protected-access
 
     def call(*values):
@@ -533,6 +595,20 @@ def _placeholders_read(op, fed=(), with_default: bool = True) -> list:
     return [op.outputs[0] for op in sorted(found, key=lambda o: o.name)]
 
 
+def _applied(pairs, densify: bool) -> list:
+    """(gradient, variable) pairs to apply, sparse gradients made dense if ``densify``
+    (their fed rows are unique, so a segment sum scatters them)."""
+    with tf.name_scope("hostavg_densify"):
+        return [(tf.math.unsorted_segment_sum(g.values, g.indices, v.shape[0])
+                 if densify and isinstance(g, tf.IndexedSlices) else g, v) for g, v in pairs]
+
+
+def _flat(grads) -> list:
+    """The tensors of ``grads`` in order: each dense gradient, and a sparse one's indices and values."""
+    return [t for g in grads
+            for t in ((g.indices, g.values) if isinstance(g, tf.IndexedSlices) else (g,))]
+
+
 def _coalesced(g: tf.IndexedSlices) -> tf.IndexedSlices:
     """``g`` with sorted unique indices, the rows of each index summed."""
     unique, segments = tf.unique(g.indices)
@@ -644,7 +720,7 @@ class _GraphReducer:
     the unique rows, feeds and fetches.
     """
 
-    def __init__(self, spec, accum_dtype, accumulate):
+    def __init__(self, spec, accum_dtype, accumulate, threads: str):
         self._dense_inputs, self._row_inputs, self._outputs = {}, {}, {}
         with tf.name_scope("hostavg_average"):
             self._total = v1.placeholder(tf.float64, (), name="total")
@@ -670,7 +746,7 @@ class _GraphReducer:
                     self._outputs[name] = tf.tensordot(
                         tf.cast(self._weights, dtype), stack, 1) / total
         self._fetches = list(self._outputs.values())
-        self._callables = Callables()
+        self._callables = Callables(threads)
 
     def bind(self, sess):
         """A reducer (Reduction -> name -> mean) that runs in ``sess``."""

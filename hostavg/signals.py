@@ -15,7 +15,9 @@ Before the hold a signal acts at once, as it always did (the step is then
 rolled back: nothing was applied). Regions nest: an inner one joins the outer
 one. Off the main thread all three do nothing, since signals interrupt only
 the main thread. The handlers are swapped at a region's first hold and put
-back at its end: about four system calls per region.
+back at its end: about four system calls per region, made through ``_signal``
+(the C module under :mod:`signal`, whose wrappers convert every number and
+handler to an enum and back: 20 us a step, a twentieth of a small model's).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+
+import _signal
 from contextlib import contextmanager
 
 __all__ = ["hold", "region", "release"]
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 
 
 class _Region:
@@ -56,7 +60,7 @@ def region():
         yield
     finally:
         for signum, handler in here.previous.items():
-            signal.signal(signum, handler)
+            _signal.signal(signum, handler)
         _open.pop()
         for signum in here.pending:
             signal.raise_signal(signum)  # its own handler runs now, as it would have then
@@ -70,10 +74,10 @@ def hold() -> None:
     here.holding = True
     if not here.previous:
         for signum in _SIGNALS:
-            handler = signal.getsignal(signum)
+            handler = _signal.getsignal(signum)
             if handler is not None:  # None: set outside Python, and we could not put it back
                 here.previous[signum] = handler
-                signal.signal(signum, _handler)
+                _signal.signal(signum, _handler)
 
 
 def release() -> None:

@@ -105,7 +105,7 @@ class StepStats:
 
         The estimates stay those of the accumulated mean.
         """
-        return replace(self, **_norms(mean)[0])
+        return replace(self, **_norms(mean, {})[0])
 
     @cached_property
     def _moments(self):
@@ -218,7 +218,8 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
 def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],
                micro_norms: Sequence[float], micro_losses: Sequence[float],
                stack: Sequence[Mapping] | None = None,
-               micro_variable_sq_norms: Sequence[Mapping] | None = None) -> StepStats:
+               micro_variable_sq_norms: Sequence[Mapping] | None = None,
+               mean_sq_norms: Mapping[str, float] | None = None) -> StepStats:
     """A step's :class:`StepStats`.
 
     Args:
@@ -228,8 +229,11 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
       stack: the k accumulated micro-batches' gradients ("stack" mode), or None.
       micro_variable_sq_norms: per micro-batch (dropped ones included), name ->
         squared norm of its gradient for that variable; or None.
+      mean_sq_norms: name -> squared norm of ``mean``'s gradient for that
+        variable where already known (the mean of one micro-batch is its
+        gradient); None: computed here.
     """
-    norms, gbar_sq = _norms(mean)
+    norms, gbar_sq = _norms(mean, mean_sq_norms or {})
     per_variable = None if micro_variable_sq_norms is None else tuple(
         {name: math.sqrt(q) for name, q in sq.items()} for sq in micro_variable_sq_norms)
     base = dict(**norms, micro_norms=tuple(micro_norms), micro_losses=tuple(micro_losses),
@@ -245,9 +249,9 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
                      norm_test=_norm_test(est.trace_sigma, B, gbar_sq))
 
 
-def _norms(mean: Mapping) -> tuple[dict, float]:
+def _norms(mean: Mapping, known: Mapping) -> tuple[dict, float]:
     """StepStats' grad_norm and variable_norms of ``mean``, and its squared norm."""
-    sq = {name: squared_norm(v) for name, v in mean.items()}
+    sq = {name: known[name] if name in known else squared_norm(v) for name, v in mean.items()}
     return {"grad_norm": global_norm(mean, sq),
             "variable_norms": {n: global_norm({n: v}, sq) for n, v in mean.items()}}, \
         math.fsum(sq.values())

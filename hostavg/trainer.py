@@ -13,7 +13,7 @@ from hostavg.engine import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
 from hostavg.check import CheckReport
 from hostavg.errors import HostavgError, positive_int
 from hostavg.gradients import Gradients
-from hostavg.graph import GraphAverage, SessionBackend, Wiring, resolve_feed
+from hostavg.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
 from hostavg.results import Drop, MicroBatch, StepResult
 from hostavg.split import feed_size, split
 
@@ -75,6 +75,13 @@ class Trainer:
         cost of the apply again, which is 0.5% of a step of 8 micro-batches
         for a 50k-parameter MLP and 5 to 10% for 0.3M to 2M parameters (see
         the README's performance section).
+      session_threads: one of :data:`~hostavg.graph.SESSION_THREADS`: where the
+        trainer's session calls run their ops. "caller" (default): in the
+        calling thread, which saves TensorFlow's hand-off to its inter-op
+        thread pool and back (50-100 us a call on 2 cores: a quarter of a small
+        model's step); "pool": in that pool, as ``sess.run`` does, so that
+        independent ops run side by side (wide graphs of large independent
+        ops). A graph placed on several devices uses the pool either way.
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
@@ -106,7 +113,7 @@ class Trainer:
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
                  average: str = "host", accum_dtype=None, global_step=None,
                  increment_global_step: bool = True, update_ops=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = None):
+                 update_ratios_every: int | None = None, session_threads: str = "caller"):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
@@ -124,6 +131,9 @@ class Trainer:
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
+        if session_threads not in SESSION_THREADS:
+            raise HostavgError(
+                f"session_threads must be one of {SESSION_THREADS}, got {session_threads!r}")
         if var_list is not None:
             var_list = list(var_list)
             if not var_list:
@@ -147,7 +157,8 @@ class Trainer:
         self._wiring = Wiring(loss, optimizer, var_list, global_step,
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype, update_ops=update_ops,
-                              increment_global_step=bool(increment_global_step))
+                              increment_global_step=bool(increment_global_step),
+                              session_threads=session_threads)
         self.graph = self._wiring.graph
         self.loss = loss
         self.spec = self._wiring.spec
