@@ -7,6 +7,10 @@ step time. Implementations:
 
 * ``hostavg``: the defaults (accumulate="sum", average="host");
 * ``hostavg-stack``: accumulate="stack"; ``hostavg-graph``: average="graph";
+* ``hostavg-overlap``: overlap=True (the next micro-batch computes while the
+  host adds this one); ``hostavg-pool``: session_threads="pool" (TensorFlow's
+  inter-op thread pool runs each session call, as ``sess.run`` does); neither
+  runs unless named;
 * ``hostavg-stack+stats``: accumulate="stack", reading every statistic each
   step (the stack-only ones are computed when read, so ``hostavg-stack`` is
   the same with them off). In "sum" mode the statistics come from the squared
@@ -65,10 +69,11 @@ from hostavg.errors import HostavgError
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "OPTIMIZERS", "Config",
            "baseline", "grid", "measure_memory", "run", "time_config"]
 
-IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
-                   "full-batch", "hostavg-keras", "keras-accum", "hostavg-stack+stats")
-#: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds the last one).
-DEFAULT_IMPLEMENTATIONS = IMPLEMENTATIONS[:-1]
+#: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds hostavg-stack+stats).
+DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
+                           "full-batch", "hostavg-keras", "keras-accum")
+IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
+                                             "hostavg-pool")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
 OVERHEAD_IMPLEMENTATIONS = ("hostavg", "full-batch", "in-graph")
 #: The optimizers a configuration can name (see :func:`_optimizer`).
@@ -201,14 +206,13 @@ class _Impl:
 
 
 class _Hostavg(_Impl):
-    def __init__(self, config, accumulate="sum", average="host", read_stats=False, **kw):
-        self.accumulate, self.average, self.read_stats = accumulate, average, read_stats
+    def __init__(self, config, read_stats=False, trainer_kw=None, **kw):
+        self.read_stats, self.trainer_kw = read_stats, trainer_kw or {}
         super().__init__(config, **kw)
 
     def _build(self):
         from hostavg.trainer import Trainer
-        self.trainer = Trainer(self.model.loss, _optimizer(self.config.optimizer),
-                               accumulate=self.accumulate, average=self.average)
+        self.trainer = Trainer(self.model.loss, _optimizer(self.config.optimizer), **self.trainer_kw)
 
     def step(self, micro):
         result = self.trainer.step(self.sess, [self.feed(x, y) for x, y in micro])
@@ -318,10 +322,12 @@ class _KerasAccumulation(_KerasImpl):
 def _make(name: str, config: Config, session_config=None):
     kw = {"session_config": session_config}
     return {"hostavg": lambda: _Hostavg(config, **kw),
-            "hostavg-stack": lambda: _Hostavg(config, accumulate="stack", **kw),
-            "hostavg-stack+stats": lambda: _Hostavg(config, accumulate="stack", read_stats=True,
-                                                    **kw),
-            "hostavg-graph": lambda: _Hostavg(config, average="graph", **kw),
+            "hostavg-stack": lambda: _Hostavg(config, trainer_kw={"accumulate": "stack"}, **kw),
+            "hostavg-stack+stats": lambda: _Hostavg(config, read_stats=True,
+                                                    trainer_kw={"accumulate": "stack"}, **kw),
+            "hostavg-graph": lambda: _Hostavg(config, trainer_kw={"average": "graph"}, **kw),
+            "hostavg-overlap": lambda: _Hostavg(config, trainer_kw={"overlap": True}, **kw),
+            "hostavg-pool": lambda: _Hostavg(config, trainer_kw={"session_threads": "pool"}, **kw),
             "in-graph": lambda: _InGraph(config, **kw),
             "plain-host": lambda: _PlainHost(config, **kw),
             "full-batch": lambda: _FullBatch(config, **kw),

@@ -161,7 +161,7 @@ def _parser() -> _Parser:
     bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
-                            "hostavg-stack+stats")
+                            "hostavg-stack+stats, hostavg-overlap, hostavg-pool")
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")

@@ -3,7 +3,9 @@
 import numbers
 from collections.abc import Iterable, Mapping
 
-__all__ = ["HostavgError", "object_list", "positive_int"]
+import numpy as np
+
+__all__ = ["HostavgError", "flag", "object_list", "positive_int"]
 
 
 class HostavgError(ValueError):
@@ -20,6 +22,13 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise HostavgError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
+
+
+def flag(name: str, value) -> bool:
+    """``value`` if it is True or False (a NumPy bool too); else HostavgError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise HostavgError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def object_list(name: str, value, methods: tuple, example: str) -> tuple:

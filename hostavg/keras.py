@@ -40,7 +40,7 @@ import tensorflow as tf
 from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.check import CheckReport
 from hostavg.engine import Applied, Computed, Engine, HostAverage, normalize_hooks
-from hostavg.errors import HostavgError, positive_int
+from hostavg.errors import HostavgError, flag, positive_int
 from hostavg.gradients import Gradients, SparseGradient, VariableSpec, coalesce_rows, freeze
 from hostavg.graph import READ_OPS, first_line
 from hostavg.history import History
@@ -86,6 +86,12 @@ class Trainer:
       hooks: as for :class:`hostavg.Trainer` (:mod:`hostavg.hooks`).
       comm: an mpi4py communicator, to train over several processes
         (:mod:`hostavg.mpi`).
+      overlap: compute micro-batch i + 1 in a worker thread while the host
+        shows micro-batch i to the hooks, checks it and adds it. The same
+        results, bit for bit; pays where a micro-batch's add is long and the
+        device would idle meanwhile (large gradients on a GPU); see the
+        README's performance section for when it pays on a CPU. Hooks then run
+        while the next micro-batch computes.
 
     A batch is a tuple ``(x, y)`` or ``(x, y, sample_weight)``; x is an array
     or, for a multi-input model, a dict of arrays by input name; y is an
@@ -111,7 +117,7 @@ class Trainer:
     """
 
     def __init__(self, model, loss, optimizer, *, accumulate: str = "sum", accum_dtype=None,
-                 hooks=(), comm=None):
+                 hooks=(), comm=None, overlap: bool = False):
         if keras.backend.backend() != "tensorflow":
             raise HostavgError(f"hostavg.keras needs Keras's TensorFlow backend, got "
                                f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before "
@@ -122,6 +128,7 @@ class Trainer:
             raise HostavgError(
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self.hooks = normalize_hooks(hooks)
+        self.overlap = flag("overlap", overlap)
         if comm is not None:
             from hostavg.mpi import Distributed  # multi-worker sits above the trainer: imported on use
             self._average = Distributed(comm)
@@ -310,7 +317,7 @@ class Trainer:
             self._backend.prepare(batch, None, what)
             self._engine = Engine(self._backend.spec, accumulate=self.accumulate,
                                   accum_dtype=self.accum_dtype, hooks=self.hooks,
-                                  average=self._average)
+                                  average=self._average, overlap=self.overlap)
         return self._engine
 
     def _ready_engine(self, what: str) -> Engine:

@@ -82,6 +82,12 @@ class Trainer:
         model's step); "pool": in that pool, as ``sess.run`` does, so that
         independent ops run side by side (wide graphs of large independent
         ops). A graph placed on several devices uses the pool either way.
+      overlap: compute micro-batch i + 1 in a worker thread while the host
+        shows micro-batch i to the hooks, checks it and adds it. The same
+        results, bit for bit; pays where a micro-batch's add is long and the
+        device would idle meanwhile (large gradients on a GPU); see the
+        README's performance section for when it pays on a CPU. Hooks then run
+        while the next micro-batch computes.
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
@@ -113,7 +119,8 @@ class Trainer:
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
                  average: str = "host", accum_dtype=None, global_step=None,
                  increment_global_step: bool = True, update_ops=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = None, session_threads: str = "caller"):
+                 update_ratios_every: int | None = None, session_threads: str = "caller",
+                 overlap: bool = False):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
@@ -171,7 +178,7 @@ class Trainer:
             averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
         self._engine = Engine(self.spec, accumulate=accumulate, accum_dtype=self.accum_dtype,
                               hooks=hooks, average=averaging,
-                              update_ratios_every=update_ratios_every)
+                              update_ratios_every=update_ratios_every, overlap=overlap)
         self.hooks = self._engine.hooks
 
     def accumulator(self, sess=None) -> Accumulator:
