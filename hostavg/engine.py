@@ -491,35 +491,38 @@ class Engine:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
         _, n, start, where, rows = batch
         g, global_step = computed
-        record, changed_by = MicroBatch(i, n, g.loss, g, start,
-                                        global_step + backend.increment, rows=rows), None
-        for hook, on_micro_batch in self._micro_hooks:
-            out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
-            if isinstance(out, Drop):
-                record = replace(record, dropped=out.reason)
-                break
-            if out is not None:
-                changed_by = hook
-                grads = conform(self.spec, out, what=f"step, {where}, on_micro_batch "
-                                                     f"hook {_name(hook)}'s gradients")
-                record = replace(record, grads=Gradients(grads, loss=record.loss, size=n))
-        sq = _sq_norms(record.grads)
+        step = global_step + backend.increment
+        grads, dropped, changed_by = g, None, None
+        if self._micro_hooks:
+            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows)
+            for hook, on_micro_batch in self._micro_hooks:
+                out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
+                if isinstance(out, Drop):
+                    dropped = out.reason
+                    break
+                if out is not None:
+                    changed_by = hook
+                    grads = Gradients(conform(self.spec, out, what=f"step, {where}, on_micro_batch "
+                                                                   f"hook {_name(hook)}'s gradients"),
+                                      loss=g.loss, size=n)
+                    record = replace(record, grads=grads)
+        sq = _sq_norms(grads)
         var_sq.append(sq)
-        if record.dropped is None:
+        if dropped is None:
             hint = INPUTS_HINT if changed_by is None else (
                 f"They were finite before on_micro_batch hook {_name(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
-            sq_norm = check_finite(record.grads, f"step, {where}", record.loss, sq, hint)
-            acc._append(dict(record.grads), float(n), record.loss, sq_norm)
+            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
+            acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
             added_sq.append(sq)
-            norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm)
-                         else record.grads.global_norm())
+            norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if kept is not None:
-                kept.append(record.grads)
+                kept.append(grads)
         else:
             norms.append(math.sqrt(math.fsum(sq.values())))
-        micro.append(record if self._keep_micro else replace(record, grads=None))
+        micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
+                                dropped=dropped, rows=rows))
         return global_step
 
     def _compute(self, backend, feed, n: int, where: str) -> tuple[Gradients, int]:

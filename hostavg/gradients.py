@@ -153,23 +153,24 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
     if n < 2 or bool(np.all(indices[1:] > indices[:-1])):
         return indices, values
     order = _stable_order(indices)
-    ordered, rows = indices[order], np.take(values, order, axis=0)
+    ordered = indices[order]
     first = np.empty(n, bool)
     first[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     starts = np.flatnonzero(first)
     if len(starts) == n:
-        return ordered, rows
-    if 2 * len(starts) > n:  # few duplicates
-        summed = rows[starts]
+        return ordered, np.take(values, order, axis=0)
+    if 2 * len(starts) > n:  # few duplicates: gather each index's first row, add the others
+        summed = np.take(values, order[starts], axis=0)
         repeats = np.flatnonzero(~first)
         into = np.cumsum(first)[repeats] - 1
+        extra = np.take(values, order[repeats], axis=0)
         if bool(np.all(into[1:] > into[:-1])):  # no index thrice: one fancy add does it
-            summed[into] += rows[repeats]
+            summed[into] += extra
         else:
-            np.add.at(summed, into, rows[repeats])
+            np.add.at(summed, into, extra)
     else:
-        summed = np.add.reduceat(rows, starts, axis=0)
+        summed = np.add.reduceat(np.take(values, order, axis=0), starts, axis=0)
     return ordered[starts], summed
 
 
@@ -227,6 +228,19 @@ class Gradients(Mapping):
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def keys(self):
+        return self._values.keys()
+
+    def items(self):
+        return self._values.items()
+
+    def values(self):
+        return self._values.values()
+
+    def as_dict(self) -> dict:
+        """A new dict of the same values (which stay read-only)."""
+        return dict(self._values)
 
     def global_norm(self) -> float:
         """sqrt of the sum of squares of every entry (sparse rows coalesced first); see :func:`global_norm`."""

@@ -86,12 +86,8 @@ class Trainer:
       hooks: as for :class:`hostavg.Trainer` (:mod:`hostavg.hooks`).
       comm: an mpi4py communicator, to train over several processes
         (:mod:`hostavg.mpi`).
-      overlap: compute micro-batch i + 1 in a worker thread while the host
-        shows micro-batch i to the hooks, checks it and adds it. The same
-        results, bit for bit; pays where a micro-batch's add is long and the
-        device would idle meanwhile (large gradients on a GPU); see the
-        README's performance section for when it pays on a CPU. Hooks then run
-        while the next micro-batch computes.
+      overlap: compute micro-batch i + 1 while the host takes micro-batch i;
+        see :class:`hostavg.Trainer`.
 
     A batch is a tuple ``(x, y)`` or ``(x, y, sample_weight)``; x is an array
     or, for a multi-input model, a dict of arrays by input name; y is an
