@@ -399,11 +399,11 @@ class Engine:
         """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), and the apply's feed."""
         acc, micro, kept = self._acc, [], [] if self._keep_micro else None
         acc.reset()
-        norms, var_sq, added_sq = [], [], []
+        norms, var_sq, added = [], [], []
         try:
             batches = _prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, acc, micro, norms, var_sq, added_sq,
+            global_step = self._micro_batches(backend, batches, acc, micro, norms, var_sq, added,
                                               kept)
             error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
@@ -424,8 +424,14 @@ class Engine:
         mean = acc.mean(self.average.reducer(backend, tally.total))
         every = self.average.sees_every_micro_batch
         # One accumulated micro-batch of the step's whole weight: the mean is its gradient
-        # (times w/w = 1, exactly), whose squared norms are known already.
-        known = added_sq[0] if every and len(tally.weights) == 1 else None
+        # (times w/w = 1, exactly), whose squared norms are known already; not where the
+        # accumulation dtype is narrower than that gradient's (a hook may return float64 for a
+        # float32 variable), which rounds it, or overflows it to Inf.
+        known = None
+        if every and len(tally.weights) == 1:
+            sq, grads = added[0]
+            known = {n: q for n, q in sq.items()
+                     if np.can_cast(grads[n].dtype, mean[n].dtype, casting="safe")}
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
                            kept if every else None, var_sq if every else None, known)
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
@@ -445,11 +451,11 @@ class Engine:
                 mine = False
         return result, self._checked(mean, what, hint, mine), tally.apply_feed
 
-    def _micro_batches(self, backend, batches, acc, micro, norms, var_sq, added_sq, kept) -> int:
+    def _micro_batches(self, backend, batches, acc, micro, norms, var_sq, added, kept) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch; returns the global step.
 
         ``var_sq`` gets each micro-batch's squared norm per variable (dropped ones
-        too), ``added_sq`` those of the accumulated ones.
+        too), ``added`` (squared norms, gradients) of each accumulated one.
         """
         global_step = None
         computed = self._overlapped(backend, batches) if self.overlap and len(batches) > 1 else (
@@ -458,7 +464,7 @@ class Engine:
             for i, batch in enumerate(batches):
                 try:
                     global_step = self._micro_batch(i, batch, next(computed), backend, acc, micro,
-                                                    norms, var_sq, added_sq, kept)
+                                                    norms, var_sq, added, kept)
                 except Exception as e:
                     if batch[4] is not None:
                         with contextlib.suppress(AttributeError):  # a type with __slots__
@@ -486,7 +492,7 @@ class Engine:
             if pending is not None:
                 _wait(pending)
 
-    def _micro_batch(self, i, batch, computed, backend, acc, micro, norms, var_sq, added_sq,
+    def _micro_batch(self, i, batch, computed, backend, acc, micro, norms, var_sq, added,
                      kept) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
         _, n, start, where, rows = batch
@@ -515,7 +521,7 @@ class Engine:
                 else INPUTS_HINT)
             sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
             acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
-            added_sq.append(sq)
+            added.append((sq, grads))
             norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if kept is not None:
                 kept.append(grads)

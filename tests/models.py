@@ -131,16 +131,24 @@ def batches(seed: int, steps: int, n: int, dtype=np.float32, sparse: bool = Fals
     return out
 
 
-def full_batch(optimizer: str, data: list, **kw) -> dict:
-    """The oracle: plain ``optimizer.minimize`` on each whole batch. Returns every variable."""
+def full_batch(optimizer, data: list, update_sizes=None, **kw) -> dict:
+    """The oracle: plain ``optimizer.minimize`` on each whole batch. Returns every variable.
+
+    ``optimizer``: a name in OPTIMIZERS, or a function that makes one.
+    ``update_sizes``: micro-batch sizes; before each step the graph's UPDATE_OPS
+    run once per micro-batch of these sizes, in order, as a trainer runs them.
+    """
     model = build(**kw)
+    make = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
     with model.graph.as_default():
-        train = OPTIMIZERS[optimizer]().minimize(
-            model.loss, global_step=v1.train.get_or_create_global_step())
+        train = make().minimize(model.loss, global_step=v1.train.get_or_create_global_step())
+        updates = v1.get_collection(v1.GraphKeys.UPDATE_OPS) if update_sizes else []
         init = v1.global_variables_initializer()
     with v1.Session(graph=model.graph) as sess:
         sess.run(init)
         for d in data:
+            for part in cuts(len(d["y"]), update_sizes) if updates else ():
+                sess.run(updates, model.feed({k: v[part] for k, v in d.items()}))
             sess.run(train, model.feed(d))
         return model.values(sess)
 
