@@ -68,9 +68,14 @@ from hostavg.stats import StepStats, step_stats
 __all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "Engine", "HostAverage",
            "SampleStats", "Tally", "describe_rows", "normalize_hooks", "step_together"]
 
-#: What a non-finite mean of finite micro-batches means.
+#: What a non-finite mean of finite micro-batches means, accumulated in the variables' dtypes.
 OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted sum overflowed the "
                  "accumulation dtype: accumulate in float64 with accum_dtype='float64'.")
+#: The same, accumulated in a dtype wider than some variable's: the mean itself is beyond that
+#: variable's range.
+CAST_HINT = ("Every micro-batch's gradients were finite and were summed in a wider dtype, so the "
+             "mean itself is beyond the range of the variables' dtype: scale the loss down, or "
+             "clip the gradients (hostavg.hooks.ClipGlobalNorm).")
 
 #: Where a trainer computes the mean of the accumulated gradients. "host":
 #: with NumPy. "graph": in the session, as a division of the fed running sum
@@ -287,6 +292,9 @@ class Engine:
         self._keep_micro = accumulate == "stack"
         # The step's own accumulator: its buffers are allocated once and reused.
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
+        wider = self._acc.accum_dtype is not None and any(
+            self._acc.accum_dtype.itemsize > np.dtype(s.dtype).itemsize for s in spec.values())
+        self._overflow_hint = CAST_HINT if wider else OVERFLOW_HINT
         self._busy = threading.Lock()
         self.overlap = flag("overlap", overlap)
         self._worker = None  # made on the first overlapped step
@@ -439,7 +447,7 @@ class Engine:
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
         after = global_step + backend.increment
         result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
-        what, hint, mine = "step, the mean", OVERFLOW_HINT, True
+        what, hint, mine = "step, the mean", self._overflow_hint, True
         for hook, on_step in self._step_hooks:
             new = _call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:

@@ -187,11 +187,9 @@ class Wiring:
                 values[name] = freeze(next(got))
         sq_norms = {}
         for name, sparse in zip(self.names, self._sparse):
-            if in_session or not sparse:
-                q = float(next(got))
-                sq_norms[name] = q if math.isfinite(q) else squared_norm(values[name])
-            else:
-                sq_norms[name] = squared_norm(values[name])
+            value = values[name].values if sparse else values[name]  # rows coalesced already
+            q = float(next(got)) if in_session or not sparse else math.nan
+            sq_norms[name] = q if math.isfinite(q) else squared_norm(value)
         if in_session:
             rows = [int(n) for n in got]
         if rows:

@@ -552,8 +552,12 @@ def test_a_mean_that_overflows_only_when_cast_is_refused_not_applied(how, k):
         sums = "float64" if how.endswith("float64-sums") else None
         trainer, sess, x, w, _ = linear(np.float32, hooks=[Huge()], accum_dtype=sums)
         feed = {x: np.ones((2, 4), np.float32)}
-        if sums:  # the float64 mean is finite; its cast to float32 is not (the hint misleads)
-            message = re.escape(OVERFLOW.split(" Every")[0])
+        if sums:  # the float64 mean is finite; its cast to float32 is not
+            message = re.escape(OVERFLOW.split(" Every")[0] + " Every micro-batch's gradients "
+                                "were finite and were summed in a wider dtype, so the mean "
+                                "itself is beyond the range of the variables' dtype: scale the "
+                                "loss down, or clip the gradients (hostavg.hooks.ClipGlobalNorm).")
+            message += "$"
     with np.errstate(over="ignore"), pytest.raises(hostavg.HostavgError, match="^" + message):
         trainer.step(sess, [feed] * k)
     np.testing.assert_array_equal(sess.run(w), np.zeros(4))
