@@ -34,8 +34,9 @@ v1 = tf.compat.v1
 SESSION_THREADS = ("caller", "pool")
 
 #: Rows of a sparse gradient per micro-batch above which the session coalesces them
-#: (:meth:`Wiring.compute`); the host does at and below. Measured on 2 cores with 64-wide
-#: rows from a 50,000-row table: the host is faster up to about this many.
+#: (:meth:`Wiring.compute`); the host does at and below. Measured by whole SGD steps of an
+#: embedding model on 2 cores, rows 16 to 256 floats wide: alike up to 512 rows, the host
+#: faster at 2,048 and 8,192, the session faster at 32,768 (README, Performance).
 SESSION_COALESCE_ROWS = 16384
 
 __all__ = ["READ_OPS", "SESSION_COALESCE_ROWS", "SESSION_THREADS", "GraphAverage", "SessionBackend", "Wiring",
@@ -79,9 +80,8 @@ class Wiring:
                 isinstance(g, tf.IndexedSlices)) for g, v in pairs}
             self._grads = [g for g, _ in pairs]
             # Sparse rows are coalesced (sorted, unique, duplicates summed) where that is
-            # cheaper: on the host for up to SESSION_COALESCE_ROWS rows (NumPy's sort and a
-            # few adds beat the session's unique, segment-sum and sort ops, about 20 us each
-            # whatever the size), in the session above that (see compute). Squared norms are
+            # cheaper: on the host for up to SESSION_COALESCE_ROWS rows, in the session (its
+            # unique, segment-sum and sort ops) above that (see compute). Squared norms are
             # reduced in the session where the values are fresh in cache and the work is
             # spread over its threads (Eigen's tree reduction: ~1e-7 relative error in
             # float32): the host then makes one pass per micro-batch (the add) instead of
