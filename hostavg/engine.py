@@ -273,6 +273,7 @@ class Engine:
         name the micro-batch they came from; on one, the computation in flight
         is waited for before anything is restored. Hooks then run while the
         next micro-batch computes (a hook must not expect the model idle).
+        Host memory: one more micro-batch's gradients at a time.
     """
 
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
@@ -437,9 +438,9 @@ class Engine:
         # float32 variable), which rounds it, or overflows it to Inf.
         known = None
         if every and len(tally.weights) == 1:
-            sq, grads = added[0]
+            sq, dtypes = added[0]
             known = {n: q for n, q in sq.items()
-                     if np.can_cast(grads[n].dtype, mean[n].dtype, casting="safe")}
+                     if np.can_cast(dtypes[n], mean[n].dtype, casting="safe")}
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
                            kept if every else None, var_sq if every else None, known)
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
@@ -463,7 +464,8 @@ class Engine:
         """Computes, shows to the hooks and accumulates each micro-batch; returns the global step.
 
         ``var_sq`` gets each micro-batch's squared norm per variable (dropped ones
-        too), ``added`` (squared norms, gradients) of each accumulated one.
+        too), ``added`` (squared norms, dtypes) per variable of each accumulated one
+        (not its gradients: in "sum" mode none is kept beyond its add).
         """
         global_step = None
         computed = self._overlapped(backend, batches) if self.overlap and len(batches) > 1 else (
@@ -529,7 +531,7 @@ class Engine:
                 else INPUTS_HINT)
             sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
             acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
-            added.append((sq, grads))
+            added.append((sq, {name: value.dtype for name, value in grads.items()}))
             norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if kept is not None:
                 kept.append(grads)

@@ -39,9 +39,8 @@ SESSION_THREADS = ("caller", "pool")
 #: faster at 2,048 and 8,192, the session faster at 32,768 (README, Performance).
 SESSION_COALESCE_ROWS = 16384
 
-__all__ = ["READ_OPS", "SESSION_COALESCE_ROWS", "SESSION_THREADS", "GraphAverage", "SessionBackend", "Wiring",
-           "assigned_variables",
-           "feed_array", "first_line", "load_variables", "resolve_feed"]
+__all__ = ["READ_OPS", "SESSION_COALESCE_ROWS", "SESSION_THREADS", "GraphAverage", "SessionBackend",
+           "Wiring", "assigned_variables", "feed_array", "first_line", "load_variables", "resolve_feed"]
 
 
 class Wiring:
@@ -595,10 +594,12 @@ def _placeholders_read(op, fed=(), with_default: bool = True) -> list:
 
 def _applied(pairs, densify: bool) -> list:
     """(gradient, variable) pairs to apply, sparse gradients made dense if ``densify``
-    (their fed rows are unique, so a segment sum scatters them)."""
+    (a segment sum scatters the rows, adding any that repeat) where the variable's rows
+    are counted."""
     with tf.name_scope("hostavg_densify"):
         return [(tf.math.unsorted_segment_sum(g.values, g.indices, v.shape[0])
-                 if densify and isinstance(g, tf.IndexedSlices) else g, v) for g, v in pairs]
+                 if densify and isinstance(g, tf.IndexedSlices) and v.shape[0] is not None
+                 else g, v) for g, v in pairs]
 
 
 def _flat(grads) -> list:

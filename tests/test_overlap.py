@@ -2,8 +2,10 @@
 the host takes micro-batch i. The same results bit for bit, errors that name the micro-batch
 they came from, and nothing restored under a computation still running."""
 
+import gc
 import threading
 import time
+import weakref
 
 import keras
 import numpy as np
@@ -170,3 +172,21 @@ def test_overlap_must_be_a_bool(make):
     with model.graph.as_default(), pytest.raises(hostavg.HostavgError,
                                                  match=r"^overlap must be True or False, got 'yes'$"):
         make(model.loss)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sum_mode_holds_no_micro_batch_gradient_past_its_add(overlap):
+    """Host memory of "sum" mode does not grow with k: by the time the mean is made, every
+    micro-batch's gradient arrays are gone (a step once kept them all until it ended)."""
+    refs, alive = [], []
+
+    class Watch:
+        def on_micro_batch(self, micro):
+            refs.append(weakref.ref(micro.grads["hidden/kernel"]))
+
+        def on_step(self, mean, result):
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+
+    tf1_run(overlap, hooks=[Watch()])
+    assert len(refs) == 4 * STEPS and alive == [0] * STEPS
