@@ -8,9 +8,9 @@ step time. Implementations:
 * ``hostavg``: the defaults (accumulate="sum", average="host");
 * ``hostavg-stack``: accumulate="stack"; ``hostavg-graph``: average="graph";
 * ``hostavg-overlap``: overlap=True (the next micro-batch computes while the
-  host adds this one); ``hostavg-pool``: session_threads="pool" (TensorFlow's
-  inter-op thread pool runs each session call, as ``sess.run`` does); neither
-  runs unless named;
+  host adds this one); ``hostavg-caller``: session_threads="caller" (each
+  session call runs its ops in the calling thread); outside the overhead grid
+  neither runs unless named;
 * ``hostavg-stack+stats``: accumulate="stack", reading every statistic each
   step (the stack-only ones are computed when read, so ``hostavg-stack`` is
   the same with them off). In "sum" mode the statistics come from the squared
@@ -73,9 +73,9 @@ __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "OPTIM
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
                            "full-batch", "hostavg-keras", "keras-accum")
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
-                                             "hostavg-pool")
+                                             "hostavg-caller")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
-OVERHEAD_IMPLEMENTATIONS = ("hostavg", "full-batch", "in-graph")
+OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph")
 #: The optimizers a configuration can name (see :func:`_optimizer`).
 OPTIMIZERS = ("adam", "sgd")
 #: Most consecutive steps one timed sample may hold (see :func:`time_config`).
@@ -327,7 +327,8 @@ def _make(name: str, config: Config, session_config=None):
                                                     trainer_kw={"accumulate": "stack"}, **kw),
             "hostavg-graph": lambda: _Hostavg(config, trainer_kw={"average": "graph"}, **kw),
             "hostavg-overlap": lambda: _Hostavg(config, trainer_kw={"overlap": True}, **kw),
-            "hostavg-pool": lambda: _Hostavg(config, trainer_kw={"session_threads": "pool"}, **kw),
+            "hostavg-caller": lambda: _Hostavg(config, trainer_kw={"session_threads": "caller"},
+                                               **kw),
             "in-graph": lambda: _InGraph(config, **kw),
             "plain-host": lambda: _PlainHost(config, **kw),
             "full-batch": lambda: _FullBatch(config, **kw),

@@ -143,7 +143,8 @@ def _parser() -> _Parser:
                             "to a step of one micro-batch (k = 1) against the program's own train "
                             "op (full-batch) on logreg, mlp-50k and embedding-50k with Adam and "
                             "embedding-50k with SGD, then embedding-50k at k = 8 with SGD and Adam "
-                            "against in-graph accumulation; hostavg, full-batch and in-graph, "
+                            "against in-graph accumulation; hostavg, hostavg-caller, full-batch and "
+                            "in-graph, "
                             "each sample as many steps as the slowest takes 0.1 s for, no memory "
                             "probes")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
@@ -161,7 +162,7 @@ def _parser() -> _Parser:
     bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
-                            "hostavg-stack+stats, hostavg-overlap, hostavg-pool")
+                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller")
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")

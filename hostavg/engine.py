@@ -68,12 +68,11 @@ from hostavg.stats import StepStats, step_stats
 __all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "Engine", "HostAverage",
            "SampleStats", "Tally", "describe_rows", "normalize_hooks", "step_together"]
 
-#: What a non-finite mean of finite micro-batches means, accumulated in the variables' dtypes.
+#: What a non-finite mean of finite micro-batches means, accumulated in a narrower dtype.
 OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted sum overflowed the "
                  "accumulation dtype: accumulate in float64 with accum_dtype='float64'.")
-#: The same, accumulated in a dtype wider than some variable's: the mean itself is beyond that
-#: variable's range.
-CAST_HINT = ("Every micro-batch's gradients were finite and were summed in a wider dtype, so the "
+#: The same, accumulated in float64 already: the mean itself is beyond the variables' range.
+CAST_HINT = ("Every micro-batch's gradients were finite and were summed in float64, so the "
              "mean itself is beyond the range of the variables' dtype: scale the loss down, or "
              "clip the gradients (hostavg.hooks.ClipGlobalNorm).")
 
@@ -293,9 +292,10 @@ class Engine:
         self._keep_micro = accumulate == "stack"
         # The step's own accumulator: its buffers are allocated once and reused.
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
-        wider = self._acc.accum_dtype is not None and any(
-            self._acc.accum_dtype.itemsize > np.dtype(s.dtype).itemsize for s in spec.values())
-        self._overflow_hint = CAST_HINT if wider else OVERFLOW_HINT
+        # Sums already in float64 (a wider accumulation, or float64 variables) cannot be
+        # widened further: the mean itself is beyond the variables' range.
+        widest = all(np.dtype(d).itemsize >= 8 for d in self._acc._dtypes.values())
+        self._overflow_hint = CAST_HINT if widest else OVERFLOW_HINT
         self._busy = threading.Lock()
         self.overlap = flag("overlap", overlap)
         self._worker = None  # made on the first overlapped step
@@ -430,14 +430,16 @@ class Engine:
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
                                       f"nothing was applied"), None, None
 
-        mean = acc.mean(self.average.reducer(backend, tally.total))
+        reducer = self.average.reducer(backend, tally.total)
+        mean = acc.mean(reducer)
         every = self.average.sees_every_micro_batch
-        # One accumulated micro-batch of the step's whole weight: the mean is its gradient
-        # (times w/w = 1, exactly), whose squared norms are known already; not where the
-        # accumulation dtype is narrower than that gradient's (a hook may return float64 for a
-        # float32 variable), which rounds it, or overflows it to Inf.
+        # One accumulated micro-batch of the step's whole weight, averaged by NumPy: the mean
+        # is its gradient itself (the factor w/w is exactly 1 and skipped), whose squared norms
+        # are known already; not where the accumulation dtype is narrower than that gradient's
+        # (a hook may return float64 for a float32 variable), which rounds it, or overflows it
+        # to Inf. (A reducer in the session computes (w g) / w, which may overflow.)
         known = None
-        if every and len(tally.weights) == 1:
+        if every and reducer is None and len(tally.weights) == 1:
             sq, dtypes = added[0]
             known = {n: q for n, q in sq.items()
                      if np.can_cast(dtypes[n], mean[n].dtype, casting="safe")}
@@ -491,16 +493,20 @@ class Engine:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="hostavg-compute")
         submit = lambda batch: self._worker.submit(  # noqa: E731
             self._compute, backend, batch[0], batch[1], f"step, {batch[3]}")
-        pending = submit(batches[0])
+        finished = False
         try:
+            pending = submit(batches[0])
             for i in range(len(batches)):
-                done, pending = pending.result(), None
+                done = pending.result()
                 if i + 1 < len(batches):
                     pending = submit(batches[i + 1])
                 yield done
+            finished = True
         finally:
-            if pending is not None:
-                _wait(pending)
+            if not finished:
+                # The worker runs what it is given in order: once this no-op has run, nothing
+                # submitted before it is running (whatever an interrupt left unassigned).
+                _wait(self._worker.submit(_nothing))
 
     def _micro_batch(self, i, batch, computed, backend, acc, micro, norms, var_sq, added,
                      kept) -> int:
@@ -617,6 +623,10 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                 _call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                       applied=True)
     return results
+
+
+def _nothing() -> None:
+    pass
 
 
 def _wait(future) -> None:

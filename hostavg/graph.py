@@ -19,28 +19,31 @@ from tensorflow.core.protobuf import config_pb2
 from hostavg.accumulator import Reduction
 from hostavg.engine import Applied, Computed, HostAverage
 from hostavg.errors import HostavgError, positive_int
-from hostavg.gradients import SparseGradient, VariableSpec, coalesce_rows, freeze, squared_norm
+from hostavg.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.split import feed_size
 
 v1 = tf.compat.v1
 
-#: Where a trainer's session calls run their ops. "caller": in the thread that calls
-#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the session's
-#: inter-op thread pool and back, which costs 50-100 us per call on 2 cores, as much as a
-#: small model's whole compute; the kernels still use the intra-op pool, and a graph
-#: placed on several devices (CPU and GPU) uses the inter-op pool anyway. "pool": the
-#: inter-op pool runs independent ops side by side, as ``sess.run`` does: for wide graphs
-#: of large independent ops.
-SESSION_THREADS = ("caller", "pool")
+#: Where a trainer's session calls run their ops. "pool" (the default): the session's
+#: inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
+#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
+#: which costs 50-100 us a call on 2 cores, as much as a small model's whole compute. Two
+#: differences make it opt-in: the calling thread does not flush denormal floats to zero as
+#: TensorFlow's pool threads do, so values below ~1.2e-38 (float32) can differ from
+#: ``sess.run``'s in kernels small enough to run inline; and a kernel that blocks its
+#: thread until another op of the same call runs (a StagingArea's get before its put) would
+#: wait forever, so calls that reach one of :data:`BLOCKING_OPS` use the pool anyway. A
+#: graph placed on several devices (CPU and GPU) uses the pool either way.
+SESSION_THREADS = ("pool", "caller")
 
-#: Rows of a sparse gradient per micro-batch above which the session coalesces them
-#: (:meth:`Wiring.compute`); the host does at and below. Measured by whole SGD steps of an
-#: embedding model on 2 cores, rows 16 to 256 floats wide: alike up to 512 rows, the host
-#: faster at 2,048 and 8,192, the session faster at 32,768 (README, Performance).
-SESSION_COALESCE_ROWS = 16384
+#: Op types whose kernels block their thread until another op runs (StagingArea and
+#: MapStagingArea gets, peeks and full puts): a call reaching one runs in the pool.
+BLOCKING_OPS = frozenset({"Stage", "Unstage", "StagePeek", "MapStage", "MapUnstage",
+                          "MapUnstageNoKey", "MapPeek", "OrderedMapStage", "OrderedMapUnstage",
+                          "OrderedMapUnstageNoKey", "OrderedMapPeek"})
 
-__all__ = ["READ_OPS", "SESSION_COALESCE_ROWS", "SESSION_THREADS", "GraphAverage", "SessionBackend",
-           "Wiring", "assigned_variables", "feed_array", "first_line", "load_variables", "resolve_feed"]
+__all__ = ["BLOCKING_OPS", "READ_OPS", "SESSION_THREADS", "GraphAverage", "SessionBackend", "Wiring",
+           "assigned_variables", "feed_array", "first_line", "load_variables", "resolve_feed"]
 
 
 class Wiring:
@@ -60,7 +63,7 @@ class Wiring:
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
-                 session_threads: str = "caller"):
+                 session_threads: str = "pool"):
         self.graph = loss.graph
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
@@ -78,37 +81,28 @@ class Wiring:
                 tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
                 isinstance(g, tf.IndexedSlices)) for g, v in pairs}
             self._grads = [g for g, _ in pairs]
-            # Sparse rows are coalesced (sorted, unique, duplicates summed) where that is
-            # cheaper: on the host for up to SESSION_COALESCE_ROWS rows, in the session (its
-            # unique, segment-sum and sort ops) above that (see compute). Squared norms are
-            # reduced in the session where the values are fresh in cache and the work is
-            # spread over its threads (Eigen's tree reduction: ~1e-7 relative error in
-            # float32): the host then makes one pass per micro-batch (the add) instead of
-            # two. Half precision is summed in float32; a float32 sum that overflows (entries
-            # above ~1e19) is redone on the host in float64.
-            head = [loss, self.global_step.read_value()]
+            # Sparse rows leave the session coalesced: sorted, unique, duplicates summed there,
+            # by the same ops whatever the micro-batch, so that a gradient depends only on its
+            # feed and weights. (NumPy coalesces 512 rows in ~50 us in a loop of its own, but
+            # within a step, on rows fresh from the session, whole steps measured alike up to
+            # 512 rows, NumPy up to 30% faster at 2k-8k rows, the session up to 34% faster at
+            # 32k; the session also fetches only the unique rows.) Squared norms are reduced
+            # in the session where the values are fresh in cache and the work is spread over
+            # its threads (Eigen's tree reduction: ~1e-7 relative error in float32): the host
+            # then makes one pass per micro-batch (the add) instead of two. Half precision is
+            # summed in float32; a float32 sum that overflows (entries above ~1e19) is redone
+            # on the host in float64 (see compute).
             with tf.name_scope("hostavg_coalesce"):
-                coalesced = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
-                             for g in self._grads]
+                fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
+                           for g in self._grads]
+            self._fetches = [loss, self.global_step.read_value()] + _flat(fetched)
             with tf.name_scope("hostavg_norms"):
-                norms = [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
-                         for g in coalesced]
-            self._sparse = [isinstance(g, tf.IndexedSlices) for g in self._grads]
-            # What a compute call fetches, by where the rows are coalesced. In the session:
-            # the coalesced values, every squared norm, and each sparse gradient's number of
-            # rows before coalescing; on the host: the values as they are and the dense norms.
-            self._fetches = {
-                True: head + _flat(coalesced) + norms + [
-                    tf.size(g.indices) for g in self._grads if isinstance(g, tf.IndexedSlices)],
-                False: head + _flat(self._grads) + [
-                    q for q, sparse in zip(norms, self._sparse) if not sparse]}
-            self._coalesce_in_session = False  # until a micro-batch brings more rows
+                self._fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
+                                  for g in fetched]
             if self.update_ops:
-                update = tf.group(*self.update_ops, name="hostavg_update_ops")
-                for fetches in self._fetches.values():
-                    fetches.append(update)
+                self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
             # What a failed step must restore: every variable the compute call may assign.
-            self.assigned = assigned_variables(self.graph, self._fetches[True])
+            self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [v.read_value() for v in self.assigned]
             variables = [v for _, v in pairs]
             step = self.global_step if increment_global_step else None
@@ -166,33 +160,19 @@ class Wiring:
                 if average == "graph" else None
 
     def compute(self, sess, feed: dict) -> Computed:
-        """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen.
-
-        Sparse rows come back coalesced, by the host or (when the last micro-batch
-        brought more than :data:`SESSION_COALESCE_ROWS` rows of a gradient) the session.
-        """
-        in_session = self._coalesce_in_session
-        out = self._callables.get(sess, self._fetches[in_session], tuple(feed))(*feed.values())
+        """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen
+        (sparse ones coalesced)."""
+        out = self._callables.get(sess, self._fetches, tuple(feed))(*feed.values())
         got = iter(out[2:])
-        values, rows = {}, []
-        for name, sparse in zip(self.names, self._sparse):
-            if sparse:
-                indices, vals = next(got), next(got)
-                if not in_session:
-                    rows.append(len(indices))
-                    indices, vals = coalesce_rows(indices, vals)
-                values[name] = SparseGradient(freeze(indices), freeze(vals), self.spec[name].shape)
+        values = {}
+        for name, g in zip(self.names, self._grads):
+            if isinstance(g, tf.IndexedSlices):
+                values[name] = SparseGradient(freeze(next(got)), freeze(next(got)),
+                                              self.spec[name].shape)
             else:
                 values[name] = freeze(next(got))
-        sq_norms = {}
-        for name, sparse in zip(self.names, self._sparse):
-            value = values[name].values if sparse else values[name]  # rows coalesced already
-            q = float(next(got)) if in_session or not sparse else math.nan
-            sq_norms[name] = q if math.isfinite(q) else squared_norm(value)
-        if in_session:
-            rows = [int(n) for n in got]
-        if rows:
-            self._coalesce_in_session = max(rows) > SESSION_COALESCE_ROWS
+        sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
+                    for name, q in zip(self.names, map(float, got))}
         return Computed(out[0], values, int(out[1]), sq_norms)
 
     def conform_feed(self, feed: dict, what: str) -> dict:
@@ -414,12 +394,13 @@ class Callables:
     callable made from ``CallableOptions`` skips that. Sessions are held
     weakly, so a dropped session takes its callables with it.
 
-    ``threads`` (one of :data:`SESSION_THREADS`): "caller" runs each call's
-    ops in the calling thread (``RunOptions.inter_op_thread_pool = -1``), "pool"
-    hands them to the session's inter-op thread pool, as ``sess.run`` does.
+    ``threads`` (one of :data:`SESSION_THREADS`): "pool" hands each call's ops to
+    the session's inter-op thread pool, as ``sess.run`` does; "caller" runs them
+    in the calling thread (``RunOptions.inter_op_thread_pool = -1``), except in
+    calls that reach one of :data:`BLOCKING_OPS`.
     """
 
-    def __init__(self, threads: str = "caller"):
+    def __init__(self, threads: str = "pool"):
         self._by_session = weakref.WeakKeyDictionary()
         self.threads = threads
 
@@ -449,7 +430,7 @@ def _compile(sess, fetches, feed_keys, threads: str):
     opts.feed.extend(k.name for k in feed_keys)
     opts.fetch.extend(t.name for t in tensors)
     opts.target.extend(op.name for op in targets)
-    if threads == "caller":
+    if threads == "caller" and not _reaches(fetches, feed_keys, BLOCKING_OPS):
         opts.run_options.inter_op_thread_pool = -1
     run = sess._make_callable_from_options(opts)  # pylint: disable=protected-access
 
@@ -573,23 +554,32 @@ def _squared_norm(g):
 def _placeholders_read(op, fed=(), with_default: bool = True) -> list:
     """The placeholders that running ``op`` reads when ``fed`` (tensors) are fed, by name.
 
-    Walks back through inputs and control inputs, stopping at fed tensors.
     ``with_default``: count placeholders with a default too (read, though
     they need no feed).
     """
     kinds = ("Placeholder", "PlaceholderWithDefault") if with_default else ("Placeholder",)
-    fed, seen, found = set(fed), set(), []
-    todo = [op]
+    found = [o for o in _ops_run([op], fed) if o.type in kinds]
+    return [op.outputs[0] for op in sorted(found, key=lambda o: o.name)]
+
+
+def _reaches(fetches, fed, types: frozenset) -> bool:
+    """Whether running ``fetches`` (tensors and operations) with ``fed`` fed runs an op of ``types``."""
+    ops = [f.op if isinstance(f, tf.Tensor) else f for f in fetches]
+    return any(op.type in types for op in _ops_run(ops, fed))
+
+
+def _ops_run(ops, fed=()):
+    """Every op that running ``ops`` runs when ``fed`` (tensors) are fed: a walk back through
+    inputs and control inputs, stopping at fed tensors."""
+    fed, seen, todo = set(fed), set(), list(ops)
     while todo:
         op = todo.pop()
         if op in seen:
             continue
         seen.add(op)
-        if op.type in kinds:
-            found.append(op)
+        yield op
         todo.extend(t.op for t in op.inputs if t not in fed)
         todo.extend(op.control_inputs)
-    return [op.outputs[0] for op in sorted(found, key=lambda o: o.name)]
 
 
 def _applied(pairs, densify: bool) -> list:

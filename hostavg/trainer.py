@@ -76,12 +76,13 @@ class Trainer:
         for a 50k-parameter MLP and 5 to 10% for 0.3M to 2M parameters (see
         the README's performance section).
       session_threads: one of :data:`~hostavg.graph.SESSION_THREADS`: where the
-        trainer's session calls run their ops. "caller" (default): in the
-        calling thread, which saves TensorFlow's hand-off to its inter-op
-        thread pool and back (50-100 us a call on 2 cores: a quarter of a small
-        model's step); "pool": in that pool, as ``sess.run`` does, so that
-        independent ops run side by side (wide graphs of large independent
-        ops). A graph placed on several devices uses the pool either way.
+        trainer's session calls run their ops. "pool" (default): in the
+        session's inter-op thread pool, as ``sess.run`` does. "caller": in the
+        calling thread, which saves TensorFlow's hand-off to the pool and back
+        (50-100 us a call on 2 cores: a fifth of a small model's step), but
+        keeps denormal floats that the pool's threads flush to zero (values
+        below ~1.2e-38 in float32 may then differ from ``sess.run``'s); calls
+        that reach a blocking kernel (``graph.BLOCKING_OPS``) use the pool anyway.
       overlap: compute micro-batch i + 1 in a worker thread while the host
         shows micro-batch i to the hooks, checks it and adds it. The same
         results, bit for bit; pays where a micro-batch's add is long and the
@@ -119,7 +120,7 @@ class Trainer:
     def __init__(self, loss, optimizer, var_list=None, *, accumulate: str = "sum",
                  average: str = "host", accum_dtype=None, global_step=None,
                  increment_global_step: bool = True, update_ops=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = None, session_threads: str = "caller",
+                 update_ratios_every: int | None = None, session_threads: str = "pool",
                  overlap: bool = False):
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
             raise HostavgError(

@@ -125,11 +125,45 @@ def test_session_threads_decides_which_thread_runs_the_ops(threads, pool):
     assert all(t == me for t in ran_in) if threads == "caller" else all(t != me for t in ran_in)
 
 
+STAGING = """
+import numpy as np, tensorflow as tf, hostavg
+from tensorflow.python.ops import data_flow_ops
+v1 = tf.compat.v1
+graph = tf.Graph()
+with graph.as_default():
+    x = v1.placeholder(tf.float32, [None, 3])
+    area = data_flow_ops.StagingArea([tf.float32], shapes=[[None, 3]])
+    put = area.put([x])  # this micro-batch's input staged, and read back in the same call
+    got = area.get()
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    w = tf.Variable(tf.ones([3]))
+    loss = tf.reduce_mean(tf.linalg.matvec(got, w) ** 2)
+    trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1), update_ops=[put],
+                              session_threads="caller")
+    sess = v1.Session(graph=graph)
+    sess.run(v1.global_variables_initializer())
+for _ in range(3):
+    res = trainer.step(sess, [{x: np.ones((2, 3), np.float32)}] * 2)
+print("stepped", res.step)
+"""
+
+
+def test_a_call_that_reaches_a_blocking_kernel_runs_in_the_pool_even_when_caller_is_asked():
+    """In the calling thread a StagingArea's get, run before its put in the same call, would
+    block the only thread that could run the put: forever, deaf to Ctrl-C."""
+    import subprocess
+    import sys
+    from models import ENV
+    out = subprocess.run([sys.executable, "-c", STAGING], capture_output=True, text=True,
+                         env=ENV, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "stepped 3", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("value", ["x", None, "Caller"])
 def test_an_unknown_session_threads_is_refused_naming_the_choices(value):
     model = build()
     with model.graph.as_default(), pytest.raises(hostavg.HostavgError, match="^" + re.escape(
-            f"session_threads must be one of ('caller', 'pool'), got {value!r}") + "$"):
+            f"session_threads must be one of ('pool', 'caller'), got {value!r}") + "$"):
         hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), session_threads=value)
 
 
@@ -168,7 +202,7 @@ def test_two_threads_stepping_their_own_trainers_in_the_caller_thread_both_finis
         assert sess.run(trainer.global_step) == len(data[sparse])
 
 
-# --- Sparse rows coalesced on the host (few rows) or in the session (many) -----------------------
+# --- Sparse rows coalesced in the session, the same way for every micro-batch -------------------
 
 #: One micro-batch of ids, out of order, repeating tokens: 4 twice in a sample, 6 four times
 #: (three in one sample), 17 twice across samples.
@@ -176,14 +210,7 @@ REPEATS = np.array([[9, 4, 4], [6, 6, 6], [1, 30, 6], [49, 0, 17], [17, 2, 3],
                     [5, 7, 8], [40, 41, 42], [33, 22, 11], [12, 13, 14], [48, 47, 46]], np.int32)
 
 
-def coalesced_where(sess, loss) -> list:
-    """Per compute call ``sess`` ran: "session" where it fetched the session's coalesced rows,
-    else "host"."""
-    return ["session" if any(name.startswith("hostavg_coalesce/") for name in fetch) else "host"
-            for fetch in sess.fetched if loss.name in fetch]
-
-
-def test_host_and_session_coalescing_give_the_same_gradients_and_norms(monkeypatch):
+def test_compute_coalesces_sparse_rows_as_the_dense_gradient_has_them():
     model = build(sparse=True)
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
@@ -191,68 +218,52 @@ def test_host_and_session_coalescing_give_the_same_gradients_and_norms(monkeypat
         # The oracle: the dense gradient, which no coalescing touched.
         dense = tf.convert_to_tensor(tf.gradients(model.loss, table)[0])
         init = v1.global_variables_initializer()
-    sess = FetchSpy(graph=model.graph)
+    sess = v1.Session(graph=model.graph)
     sess.run(init)
     feed = model.feed({"ids": REPEATS, "y": np.arange(10, dtype=np.int32) % CLASSES})
     want = sess.run(dense, feed)
-    monkeypatch.setattr(hostavg.graph, "SESSION_COALESCE_ROWS", 0)
-    host = trainer.compute(sess, feed)  # 30 rows > 0: the next compute coalesces in the session
-    session = trainer.compute(sess, feed)
-    monkeypatch.setattr(hostavg.graph, "SESSION_COALESCE_ROWS", 10 ** 9)
-    still = trainer.compute(sess, feed)  # the last one decided: the session; 30 <= 10**9 rows
-    back = trainer.compute(sess, feed)  # so back on the host
-    assert coalesced_where(sess, model.loss) == ["host", "session", "session", "host"]
-
-    unique = np.unique(REPEATS)
-    for g in (host, session, still, back):
-        rows = g["embedding"]
-        np.testing.assert_array_equal(rows.indices, unique)
-        np.testing.assert_allclose(rows.values, want[unique], rtol=1e-6, atol=1e-8)
-        np.testing.assert_array_equal(rows.to_dense(), want)  # no row left out
-        for name, value in g.items():
-            flat = np.ravel(value.values if name == "embedding" else value).astype(np.float64)
-            assert g.sq_norms[name] == pytest.approx(flat @ flat, rel=1e-6), name
-    # Both sum a token's rows in the order they came: the same bits, in the same dtypes.
-    for name in host:
-        a, b = host[name], session[name]
-        if name == "embedding":
-            assert a.indices.dtype == b.indices.dtype
-            a, b = a.values, b.values
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b, err_msg=name)
-        assert host.sq_norms[name] == pytest.approx(session.sq_norms[name], rel=1e-6)
+    g = trainer.compute(sess, feed)
+    rows = g["embedding"]
+    np.testing.assert_array_equal(rows.indices, np.unique(REPEATS))
+    np.testing.assert_allclose(rows.values, want[np.unique(REPEATS)], rtol=1e-6, atol=1e-8)
+    np.testing.assert_array_equal(rows.to_dense(), want)  # no row left out
+    for name, value in g.items():
+        flat = np.ravel(value.values if name == "embedding" else value).astype(np.float64)
+        assert g.sq_norms[name] == pytest.approx(flat @ flat, rel=1e-6), name
 
 
-def test_host_and_session_coalescing_step_alike(monkeypatch):
-    data = repeating_batches(8, 3)
-    results = {}
-    for where, rows in (("host", 10 ** 9), ("session", 0)):
-        monkeypatch.setattr(hostavg.graph, "SESSION_COALESCE_ROWS", rows)
-        model, sess, _, res = trained(data, UNEQUAL, "momentum", {"sparse": True}, session=FetchSpy)
-        assert set(coalesced_where(sess, model.loss)[1:]) == {where}
-        results[where] = (model.values(sess), res)
-    (host, host_res), (session, session_res) = results["host"], results["session"]
-    # The session's segment sum adds a large micro-batch's rows in its own order (float32
-    # rounding apart: 1e-7), so the steps agree to rounding, not to the bit.
-    assert_same_weights(host, session, atol=1e-7)
-    for a, b in zip(host_res, session_res):
-        np.testing.assert_array_equal(a.grads["embedding"].indices, b.grads["embedding"].indices)
-        np.testing.assert_allclose(a.grads["embedding"].values, b.grads["embedding"].values,
-                                   rtol=1e-6, atol=1e-8)
-        assert a.loss == pytest.approx(b.loss, rel=1e-6)
-        assert a.stats.grad_norm == pytest.approx(b.stats.grad_norm, rel=1e-6)
+def test_a_sparse_gradient_depends_only_on_its_feed_not_on_earlier_calls():
+    """The same feed from the same weights gives the same bits whatever ran before (small and
+    large micro-batches, check): a run resumed by a fresh trainer continues bit for bit.
+    Coalescing once chose host or session by the previous call's row count, which differ in
+    rounding above ~16k rows."""
+    model = build(sparse=True)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.MomentumOptimizer(0.05, momentum=0.9))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    rng = np.random.default_rng(3)
+    ids = model.inputs["ids"]
 
-
-def test_switching_between_host_and_session_within_a_step_still_equals_the_full_batch_step(
-        monkeypatch):
-    monkeypatch.setattr(hostavg.graph, "SESSION_COALESCE_ROWS", 30)
-    # 36, 48, 12, 24 rows (before coalescing; at most 12 after): each micro-batch decides for
-    # the next one, so every way between host and session is taken within each step.
-    sizes = (12, 16, 4, 8)
-    data = repeating_batches(9, 4)
-    model, sess, _, _ = trained(data, sizes, "momentum", {"sparse": True}, session=FetchSpy)
-    assert coalesced_where(sess, model.loss) == ["host", "session", "session", "host"] * len(data)
-    assert_same_weights(model.values(sess), full_batch("momentum", data, sparse=True), atol=1e-6)
+    def feed(n):
+        return {ids: rng.integers(0, VOCAB, (n, 3)).astype(np.int32),
+                model.inputs["y"]: rng.integers(0, CLASSES, n).astype(np.int32)}
+    big = feed(8000)  # 24,000 rows of a 50-row table
+    first = trainer.compute(sess, big)
+    again = trainer.compute(sess, big)
+    trainer.compute(sess, feed(4))
+    after_small = trainer.compute(sess, big)
+    trainer.check(sess, feed(64), 16)
+    after_check = trainer.compute(sess, big)
+    for g in (again, after_small, after_check):
+        for name in first:
+            a, b = first[name], g[name]
+            if name == "embedding":
+                np.testing.assert_array_equal(a.indices, b.indices)
+                a, b = a.values, b.values
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        assert g.sq_norms == first.sq_norms
 
 
 # --- coalesce_rows and _stable_order against brute force ------------------------------------------
@@ -554,7 +565,7 @@ def test_a_mean_that_overflows_only_when_cast_is_refused_not_applied(how, k):
         feed = {x: np.ones((2, 4), np.float32)}
         if sums:  # the float64 mean is finite; its cast to float32 is not
             message = re.escape(OVERFLOW.split(" Every")[0] + " Every micro-batch's gradients "
-                                "were finite and were summed in a wider dtype, so the mean "
+                                "were finite and were summed in float64, so the mean "
                                 "itself is beyond the range of the variables' dtype: scale the "
                                 "loss down, or clip the gradients (hostavg.hooks.ClipGlobalNorm).")
             message += "$"
@@ -664,3 +675,32 @@ def test_handlers_are_exactly_what_they_were_after_a_step(kinds, handlers):
     assert calls == [s for s, kind in zip((signal.SIGINT, signal.SIGTERM), kinds)
                      if kind == "custom" and s in sent]
     assert_bitwise(got.values(), want.values())
+
+
+@pytest.mark.parametrize("accumulate,sparse", [("stack", False), ("sum", True)],
+                         ids=["dense-stack", "sparse-sum"])
+def test_one_micro_batch_averaged_in_the_session_is_checked_on_its_own_mean(accumulate, sparse):
+    """average="graph" computes (w g) / w in the variable's dtype, which overflows where w g
+    does: the step must see the Inf mean, not reuse the micro-batch's finite norms."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None])
+        if sparse:
+            w = tf.Variable(np.zeros((4, 1), np.float32), name="w")
+            ids = v1.placeholder(tf.int32, [None])
+            loss = tf.reduce_mean(tf.nn.embedding_lookup(w, ids)[:, 0] * x) * 2.5  # rows 1.25e38
+        else:
+            w = tf.Variable(0.0, name="w")
+            loss = tf.reduce_mean(w * x)  # gradient 1.5e38
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(1e-3),
+                                  average="graph", accumulate=accumulate)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    feed = {x: np.full(3, 1.5e38, np.float32)}  # 3 samples: times 3, Inf
+    if sparse:
+        feed[ids] = np.array([0, 1, 2], np.int32)
+    with np.errstate(over="ignore"), pytest.raises(hostavg.HostavgError,
+                                                   match=r"^step, the mean: non-finite gradients"):
+        trainer.step(sess, [feed])
+    np.testing.assert_array_equal(sess.run(w), np.zeros_like(sess.run(w)))
