@@ -174,7 +174,8 @@ def test_two_threads_stepping_their_own_trainers_in_the_caller_thread_both_finis
     for sparse in data:
         model = build(sparse=sparse)
         with model.graph.as_default():
-            trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
+            trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01),
+                                      session_threads="caller")
             init = v1.global_variables_initializer()
         sess = v1.Session(graph=model.graph)
         sess.run(init)
