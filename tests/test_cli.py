@@ -131,6 +131,7 @@ def test_one_display_per_epoch_under_the_historys_names(tmp_path, capsys, monkey
     assert "epoch 2/2: 100%" in out.err and "val_loss=" in out.err and "val_accuracy=" in out.err
 
 
+@pytest.mark.slow  # fresh TensorFlow processes
 def test_the_tensorflow_import_prints_nothing_unless_asked():
     code = ("import hostavg\n"
             "tf = hostavg.import_tensorflow()\n"

@@ -148,6 +148,7 @@ print("stepped", res.step)
 """
 
 
+@pytest.mark.slow  # a fresh TensorFlow process
 def test_a_call_that_reaches_a_blocking_kernel_runs_in_the_pool_even_when_caller_is_asked():
     """In the calling thread a StagingArea's get, run before its put in the same call, would
     block the only thread that could run the put: forever, deaf to Ctrl-C."""
