@@ -3,10 +3,11 @@
 usage: python mpi_script.py MODES OUT
   MODES: comma-separated, run one after the other in this process (one
         TensorFlow start-up for all):
-        dense | sparse | stack | uneven | scalar | keras (train, write each rank's
-        variables to OUT-MODE-rank<r>.npz; uneven: rank 0 takes five micro-batches
+        dense | sparse | stack | uneven | scalar | overlap | keras (train, write each
+        rank's variables to OUT-MODE-rank<r>.npz; uneven: rank 0 takes five micro-batches
         and rank 1 one, and at step 3 rank 1 takes none; scalar: with a 0-d
-        variable; keras: the dense model as a Keras model with hostavg.keras.Trainer),
+        variable; overlap: the sparse model with overlap=True; keras: the dense model
+        as a Keras model with hostavg.keras.Trainer),
         nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
         die (rank 1 exits mid-step),
         misconfigured (ranks whose models, feeds or learning rates differ: each error
@@ -71,15 +72,16 @@ def train_keras(mode):
 def train(mode):
     if mode == "keras":
         return train_keras(mode)
-    model = build(sparse=mode == "sparse", scalar=mode == "scalar")
+    sparse = mode in ("sparse", "overlap")
+    model = build(sparse=sparse, scalar=mode == "scalar")
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Trouble(mode)],
                                   accumulate="stack" if mode == "stack" else "sum",
-                                  comm=comm if size > 1 else None)
+                                  comm=comm if size > 1 else None, overlap=mode == "overlap")
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=model.graph)
     sess.run(init)
-    for step, data in enumerate(batches(7, STEPS, sum(SIZES), sparse=mode == "sparse")):
+    for step, data in enumerate(batches(7, STEPS, sum(SIZES), sparse=sparse)):
         feeds = [model.feed({k: v[s] for k, v in data.items()}) for s in cuts(sum(SIZES), SIZES)]
         if size > 1:
             share = 3 if mode != "uneven" else 6 if step == 3 else 5  # rank 0's micro-batches
