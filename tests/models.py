@@ -131,6 +131,11 @@ def batches(seed: int, steps: int, n: int, dtype=np.float32, sparse: bool = Fals
     return out
 
 
+def make_optimizer(optimizer):
+    """An optimizer from a name in OPTIMIZERS, or from a function that makes one."""
+    return OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer()
+
+
 def full_batch(optimizer, data: list, update_sizes=None, **kw) -> dict:
     """The oracle: plain ``optimizer.minimize`` on each whole batch. Returns every variable.
 
@@ -139,9 +144,8 @@ def full_batch(optimizer, data: list, update_sizes=None, **kw) -> dict:
     run once per micro-batch of these sizes, in order, as a trainer runs them.
     """
     model = build(**kw)
-    make = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
     with model.graph.as_default():
-        train = make().minimize(model.loss, global_step=v1.train.get_or_create_global_step())
+        train = make_optimizer(optimizer).minimize(model.loss, global_step=v1.train.get_or_create_global_step())
         updates = v1.get_collection(v1.GraphKeys.UPDATE_OPS) if update_sizes else []
         init = v1.global_variables_initializer()
     with v1.Session(graph=model.graph) as sess:

@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import (CLASSES, OPTIMIZERS, VOCAB, AfterApply, FetchSpy, batches, build, cuts,
-                    full_batch, v1)
+from models import (CLASSES, VOCAB, AfterApply, batches, build, cuts, full_batch, make_optimizer,
+                    v1)
 from test_adversarial import linear
-from test_trainer import BATCH, UNEQUAL, Case, assert_same_weights, unchanged
+from test_trainer import BATCH, UNEQUAL, Case, assert_same_weights, train, unchanged
 
 import hostavg
 from hostavg.gradients import _stable_order, coalesce_rows
@@ -29,28 +29,9 @@ def assert_bitwise(got: dict, want: dict):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def make(optimizer):
-    """An optimizer from a name in OPTIMIZERS or a function that makes one."""
-    return OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer()
-
-
 def micro_feeds(model, data: dict, sizes) -> list:
     return [model.feed({k: v[part] for k, v in data.items()})
             for part in cuts(len(data["y"]), sizes)]
-
-
-def trained(data, sizes, optimizer="adam", model_kw=None, session=v1.Session, **trainer_kw):
-    """hostavg's steps over ``data``, each batch cut into ``sizes``.
-
-    Returns (model, sess, trainer, results)."""
-    model = build(**(model_kw or {}))
-    with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, make(optimizer), **trainer_kw)
-        init = v1.global_variables_initializer()
-    sess = session(graph=model.graph)
-    sess.run(init)
-    results = [trainer.step(sess, micro_feeds(model, d, sizes)) for d in data]
-    return model, sess, trainer, results
 
 
 def repeating_batches(seed: int, steps: int, n: int = BATCH, window: int = 12) -> list:
@@ -77,7 +58,7 @@ def repeating_batches(seed: int, steps: int, n: int = BATCH, window: int = 12) -
 ], ids=["dense", "embedding", "update_ops-graph", "embedding-update_ops-graph"])
 def test_caller_and_pool_give_bit_identical_weights_equal_to_the_full_batch_step(model_kw, average):
     data = batches(5, 4, BATCH, sparse=model_kw.get("sparse", False))
-    caller, pool = (trained(data, UNEQUAL, model_kw=model_kw, average=average,
+    caller, pool = (train("adam", data, UNEQUAL, model_kw=model_kw, average=average,
                             session_threads=threads)[:2]
                     for threads in hostavg.graph.SESSION_THREADS)
     caller, pool = (model.values(sess) for model, sess in (caller, pool))
@@ -170,7 +151,8 @@ def test_an_unknown_session_threads_is_refused_naming_the_choices(value):
 
 def test_two_threads_stepping_their_own_trainers_in_the_caller_thread_both_finish_correctly():
     data = {sparse: batches(7, 6, BATCH, sparse=sparse) for sparse in (False, True)}
-    alone = {sparse: trained(data[sparse], UNEQUAL, model_kw={"sparse": sparse}) for sparse in data}
+    alone = {sparse: train("adam", data[sparse], UNEQUAL, model_kw={"sparse": sparse})
+             for sparse in data}
     runs = {}
     for sparse in data:
         model = build(sparse=sparse)
@@ -364,7 +346,7 @@ def dense_accumulation(optimizer, data: list, sizes) -> dict:
     Returns the model's variables (not the sums')."""
     model = build(sparse=True)
     with model.graph.as_default():
-        opt = make(optimizer)
+        opt = make_optimizer(optimizer)
         pairs = opt.compute_gradients(model.loss)
         size, total = v1.placeholder(tf.float32, ()), v1.placeholder(tf.float32, ())
         with v1.variable_scope("dense_sums"):
@@ -389,7 +371,7 @@ def dense_accumulation(optimizer, data: list, sizes) -> dict:
 def test_adam_applies_the_sparse_mean_densely_as_its_full_batch_and_dense_accumulation_do():
     data = repeating_batches(10, 5)
     # Steps 2 and 4 measure update ratios: the second (measured) train op is densified too.
-    model, sess, trainer, _ = trained(data, UNEQUAL, "adam", {"sparse": True},
+    model, sess, trainer, _ = train("adam", data, UNEQUAL, model_kw={"sparse": True},
                                       update_ratios_every=2)
     assert len(densify_ops(trainer.graph)) == 2
     got = model.values(sess)
@@ -400,7 +382,7 @@ def test_adam_applies_the_sparse_mean_densely_as_its_full_batch_and_dense_accumu
 @pytest.mark.parametrize("optimizer", ["momentum", "adagrad"])
 def test_other_optimizers_keep_their_sparse_update(optimizer):
     data = repeating_batches(11, 5)
-    model, sess, trainer, _ = trained(data, UNEQUAL, optimizer, {"sparse": True})
+    model, sess, trainer, _ = train(optimizer, data, UNEQUAL, model_kw={"sparse": True})
     assert densify_ops(trainer.graph) == []
     got = model.values(sess)
     assert_same_weights(got, full_batch(optimizer, data, sparse=True), atol=1e-6)
@@ -427,7 +409,8 @@ class AdamSubclass(v1.train.AdamOptimizer):
 def test_a_subclass_of_adam_keeps_the_sparse_update():
     AdamSubclass.sparse_applies = 0
     data = repeating_batches(12, 3)
-    model, sess, trainer, _ = trained(data, UNEQUAL, lambda: AdamSubclass(0.01), {"sparse": True})
+    model, sess, trainer, _ = train(lambda: AdamSubclass(0.01), data, UNEQUAL,
+                                    model_kw={"sparse": True})
     assert densify_ops(trainer.graph) == []
     assert AdamSubclass.sparse_applies == 2  # the train op and the measured one
     assert_same_weights(model.values(sess), full_batch(lambda: AdamSubclass(0.01), data,

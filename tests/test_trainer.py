@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from models import OPTIMIZERS, FetchSpy, batches, build, cuts, full_batch, v1
+from models import OPTIMIZERS, FetchSpy, batches, build, cuts, full_batch, make_optimizer, v1
 
 import hostavg
 
@@ -13,17 +13,18 @@ STEPS, BATCH = 20, 40
 EQUAL, UNEQUAL = (10, 10, 10, 10), (5, 12, 3, 20)
 
 
-def train(optimizer, data, sizes, *, model_kw=None, **trainer_kw):
-    """hostavg over the same batches as the oracle; returns (model, sess, trainer, results)."""
+def train(optimizer, data, sizes, *, model_kw=None, session=v1.Session, **trainer_kw):
+    """hostavg over the same batches as the oracle, each cut into ``sizes``; returns (model,
+    sess, trainer, results). ``optimizer``: a name in OPTIMIZERS or a function that makes one."""
     model = build(**(model_kw or {}))
     with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, OPTIMIZERS[optimizer](), **trainer_kw)
+        trainer = hostavg.Trainer(model.loss, make_optimizer(optimizer), **trainer_kw)
         init = v1.global_variables_initializer()
-    sess = v1.Session(graph=model.graph)
+    sess = session(graph=model.graph)
     sess.run(init)
     results = []
     for d in data:
-        feeds = [model.feed({k: v[s] for k, v in d.items()}) for s in cuts(BATCH, sizes)]
+        feeds = [model.feed({k: v[s] for k, v in d.items()}) for s in cuts(len(d["y"]), sizes)]
         results.append(trainer.step(sess, feeds))
     return model, sess, trainer, results
 
