@@ -468,6 +468,7 @@ def test_overlap_with_every_accumulation_and_average_equals_it_without(accumulat
     assert_same_results(results, want_results)
     if accumulate == "stack":
         for a, b in zip(results[-1].micro, want_results[-1].micro):
+            assert (a.grads.loss, a.grads.size) == (b.grads.loss, b.grads.size)
             assert_bitwise(dict(a.grads), dict(b.grads))
 
 
