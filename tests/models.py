@@ -4,6 +4,7 @@ hostavg against, and the environment of the Python processes tests start."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +130,19 @@ def batches(seed: int, steps: int, n: int, dtype=np.float32, sparse: bool = Fals
         data["y"] = rng.integers(0, CLASSES, n).astype(np.int32)
         out.append(data)
     return out
+
+
+def probed(loss) -> tuple:
+    """``loss`` plus a zero that notes, each time the graph computes it, the thread that ran it:
+    (the new loss, the list of thread idents it fills)."""
+    ran_in = []
+
+    def probe():
+        ran_in.append(threading.get_ident())
+        return np.float32(0)
+
+    seen = tf.reshape(v1.py_func(probe, [], tf.float32, stateful=True), [])
+    return loss + tf.stop_gradient(seen), ran_in
 
 
 def make_optimizer(optimizer):

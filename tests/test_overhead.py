@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from models import (CLASSES, VOCAB, AfterApply, batches, build, cuts, full_batch, make_optimizer,
-                    v1)
+                    probed, v1)
 from test_adversarial import linear
 from test_trainer import BATCH, UNEQUAL, Case, assert_same_weights, train, unchanged
 
@@ -83,16 +83,10 @@ class PoolSpy(v1.Session):
 @pytest.mark.parametrize("threads,pool", [("caller", -1), ("pool", 0)])
 def test_session_threads_decides_which_thread_runs_the_ops(threads, pool):
     model = build(update_op=True)
-    ran_in = []
-
-    def probe():
-        ran_in.append(threading.get_ident())
-        return np.float32(0)
-
     with model.graph.as_default():
-        seen = tf.reshape(v1.py_func(probe, [], tf.float32, stateful=True), [])
-        trainer = hostavg.Trainer(model.loss + tf.stop_gradient(seen), v1.train.AdamOptimizer(0.01),
-                                  average="graph", session_threads=threads)
+        loss, ran_in = probed(model.loss)
+        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(0.01), average="graph",
+                                  session_threads=threads)
         init = v1.global_variables_initializer()
     sess = PoolSpy(graph=model.graph)
     sess.run(init)

@@ -16,10 +16,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import ENV, FailAt, batches, build, cuts, keras_model, poisoned, v1
+from models import ENV, FailAt, batches, build, cuts, keras_model, poisoned, probed, v1
 from test_overlap import slow_update_model
 from test_tf1_programs import gan, gan_batch
-from test_trainer import BATCH, UNEQUAL, Case
+from test_trainer import BATCH, UNEQUAL
 
 import hostavg
 import hostavg.keras
@@ -422,19 +422,12 @@ def test_a_collected_trainer_ends_its_worker_thread():
 # --- Where the micro-batches compute ------------------------------------------------------------
 
 
-def probed(threads, overlap):
+def probed_trainer(threads, overlap):
     """build()'s model whose loss notes the thread that runs it: (model, sess, trainer, threads)."""
     model = build()
-    ran_in = []
-
-    def probe():
-        ran_in.append(threading.get_ident())
-        return np.float32(0)
-
     with model.graph.as_default():
-        seen = tf.reshape(v1.py_func(probe, [], tf.float32, stateful=True), [])
-        trainer = hostavg.Trainer(model.loss + tf.stop_gradient(seen),
-                                  v1.train.AdamOptimizer(0.01), overlap=overlap,
+        loss, ran_in = probed(model.loss)
+        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(0.01), overlap=overlap,
                                   session_threads=threads)
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=model.graph)
@@ -443,14 +436,14 @@ def probed(threads, overlap):
 
 
 def test_one_overlapped_micro_batch_computes_in_the_calling_thread_and_more_in_the_worker():
-    model, sess, trainer, ran_in = probed("caller", True)
+    model, sess, trainer, ran_in = probed_trainer("caller", True)
     feed = model.feed(batches(2, 1, BATCH)[0])
     one = trainer.step(sess, [feed])
     assert ran_in == [threading.get_ident()]
     ran_in.clear()
     trainer.step(sess, hostavg.split(feed, 10))
     assert len(ran_in) == 4 and threading.get_ident() not in ran_in
-    plain, plain_sess, plain_trainer, _ = probed("caller", False)
+    plain, plain_sess, plain_trainer, _ = probed_trainer("caller", False)
     want = plain_trainer.step(plain_sess, [plain.feed(batches(2, 1, BATCH)[0])])
     assert_same_results([one], [want])
 
