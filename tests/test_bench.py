@@ -26,9 +26,12 @@ def test_bench_smallest_writes_json_and_every_implementation_ends_with_the_same_
 def test_sum_mode_memory_does_not_grow_with_k_and_stack_mode_does():
     mib = 2 ** 20
     grad_bytes = 305_290 * 4
-    for name in ("hostavg", "hostavg-overlap"):  # the overlap holds one more gradient, not k
+    # Growth with k would be 60 gradients (73 MB) from k = 4 to 64. The overlapped step holds
+    # one more gradient at a time and computes in a thread of its own (another malloc arena),
+    # which moves its peak by up to two gradients (3.5 to 5.9 MB seen at either k), not with k.
+    for name, slack in (("hostavg", mib), ("hostavg-overlap", mib + 3 * grad_bytes)):
         sums = {k: bench.measure_memory(bench.Config("mlp-300k", 32, k), name) for k in (4, 64)}
-        assert abs(sums[64] - sums[4]) <= 0.1 * sums[4] + mib, (name, sums)
+        assert abs(sums[64] - sums[4]) <= 0.1 * sums[4] + slack, (name, sums)
     stack = {k: bench.measure_memory(bench.Config("mlp-300k", 32, k), "hostavg-stack")
              for k in (4, 64)}
     assert stack[64] - stack[4] > 0.8 * 60 * grad_bytes, stack
