@@ -141,13 +141,13 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
 
     Rows already sorted and unique (as a session or an earlier coalesce gives
     them) come back as they are, after one comparison pass. Otherwise one
-    stable sort, then the rows of each index are summed in the order they
-    came: with few duplicates the first row of each index is copied and the
-    others added to it (one fancy-indexed add when no index comes three times,
-    else ``np.add.at``, which costs ~20 us even for a few rows), with many
-    ``np.add.reduceat`` sums each run (it costs about a microsecond per run of
-    equal indices, whatever its length). Either way the result depends only on
-    the input.
+    stable sort, then the rows of each index are summed: with few duplicates
+    in the order they came (the first row of each index is copied and the
+    others added to it: one fancy-indexed add when no index comes three times,
+    else ``np.add.at``, which costs ~20 us even for a few rows); with many by
+    ``np.add.reduceat`` over each run, in NumPy's own order (about an ulp from
+    the sequential sum; it costs about a microsecond per run of equal indices,
+    whatever its length). Either way the result depends only on the input.
     """
     n = len(indices)
     if n < 2 or bool(np.all(indices[1:] > indices[:-1])):
