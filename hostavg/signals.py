@@ -22,11 +22,10 @@ handler to an enum and back: 20 us a step, a twentieth of a small model's).
 
 from __future__ import annotations
 
+import _signal
 import os
 import signal
 import threading
-
-import _signal
 from contextlib import contextmanager
 
 __all__ = ["hold", "region", "release"]
