@@ -294,7 +294,8 @@ class Engine:
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
         # Sums already in float64 (a wider accumulation, or float64 variables) cannot be
         # widened further: the mean itself is beyond the variables' range.
-        widest = all(np.dtype(d).itemsize >= 8 for d in self._acc._dtypes.values())
+        widest = all(np.dtype(self._acc.accum_dtype or s.dtype).itemsize >= 8
+                     for s in spec.values())
         self._overflow_hint = CAST_HINT if widest else OVERFLOW_HINT
         self._busy = threading.Lock()
         self.overlap = flag("overlap", overlap)
@@ -406,15 +407,14 @@ class Engine:
 
     def _step(self, backend, feeds, sizes, rows) -> tuple[StepResult, dict | None, dict | None]:
         """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), and the apply's feed."""
-        acc, micro, kept = self._acc, [], [] if self._keep_micro else None
+        acc, log = self._acc, _StepLog(self._keep_micro)
         acc.reset()
-        norms, var_sq, added = [], [], []
+        micro = log.micro
         try:
             batches = _prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, acc, micro, norms, var_sq, added,
-                                              kept)
-            error, tally = None, Tally(acc.weights, acc.sq_norms, norms, [m.loss for m in micro],
+            global_step = self._micro_batches(backend, batches, log)
+            error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
                                        apply_feed)
@@ -440,11 +440,11 @@ class Engine:
         # to Inf. (A reducer in the session computes (w g) / w, which may overflow.)
         known = None
         if every and reducer is None and len(tally.weights) == 1:
-            sq, dtypes = added[0]
+            sq, dtypes = log.added[0]
             known = {n: q for n, q in sq.items()
                      if np.can_cast(dtypes[n], mean[n].dtype, casting="safe")}
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
-                           kept if every else None, var_sq if every else None, known)
+                           log.kept if every else None, log.var_sq if every else None, known)
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
@@ -462,21 +462,16 @@ class Engine:
                 mine = False
         return result, self._checked(mean, what, hint, mine), tally.apply_feed
 
-    def _micro_batches(self, backend, batches, acc, micro, norms, var_sq, added, kept) -> int:
-        """Computes, shows to the hooks and accumulates each micro-batch; returns the global step.
-
-        ``var_sq`` gets each micro-batch's squared norm per variable (dropped ones
-        too), ``added`` (squared norms, dtypes) per variable of each accumulated one
-        (not its gradients: in "sum" mode none is kept beyond its add).
-        """
+    def _micro_batches(self, backend, batches, log: _StepLog) -> int:
+        """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
+        returns the global step."""
         global_step = None
         computed = self._overlapped(backend, batches) if self.overlap and len(batches) > 1 else (
             self._compute(backend, feed, n, f"step, {where}") for feed, n, _, where, _ in batches)
         with contextlib.closing(computed):
             for i, batch in enumerate(batches):
                 try:
-                    global_step = self._micro_batch(i, batch, next(computed), backend, acc, micro,
-                                                    norms, var_sq, added, kept)
+                    global_step = self._micro_batch(i, batch, next(computed), backend, log)
                 except Exception as e:
                     if batch[4] is not None:
                         with contextlib.suppress(AttributeError):  # a type with __slots__
@@ -508,8 +503,7 @@ class Engine:
                 # submitted before it is running (whatever an interrupt left unassigned).
                 _wait(self._worker.submit(_nothing))
 
-    def _micro_batch(self, i, batch, computed, backend, acc, micro, norms, var_sq, added,
-                     kept) -> int:
+    def _micro_batch(self, i, batch, computed, backend, log: _StepLog) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
         _, n, start, where, rows = batch
         g, global_step = computed
@@ -529,21 +523,21 @@ class Engine:
                                       loss=g.loss, size=n)
                     record = replace(record, grads=grads)
         sq = _sq_norms(grads)
-        var_sq.append(sq)
+        log.var_sq.append(sq)
         if dropped is None:
             hint = INPUTS_HINT if changed_by is None else (
                 f"They were finite before on_micro_batch hook {_name(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
             sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
-            acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
-            added.append((sq, {name: value.dtype for name, value in grads.items()}))
-            norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
-            if kept is not None:
-                kept.append(grads)
+            self._acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
+            log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
+            log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
+            if log.kept is not None:
+                log.kept.append(grads)
         else:
-            norms.append(math.sqrt(math.fsum(sq.values())))
-        micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
+            log.norms.append(math.sqrt(math.fsum(sq.values())))
+        log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
                                 dropped=dropped, rows=rows))
         return global_step
 
@@ -557,6 +551,25 @@ class Engine:
                                f"reduce it with tf.reduce_mean")
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
             out.global_step
+
+
+class _StepLog:
+    """What a step's micro-batches leave behind, in order.
+
+    Attributes:
+      micro: each one's MicroBatch (gradients kept in "stack" mode only).
+      norms: each one's gradient norm (dropped ones too).
+      var_sq: each one's squared norm per variable (dropped ones too).
+      added: of each accumulated one, (squared norm per variable, dtype per
+        variable): not its gradients, so that "sum" mode keeps none beyond its add.
+      kept: the accumulated ones' gradients in "stack" mode, else None.
+    """
+
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept")
+
+    def __init__(self, keep: bool):
+        self.micro, self.norms, self.var_sq, self.added = [], [], [], []
+        self.kept = [] if keep else None
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
