@@ -12,24 +12,24 @@ have their own trainer, ``hostavg.keras.Trainer``, after ``import hostavg.keras`
 
 import importlib
 
-from hostavg.accumulator import ACCUMULATE_MODES, Accumulator
-from hostavg.callbacks import Callback, EarlyStopping, StopTraining
-from hostavg.engine import AVERAGE_MODES
-from hostavg.errors import HostavgError
-from hostavg.gradients import Gradients, SparseGradient, VariableSpec
-from hostavg.history import History, StepLog
-from hostavg.logs import import_tensorflow
-from hostavg.record import load_record
-from hostavg.results import MicroBatch, StepResult
-from hostavg.split import split
-from hostavg.stats import NoiseScale, StepStats
+from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
+from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
+from hostavg.engine.step import AVERAGE_MODES
+from hostavg.core.errors import HostavgError
+from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
+from hostavg.train.history import History, StepLog
+from hostavg.core.logs import import_tensorflow
+from hostavg.inspect.record import load_record
+from hostavg.core.results import MicroBatch, StepResult
+from hostavg.core.split import split
+from hostavg.core.stats import NoiseScale, StepStats
 
 __version__ = "0.1.0"
 
 # Public names whose module imports TensorFlow (or matplotlib): name -> module.
 _LAZY = {
-    "Trainer": "hostavg.trainer",
-    "step_together": "hostavg.trainer",
+    "Trainer": "hostavg.tf1.trainer",
+    "step_together": "hostavg.tf1.trainer",
 }
 _SUBMODULES = ("hooks", "plot", "stats")
 

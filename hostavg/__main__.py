@@ -1,5 +1,5 @@
 import sys
 
-from hostavg.cli import main
+from hostavg.cli.main import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hostavg  # noqa: E402
-from hostavg import models  # noqa: E402
+from hostavg.cli import models  # noqa: E402
 
 v1 = tf.compat.v1
 

@@ -17,8 +17,8 @@ from models import ENV, AfterApply, FailAt, build, v1
 from test_trainer import Case, unchanged
 
 import hostavg
-from hostavg import models as hostavg_models
-from hostavg.checkpoint import CheckpointDir
+from hostavg.cli import models as hostavg_models
+from hostavg.train.checkpoint import CheckpointDir
 from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record
 
 HERE = Path(__file__).parent

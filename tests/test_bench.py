@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from hostavg import HostavgError, bench
+from hostavg import HostavgError
+from hostavg.cli import bench
 from hostavg.cli import main
 
 

@@ -101,7 +101,7 @@ def test_a_path_that_cannot_be_written_is_refused_before_training(tmp_path, caps
 
 def test_version_and_help_for_every_option(capsys):
     from hostavg import __version__
-    from hostavg.cli import _parser
+    from hostavg.cli.main import _parser
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out == f"hostavg {__version__}\n"

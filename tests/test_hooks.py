@@ -368,7 +368,7 @@ def test_tensorboard_without_its_package_is_refused_when_made(monkeypatch, tmp_p
 
 
 def test_tensorboard_in_fit_logs_the_running_noise_scale_rates_and_validation_and_closes(tmp_path):
-    from hostavg import models
+    from hostavg.cli import models
     model = models.mlp(6, [8], 3, seed=0)
     board = TensorBoard(tmp_path / "tb", beta=0.5)
     with model.graph.as_default():
@@ -407,7 +407,7 @@ def test_every_plot_takes_a_record_results_or_a_history_and_refuses_the_rest_bef
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from hostavg import models
+    from hostavg.cli import models
     model = models.mlp(6, [8], 3, seed=0)
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), accumulate="stack",

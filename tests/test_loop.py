@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import hostavg
-from hostavg import models
-from hostavg.checkpoint import CheckpointDir
+from hostavg.cli import models
+from hostavg.train.checkpoint import CheckpointDir
 from models import ENV, FailAt
 
 v1 = tf.compat.v1

@@ -23,9 +23,9 @@ from test_trainer import BATCH, UNEQUAL
 
 import hostavg
 import hostavg.keras
-from hostavg import models
-from hostavg.checkpoint import CheckpointDir
-from hostavg.gradients import SparseGradient
+from hostavg.cli import models
+from hostavg.train.checkpoint import CheckpointDir
+from hostavg.core.gradients import SparseGradient
 from hostavg.hooks import ClipMicroBatchNorm, Record, SkipNonFinite
 
 

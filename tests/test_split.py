@@ -49,7 +49,7 @@ def test_split_cuts_tuples_with_dicts_sample_weights_and_none():
 
 
 def test_take_and_feed_size_read_tuples_like_feed_dicts():
-    from hostavg.split import feed_size, take
+    from hostavg.core.split import feed_size, take
     batch = ({"a": np.arange(6)}, np.arange(6) * 2, 0.5)
     assert feed_size(batch) == 6
     x, y, scalar = take(batch, np.array([5, 0]))

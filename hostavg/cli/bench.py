@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hostavg.errors import HostavgError
+from hostavg.core.errors import HostavgError
 
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "OPTIMIZERS", "Config",
            "baseline", "grid", "measure_memory", "run", "time_config"]
@@ -131,7 +131,7 @@ def baseline(config: Config) -> str:
 
 
 def _build(model: str, seed: int = 0, keras: bool = False):
-    from hostavg import models
+    from hostavg.cli import models
     builder, kwargs = CONFIG_MODELS[model]
     return getattr(models, f"keras_{builder}" if keras else builder)(**kwargs, seed=seed)
 
@@ -211,7 +211,7 @@ class _Hostavg(_Impl):
         super().__init__(config, **kw)
 
     def _build(self):
-        from hostavg.trainer import Trainer
+        from hostavg.tf1.trainer import Trainer
         self.trainer = Trainer(self.model.loss, _optimizer(self.config.optimizer), **self.trainer_kw)
 
     def step(self, micro):
@@ -297,8 +297,8 @@ class _KerasImpl:
 class _HostavgKeras(_KerasImpl):
     def __init__(self, config):
         super().__init__(config)
-        from hostavg import models
-        from hostavg.keras import Trainer
+        from hostavg.cli import models
+        from hostavg.keras.trainer import Trainer
         self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer(config.optimizer))
 
     def step(self, micro):
@@ -308,7 +308,7 @@ class _HostavgKeras(_KerasImpl):
 class _KerasAccumulation(_KerasImpl):
     def __init__(self, config):
         super().__init__(config)
-        from hostavg import models
+        from hostavg.cli import models
         # Keras accepts gradient_accumulation_steps >= 2 only; one micro-batch is a plain step.
         steps = {"gradient_accumulation_steps": config.k} if config.k > 1 else {}
         self.model.compile(optimizer=_keras_optimizer(config.optimizer, **steps),
@@ -409,7 +409,7 @@ def _iqr(values: list) -> float:
 
 def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
     """Peak resident memory added by ``steps`` steps of one implementation, in a fresh process (bytes)."""
-    code = ("import json, sys; from hostavg.bench import _memory_probe, Config; "
+    code = ("import json, sys; from hostavg.cli.bench import _memory_probe, Config; "
             f"print(json.dumps(_memory_probe({config!r}, {implementation!r}, {steps})))")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

@@ -53,14 +53,14 @@ from typing import Any, Protocol
 import numpy as np
 import tensorflow as tf
 
-from hostavg.callbacks import StopTraining
-from hostavg.checkpoint import CheckpointDir
-from hostavg.errors import HostavgError, object_list, positive_int
-from hostavg.graph import resolve_feed
-from hostavg.history import History
-from hostavg.results import StepResult
-from hostavg.signals import hold, region, release
-from hostavg.split import feed_size, split, take
+from hostavg.train.callbacks import StopTraining
+from hostavg.train.checkpoint import CheckpointDir
+from hostavg.core.errors import HostavgError, object_list, positive_int
+from hostavg.tf1.graph import resolve_feed
+from hostavg.train.history import History
+from hostavg.core.results import StepResult
+from hostavg.engine.signals import hold, region, release
+from hostavg.core.split import feed_size, split, take
 
 __all__ = ["ArraySource", "Run", "check_sizes", "feed_source", "fit"]
 

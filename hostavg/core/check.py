@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hostavg.gradients import SparseGradient
+from hostavg.core.gradients import SparseGradient
 
 __all__ = ["CheckReport", "diagnose"]
 

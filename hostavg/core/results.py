@@ -16,9 +16,9 @@ from typing import Protocol
 
 import numpy as np
 
-from hostavg.gradients import Gradients
-from hostavg.record import pandas
-from hostavg.stats import StepStats
+from hostavg.core.gradients import Gradients
+from hostavg.inspect.record import pandas
+from hostavg.core.stats import StepStats
 
 __all__ = ["Drop", "Hook", "MicroBatch", "StepResult"]
 

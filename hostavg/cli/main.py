@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from hostavg.errors import HostavgError
-from hostavg.logs import import_tensorflow
+from hostavg.core.errors import HostavgError
+from hostavg.core.logs import import_tensorflow
 
 __all__ = ["main"]
 
@@ -180,7 +180,7 @@ def _names(text: str) -> list[str]:
 
 def _bench(args) -> int:
     import_tensorflow()
-    from hostavg import bench
+    from hostavg.cli import bench
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
                                ("implementation", args.implementations, bench.IMPLEMENTATIONS),
                                ("optimizer", args.optimizers, bench.OPTIMIZERS)):
@@ -267,13 +267,13 @@ def _train(args) -> int:
     if args.checkpoint_dir:
         _check_folder(args.checkpoint_dir, "--checkpoint-dir")
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
-    from hostavg.loop import check_sizes
+    from hostavg.train.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
     if args.engine == "keras" and args.average != "host":
         raise HostavgError(f"--average {args.average} is for the TF1 engine; the Keras engine "
                            f"averages on the host")
     lr = _learning_rate(args.optimizer, args.lr)
-    from hostavg import datasets
+    from hostavg.cli import datasets
 
     comm = _world()
     if comm is not None and comm.Get_rank() != 0:
@@ -325,8 +325,8 @@ def _train_tf1(args, data, comm, lr, fit) -> tuple:
     """The MLP as a tf.compat.v1 graph, trained by hostavg.Trainer: (history, test results)."""
     import tensorflow as tf
 
-    from hostavg import models
-    from hostavg.trainer import Trainer
+    from hostavg.cli import models
+    from hostavg.tf1.trainer import Trainer
     v1 = tf.compat.v1
     model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
     with model.graph.as_default():
@@ -351,8 +351,8 @@ def _train_keras(args, data, comm, lr, fit) -> tuple:
     """The same MLP (same initial weights) as a Keras 3 model, trained by hostavg.keras.Trainer."""
     import keras
 
-    from hostavg import models
-    from hostavg.keras import Trainer
+    from hostavg.cli import models
+    from hostavg.keras.trainer import Trainer
     model = models.keras_mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
     model.compile(metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
     trainer = Trainer(model, models.keras_loss(), _keras_optimizer(args.optimizer, lr),

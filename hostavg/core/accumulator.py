@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.errors import HostavgError
-from hostavg.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
+from hostavg.core.errors import HostavgError
+from hostavg.core.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
                                conform, freeze, is_frozen)
 
 __all__ = ["ACCUMULATE_MODES", "Accumulator", "Reduction", "RunningSum", "aligned_empty",

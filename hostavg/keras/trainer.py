@@ -37,15 +37,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
-from hostavg.check import CheckReport
-from hostavg.engine import Applied, Computed, Engine, HostAverage, normalize_hooks
-from hostavg.errors import HostavgError, flag, positive_int
-from hostavg.gradients import Gradients, SparseGradient, VariableSpec, coalesce_rows, freeze
-from hostavg.graph import READ_OPS, first_line
-from hostavg.history import History
-from hostavg.results import StepResult
-from hostavg.split import feed_size, split, take
+from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
+from hostavg.core.check import CheckReport
+from hostavg.engine.step import Applied, Computed, Engine, HostAverage, normalize_hooks
+from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec, coalesce_rows, freeze
+from hostavg.tf1.graph import READ_OPS, first_line
+from hostavg.train.history import History
+from hostavg.core.results import StepResult
+from hostavg.core.split import feed_size, split, take
 
 __all__ = ["KerasBackend", "Trainer"]
 
@@ -126,7 +126,7 @@ class Trainer:
         self.hooks = normalize_hooks(hooks)
         self.overlap = flag("overlap", overlap)
         if comm is not None:
-            from hostavg.mpi import Distributed  # multi-worker sits above the trainer: imported on use
+            from hostavg.engine.mpi import Distributed  # multi-worker sits above the trainer: imported on use
             self._average = Distributed(comm)
         else:
             self._average = HostAverage()
@@ -260,7 +260,7 @@ class Trainer:
         Returns:
           the :class:`~hostavg.History`.
         """
-        from hostavg.loop import ArraySource, fit
+        from hostavg.train.loop import ArraySource, fit
         data = _batch(x, y, sample_weight)
 
         def source():
@@ -282,7 +282,7 @@ class Trainer:
         ``optimizer/<i>`` in ``optimizer.variables``, so a model built the same
         way in another process reads it, whatever names Keras gave its layers.
         """
-        from hostavg.checkpoint import write
+        from hostavg.train.checkpoint import write
         write(path, {name: v.numpy() for name, v in self._saved("save").items()}, fit=fit)
 
     def restore(self, path) -> dict | None:
@@ -291,7 +291,7 @@ class Trainer:
         Raises:
           HostavgError: if it was written by a different model; nothing changes then.
         """
-        from hostavg.checkpoint import read
+        from hostavg.train.checkpoint import read
         variables = self._saved("restore")
         stored, fit = read(path, {name: (tuple(v.shape), np.dtype(v.dtype))
                                   for name, v in variables.items()})

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.errors import HostavgError
+from hostavg.core.errors import HostavgError
 
 __all__ = ["DATASETS", "Dataset", "load"]
 

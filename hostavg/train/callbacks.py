@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hostavg.errors import HostavgError
+from hostavg.core.errors import HostavgError
 
 __all__ = ["Callback", "EarlyStopping", "StopTraining"]
 

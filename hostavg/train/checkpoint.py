@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from hostavg.errors import HostavgError, positive_int
-from hostavg.files import fsync_dir, remove_stale, temporary
-from hostavg.graph import load_variables
-from hostavg.history import History
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.files import fsync_dir, remove_stale, temporary
+from hostavg.tf1.graph import load_variables
+from hostavg.train.history import History
 
 v1 = tf.compat.v1
 

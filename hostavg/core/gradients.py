@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hostavg.errors import HostavgError
+from hostavg.core.errors import HostavgError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
            "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm"]

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hostavg.errors import HostavgError
-from hostavg.files import remove_stale, temporary
-from hostavg.gradients import Gradients, SparseGradient
+from hostavg.core.errors import HostavgError
+from hostavg.core.files import remove_stale, temporary
+from hostavg.core.gradients import Gradients, SparseGradient
 
 __all__ = ["RecordedStep", "RecordReader", "RecordWriter", "load_record"]
 

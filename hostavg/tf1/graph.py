@@ -16,11 +16,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
-from hostavg.accumulator import Reduction
-from hostavg.engine import Applied, Computed, HostAverage
-from hostavg.errors import HostavgError, positive_int
-from hostavg.gradients import SparseGradient, VariableSpec, freeze, squared_norm
-from hostavg.split import feed_size
+from hostavg.core.accumulator import Reduction
+from hostavg.engine.step import Applied, Computed, HostAverage
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
+from hostavg.core.split import feed_size
 
 v1 = tf.compat.v1
 

@@ -6,8 +6,8 @@ import json
 import math
 from typing import NamedTuple
 
-from hostavg.errors import HostavgError
-from hostavg.record import check_quantity, pandas
+from hostavg.core.errors import HostavgError
+from hostavg.inspect.record import check_quantity, pandas
 
 __all__ = ["History", "StepLog"]
 

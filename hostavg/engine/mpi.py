@@ -44,10 +44,10 @@ import weakref
 
 import numpy as np
 
-from hostavg.accumulator import Reduction, aligned_empty, stack_sum, weighted_rows
-from hostavg.engine import Tally
-from hostavg.errors import HostavgError
-from hostavg.gradients import coalesce_rows
+from hostavg.core.accumulator import Reduction, aligned_empty, stack_sum, weighted_rows
+from hostavg.engine.step import Tally
+from hostavg.core.errors import HostavgError
+from hostavg.core.gradients import coalesce_rows
 
 __all__ = ["Distributed"]
 

@@ -56,14 +56,14 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from hostavg.accumulator import Accumulator, Reducer
-from hostavg.check import CheckReport, diagnose
-from hostavg.errors import HostavgError, flag, object_list, positive_int
-from hostavg.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, freeze,
+from hostavg.core.accumulator import Accumulator, Reducer
+from hostavg.core.check import CheckReport, diagnose
+from hostavg.core.errors import HostavgError, flag, object_list, positive_int
+from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, freeze,
                                squared_norm)
-from hostavg.results import Drop, MicroBatch, StepResult
-from hostavg.signals import hold, region
-from hostavg.stats import StepStats, step_stats
+from hostavg.core.results import Drop, MicroBatch, StepResult
+from hostavg.engine.signals import hold, region
+from hostavg.core.stats import StepStats, step_stats
 
 __all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "Engine", "HostAverage",
            "SampleStats", "Tally", "describe_rows", "normalize_hooks", "step_together"]

@@ -7,15 +7,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from hostavg.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
-from hostavg import engine
-from hostavg.engine import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
-from hostavg.check import CheckReport
-from hostavg.errors import HostavgError, positive_int
-from hostavg.gradients import Gradients
-from hostavg.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
-from hostavg.results import Drop, MicroBatch, StepResult
-from hostavg.split import feed_size, split
+from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
+from hostavg.engine import step as engine
+from hostavg.engine.step import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
+from hostavg.core.check import CheckReport
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.gradients import Gradients
+from hostavg.tf1.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
+from hostavg.core.results import Drop, MicroBatch, StepResult
+from hostavg.core.split import feed_size, split
 
 v1 = tf.compat.v1
 
@@ -156,7 +156,7 @@ class Trainer:
                                "processes the mean is the MPI reduction of the host sums")
         hooks = normalize_hooks(hooks)
         if comm is not None:
-            from hostavg.mpi import Distributed  # multi-worker sits above the trainer: imported on use
+            from hostavg.engine.mpi import Distributed  # multi-worker sits above the trainer: imported on use
             averaging = Distributed(comm)
         self.comm = comm
         self.accumulate = accumulate
@@ -313,7 +313,7 @@ class Trainer:
             table = trainer.per_sample(sess, feeds[3])   # micro-batch 3, sample by sample
             table.sort_values("cosine").head()
         """
-        from hostavg.record import pandas
+        from hostavg.inspect.record import pandas
         pd = pandas("per_sample")
         found = self._engine.per_sample(self._backend(sess), split(feed_dict, 1))
         return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines},
@@ -412,7 +412,7 @@ class Trainer:
             batch, global step) and names the micro-batch's data rows; any
             exception leaving fit carries ``.history``, the History up to it.
         """
-        from hostavg.loop import feed_source, fit
+        from hostavg.train.loop import feed_source, fit
         blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
                   for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
         return fit(_SessionRun(self, sess, validation_data, micro_batch_size, metrics),
@@ -429,7 +429,7 @@ class Trainer:
         One ``.npz`` file written atomically; see :mod:`hostavg.checkpoint`.
         """
         self._check_session(sess)
-        from hostavg.checkpoint import save
+        from hostavg.train.checkpoint import save
         save(self.graph, sess, path)
 
     def restore(self, sess, path) -> dict | None:
@@ -439,7 +439,7 @@ class Trainer:
           HostavgError: if it was written by a different model; nothing changes then.
         """
         self._check_session(sess)
-        from hostavg.checkpoint import restore
+        from hostavg.train.checkpoint import restore
         return restore(self.graph, sess, path)
 
     def _backend(self, sess) -> SessionBackend:
@@ -470,7 +470,7 @@ class _SessionRun:
         return int(self.sess.run(self.trainer.global_step))
 
     def save(self, path, fit: dict) -> None:
-        from hostavg.checkpoint import save
+        from hostavg.train.checkpoint import save
         save(self.trainer.graph, self.sess, path, fit=fit)
 
     def restore(self, path) -> dict | None:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hostavg.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, positive_int
 
 __all__ = ["feed_size", "split", "take"]
 

@@ -1,0 +1,1 @@
+"""Looking at gradients after the fact: records, plots, TensorBoard (optional dependencies imported on use)."""
