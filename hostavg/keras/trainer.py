@@ -42,7 +42,8 @@ from hostavg.core.check import CheckReport
 from hostavg.engine.step import Applied, Computed, Engine, HostAverage, normalize_hooks
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec, coalesce_rows, freeze
-from hostavg.tf1.graph import READ_OPS, first_line
+from hostavg.tf1.session import first_line
+from hostavg.tf1.variables import READ_OPS
 from hostavg.train.history import History
 from hostavg.core.results import StepResult
 from hostavg.core.split import feed_size, split, take

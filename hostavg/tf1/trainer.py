@@ -13,7 +13,10 @@ from hostavg.engine.step import AVERAGE_MODES, Engine, HostAverage, normalize_ho
 from hostavg.core.check import CheckReport
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.gradients import Gradients
-from hostavg.tf1.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
+from hostavg.tf1.average import GraphAverage
+from hostavg.tf1.feeds import resolve_feed
+from hostavg.tf1.session import SESSION_THREADS, SessionBackend
+from hostavg.tf1.wiring import Wiring
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.split import feed_size, split
 

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.files import fsync_dir, remove_stale, temporary
-from hostavg.tf1.graph import load_variables
+from hostavg.tf1.variables import load_variables
 from hostavg.train.history import History
 
 v1 = tf.compat.v1

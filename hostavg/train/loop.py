@@ -56,7 +56,7 @@ import tensorflow as tf
 from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
 from hostavg.core.errors import HostavgError, object_list, positive_int
-from hostavg.tf1.graph import resolve_feed
+from hostavg.tf1.feeds import resolve_feed
 from hostavg.train.history import History
 from hostavg.core.results import StepResult
 from hostavg.engine.signals import hold, region, release
