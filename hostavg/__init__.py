@@ -8,10 +8,17 @@ The host math (:class:`Gradients`, :class:`Accumulator`, :func:`split`) is
 pure NumPy; TensorFlow is imported the first time a name that needs it (such
 as :class:`Trainer`) is used, so ``import hostavg`` stays fast. Keras 3 models
 have their own trainer, ``hostavg.keras.Trainer``, after ``import hostavg.keras``.
+
+A few private APIs of CPython and TensorFlow serve the per-micro-batch path,
+each detected when hostavg imports its framework and each with a public
+fallback giving the same results (:mod:`hostavg.compat`): :func:`private_apis`
+names those in use. Set ``HOSTAVG_PUBLIC_API_ONLY=1`` before importing hostavg
+to use the public fallbacks only.
 """
 
 import importlib
 
+from hostavg.compat import private_apis
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
 from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
 from hostavg.engine.step import AVERAGE_MODES
@@ -55,6 +62,7 @@ __all__ = [
     "import_tensorflow",
     "load_record",
     "plot",
+    "private_apis",
     "split",
     "stats",
     "step_together",
