@@ -37,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from hostavg.compat.tensorflow import concrete_call, eager_tensor
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.core.check import CheckReport
 from hostavg.engine.step import Applied, Computed, Engine, HostAverage, normalize_hooks
@@ -371,7 +372,7 @@ class KerasBackend:
     def compute(self, feed) -> Computed:
         function, leaves = feed
         with _tensorflow_errors("compute"):
-            loss, step, sq_norms, *got = function(*map(_tensor, leaves))
+            loss, step, sq_norms, *got = function(*map(eager_tensor, leaves))
         got = iter(got)
         grads = {}
         for name, s in self.spec.items():
@@ -400,9 +401,9 @@ class KerasBackend:
                 indices, values = value.indices, value.values
                 if len(indices) > 1 and not np.all(indices[1:] > indices[:-1]):
                     indices, values = coalesce_rows(indices, values)
-                args += [_tensor(indices, np.int64), _tensor(values, s.dtype)]
+                args += [eager_tensor(indices, np.int64), eager_tensor(values, s.dtype)]
             else:
-                args.append(_tensor(value, s.dtype))
+                args.append(eager_tensor(value, s.dtype))
         if self._apply_jit:
             try:  # the first call compiles: an optimizer XLA cannot compile runs without it
                 step = int(self._apply(*args))
@@ -457,7 +458,7 @@ class KerasBackend:
                     self._evaluation(signature, compiled), leaves, what)
             n = feed_size(chunk, what)
             with _tensorflow_errors("evaluate"):
-                total += n * float(function(*map(_tensor, leaves)))
+                total += n * float(function(*map(eager_tensor, leaves)))
             count += n
         out = {"loss": total / count}
         if compiled:
@@ -548,7 +549,7 @@ class KerasBackend:
         specs = [a if isinstance(a, tf.TensorSpec) else
                  tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in leaves]
         with _model_errors(what):
-            return _fast(tf.function(python_function, input_signature=specs,
+            return concrete_call(tf.function(python_function, input_signature=specs,
                                      jit_compile=jit_compile).get_concrete_function())
 
     def _apply_specs(self) -> list:
@@ -636,45 +637,6 @@ class _ModelRun:
         engine = self.trainer._engine
         if engine is not None:
             engine.abandon(error)
-
-
-_EagerTensor = type(tf.constant(0.0))
-with tf.device("CPU:0"):
-    _HOST = tf.constant(0.0).device  # the host's device name; a call copies to a GPU itself
-
-
-def _tensor(array: np.ndarray, dtype=None):
-    """``array`` as an eager tensor (cast to ``dtype``), sharing its memory where TensorFlow can.
-
-    ``tf.convert_to_tensor`` copies every NumPy array first, in case the caller
-    changes it later: a page-faulting copy of each gradient per apply (4 ms a
-    step on the 2M-parameter MLP). Building the tensor directly shares a
-    64-byte aligned array's memory, as a TF1 session's feed does; hostavg's
-    means are aligned and frozen (:func:`~hostavg.accumulator.aligned_empty`),
-    and what a call takes is read only for the call.
-    """
-    dtype = tf.as_dtype(array.dtype if dtype is None else dtype)
-    return _EagerTensor(array, _HOST, dtype.as_datatype_enum)
-
-
-def _fast(concrete):
-    """A ConcreteFunction as a callable of tensors in its signature's order.
-
-    A ConcreteFunction's ``__call__`` binds and casts its arguments in Python,
-    about 0.13 ms a call (measured on the 50k-parameter MLP: 0.49 ms a
-    micro-batch against 0.37 ms); its ``_call_flat`` takes the tensors as they
-    are, and every caller here passes exactly the signature's dtypes. Where
-    TensorFlow no longer has it, the public call serves.
-    """
-    call_flat = getattr(concrete, "_call_flat", None)
-    if call_flat is None:
-        return concrete
-    captured = concrete.captured_inputs
-
-    def call(*tensors):
-        return call_flat(list(tensors), captured)
-    call.graph = concrete.graph
-    return call
 
 
 def _batch(x, y, sample_weight) -> tuple:

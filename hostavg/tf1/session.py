@@ -11,8 +11,8 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2
 
+from hostavg.compat.tensorflow import session_call
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.split import feed_size
 from hostavg.engine.step import Applied, Computed
@@ -182,7 +182,9 @@ class Callables:
     ``sess.run`` spends about 0.4 ms per call in Python, parsing fetches and
     the feed dict, which is half a step of a small model (and public
     ``make_callable`` falls back to ``run`` whenever there are feeds). A
-    callable made from ``CallableOptions`` skips that. Sessions are held
+    callable made by :func:`hostavg.compat.tensorflow.session_call` skips
+    that where TensorFlow's private ``_make_callable_from_options`` serves
+    (else it is ``sess.run``, given the same RunOptions). Sessions are held
     weakly, so a dropped session takes its callables with it.
 
     ``threads`` (one of :data:`SESSION_THREADS`): "pool" hands each call's ops to
@@ -211,19 +213,11 @@ class Callables:
 def _compile(sess, fetches, feed_keys, threads: str):
     tensors = [f for f in fetches if isinstance(f, tf.Tensor)]
     targets = [f for f in fetches if isinstance(f, tf.Operation)]
-    if not hasattr(sess, "_make_callable_from_options"):
-        # A session wrapper (such as a MonitoredSession) without compiled calls: plain run.
-        def run_plain(*values):
-            return sess.run(tensors + targets, dict(zip(feed_keys, values)))[:len(tensors)]
-        return run_plain
-    dtypes = [k.dtype.base_dtype.as_numpy_dtype for k in feed_keys]
-    opts = config_pb2.CallableOptions()
-    opts.feed.extend(k.name for k in feed_keys)
-    opts.fetch.extend(t.name for t in tensors)
-    opts.target.extend(op.name for op in targets)
+    options = None
     if threads == "caller" and not reaches(fetches, feed_keys, BLOCKING_OPS):
-        opts.run_options.inter_op_thread_pool = -1
-    run = sess._make_callable_from_options(opts)  # pylint: disable=protected-access
+        options = v1.RunOptions(inter_op_thread_pool=-1)
+    run = session_call(sess, tensors, targets, feed_keys, options)
+    dtypes = [k.dtype.base_dtype.as_numpy_dtype for k in feed_keys]
 
     def call(*values):
         return run(*[np.asarray(v, d) for v, d in zip(values, dtypes)])

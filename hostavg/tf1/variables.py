@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hostavg.compat.tensorflow import input_types, is_ref_dtype
 from hostavg.core.errors import HostavgError
 from hostavg.tf1.walk import ops_run, placeholders_read
 
@@ -79,8 +80,8 @@ def assigned_variables(graph, fetches) -> list:
     by_op = {v.op: v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
     found = set()
     for op in ops_run(f.op if isinstance(f, tf.Tensor) else f for f in fetches):
-        for tensor, kind in zip(op.inputs, op._input_types):  # pylint: disable=protected-access
-            if tensor.op in by_op and (kind._is_ref_dtype or (kind == tf.resource  # pylint: disable=protected-access
+        for tensor, kind in zip(op.inputs, input_types(op)):
+            if tensor.op in by_op and (is_ref_dtype(kind) or (kind == tf.resource
                                                               and op.type not in READ_OPS)):
                 found.add(tensor.op)
     return [v for op, v in by_op.items() if op in found]
@@ -104,6 +105,6 @@ def value_now(variable):
     is held copies first); a reference variable's would alias the buffer
     that the optimizer updates in place, so it is snapshotted.
     """
-    if variable.dtype._is_ref_dtype:  # pylint: disable=protected-access
+    if is_ref_dtype(variable.dtype):
         return tf.raw_ops.Snapshot(input=variable)
     return variable.read_value()

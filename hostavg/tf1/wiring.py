@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
+from hostavg.compat.tensorflow import learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.step import Applied, Computed
@@ -22,7 +23,7 @@ from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, value_now)
-from hostavg.tf1.walk import placeholders_read
+from hostavg.tf1.walk import ops_run, placeholders_read
 
 __all__ = ["Wiring"]
 
@@ -41,7 +42,8 @@ class Wiring:
         (not through the fed gradients): a learning rate, a schedule's input.
         The apply is fed them (see :meth:`~hostavg.tf1.session.SessionBackend.apply_feed`).
       learning_rate: the optimizer's learning-rate tensor (fetched with each
-        apply), or None where the optimizer exposes none.
+        apply), or None where none is found
+        (:func:`hostavg.compat.tensorflow.learning_rate`).
       conform_feed: ``conform_feed(feed, what)``: a feed keyed by tensors,
         each value an array of its key's dtype, checked against its key's
         shape (:meth:`~hostavg.tf1.feeds.FeedConformer.conform`).
@@ -134,7 +136,8 @@ class Wiring:
                     if len({t.dtype for t in sums}) > 1:
                         sums = [tf.cast(t, tf.float64) for t in sums]
                     squares = [tf.stack(sums)]
-            self.learning_rate = _learning_rate(optimizer, self.graph)
+            self.learning_rate = learning_rate(optimizer, self.graph,
+                                               ops_run([self.train_op], self._apply_feeds))
             # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
             # cannot be fetched.)
             lr = [] if self.learning_rate is None else [tf.identity(self.learning_rate)]
@@ -198,16 +201,6 @@ class Wiring:
             squares, k = out[-1].tolist(), len(self.names)
             ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
         return Applied(int(out[0]), ratios, lr)
-
-
-def _learning_rate(optimizer, graph):
-    """The tensor of the learning rate the optimizer's apply uses, where it exposes one (TF1 optimizers do)."""
-    for attr in ("_learning_rate_tensor", "_lr_t"):
-        t = getattr(optimizer, attr, None)
-        if isinstance(t, tf.Tensor) and t.graph is graph and t.shape.rank == 0 \
-                and t.dtype.base_dtype.is_floating:
-            return t
-    return None
 
 
 def _squared_norm(g):
