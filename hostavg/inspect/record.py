@@ -46,6 +46,8 @@ import numpy as np
 from hostavg.core.errors import HostavgError
 from hostavg.core.files import remove_stale, temporary
 from hostavg.core.gradients import Gradients, SparseGradient
+from hostavg.core.optional import pandas
+from hostavg.core.results import check_quantity
 
 __all__ = ["RecordedStep", "RecordReader", "RecordWriter", "load_record"]
 
@@ -296,24 +298,7 @@ class RecordReader:
         return f"RecordReader({str(self.path)!r}, {len(self.steps)} steps)"
 
 
-#: What a per-variable view shows: each variable's gradient norm, or |update| / |weights|.
-QUANTITIES = ("grad_norm", "update_ratio")
-
-
-def check_quantity(quantity: str) -> None:
-    if quantity not in QUANTITIES:
-        raise HostavgError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
-
-
 def load_record(path) -> RecordReader:
     """Opens a record written by :class:`hostavg.hooks.Record`; gradients load lazily, per step."""
     return RecordReader(path)
 
-
-def pandas(what: str):
-    """The pandas module, or a HostavgError saying ``what`` needs it."""
-    try:
-        import pandas as pd
-    except ImportError:
-        raise HostavgError(f"{what} needs pandas: pip install pandas") from None
-    return pd
