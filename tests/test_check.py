@@ -77,3 +77,14 @@ def test_a_deterministic_keras_transformer_block_passes_the_check():
     assert report.ok, report
     noisy = block(0.5).check(x, y, 8)
     assert not noisy.ok and "Dropout" in noisy.cause and "keep_prob" not in noisy.cause
+
+
+def test_flags_that_are_not_bools_are_refused_before_anything_happens(tmp_path):
+    """A string "False" is truthy: taken as a bool it deleted another run's record steps."""
+    import hostavg
+
+    with pytest.raises(hostavg.HostavgError, match=r"^overwrite must be True or False, got 'False'"):
+        hostavg.hooks.Record(tmp_path / "rec", overwrite="False")
+    with pytest.raises(hostavg.HostavgError, match=r"^micro must be True or False, got 1"):
+        hostavg.hooks.Record(tmp_path / "rec", micro=1)
+    assert not (tmp_path / "rec").exists()

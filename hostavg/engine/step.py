@@ -164,7 +164,7 @@ class Engine:
             acc = Accumulator(self.spec, accum_dtype=np.float64)
             for micro_feed, size, _, where, _ in prepare(backend, micro_feeds, None, "check"):
                 g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
-                acc._append(dict(g), float(size), g.loss,
+                acc.add_checked(dict(g), float(size), g.loss,
                             check_finite(g, f"check, {where}", g.loss, g.sq_norms))
             mean = acc.mean()
         return diagnose(whole, again, mean, len(micro_feeds), backend.framework)
@@ -221,7 +221,7 @@ class Engine:
                 losses.append(g.loss)
                 norms.append(math.sqrt(sq))
                 if math.isfinite(sq) and math.isfinite(g.loss):
-                    acc._append(dict(g), float(n), g.loss, sq)
+                    acc.add_checked(dict(g), float(n), g.loss, sq)
                     kept.append(g)
                     index.append(i)
         cosines = [math.nan] * len(losses)
@@ -351,7 +351,7 @@ class Engine:
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
             sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
-            self._acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
+            self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
             log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if log.kept is not None:

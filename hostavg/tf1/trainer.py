@@ -12,13 +12,12 @@ from collections.abc import Mapping, Sequence
 import tensorflow as tf
 
 from hostavg.core.check import CheckReport
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.engine import step as engine
 from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.tf1.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
-from hostavg.train.history import History
 from hostavg.train.trainer import BaseTrainer, entries
 
 v1 = tf.compat.v1
@@ -161,7 +160,7 @@ class Trainer(BaseTrainer):
         self._wiring = Wiring(loss, optimizer, var_list, global_step,
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype, update_ops=update_ops,
-                              increment_global_step=bool(increment_global_step),
+                              increment_global_step=flag("increment_global_step", increment_global_step),
                               session_threads=session_threads)
         self.graph = self._wiring.graph
         self.loss = loss

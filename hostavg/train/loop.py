@@ -47,7 +47,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
