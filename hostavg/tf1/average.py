@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.core.accumulator import Reduction
-from hostavg.engine.step import HostAverage
+from hostavg.engine.protocols import HostAverage
 from hostavg.tf1.session import Callables
 
 __all__ = ["GraphAverage", "GraphReducer"]

@@ -15,7 +15,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import session_call
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.split import feed_size
-from hostavg.engine.step import Applied, Computed
+from hostavg.engine.protocols import Applied, Computed
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
@@ -51,6 +51,8 @@ class SessionBackend:
     Trainer is built; a feed the session refused points at the feed; any other
     failure is reported as the session's, with its first line.
     """
+
+    framework = "tf1"
 
     def __init__(self, wiring, sess):
         graph = getattr(sess, "graph", None)
@@ -120,6 +122,23 @@ class SessionBackend:
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))
+
+    def evaluate(self, chunks, metrics=None) -> dict:
+        """The loss and ``metrics`` (name -> scalar tensor, each a mean over its chunk) over
+        ``chunks`` (feed dicts), sample-weighted; runs no gradient and no UPDATE_OPS."""
+        fetches = {"loss": self.wiring.loss, **(metrics or {})}
+        totals, count = dict.fromkeys(fetches, 0.0), 0
+        for chunk in chunks:
+            n = feed_size(chunk)
+            with _session_errors("evaluate"):
+                got = self.session.run(fetches, chunk)
+            for name, value in got.items():
+                if np.ndim(value) != 0:
+                    raise HostavgError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
+                                       f"not a scalar; give the mean over the batch")
+                totals[name] += n * float(value)
+            count += n
+        return {name: total / count for name, total in totals.items()}
 
     def snapshot(self):
         return self.wiring.snapshot(self.session)

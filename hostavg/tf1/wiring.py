@@ -17,7 +17,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
-from hostavg.engine.step import Applied, Computed
+from hostavg.engine.protocols import Applied, Computed
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
@@ -52,7 +52,7 @@ class Wiring:
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
                  session_threads: str = "pool"):
-        self.graph = loss.graph
+        self.graph, self.loss = loss.graph, loss
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
             self.increment = 1 if increment_global_step else 0
