@@ -170,12 +170,21 @@ class Hook(Protocol):
       that writes steps somewhere (:class:`hostavg.hooks.Record`,
       :class:`hostavg.hooks.TensorBoard`) writes only steps that happened.
 
-    Per fit (by ``fit``, for the trainer's hooks and fit's callbacks alike):
+    Per fit (by ``fit``, for the trainer's hooks and fit's callbacks alike), in this order:
 
-    - ``on_epoch_end(epoch, logs)`` after each epoch (from 0; ``logs`` holds
-      "loss", "samples", "steps" and the validation results "val_*"); raising
-      :class:`~hostavg.StopTraining` ends fit cleanly;
     - ``on_resume(step)`` when fit resumes from a checkpoint at global step ``step``;
+    - ``on_train_begin()`` once, before the first epoch; it may return the
+      epoch at which training starts instead (a hook that restored a backup
+      taken then), or None;
+    - ``on_epoch_begin(epoch)`` as each epoch starts (from 0);
+    - ``on_batch_begin(batch)`` before each step, ``batch`` counting the
+      epoch's steps from 0;
+    - ``on_batch_end(batch, logs)`` after each step fit counted (``logs``:
+      "loss", the epoch's sample-weighted mean loss so far, and the training
+      metrics so far);
+    - ``on_epoch_end(epoch, logs)`` after each epoch (``logs`` holds "epoch",
+      "loss", "samples", "steps", the training metrics and the validation
+      results "val_*"); raising :class:`~hostavg.StopTraining` ends fit cleanly;
     - ``on_train_end(history)`` once, when fit ends short of an exception;
     - ``close()`` when fit ends, however it ends.
 
@@ -195,9 +204,17 @@ class Hook(Protocol):
 
     def on_applied(self, result: StepResult) -> None: ...
 
-    def on_epoch_end(self, epoch: int, logs: dict) -> None: ...
-
     def on_resume(self, step: int) -> None: ...
+
+    def on_train_begin(self) -> int | None: ...
+
+    def on_epoch_begin(self, epoch: int) -> None: ...
+
+    def on_batch_begin(self, batch: int) -> None: ...
+
+    def on_batch_end(self, batch: int, logs: dict) -> None: ...
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None: ...
 
     def on_train_end(self, history) -> None: ...
 
@@ -206,7 +223,8 @@ class Hook(Protocol):
 
 #: The hook methods a step calls (the trainer), and those fit calls.
 STEP_METHODS = ("on_micro_batch", "on_step", "on_applied")
-FIT_METHODS = ("on_epoch_end", "on_resume", "on_train_end", "close", "on_step_end")
+FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
+               "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.
 HOOK_METHODS = STEP_METHODS + FIT_METHODS
 

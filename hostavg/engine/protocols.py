@@ -9,14 +9,21 @@ from typing import Any, NamedTuple, Protocol
 from hostavg.core.accumulator import Reducer
 from hostavg.core.gradients import VariableSpec
 
-__all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "HostAverage", "SampleStats",
-           "Tally"]
+__all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "Applied", "Average", "Backend", "Computed",
+           "HostAverage", "SampleStats", "Tally"]
 
 
 #: Where a trainer computes the mean of the accumulated gradients. "host":
 #: with NumPy. "graph": in the session, as a division of the fed running sum
 #: ("sum") or a weighted reduce over a fed stack of micro-batch gradients ("stack").
 AVERAGE_MODES = ("host", "graph")
+
+#: What a step does with a micro-batch whose loss or gradients hold NaN or Inf (one that no
+#: hook dropped), as its backend says. "refuse": the step raises, naming the micro-batch, and
+#: nothing is applied. "optimizer": the step goes on, and its mean goes to the optimizer,
+#: which skips a non-finite update itself and says so (``Applied.skipped``): a loss-scaling
+#: optimizer (Keras's ``LossScaleOptimizer``) then lowers its scale.
+NONFINITE_MODES = ("refuse", "optimizer")
 
 
 class Computed(NamedTuple):
@@ -48,11 +55,14 @@ class Applied(NamedTuple):
         a variable of norm 0 moved. None where the backend cannot tell.
       learning_rate: the optimizer's learning rate as this apply used it (a
         schedule's value at this step), or None where the optimizer exposes none.
+      skipped: why the optimizer left the variables as they were (a backend whose
+        ``nonfinite`` is "optimizer", given a non-finite mean), or None: applied.
     """
 
     global_step: int
     update_ratios: dict | None = None
     learning_rate: float | None = None
+    skipped: str | None = None
 
 
 class SampleStats(NamedTuple):
@@ -90,6 +100,8 @@ class Backend(Protocol):
     #: Whose words errors and the check's advice use: a key of
     #: :data:`hostavg.core.check.ADVICE` ("tf1", "keras").
     framework: str
+    #: What a non-finite micro-batch does to a step: one of :data:`NONFINITE_MODES`.
+    nonfinite: str
 
     def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
         """The feed made ready to compute, and its number of samples (``size`` if given)."""
@@ -107,9 +119,10 @@ class Backend(Protocol):
         """
 
     def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
-        """Runs the optimizer once on ``mean`` (conformed, finite), fed ``feed`` (from
-        :meth:`apply_feed`); returns the new global step, the learning rate and, when
-        ``measure``, the update-to-weight ratios, measured in the same call (None otherwise)."""
+        """Runs the optimizer once on ``mean`` (conformed; finite unless :attr:`nonfinite` is
+        "optimizer"), fed ``feed`` (from :meth:`apply_feed`); returns the new global step, the
+        learning rate and, when ``measure``, the update-to-weight ratios, measured in the same
+        call (None otherwise), or why the optimizer skipped the update."""
 
     def global_step(self) -> int:
         """The global step now."""

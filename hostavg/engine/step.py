@@ -25,6 +25,14 @@ no ``on_applied`` hook has heard of the step. A step whose micro-batches were
 all dropped by hooks is restored too. An exception in an ``on_applied`` hook
 propagates after the step was applied (its note says so).
 
+Non-finite micro-batches (NaN or Inf in the loss or gradients, not dropped by
+a hook) fail the step at 3, unless the backend's ``nonfinite`` is "optimizer"
+(a Keras ``LossScaleOptimizer``): then the step goes on, the non-finite mean
+goes to the optimizer at 6, and the optimizer skips it itself (lowering its
+loss scale); the result says why in ``skipped``, its ``step`` is unchanged,
+what the micro-batches assigned stays (as in the framework's own train step),
+and no ``on_applied`` hook hears of it.
+
 Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
 at once (it is rolled back); one that arrives from the apply on waits until
 the step has returned (or, in fit, until the step is counted), so a step is
@@ -184,8 +192,10 @@ class Engine:
         finally:
             self._busy.release()
 
-    def _checked(self, grads: Mapping, what: str, hint: str, mine: bool = False) -> dict:
-        """``grads`` conformed to the variables' dtypes and checked finite, ready to apply.
+    def _checked(self, grads: Mapping, what: str, hint: str, mine: bool = False,
+                 finite: bool = True) -> dict:
+        """``grads`` conformed to the variables' dtypes and (with ``finite``) checked finite,
+        ready to apply.
 
         ``mine``: ``grads`` is a mean this engine's accumulator made (conformed and
         frozen already); only a cast from the accumulation dtype remains to check.
@@ -194,6 +204,8 @@ class Engine:
             values = dict(grads)
         else:
             values = conform(self.spec, grads, what=what, cast=True)
+        if not finite:  # the optimizer skips a non-finite update itself
+            return values
         known = getattr(grads, "sq_norms", {})  # trusted for the values conform kept as they were
         check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
                      hint=hint)
@@ -299,7 +311,8 @@ class Engine:
                                  size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
                 mine = False
-        return result, self._checked(mean, what, hint, mine), tally.apply_feed
+        return result, self._checked(mean, what, hint, mine,
+                                     finite=backend.nonfinite == "refuse"), tally.apply_feed
 
     def _micro_batches(self, backend, batches, log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
@@ -350,7 +363,8 @@ class Engine:
                 f"They were finite before on_micro_batch hook {name_of(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
-            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
+            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint) \
+                if backend.nonfinite == "refuse" else math.fsum(sq.values())
             self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
             log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
@@ -435,8 +449,10 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                         applied = backend.apply(values, feed,
                                                 bool(every) and result.step % every == 0)
                         results.append(replace(result, step=applied.global_step,
-                                               update_ratios=applied.update_ratios,
-                                               learning_rate=applied.learning_rate))
+                                               update_ratios=None if applied.skipped
+                                               else applied.update_ratios,
+                                               learning_rate=applied.learning_rate,
+                                               skipped=applied.skipped))
             except BaseException as error:
                 for backend, snapshot, *_ in reversed(done):
                     try:

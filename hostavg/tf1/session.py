@@ -53,6 +53,7 @@ class SessionBackend:
     """
 
     framework = "tf1"
+    nonfinite = "refuse"  # a TF1 optimizer applies whatever it is given
 
     def __init__(self, wiring, sess):
         graph = getattr(sess, "graph", None)

@@ -43,8 +43,11 @@ __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
-#: fit's state: key -> the least value it may hold.
+#: fit's state: key -> the least value it may hold ("batch_size" None too: the data gave its
+#: own batches). "pass", the passes over the data begun, is absent from the checkpoints of
+#: versions that had one pass per epoch.
 _FIT = {"epoch": 0, "batch": 0, "samples": 0, "batch_size": 1, "seed": 0}
+_FIT_OPTIONAL = {"pass": 0}
 
 
 def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) -> Path:
@@ -172,11 +175,15 @@ def _check_meta(meta) -> tuple[dict, dict | None]:
                        f"{str(forms)[:80]!r}")
     if fit is None:
         return forms, None
-    if not isinstance(fit, dict) or set(fit) != {*_FIT, "history"}:
-        raise _Damaged(f"fit's state must hold exactly {sorted({*_FIT, 'history'})}, got "
+    if not isinstance(fit, dict) or not {*_FIT, "history"} <= set(fit) <= {*_FIT, *_FIT_OPTIONAL,
+                                                                            "history"}:
+        raise _Damaged(f"fit's state must hold exactly {sorted({*_FIT, 'history'})} (and "
+                       f"{sorted(_FIT_OPTIONAL)}), got "
                        f"{sorted(fit) if isinstance(fit, dict) else fit!r}")
-    bad = [f"{k} {fit[k]!r}" for k, least in _FIT.items()
-           if isinstance(fit[k], bool) or not isinstance(fit[k], numbers.Integral) or fit[k] < least]
+    bad = [f"{k} {fit[k]!r}" for k, least in {**_FIT, **_FIT_OPTIONAL}.items()
+           if k in fit and not (k == "batch_size" and fit[k] is None)
+           and (isinstance(fit[k], bool) or not isinstance(fit[k], numbers.Integral)
+                or fit[k] < least)]
     if bad:
         raise _Damaged(f"fit's state has {', '.join(bad)}")
     try:

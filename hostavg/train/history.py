@@ -10,7 +10,7 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
 
-__all__ = ["History", "StepLog"]
+__all__ = ["BOOKKEEPING", "History", "StepLog"]
 
 
 class StepLog(NamedTuple):
@@ -51,6 +51,10 @@ class StepLog(NamedTuple):
     update_ratios: tuple = ()
 
 
+#: The keys of an epoch's logs that are fit's bookkeeping, not measurements (left out of
+#: :attr:`History.history` and of what Keras callbacks see).
+BOOKKEEPING = ("epoch", "samples", "steps")
+
 #: StepLog's per-step scalars, as :meth:`History.to_pandas` shows them.
 _SCALARS = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trace_sigma",
             "b_simple", "norm_test", "learning_rate")
@@ -65,8 +69,10 @@ class History:
     Attributes:
       steps: one :class:`StepLog` per optimizer step.
       epochs: one dict per finished epoch: "epoch", "loss" (sample-weighted
-        mean over its steps), "samples", "steps", and "val_loss" plus
-        "val_<metric>" where validation data was given.
+        mean over its applied steps), "samples", "steps", the training metrics
+        (a Keras model's compiled metrics), and "val_loss" plus
+        "val_<metric>" where validation data was given. :attr:`history` and
+        :attr:`epoch` show them as Keras's History does.
       variables: the trained variables' names, the order of each StepLog's
         ``variable_norms`` and ``update_ratios``.
       stopped: why a callback stopped training (a StopTraining message), or None.
@@ -82,6 +88,25 @@ class History:
     def samples(self) -> int:
         """Samples seen so far."""
         return self.steps[-1].samples if self.steps else 0
+
+    @property
+    def history(self) -> dict:
+        """Keras's view: name -> one value per finished epoch, in order, for every quantity the
+        epochs logged ("loss", training metrics, "val_*", and what callbacks added, such as
+        "learning_rate"), without fit's bookkeeping ("epoch", "samples", "steps": see
+        :attr:`epochs`). An epoch that lacks a name has None there.
+
+        Example::
+
+            history.history["val_loss"]  # [0.91, 0.64, 0.52]
+        """
+        names = dict.fromkeys(k for e in self.epochs for k in e if k not in BOOKKEEPING)
+        return {name: [e.get(name) for e in self.epochs] for name in names}
+
+    @property
+    def epoch(self) -> list:
+        """Keras's view: the index (from 0) of each finished epoch, in order."""
+        return [e["epoch"] for e in self.epochs]
 
     def add(self, epoch: int, result) -> StepLog:
         """Appends a StepLog of the :class:`~hostavg.StepResult` ``result``; returns it."""

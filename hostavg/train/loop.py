@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import signal
 import sys
 import threading
@@ -55,12 +56,12 @@ from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
 from hostavg.core.errors import HostavgError, object_list, positive_int
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS
-from hostavg.train.history import History
+from hostavg.train.history import BOOKKEEPING, History
 from hostavg.core.results import StepResult
 from hostavg.engine.signals import hold, region, release
 from hostavg.core.split import feed_size, split, take
 
-__all__ = ["ArraySource", "IterableSource", "Run", "check_sizes", "fit"]
+__all__ = ["ArraySource", "IterableSource", "PROGRESS_MODES", "Run", "check_sizes", "fit"]
 
 
 class Run(Protocol):
@@ -91,23 +92,51 @@ class Run(Protocol):
     def validate(self) -> dict:
         """The validation results by name ("loss", metrics), or {} without validation data."""
 
+    def reset_metrics(self) -> None:
+        """Starts the training metrics afresh (at each epoch's start)."""
+
+    def metrics(self) -> dict:
+        """The training metrics over the epoch's steps so far, by name ({} where there are none)."""
+
+    def stop_requested(self) -> str | None:
+        """Why training should end after this epoch (a Keras callback set
+        ``model.stop_training``), or None."""
+
     def abandon(self, error: BaseException) -> None:
         """fit ends with ``error`` (over MPI, a rank leaving alone ends the job)."""
 
 
+#: What fit shows while it trains: True: a progress bar on a terminal or in Jupyter, nothing
+#: elsewhere; "always": a bar anywhere; "epoch": one line per epoch on stdout; "auto": a bar
+#: on a terminal or in Jupyter, one line per epoch elsewhere; False: nothing.
+PROGRESS_MODES = (True, False, "always", "epoch", "auto")
+
+
 def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         drop_remainder=False, callbacks=(), progress=True, checkpoint_dir=None,
-        checkpoint_every=None, keep_checkpoints=3, blocks=None) -> History:
+        checkpoint_every=None, keep_checkpoints=3, blocks=None, initial_epoch=0,
+        steps_per_epoch=None) -> History:
     """Trains ``run`` over the batches of ``source``; see :meth:`hostavg.Trainer.fit`.
 
     ``source`` is a callable that returns the batch source (called after
-    the arguments are checked), with ``num_batches(drop_remainder)`` and
-    ``batches(epoch, seed, batch, samples)``. ``blocks``: {key: b} for arrays of b
+    the arguments are checked), with ``n`` (its samples, or None where it
+    gives its own batches), ``num_batches(drop_remainder)`` and
+    ``batches(data_pass, seed, batch, samples)``. ``batch_size`` is None for
+    a source that gives its own batches. ``blocks``: {key: b} for arrays of b
     blocks of the samples (see :mod:`hostavg.split`).
+
+    Epochs: fit trains epochs ``initial_epoch`` to ``epochs - 1`` (as Keras
+    counts them). An epoch is one pass over the data, or, with
+    ``steps_per_epoch``, that many steps, continuing the pass where the
+    previous epoch stopped: an epoch then ends early where the pass ends, and
+    the next starts a new pass. The data's order depends on (seed, pass).
     """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
-    if progress not in (True, False, "always"):
-        raise HostavgError(f"progress must be True, False or 'always', got {progress!r}")
+    if progress not in PROGRESS_MODES:
+        raise HostavgError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
+    initial_epoch = _count("initial_epoch", initial_epoch)
+    if steps_per_epoch is not None:
+        steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
     source = source()
     n = source.n  # None where the source cannot tell (an iterable of batches)
     if n == 0 or (drop_remainder and n is not None and n < batch_size):
@@ -118,11 +147,13 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     hooks = _fit_methods(run.hooks + callbacks)
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
-    history, epoch, batch, samples = History(), 0, 0, 0
+    history, epoch, batch, samples = History(), initial_epoch, 0, 0
+    data_pass = epoch  # passes over the data begun; the same as epochs without steps_per_epoch
     if ckpt is not None and ckpt.latest() is not None:
         state = run.restore(ckpt.latest())
         if state is not None:
             epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
+            data_pass = state.get("pass", epoch)  # checkpoints of earlier versions: one per epoch
             history = History.from_json(state["history"])
         resumed = run.global_step()
         for on_resume in hooks["on_resume"]:
@@ -140,21 +171,48 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
 
     def checkpoint():
         step = run.global_step()
-        state = {"epoch": epoch, "batch": batch, "samples": samples, "batch_size": batch_size,
-                 "seed": seed, "history": history.to_json()}
+        state = {"epoch": epoch, "batch": batch, "samples": samples, "pass": data_pass,
+                 "batch_size": batch_size, "seed": seed, "history": history.to_json()}
         ckpt.save(step, lambda path: run.save(path, state))
         return step
 
     global_step = run.global_step()
     saved_step = global_step if ckpt is not None else None
     num_batches = source.num_batches(drop_remainder)
+    total = steps_per_epoch if steps_per_epoch is not None else num_batches
     bar = _Progress(progress if rank == 0 else False)
+    batch_logs = bool(hooks["on_batch_end"])  # the running logs cost metric reads: only if wanted
     # A signal that arrives from a step's apply on waits until the step is counted (release).
     with _sigterm_as_exit(), region(), run.hooked(callbacks):
         try:
+            for on_train_begin in hooks["on_train_begin"]:
+                moved = on_train_begin()
+                if moved is not None:  # a hook restored a backup taken at the start of that epoch
+                    epoch = data_pass = _count("the epoch on_train_begin returned", moved)
+                    batch = samples = 0
+            passes = None  # the batches of the pass under way, continued from epoch to epoch
             while epoch < epochs:
-                bar.start(f"epoch {epoch + 1}/{epochs}", num_batches)
-                for feed, rows in source.batches(epoch, seed, batch, samples):
+                run.reset_metrics()
+                for on_epoch_begin in hooks["on_epoch_begin"]:
+                    on_epoch_begin(epoch)
+                bar.start(f"epoch {epoch + 1}/{epochs}", total)
+                done = [s for s in history.steps if s.epoch == epoch]  # resumed mid-epoch
+                steps = len(done)
+                loss_sum = math.fsum(s.loss * s.size for s in done if _counts(s))
+                loss_n = sum(s.size for s in done if _counts(s))
+                pass_ended = fresh = False
+                while steps_per_epoch is None or steps < steps_per_epoch:
+                    if passes is None:
+                        passes = iter(source.batches(data_pass, seed, batch, samples))
+                    item = next(passes, None)
+                    if item is None:  # the pass is over: the epoch ends, or starts the next pass
+                        passes = None
+                        if steps or fresh or steps_per_epoch is None:
+                            pass_ended = True
+                            break
+                        data_pass, batch, samples, fresh = data_pass + 1, 0, 0, True
+                        continue
+                    feed, rows = item
                     with _context(f"fit, epoch {epoch + 1}/{epochs}, batch {batch + 1}"
                                   f"{'' if num_batches is None else f'/{num_batches}'}, "
                                   f"global step {global_step}"):
@@ -162,31 +220,49 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                         if drop_remainder and n < batch_size:
                             batch, samples = batch + 1, samples + n
                             continue
+                        for on_batch_begin in hooks["on_batch_begin"]:
+                            on_batch_begin(steps)
                         result = run.step(*_micro_batches(feed, n, micro_batch_size, rank, size,
                                                           blocks, rows))
                     batch, samples = batch + 1, samples + n
                     global_step = result.step
-                    history.add(epoch, result)
+                    log = history.add(epoch, result)
                     release()
                     bar.update(result)
                     if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
                         saved_step = checkpoint()
                     for hook in hooks["on_step_end"]:
                         hook(result.step, result)
-                logs = _epoch_logs(history, epoch)
-                if not logs["steps"]:
+                    if _counts(log):
+                        loss_sum, loss_n = loss_sum + log.loss * log.size, loss_n + log.size
+                    if batch_logs:
+                        logs = {"loss": loss_sum / loss_n if loss_n else math.nan, **run.metrics()}
+                        for on_batch_end in hooks["on_batch_end"]:
+                            on_batch_end(steps, logs)
+                    steps += 1
+                    if run.stop_requested() is not None:
+                        break
+                if not steps:
                     raise HostavgError(
                         f"epoch {epoch} trained no step: the data gave {batch} batches"
                         f"{', every one shorter than batch_size and dropped (drop_remainder)' if batch else ''}"
                         f"; fit needs at least one batch per epoch")
+                logs = _epoch_logs(history, epoch)
+                logs.update(run.metrics())
                 logs.update({f"val_{k}": v for k, v in run.validate().items()})
                 bar.close(logs)
                 hold()  # the epoch's logs and the next position, together
                 history.epochs.append(logs)
-                epoch, batch, samples = epoch + 1, 0, 0
+                epoch += 1
+                if pass_ended:
+                    data_pass, batch, samples = data_pass + 1, 0, 0
                 release()
                 for hook in hooks["on_epoch_end"]:
                     hook(epoch - 1, logs)
+                stop = run.stop_requested()
+                if stop is not None:
+                    history.stopped = stop
+                    break
         except StopTraining as e:
             history.stopped = str(e) or "stopped by a callback"
         except BaseException as error:
@@ -209,6 +285,18 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     finally:
         _close(hooks)
     return history
+
+
+def _counts(log) -> bool:
+    """Whether a step's loss counts in its epoch's mean: it was applied and had samples."""
+    return bool(log.size) and not math.isnan(log.loss)
+
+
+def _count(name: str, value) -> int:
+    """``value`` as an int if it is an integer >= 0 (not a bool); else HostavgError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
+        raise HostavgError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
 
 
 def _close(hooks: dict) -> None:
@@ -259,22 +347,26 @@ def _micro_batches(batch, n: int, micro_batch_size: int, rank: int, size: int,
 
 
 def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
-    """Raises HostavgError unless the sizes make sense together."""
-    positive_int("batch_size", batch_size)
+    """Raises HostavgError unless the sizes make sense together (``batch_size`` None: the data
+    gives its own batches)."""
+    if batch_size is not None:
+        positive_int("batch_size", batch_size)
     positive_int("micro_batch_size", micro_batch_size)
     positive_int("epochs", epochs)
     if checkpoint_every is not None:
         positive_int("checkpoint_every", checkpoint_every)
-    if micro_batch_size > batch_size:
+    if batch_size is not None and micro_batch_size > batch_size:
         raise HostavgError(
             f"micro_batch_size ({micro_batch_size}) is larger than batch_size ({batch_size}); "
             f"a batch is cut into micro-batches, so use micro_batch_size <= batch_size")
 
 
 def _epoch_logs(history: History, epoch: int) -> dict:
+    """The epoch's bookkeeping and its loss: the sample-weighted mean over its applied steps."""
     steps = [s for s in history.steps if s.epoch == epoch]
     samples = sum(s.size for s in steps)
-    loss = sum(s.loss * s.size for s in steps if s.size) / samples if samples else math.nan
+    counted = sum(s.size for s in steps if _counts(s))
+    loss = sum(s.loss * s.size for s in steps if _counts(s)) / counted if counted else math.nan
     return {"epoch": epoch, "loss": loss, "samples": samples, "steps": len(steps)}
 
 
@@ -332,20 +424,27 @@ class IterableSource:
 
 
 class _Progress:
-    """One progress display per epoch, with loss and samples/s, ending on the epoch's results.
+    """What fit shows of each epoch (see :data:`PROGRESS_MODES`).
 
-    On a terminal: a tqdm bar on stderr. In Jupyter: one line of text,
-    updated in place at most every half second, so a saved notebook keeps
-    one final line per epoch.
+    A bar: on a terminal, a tqdm bar on stderr, with the step's loss and
+    samples/s; in Jupyter, one line of text, updated in place at most every
+    half second, so a saved notebook keeps one final line per epoch. Either
+    ends on the epoch's results. A line per epoch: printed on stdout when the
+    epoch ends, with its steps, time and results.
     """
 
     def __init__(self, progress):
         tty = getattr(sys.stderr, "isatty", lambda: False)()
         self.jupyter = "ipykernel" in sys.modules and not tty
-        self.enabled = progress == "always" or (progress is True and (tty or self.jupyter))
+        interactive = tty or self.jupyter
+        self.enabled = progress == "always" or (progress in (True, "auto") and interactive)
+        self.lines = progress == "epoch" or (progress == "auto" and not interactive)
         self._bar = self._line = None
+        self._started = None
 
     def start(self, desc, total):
+        if self.lines:
+            self._desc, self._started, self._n = desc, time.perf_counter(), 0
         if not self.enabled:
             return
         self._t0, self._samples, self._postfix = time.perf_counter(), 0, {}
@@ -358,6 +457,8 @@ class _Progress:
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
 
     def update(self, result):
+        if self.lines:
+            self._n += 1
         if not self.enabled or (self._bar is None and self._line is None):
             return
         self._samples += result.size
@@ -376,6 +477,12 @@ class _Progress:
         if logs:
             self._postfix = {k: f"{v:.4g}" if isinstance(v, float) else v
                              for k, v in logs.items() if k != "epoch"}
+            if self.lines and self._started is not None:
+                shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in logs.items() if k not in BOOKKEEPING)
+                print(f"{self._desc}: {self._n} steps in "
+                      f"{time.perf_counter() - self._started:.1f} s, {shown}", flush=True)
+        self._started = None
         if self._bar is not None:
             self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.close()

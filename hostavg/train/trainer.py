@@ -168,6 +168,19 @@ class BaseTrainer:
     def _restore(self, backend: Backend, path) -> dict | None:
         return checkpoint.restore(backend, path)
 
+    # --- What fit asks a face between steps (a face with training metrics overrides them) --
+
+    def _reset_metrics(self, backend: Backend) -> None:
+        """Starts the training metrics afresh (at each epoch's start in fit); none here."""
+
+    def _metrics(self, backend: Backend) -> dict:
+        """The training metrics since :meth:`_reset_metrics`, by name; none here."""
+        return {}
+
+    def _stop_requested(self) -> str | None:
+        """Why fit should end after this epoch (the framework's own stop flag), or None."""
+        return None
+
     def _part(self, backend: Backend, feeds, sizes) -> tuple:
         """This trainer's entry of a :func:`step_together`."""
         return self._for_step(backend, feeds), backend, feeds, sizes
@@ -195,6 +208,15 @@ class Bound:
 
     def restore(self, path) -> dict | None:
         return self.trainer._restore(self.backend, path)
+
+    def reset_metrics(self) -> None:
+        self.trainer._reset_metrics(self.backend)
+
+    def metrics(self) -> dict:
+        return self.trainer._metrics(self.backend)
+
+    def stop_requested(self) -> str | None:
+        return self.trainer._stop_requested()
 
     def abandon(self, error: BaseException) -> None:
         if self.trainer._engine is not None:
