@@ -374,15 +374,24 @@ def test_constructor_errors():
     with pytest.raises(hostavg.HostavgError, match="gradient_accumulation_steps=4, but hostavg "
                                                    "accumulates on the host"):
         hostavg.keras.Trainer(model, loss(), keras.optimizers.Adam(gradient_accumulation_steps=4))
-    with pytest.raises(hostavg.HostavgError, match="LossScaleOptimizer"):
+    with pytest.raises(hostavg.HostavgError, match="gradient_accumulation_steps=2, but hostavg "
+                                                   "accumulates on the host"):
         hostavg.keras.Trainer(model, loss(), keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.Adam()))
+            keras.optimizers.Adam(gradient_accumulation_steps=2)))
     summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     with pytest.raises(hostavg.HostavgError, match=re.escape(
             "has reduction='sum', but hostavg needs the micro-batch MEAN")):
         hostavg.keras.Trainer(model, summed, keras.optimizers.Adam())
-    with pytest.raises(hostavg.HostavgError, match="loss must be a keras.losses.Loss or a callable"):
-        hostavg.keras.Trainer(model, "sparse_categorical_crossentropy", keras.optimizers.Adam())
+    with pytest.raises(hostavg.HostavgError, match=r"loss must be a keras.losses.Loss, a loss's "
+                                                   r"name .* or a dict or list of them per "
+                                                   r"output; got 42"):
+        hostavg.keras.Trainer(model, {"out": 42}, keras.optimizers.Adam())
+    with pytest.raises(hostavg.HostavgError, match="optimizer 'adamm' is not the name of a Keras "
+                                                   "optimizer"):
+        hostavg.keras.Trainer(model, loss(), "adamm")
+    with pytest.raises(hostavg.HostavgError, match="optimizer: model 'functional.*' is not "
+                                                   "compiled with one and none was given"):
+        hostavg.keras.Trainer(build(), loss())
     with pytest.raises(hostavg.HostavgError, match=r"accumulate must be one of \('sum', 'stack'\)"):
         hostavg.keras.Trainer(model, loss(), keras.optimizers.Adam(), accumulate="mean")
     with pytest.raises(hostavg.HostavgError, match="accum_dtype must be a floating-point"):
@@ -434,24 +443,29 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
         np.testing.assert_array_equal(u, v)
 
 
-def test_a_plain_callable_loss_works_and_refuses_sample_weights():
-    def mean_loss(y_true, y_pred):
-        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
-            y_true, y_pred, from_logits=True))
+def test_a_plain_callable_loss_is_reduced_as_keras_reduces_it():
+    """A function's per-sample losses are averaged over the micro-batch (weighted by sample
+    weights), as compile's sum_over_batch_size does; one giving the mean already works too."""
+    def per_sample(y_true, y_pred):
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
 
-    data = batches(14, 2, BATCH)
-    a, b = build(), build()
+    def mean_loss(y_true, y_pred):
+        return keras.ops.mean(per_sample(y_true, y_pred))
+
+    rng = np.random.default_rng(14)
+    data = [{**d, "w": rng.uniform(0.1, 2.0, BATCH).astype(np.float32)}
+            for d in batches(14, 2, BATCH)]
+    a, b, c = build(), build(), build()
     ta = hostavg.keras.Trainer(a, mean_loss, keras.optimizers.Adam(0.01))
     tb = hostavg.keras.Trainer(b, loss(), keras.optimizers.Adam(0.01))
+    tc = hostavg.keras.Trainer(c, per_sample, keras.optimizers.Adam(0.01))
     for d in data:
         ta.step(hostavg.split(xy(d), 10))
-        tb.step(hostavg.split(xy(d), 10))
-    assert_close([v.numpy() for v in a.variables], [v.numpy() for v in b.variables], atol=1e-6)
-    x, y = xy(data[0])
-    with pytest.raises(hostavg.HostavgError, match="sample weights, but the loss is a plain "
-                                                   "callable"):
-        ta.step([(x, y, np.ones(BATCH))])
-    per_sample = hostavg.keras.Trainer(build(), lambda t, p: keras.losses.sparse_categorical_crossentropy(
-        t, p, from_logits=True), keras.optimizers.Adam())
-    with pytest.raises(hostavg.HostavgError, match=r"the loss has shape \(None,\), not a scalar"):
-        per_sample.compute((x, y))
+        tb.step(hostavg.split((*xy(d), d["w"]), 10))
+        tc.step(hostavg.split((*xy(d), d["w"]), 10))
+    want = keras_steps("adam", data)
+    assert_close([v.numpy() for v in b.variables], [v.numpy() for v in want.variables], atol=1e-5)
+    assert_close([v.numpy() for v in c.variables], [v.numpy() for v in b.variables], atol=1e-6)
+    unweighted = keras_steps("adam", [{k: v for k, v in d.items() if k != "w"} for d in data])
+    assert_close([v.numpy() for v in a.variables], [v.numpy() for v in unweighted.variables],
+                 atol=1e-5)

@@ -1,23 +1,37 @@
-"""What every Keras backend of hostavg shares: the batch's structure, the loss, the optimizer check.
+"""What every Keras backend of hostavg shares: the batch's structure, the compiled model, metrics.
 
 A batch is ``(x, y)`` or ``(x, y, sample_weight)``; each part an array or a dict
-of arrays (by input name), axis 0 over samples. Framework-free but for Keras's
-own loss and optimizer classes.
+of arrays (by input name), axis 0 over samples (y may be None, for a model
+whose loss needs no targets). Framework-free but for Keras's own model,
+loss, metric and optimizer classes: nothing here depends on Keras's backend.
+
+The model is trained as compiled: :func:`compiled` resolves a trainer's loss
+and optimizer against ``model.compile``'s and compiles the model with them,
+so its loss is Keras's own ``model.compute_loss`` (strings, a dict per
+output, ``loss_weights``, ``model.losses``, a subclass's override), its
+metrics are the compiled ones, and ``model.save`` keeps the optimizer that
+trained.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import keras
 import numpy as np
 
+from hostavg.compat.keras import compile_arguments
 from hostavg.core.errors import HostavgError
 
-__all__ = ["MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer", "leaves", "rebuild"]
+__all__ = ["MEAN_REDUCTIONS", "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function",
+           "metric_results", "rebuild"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+#: A part of a batch that is absent (y of a model whose loss needs no targets).
+_ABSENT = "absent"
 
 
 def as_batch(x, y, sample_weight) -> tuple:
@@ -27,9 +41,9 @@ def as_batch(x, y, sample_weight) -> tuple:
 def leaves(batch, what: str) -> tuple:
     """(batch as a tuple, its arrays in order, its input signature) of a batch (x, y[, sample_weight]).
 
-    The signature is the layout (a dict's keys, sorted, or None for an array;
-    per part) and each array's dtype and shape past axis 0: batches with the
-    same signature share one compiled function.
+    The signature is the layout (a dict's keys, sorted, None for an array, or
+    "absent" for a y of None; per part) and each array's dtype and shape past
+    axis 0: batches with the same signature share one compiled function.
     """
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         got = f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) \
@@ -38,6 +52,9 @@ def leaves(batch, what: str) -> tuple:
     batch = tuple(batch[:2]) if len(batch) == 3 and batch[2] is None else tuple(batch)
     layout, leaves = [], []
     for name, part in zip(("x", "y", "sample_weight"), batch):
+        if part is None and name == "y":
+            layout.append(_ABSENT)
+            continue
         if isinstance(part, Mapping):
             keys = tuple(sorted(part, key=str))
             named = [(f"{name}[{k!r}]", part[k]) for k in keys]
@@ -59,52 +76,121 @@ def rebuild(signature, flat) -> tuple:
     """(x, y, sample_weight or None) from the arrays or tensors ``flat``, laid out as ``signature`` says."""
     flat, parts = iter(flat), []
     for keys in signature[0]:
-        parts.append(next(flat) if keys is None else {k: next(flat) for k in keys})
+        parts.append(None if keys == _ABSENT else next(flat) if keys is None
+                     else {k: next(flat) for k in keys})
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
-class Loss:
-    """A trainer's loss, normalised once: ``loss(y, y_pred, sample_weight or None)`` -> the micro-batch mean.
+# --- The model as compiled ------------------------------------------------------------------
 
-    Attributes:
-      weighs_samples: whether it takes sample weights (a ``keras.losses.Loss``
-        does; a plain callable(y_true, y_pred) does not).
+
+def compiled(model, loss, optimizer):
+    """``model`` compiled for training with ``loss`` and ``optimizer``, each None for the
+    model's own compiled one; returns the optimizer that trains (``model.optimizer``).
+
+    Explicit arguments win: the model is compiled again with them, keeping what
+    else it was compiled with (metrics, ``loss_weights``); an uncompiled model is
+    compiled with them. Under the ``mixed_float16`` dtype policy compile wraps
+    the optimizer in a ``LossScaleOptimizer``, as Keras does.
+
+    Raises:
+      HostavgError: for a model that overrides ``train_step`` (hostavg's step
+        replaces it; ``compute_loss`` is the place to customise), a loss that is
+        not a micro-batch mean, no optimizer, or an optimizer hostavg cannot drive.
     """
+    if type(model).train_step is not keras.Model.train_step:
+        raise HostavgError(
+            f"model {model.name!r} overrides train_step ({type(model).__qualname__}.train_step), "
+            f"which hostavg never calls: its step runs the forward and backward pass per "
+            f"micro-batch and applies the mean itself. Override compute_loss(x, y, y_pred, "
+            f"sample_weight, training) instead, which hostavg calls for every micro-batch (and "
+            f"compute_metrics for the metrics)")
+    if loss is not None:
+        _check_loss(loss)
+    if optimizer is not None:
+        optimizer = checked_optimizer(_optimizer(optimizer))
+    if not model.compiled or (loss is not None and loss is not model.loss) or \
+            (optimizer is not None and optimizer is not model.optimizer):
+        given = compile_arguments(model) if model.compiled else {}
+        if optimizer is None and given.get("optimizer") is None:
+            raise HostavgError(
+                f"optimizer: model {model.name!r} is not compiled with one and none was given; "
+                f"pass optimizer= (e.g. keras.optimizers.Adam(1e-3) or 'adam') or compile the "
+                f"model with it")
+        model.compile(**{**given, "optimizer": optimizer if optimizer is not None else
+                         model.optimizer, "loss": loss if loss is not None else given.get("loss")})
+    if model.loss is not None:
+        _check_loss(model.loss)
+    return checked_optimizer(model.optimizer)
 
-    def __init__(self, loss):
-        if isinstance(loss, keras.losses.Loss):
-            if loss.reduction not in MEAN_REDUCTIONS:
+
+def _optimizer(optimizer):
+    """An optimizer from what was given: an instance, or a name such as "adam"."""
+    if isinstance(optimizer, str):
+        try:
+            return keras.optimizers.get(optimizer)
+        except ValueError:
+            raise HostavgError(f"optimizer {optimizer!r} is not the name of a Keras optimizer "
+                               f"(such as 'adam' or 'sgd')") from None
+    return optimizer
+
+
+def _check_loss(loss) -> None:
+    """Each loss of ``loss`` (one, or a dict or list of them per output) gives the micro-batch MEAN."""
+    for one in keras.tree.flatten(loss):
+        if isinstance(one, keras.losses.Loss):
+            if one.reduction not in MEAN_REDUCTIONS:
                 raise HostavgError(
-                    f"loss {loss.name!r} has reduction={loss.reduction!r}, but hostavg needs the "
+                    f"loss {one.name!r} has reduction={one.reduction!r}, but hostavg needs the "
                     f"micro-batch MEAN: make it with reduction='sum_over_batch_size' (the default)")
-            self.weighs_samples = True
-        elif callable(loss):
-            self.weighs_samples = False
-        else:
-            raise HostavgError(f"loss must be a keras.losses.Loss or a callable(y_true, y_pred) "
-                               f"giving the micro-batch mean, got {loss!r}")
-        self._loss = loss
-
-    def __call__(self, y, y_pred, sample_weight):
-        if self.weighs_samples:
-            return self._loss(y, y_pred, sample_weight=sample_weight)
-        return self._loss(y, y_pred)
+        elif not (one is None or isinstance(one, str) or callable(one)):
+            raise HostavgError(
+                f"loss must be a keras.losses.Loss, a loss's name (such as "
+                f"'sparse_categorical_crossentropy') or a callable(y_true, y_pred), or a dict or "
+                f"list of them per output; got {one!r}")
 
 
 def checked_optimizer(optimizer):
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise HostavgError(
-            "optimizer is a LossScaleOptimizer, whose apply unscales gradients that hostavg never "
-            "scaled; pass its inner optimizer (hostavg checks every micro-batch for NaN and Inf "
-            "on the host)")
+    """``optimizer`` if hostavg can drive it: a Keras optimizer (a ``LossScaleOptimizer`` too)
+    that does not accumulate gradients itself."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise HostavgError(
             f"optimizer must be a keras.optimizers.Optimizer (e.g. keras.optimizers.Adam(1e-3)), "
             f"got {type(optimizer).__name__}; a tf.compat.v1.train optimizer goes with "
             f"hostavg.Trainer")
-    if optimizer.gradient_accumulation_steps:
+    inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) \
+        else optimizer
+    if inner.gradient_accumulation_steps:
         raise HostavgError(
-            f"optimizer has gradient_accumulation_steps={optimizer.gradient_accumulation_steps}, "
+            f"optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}, "
             f"but hostavg accumulates on the host: make the optimizer without it and pass the "
             f"micro-batches to step")
     return optimizer
+
+
+def loss_function(model):
+    """``loss(x, y, y_pred, sample_weight)``: the model's ``compute_loss`` for training (its
+    compiled loss, weighted per output, plus ``model.losses``; or a subclass's own)."""
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        return lambda x, y, y_pred, w: model.compute_loss(x, y, y_pred, w, training=True)
+    return lambda x, y, y_pred, w: model.compute_loss(x, y, y_pred, w)  # before Keras 3.3
+
+
+def metric_results(model, updated, skip=()) -> dict:
+    """The results of ``model.metrics`` whose state something updated, as floats by name.
+
+    ``updated``: the ids of the metrics to report (those a compiled function
+    of the backend updates); the others are left out rather than reported at
+    their initial value. ``skip``: names left out. A metric whose result is a
+    dict (the compiled metrics) gives each of its entries, as
+    ``model.get_metrics_result()`` does.
+    """
+    out = {}
+    for metric in model.metrics:
+        if id(metric) not in updated:
+            continue
+        result = metric.result()
+        for name, value in (result.items() if isinstance(result, dict) else [(metric.name, result)]):
+            if name not in skip and np.ndim(value) == 0:
+                out[name] = float(value)
+    return out

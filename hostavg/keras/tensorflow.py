@@ -2,9 +2,14 @@
 
 Per micro-batch, one compiled function (``tf.function``, traced once per
 input structure with the batch dimension left open, so micro-batches of any
-size share it) runs the forward pass with ``training=True``, the loss (plus
-``model.losses``), the backward pass and the squared norm of every gradient,
-and reads the optimizer's step. Its outputs cross to NumPy without a copy
+size share it) runs what Keras's own ``train_step`` runs up to the apply:
+the forward pass with ``training=True``, the model's ``compute_loss`` (its
+compiled loss plus ``model.losses``, or a subclass's own), scaled by the
+optimizer (a ``LossScaleOptimizer``'s dynamic scale) for the backward pass
+and the gradients unscaled again, divided by that scale as Keras divides
+them, and the compiled metrics' update (``compute_metrics``); then the
+squared norm of every gradient, and the optimizer's step. Its outputs cross
+to NumPy without a copy
 (``np.asarray`` of a CPU tensor; from a GPU, one copy to the host) and are
 frozen. A sparse gradient
 (``IndexedSlices``, as an ``Embedding`` gives) has its duplicate rows summed
@@ -19,15 +24,29 @@ pass per variable. Sparse means go back as
 TensorFlow squares each row it is given, so rows repeated within one
 IndexedSlices would make it differ from the dense step; with unique rows it
 equals the dense full-batch step.
+
+A ``LossScaleOptimizer`` gets the mean back multiplied by its scale, as it
+gets Keras's full-batch gradient of the scaled loss: it unscales it (exactly,
+for its power-of-two scales), applies it with its inner optimizer and grows
+the scale after its growth steps; given a non-finite mean (a micro-batch
+overflowed at this scale) it skips the step and halves the scale, and the
+step reports it skipped.
+
+Evaluation runs Keras's own ``test_step`` (a subclass's too) per chunk, in a
+compiled function per input structure. Metrics are reported only where a
+compiled function updates them (found in its traced graph), never at their
+initial value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
+from keras.optimizers import LossScaleOptimizer
 
 from hostavg.compat.tensorflow import concrete_call, eager_tensor
 from hostavg.core.errors import HostavgError, positive_int
@@ -35,34 +54,53 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, 
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
+from hostavg.keras.common import compiled, loss_function, metric_results
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.tf1.session import first_line
 from hostavg.tf1.variables import READ_OPS
 
-__all__ = ["KerasBackend"]
+__all__ = ["KerasBackend", "refuse_strategies"]
 
 
 class KerasBackend:
-    """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.Backend`).
+    """A compiled Keras model and its optimizer: the engine's Keras backend (:class:`hostavg.engine.Backend`).
+
+    Args:
+      model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them;
+        the model is compiled with them (:func:`~hostavg.keras.common.compiled`).
 
     Attributes:
+      model: the model.
+      optimizer: the optimizer that trains (``model.optimizer``).
       spec: name -> VariableSpec of every trained variable (None until the
         first batch is prepared).
-      assigned: index in ``model.variables`` -> variable, for every
-        non-trainable variable the traced gradient functions may assign (the
-        rollback set).
+      assigned: id -> variable, for every non-trainable variable of the model,
+        and every metric variable, that the traced gradient functions may
+        assign (the rollback set).
+      trained_metrics, evaluated_metrics: the ids of the model's metrics (of
+        ``model.metrics``) that the gradient functions, and the evaluation
+        functions, update.
       target: the model.
+      nonfinite: "optimizer" for a ``LossScaleOptimizer`` (it skips a
+        non-finite step and lowers its scale), else "refuse".
     """
 
     framework = "keras"
 
     def __init__(self, model, loss, optimizer):
-        self.model, self.optimizer, self._loss = model, optimizer, loss
-        self.target = model
+        refuse_strategies(model)
+        self.optimizer = compiled(model, loss, optimizer)
+        self.model = self.target = model
+        self._loss = loss_function(model)
         self.increment = 1  # every apply moves optimizer.iterations by one
+        self.nonfinite = "optimizer" if isinstance(self.optimizer, LossScaleOptimizer) else "refuse"
+        # Whether the optimizer scales the loss (and unscales what it applies): a
+        # LossScaleOptimizer, or any optimizer made with loss_scale_factor.
+        self._scales = self.nonfinite == "optimizer" or self.optimizer.loss_scale_factor is not None
         self.spec = None
         self.assigned = {}
+        self.trained_metrics, self.evaluated_metrics = set(), set()
         self._trained = None  # the variables of spec, in order
         self._computes, self._evaluates = {}, {}  # input signature -> compiled function
         # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
@@ -107,18 +145,22 @@ class KerasBackend:
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
         the apply used and, with ``measure``, the update-to-weight ratios, all from that one
         compiled call (measuring keeps each weight's value from before the update while the
-        optimizer runs, and reduces two norms per variable)."""
-        step, lr, squares = self._apply_mean(mean, measure)
+        optimizer runs, and reduces two norms per variable); or that a
+        ``LossScaleOptimizer`` skipped the step, and the scale it left."""
+        out = self._apply_mean(mean, measure)
+        if out.before == out.after and self.nonfinite == "optimizer":
+            return Applied(out.after, None, out.learning_rate, skipped=(
+                f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
+                f"loss scale {out.scale_before:g}, which it lowered to {out.scale_after:g}"))
         ratios = None
         if measure:
-            squares, k = squares.tolist(), len(self.spec)
+            squares, k = out.squares.tolist(), len(self.spec)
             ratios = {name: update_ratio(u, w)
                       for name, u, w in zip(self.spec, squares[:k], squares[k:])}
-        return Applied(step, ratios, lr)
+        return Applied(out.after, ratios, out.learning_rate)
 
-    def _apply_mean(self, mean: Mapping, measure: bool) -> tuple:
-        """(iterations after, learning rate, squared norms of the updates then of the weights
-        before, or an empty array) of one apply of ``mean``."""
+    def _apply_mean(self, mean: Mapping, measure: bool) -> _Applied:
+        """What one compiled apply of ``mean`` reports (see :class:`_Applied`)."""
         args = []
         for name, s in self.spec.items():
             value = mean[name]
@@ -172,31 +214,43 @@ class KerasBackend:
         for name, v in self.named_variables().items():
             v.assign(values[name])
 
+    def refuse_strategies(self) -> None:
+        """Raises HostavgError inside a ``tf.distribute`` strategy's scope (see :func:`refuse_strategies`)."""
+        refuse_strategies(self.model)
+
     # --- Evaluation and building -------------------------------------------------------------
 
-    def evaluate(self, chunks: list, metrics=None) -> dict:
-        """The sample-weighted mean loss over ``chunks`` (batches), and the compiled metrics'
-        results (``metrics`` is TF1's: a Keras model's metrics are those it was compiled with)."""
-        compiled = self.model.compiled
-        if compiled:
-            self.model.reset_metrics()
-        total, count = 0.0, 0
+    def evaluate(self, chunks, metrics=None) -> dict:
+        """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics
+        reset, then ``test_step`` per chunk (the loss, weighted by each chunk's samples, and the
+        compiled metrics); the results of the metrics it updated. ``metrics`` is TF1's: a Keras
+        model's metrics are those it was compiled with."""
+        self.model.reset_metrics()
+        count = len(chunks) if hasattr(chunks, "__len__") else None
         for i, chunk in enumerate(chunks):
-            what = f"evaluate, chunk {i} of {len(chunks)}"
-            chunk, leaves, signature = _leaves(chunk, what)
-            function = self._evaluates.get(signature)
-            if function is None:
-                function = self._evaluates[signature] = self._trace(
-                    self._evaluation(signature, compiled), leaves, what)
-            n = feed_size(chunk, what)
-            with _tensorflow_errors("evaluate"):
-                total += n * float(function(*map(eager_tensor, leaves)))
-            count += n
-        out = {"loss": total / count}
-        if compiled:
-            out.update((name, float(value)) for name, value in self.model.get_metrics_result().items()
-                       if name != "loss" and np.ndim(value) == 0)
-        return out
+            what = f"evaluate, chunk {i}{'' if count is None else f' of {count}'}"
+            self.evaluate_chunk(chunk, what)
+        return self.evaluation_results()
+
+    def evaluate_chunk(self, chunk, what: str) -> None:
+        """Runs ``test_step`` on one chunk (its metrics are updated, not reset)."""
+        _, leaves, signature = _leaves(chunk, what)
+        function = self._evaluates.get(signature)
+        if function is None:
+            function = self._evaluates[signature] = self._trace(
+                self._evaluation(signature), leaves, what)
+            self.evaluated_metrics |= self._metrics_assigned(function)
+        with _tensorflow_errors("evaluate"):
+            function(*map(eager_tensor, leaves))
+
+    def evaluation_results(self) -> dict:
+        """The results of the metrics evaluation updated, by name ("loss" and the compiled ones)."""
+        return metric_results(self.model, self.evaluated_metrics)
+
+    def training_results(self) -> dict:
+        """The results of the metrics the gradient functions update, by name (the compiled
+        metrics, each output's loss), but "loss": fit's is the steps' own."""
+        return metric_results(self.model, self.trained_metrics, skip=("loss",))
 
     def build_optimizer(self) -> None:
         """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
@@ -207,11 +261,7 @@ class KerasBackend:
 
     def _trace_compute(self, leaves, signature, what: str):
         """The gradient function for one input signature; the first one also fixes spec and apply."""
-        x, _, w = _rebuild(signature, leaves)
-        if w is not None and not self._loss.weighs_samples:
-            raise HostavgError(
-                f"{what}: the batch has sample weights, but the loss is a plain callable(y_true, "
-                f"y_pred); pass a keras.losses.Loss, which weights samples")
+        x, _, _ = _rebuild(signature, leaves)
         if not self.model.built:
             with _model_errors(what):
                 self.model(x, training=False)  # creates the variables; assigns nothing
@@ -220,14 +270,18 @@ class KerasBackend:
         if not trainable:
             raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
         seen = {}  # filled while tracing
+        model, optimizer, scales = self.model, self.optimizer, self._scales
 
         def gradients(*flat):
             x, y, w = _rebuild(signature, flat)
             with tf.GradientTape() as tape:
-                loss = self._total_loss(y, self.model(x, training=True), w)
+                y_pred = model(x, training=True)
+                loss = self._loss(x, y, y_pred, w)
+                scaled = optimizer.scale_loss(loss) if scales else loss
             seen["loss_shape"], seen["kept"] = loss.shape, []
+            scale = _scale(optimizer) if scales else None
             out, norms = [], []
-            for i, g in enumerate(tape.gradient(loss, trainable)):
+            for i, g in enumerate(tape.gradient(scaled, trainable)):
                 if g is None:
                     continue
                 seen["kept"].append((i, isinstance(g, tf.IndexedSlices)))
@@ -235,9 +289,12 @@ class KerasBackend:
                     unique, rows = tf.unique(g.indices)
                     g = tf.math.unsorted_segment_sum(g.values, rows, tf.size(unique))
                     out.append(unique)
+                if scale is not None:  # unscaled as Keras's optimizer unscales: g / scale
+                    g = g / tf.cast(scale, g.dtype)
                 out.append(g)
                 norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
-            return [loss, tf.convert_to_tensor(self.optimizer.iterations),
+            model.compute_metrics(x, y, y_pred, w)
+            return [loss, tf.convert_to_tensor(optimizer.iterations),
                     tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out]
 
         function = self._trace(gradients, leaves, what)
@@ -269,6 +326,7 @@ class KerasBackend:
                 f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
                 f"batch the same structure")
         self._note_assignments(function)
+        self.trained_metrics |= self._metrics_assigned(function)
         return function
 
     def _trace(self, python_function, leaves, what: str, jit_compile: bool = False):
@@ -292,6 +350,7 @@ class KerasBackend:
 
     def _application(self, measure: bool):
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
+        scales = self._scales
 
         def apply(*flat):
             flat, grads = iter(flat), []
@@ -303,46 +362,97 @@ class KerasBackend:
                     grads.append(next(flat))
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
             before = [tf.identity(v.value) for v in variables] if measure else []
-            optimizer.apply_gradients(zip(grads, variables))
+            step = tf.identity(optimizer.iterations)
+            scale = tf.identity(_scale(optimizer)) if scales else tf.ones((), tf.float32)
+            if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
+                grads = [_times(g, scale) for g in grads]
+            with tf.control_dependencies([step, scale]):
+                optimizer.apply_gradients(zip(grads, variables))
             squares = tf.zeros(0, tf.float64)
             if measure:  # the reads of ``before`` precede the update: it waits for them
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
                                    + [_sum_squares(b) for b in before])
-            return tf.convert_to_tensor(optimizer.iterations), lr, squares
+            return (step, tf.convert_to_tensor(optimizer.iterations), lr, squares, scale,
+                    _scale(optimizer) if scales else scale)
         return apply
 
-    def _evaluation(self, signature, compiled: bool):
+    def _evaluation(self, signature):
         def evaluation(*flat):
             x, y, w = _rebuild(signature, flat)
-            y_pred = self.model(x, training=False)
-            if compiled:
-                self.model.compute_metrics(x, y, y_pred, sample_weight=w)
-            return self._total_loss(y, y_pred, w)
+            self.model.test_step((x, y) if w is None else (x, y, w))
+            return tf.zeros(())
         return evaluation
 
-    def _total_loss(self, y, y_pred, w):
-        loss = self._loss(y, y_pred, w)
-        extra = self.model.losses
-        if extra:
-            loss = loss + tf.add_n([tf.cast(tf.reduce_sum(e), loss.dtype) for e in extra])
-        return loss
-
-    def _note_assignments(self, function) -> None:
-        """Adds the non-trainable variables ``function`` may assign to :attr:`assigned` (and to the step's snapshot)."""
+    def _assigned_handles(self, function) -> set:
+        """The ids of the handles of the variables that ``function`` may assign."""
         inner = {t.ref() for op in function.graph.get_operations() if op.type not in READ_OPS
                  for t in op.inputs if t.dtype == tf.resource}
-        handles = {id(outer) for outer, captured in function.graph.captures
-                   if captured.ref() in inner}
-        for i, v in enumerate(self.model.variables):
-            if not v.trainable and i not in self.assigned and id(v.value.handle) in handles:
-                self.assigned[i] = v
-                self._snapshot[i] = v.numpy()  # the step being prepared has not computed yet
+        return {id(outer) for outer, captured in function.graph.captures
+                if captured.ref() in inner}
+
+    def _note_assignments(self, function) -> None:
+        """Adds the non-trainable variables (model and metric variables) ``function`` may assign
+        to :attr:`assigned` (and to the step's snapshot)."""
+        handles = self._assigned_handles(function)
+        for v in [*self.model.variables, *self.model.metrics_variables]:
+            if not v.trainable and id(v) not in self.assigned and id(v.value.handle) in handles:
+                self.assigned[id(v)] = v
+                self._snapshot[id(v)] = v.numpy()  # the step being prepared has not computed yet
+
+    def _metrics_assigned(self, function) -> set:
+        """The ids of the model's metrics whose state ``function`` updates."""
+        handles = self._assigned_handles(function)
+        return {id(m) for m in self.model.metrics
+                if any(id(v.value.handle) in handles for v in m.variables)}
 
 
-def _applied(out) -> tuple:
-    """(iterations, learning rate, squares) of a compiled apply's outputs, on the host."""
-    step, lr, squares = out
-    return int(step), float(lr), np.asarray(squares)
+class _Applied(NamedTuple):
+    """What a compiled apply reports, on the host: ``optimizer.iterations`` before and after, the
+    learning rate, the squared norms of the updates then of the weights before (empty unless
+    measured), and the loss scale before and after (1.0 without loss scaling)."""
+
+    before: int
+    after: int
+    learning_rate: float
+    squares: np.ndarray
+    scale_before: float
+    scale_after: float
+
+
+def _applied(out) -> _Applied:
+    before, after, lr, squares, scale_before, scale_after = out
+    return _Applied(int(before), int(after), float(lr), np.asarray(squares), float(scale_before),
+                    float(scale_after))
+
+
+def _scale(optimizer):
+    """The optimizer's loss scale now: a LossScaleOptimizer's dynamic scale, or the
+    loss_scale_factor it was made with (what its ``scale_loss`` multiplies a loss by)."""
+    return optimizer.scale_loss(tf.ones((), tf.float32))
+
+
+def _times(g, scale):
+    """``g * scale``, for a dense gradient or the values of an IndexedSlices."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(scale, g.dtype)
+
+
+def refuse_strategies(model) -> None:
+    """Raises HostavgError inside a ``tf.distribute`` strategy's scope, or for a model made in one."""
+    if tf.distribute.has_strategy():
+        strategy, where = tf.distribute.get_strategy(), "inside"
+    elif model.distribute_strategy is not tf.distribute.get_strategy():
+        strategy, where = model.distribute_strategy, "for a model made in"
+    else:
+        return
+    raise HostavgError(
+        f"hostavg.keras runs {where} a {type(strategy).__name__} scope, which hostavg does not "
+        f"drive: it trains one model on one device per process and averages the micro-batches "
+        f"on the host. Build the model and the Trainer outside the strategy; for several "
+        f"devices or workers, run one process per device and pass comm= (an mpi4py "
+        f"communicator such as MPI.COMM_WORLD): every step averages over all ranks' "
+        f"micro-batches")
 
 
 def _sum_squares(x, minus=None):

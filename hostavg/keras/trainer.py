@@ -14,21 +14,22 @@ from collections.abc import Mapping, Sequence
 import keras
 
 from hostavg.core.check import CheckReport
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
 from hostavg.core.split import take
 from hostavg.engine.step import step_together as engine_step_together
-from hostavg.keras.common import Loss, as_batch, checked_optimizer
+from hostavg.keras import data as keras_data
+from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
+from hostavg.keras.common import as_batch
 from hostavg.train.history import History
-from hostavg.train.loop import ArraySource
 from hostavg.train.trainer import BaseTrainer, entries
 
 __all__ = ["Trainer", "step_together"]
 
 
 class Trainer(BaseTrainer):
-    """Trains a Keras 3 model with gradients averaged on the host.
+    """Trains a Keras 3 model with gradients averaged on the host, as its compile says.
 
     One optimizer step runs k micro-batches through forward and backward,
     fetching each one's gradients to NumPy; their sample-weighted mean
@@ -38,12 +39,27 @@ class Trainer(BaseTrainer):
     optimizer (with sample weights too: Keras's mean divides the weighted sum
     by the number of samples), and ``optimizer.iterations`` grows by one.
 
+    The model trains as compiled: its loss is Keras's own
+    ``model.compute_loss`` (the compiled loss: a name, a ``keras.losses.Loss``,
+    a dict or list per output with ``loss_weights``; plus ``model.losses``),
+    or a subclass's override of ``compute_loss``, which is Keras's place to
+    customise training for hostavg too: a model that overrides ``train_step``
+    is refused (hostavg's step replaces it). The compiled metrics are updated
+    on every micro-batch (``compute_metrics``, with the training forward
+    pass, as Keras's ``train_step`` does) and reported by :meth:`fit`. A
+    ``LossScaleOptimizer`` (what compile makes under the ``mixed_float16``
+    policy) is driven as Keras drives it: each micro-batch's loss scaled, its
+    gradients unscaled, a step with a non-finite micro-batch skipped and the
+    scale halved (``StepResult.skipped`` says so), the scale doubled after its
+    growth steps.
+
     The same trainer contract as :class:`hostavg.Trainer`
     (:class:`~hostavg.train.trainer.BaseTrainer`): the same methods with the
     same meaning and results; only the data differs. A batch is a tuple
     ``(x, y)`` or ``(x, y, sample_weight)``; x is an array or, for a
-    multi-input model, a dict of arrays by input name; y is an array (or a
-    dict, for a loss that takes one). Every array's axis 0 runs over samples.
+    multi-input model, a dict of arrays by input name; y is an array, a dict
+    by output name for a multi-output model, or None for a loss that needs no
+    targets. Every array's axis 0 runs over samples.
     ``hostavg.split((x, y), 32)`` cuts one into micro-batches.
 
     The trainer learns the model's gradients on the first batch it sees (the
@@ -55,40 +71,52 @@ class Trainer(BaseTrainer):
     known only by tracing the loss on data.)
 
     Args:
-      model: a ``keras.Model``.
-      loss: a ``keras.losses.Loss`` with reduction "sum_over_batch_size" (the
-        default), called as ``loss(y, y_pred, sample_weight=w)``, or a
-        callable ``(y_true, y_pred)`` giving the micro-batch MEAN (then
-        batches carry no sample weights). ``model.losses`` (regularisation)
-        are added to it, as Keras does.
-      optimizer: a ``keras.optimizers.Optimizer`` without
-        ``gradient_accumulation_steps`` (hostavg accumulates). It is built
-        with the model's trainable variables, as Keras's fit builds it.
+      model: a ``keras.Model``, compiled or not. It is compiled with ``loss``
+        and ``optimizer`` where given (keeping its compiled metrics and
+        ``loss_weights``), so ``model.save``, ``evaluate`` and ``predict`` work
+        as Keras's and ``model.save`` holds the optimizer that trains.
+      loss: what ``model.compile`` takes as loss (every loss a micro-batch
+        MEAN: reduction "sum_over_batch_size", the default); None: the
+        model's compiled loss.
+      optimizer: a ``keras.optimizers.Optimizer`` or its name ("adam"),
+        without ``gradient_accumulation_steps`` (hostavg accumulates); None:
+        the model's compiled optimizer. It is built with the model's
+        trainable variables, as Keras's fit builds it.
       accumulate, accum_dtype, hooks, comm, update_ratios_every, overlap: as
         for every trainer (:class:`~hostavg.train.trainer.BaseTrainer`).
         ``average="graph"`` is TF1's alone: a Keras model's mean is computed
         by NumPy (or, with ``comm``, by MPI).
 
     Attributes:
-      model, loss, optimizer: as given.
+      model: the model.
+      loss: the model's compiled loss (``model.loss``).
+      optimizer: the optimizer that trains (``model.optimizer``).
       spec: name (``variable.path``) -> :class:`~hostavg.VariableSpec` of every
         trained variable: the trainable variables that have a gradient.
       hooks: the hooks, in the order they run.
       rollback_variables: the variables a failed step restores: those that
         the gradient function assigns (batch-norm moving statistics, dropout
-        seed states), found in its traced graph. Frozen weights, which it
-        only reads, are not among them.
+        seed states, the compiled metrics' states), found in its traced
+        graph. Frozen weights, which it only reads, are not among them.
       comm: the communicator, or None.
+
+    Raises:
+      HostavgError: for a model that overrides ``train_step``, a loss that is
+        not a micro-batch mean, an optimizer hostavg cannot drive (or none), or
+        a model made, or a trainer made, in a ``tf.distribute`` strategy's
+        scope (hostavg trains one device per process: ``comm=`` spans several).
 
     Example::
 
-        trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True), keras.optimizers.Adam(1e-3))
-        res = trainer.step(hostavg.split((x, y), 32))
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        trainer = hostavg.keras.Trainer(model)
+        history = trainer.fit(x, y, batch_size=256, micro_batch_size=32, epochs=5)
+        history.history["accuracy"]
     """
 
-    def __init__(self, model, loss, optimizer, *, accumulate: str = "sum", accum_dtype=None,
-                 hooks=(), comm=None, update_ratios_every: int | None = None,
+    def __init__(self, model, loss=None, optimizer=None, *, accumulate: str = "sum",
+                 accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
                  overlap: bool = False):
         if keras.backend.backend() != "tensorflow":
             raise HostavgError(f"hostavg.keras needs Keras's TensorFlow backend, got "
@@ -98,9 +126,14 @@ class Trainer(BaseTrainer):
             raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
         super().__init__(accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap)
-        self.model, self.loss, self.optimizer = model, loss, checked_optimizer(optimizer)
         from hostavg.keras.tensorflow import KerasBackend
-        self._backend = KerasBackend(model, Loss(loss), self.optimizer)
+        self._backend = KerasBackend(model, loss, optimizer)
+        self.model, self.optimizer = model, self._backend.optimizer
+
+    @property
+    def loss(self):
+        """The model's compiled loss (``model.loss``)."""
+        return self.model.loss
 
     @property
     def rollback_variables(self) -> tuple:
@@ -191,64 +224,149 @@ class Trainer(BaseTrainer):
         """
         return self._per_sample(self._backend, batch)
 
-    def evaluate(self, x, y, *, batch_size: int, sample_weight=None) -> dict:
-        """The loss, and the metrics the model was compiled with, over ``(x, y)``; changes nothing.
+    def evaluate(self, x, y=None, *, batch_size: int | None = None, sample_weight=None) -> dict:
+        """The loss and the compiled metrics over ``x`` as Keras's ``evaluate`` gives them;
+        changes nothing.
 
-        Runs the model with ``training=False`` in chunks of ``batch_size``
-        samples. The loss (with ``model.losses``) is the sample-weighted mean
-        over the chunks; compiled metrics (``model.compile(metrics=[...])``)
-        are Keras's own, reset first and updated chunk by chunk. What the
-        forward pass assigns is restored.
+        Runs Keras's own ``test_step`` (a subclass's too: the model with
+        ``training=False``, ``compute_loss``, the loss's running mean weighted
+        by each chunk's samples, ``compute_metrics``) on chunks of
+        ``batch_size`` samples, the model's metrics reset first. Reports every
+        metric that evaluation updates, by name ("loss", each compiled metric;
+        a subclass's own when its ``test_step`` updates them), and none that
+        nothing updated. What the forward pass assigns is restored.
+
+        Args:
+          x, y, sample_weight: as :meth:`fit` takes them: arrays of samples
+            (pandas, tensors, dicts too), or a tf.data.Dataset or PyDataset of
+            batches (y and sample_weight then their own).
+          batch_size: samples per chunk (per evaluated call); default 32 for
+            samples, each batch whole for a dataset.
 
         Returns:
           {"loss": ..., **{metric name: ...}} as floats.
         """
-        return self._evaluate(self._backend, as_batch(x, y, sample_weight), batch_size)
+        if keras_data.is_batches(x):
+            data, size = x, None if batch_size is None else positive_int("batch_size", batch_size)
+        else:
+            data = keras_data.samples(x, y, sample_weight, class_weight=None)
+            size = keras_data.checked_batch_size(batch_size, data)
+        return self._evaluated(keras_data.chunks(data, size), data, None)
 
-    def fit(self, x, y, *, batch_size: int, micro_batch_size: int, epochs: int = 1,
-            sample_weight=None, shuffle: bool = True, seed: int | None = None,
-            drop_remainder: bool = False, validation_data=None, callbacks=(), progress=True,
-            checkpoint_dir=None, checkpoint_every: int | None = None,
-            keep_checkpoints: int = 3) -> History:
-        """Trains over ``(x, y)`` for ``epochs``: batches of ``batch_size`` samples, each one step.
+    def _evaluated(self, chunks, data, callbacks) -> dict:
+        """The evaluation of ``chunks`` (of ``data``), announced to Keras ``callbacks`` if any."""
+        first = data if not keras_data.is_batches(data) else None
+        engine = self._engine_for(self._backend, take(first, slice(0, 1)) if first is not None
+                                  else keras_data.BatchSource(data).first(), "evaluate")
+        with engine.leaving_no_trace(self._backend, "evaluate"):
+            if callbacks is None:
+                return self._backend.evaluate(chunks)
+            logs = self._backend.evaluate(callbacks.validating(chunks))
+            callbacks.validated(logs)
+            return logs
 
-        As :meth:`hostavg.Trainer.fit` (see there for shuffling, seeds,
-        callbacks, progress, checkpoints and resuming, and MPI), over arrays:
-        each batch is cut into micro-batches of ``micro_batch_size`` and
-        applied as one :meth:`step`.
+    def fit(self, x=None, y=None, *, batch_size: int | None = None, micro_batch_size: int,
+            epochs: int = 1, verbose="auto", callbacks=None, validation_split: float = 0.0,
+            validation_data=None, shuffle: bool = True, class_weight=None, sample_weight=None,
+            initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_batch_size: int | None = None, seed: int | None = None,
+            drop_remainder: bool = False, progress=None, checkpoint_dir=None,
+            checkpoint_every: int | None = None, keep_checkpoints: int = 3) -> History:
+        """Trains as Keras's ``model.fit`` does, each batch one step over micro-batches.
+
+        Keras's arguments with Keras's meanings; each batch is cut into
+        micro-batches of ``micro_batch_size`` samples and applied as one
+        :meth:`step`. Keras callbacks run as in ``model.fit``
+        (:mod:`hostavg.keras.callbacks`); hostavg's hooks beside them. As
+        :meth:`hostavg.Trainer.fit` for seeds, checkpoints and resuming, and MPI.
 
         Args:
-          x, y, sample_weight: arrays of N samples (x may be a dict of arrays).
-          validation_data: ``(x, y)`` or ``(x, y, sample_weight)``, evaluated at
-            each epoch's end (:meth:`evaluate`, in chunks of micro_batch_size)
-            into the epoch's "val_loss" and "val_<metric>".
+          x, y, sample_weight: the data (:mod:`hostavg.keras.data`): arrays
+            of N samples (a dict of them by input name, a pandas DataFrame or
+            Series, tensors), or a batched ``tf.data.Dataset`` or
+            ``keras.utils.PyDataset`` whose every element, ``(x, y)`` or
+            ``(x, y, sample_weight)``, is one step's batch.
+          batch_size: samples per step (default 32, as Keras); None for a
+            dataset, whose elements are the batches.
+          micro_batch_size: samples per micro-batch (the device's load).
+          epochs: train until this epoch (from ``initial_epoch``).
+          verbose: "auto" (a bar on a terminal or in Jupyter, one line per
+            epoch elsewhere), 0 (nothing), 1 (a bar), 2 (one line per epoch);
+            ``progress``, where given, wins (True, False, "always", "epoch",
+            "auto": :data:`hostavg.train.loop.PROGRESS_MODES`).
+          callbacks: ``keras.callbacks.Callback`` objects (EarlyStopping,
+            ModelCheckpoint, ReduceLROnPlateau, CSVLogger, TensorBoard,
+            BackupAndRestore, LambdaCallback, your own) and hostavg hooks
+            (:class:`~hostavg.core.results.Hook`), in any order.
+          validation_split: the last fraction of array data (before shuffling)
+            kept for validation, as Keras keeps it.
+          validation_data: ``(x, y)``, ``(x, y, sample_weight)``, or a
+            dataset; evaluated at each epoch's end (:meth:`evaluate`, in
+            chunks of ``validation_batch_size``, default micro_batch_size, so
+            that it fits where training does) into "val_loss" and "val_<metric>".
+          shuffle: reorder array samples (a PyDataset's batches) each pass,
+            by ``seed``; a tf.data.Dataset's order is its own.
+          class_weight: {class: weight}, each sample weighted by its class.
+          initial_epoch: the epoch to start at (Keras's; a checkpoint in
+            ``checkpoint_dir`` wins).
+          steps_per_epoch: steps per epoch; the next epoch continues the data
+            where this one stopped (an epoch ends early where the data does).
+            Needed for an endless dataset.
+          seed, drop_remainder, checkpoint_dir, checkpoint_every,
+            keep_checkpoints: hostavg's, as :meth:`hostavg.Trainer.fit`.
 
         Returns:
-          the :class:`~hostavg.History`.
+          the :class:`~hostavg.History`: ``history.history`` (name -> one value
+          per epoch, as Keras's) and ``history.epoch``, with every step's
+          statistics besides.
+
+        Raises:
+          HostavgError: before training, for bad arguments or data (the
+            validation data too); inside a ``tf.distribute`` strategy's scope.
         """
-        data = as_batch(x, y, sample_weight)
-        if validation_data is not None and (not isinstance(validation_data, (tuple, list))
-                                            or len(validation_data) not in (2, 3)):
-            raise HostavgError(f"validation_data must be (x, y) or (x, y, sample_weight), got "
-                               f"{type(validation_data).__name__}")
+        self._backend.refuse_strategies()
+        progress = _PROGRESS[_verbose(verbose)] if progress is None else progress
+        keras_callbacks, hooks = split_callbacks(callbacks)
+        if keras_data.is_batches(x):
+            if y is not None or sample_weight is not None:
+                raise HostavgError(f"y and sample_weight come from the {type(x).__name__}'s "
+                                   f"elements: leave them None")
+            if validation_split:
+                raise HostavgError("validation_split needs arrays; with a dataset, pass "
+                                   "validation_data")
+            data = x
+        else:
+            data = keras_data.samples(x, y, sample_weight, class_weight)
+            if validation_split and validation_data is None:
+                data, validation_data = keras_data.split_validation(data, validation_split)
+        batch_size = keras_data.checked_batch_size(batch_size, data)
+        val = None if validation_data is None else keras_data.validation(validation_data)
+        val_size = micro_batch_size if validation_batch_size is None else positive_int(
+            "validation_batch_size", validation_batch_size)
+        batches = keras_data.source(data, batch_size, shuffle, class_weight)
+        announced = None if not keras_callbacks else KerasCallbacks(
+            keras_callbacks, self.model, epochs=epochs, verbose=_verbose(verbose),
+            steps=steps_per_epoch or batches.num_batches(drop_remainder),
+            validation_logs=self._backend.evaluation_results)
 
         def source():
-            batches = ArraySource(data, batch_size, shuffle)
-            self._engine_for(self._backend, take(data, slice(0, 1)), "fit, data")
+            self._engine_for(self._backend, take(data, slice(0, 1)) if batch_size is not None
+                             else batches.first(), "fit, data")
             return batches
 
         def validate():
-            if validation_data is None:
+            if val is None:
                 return {}
-            return self.evaluate(*validation_data[:2], batch_size=micro_batch_size,
-                                 sample_weight=validation_data[2] if len(validation_data) == 3
-                                 else None)
+            return self._evaluated(keras_data.chunks(val, val_size), val, announced)
 
+        self.model.stop_training = False
         return self._fit(self._backend, source, validate, batch_size=batch_size,
                          micro_batch_size=micro_batch_size, epochs=epochs, seed=seed,
-                         drop_remainder=drop_remainder, callbacks=callbacks, progress=progress,
-                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         keep_checkpoints=keep_checkpoints)
+                         drop_remainder=drop_remainder,
+                         callbacks=hooks if announced is None else (*hooks, announced),
+                         progress=progress, checkpoint_dir=checkpoint_dir,
+                         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch)
 
     def save(self, path) -> None:
         """Writes the model's and the optimizer's variables (weights, slots, iterations) to ``path``.
@@ -267,6 +385,15 @@ class Trainer(BaseTrainer):
           HostavgError: if it was written by a different model; nothing changes then.
         """
         return self._restore(self._backend, path)
+
+    def _reset_metrics(self, backend) -> None:
+        self.model.reset_metrics()
+
+    def _metrics(self, backend) -> dict:
+        return backend.training_results()
+
+    def _stop_requested(self) -> str | None:
+        return "model.stop_training was set (by a callback)" if self.model.stop_training else None
 
     def __repr__(self) -> str:
         known = "unknown until the first batch" if self._engine is None else len(self.spec)
@@ -298,6 +425,17 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                                                sizes)
                                  for trainer, batches, sizes in entries(steps, Trainer,
                                                                         "step_together")])
+
+
+#: fit's progress for each of Keras's verbose modes.
+_PROGRESS = {"auto": "auto", 0: False, 1: "always", 2: "epoch"}
+
+
+def _verbose(verbose):
+    """Keras's ``verbose``: "auto", 0, 1 or 2 (a bool as 0 or 1)."""
+    if verbose not in _PROGRESS or isinstance(verbose, float):
+        raise HostavgError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
+    return int(verbose) if not isinstance(verbose, str) else verbose
 
 
 def _batches(batches, call: str):

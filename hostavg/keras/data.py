@@ -1,0 +1,219 @@
+"""What ``hostavg.keras.Trainer.fit`` and ``evaluate`` take as data, as Keras's ``fit`` takes it.
+
+Two kinds of data, each made into batches ``(x, y[, sample_weight])`` of NumPy
+arrays (Keras's backend-neutral: nothing here needs Keras's TensorFlow backend):
+
+* Samples: ``x`` a NumPy array, a dict of them by input name, a pandas
+  DataFrame or Series, or a tensor of any Keras backend (anything
+  ``np.asarray`` reads); ``y`` and ``sample_weight`` alike. fit cuts them into
+  batches of ``batch_size`` (shuffled by seed and data pass), each cut into
+  micro-batches. ``validation_split`` keeps the last fraction of the samples
+  (before shuffling) for validation, and ``class_weight`` turns each sample's
+  class into its weight, as Keras does.
+* Batches: ``x`` a batched ``tf.data.Dataset`` or a ``keras.utils.PyDataset``
+  whose every element is ``(x, y)`` or ``(x, y, sample_weight)`` (or ``x``
+  alone): one optimizer step's batch, cut into micro-batches. ``y``,
+  ``sample_weight`` and ``batch_size`` are then the data's own. A PyDataset's
+  batches are taken in an order shuffled by seed and data pass (as Keras
+  shuffles their order), its ``on_epoch_begin``/``on_epoch_end`` called around
+  each pass; a Dataset's order is its own (shuffle it in its pipeline).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.split import feed_size, split, take
+from hostavg.keras.common import as_batch
+from hostavg.train.loop import ArraySource
+
+__all__ = ["BatchSource", "chunks", "is_batches", "samples", "validation"]
+
+
+def is_batches(x) -> bool:
+    """Whether ``x`` gives its own batches: a ``tf.data.Dataset`` or a ``keras.utils.PyDataset``."""
+    return isinstance(x, keras.utils.PyDataset) or _is_dataset(x)
+
+
+def _is_dataset(x) -> bool:
+    tf = sys.modules.get("tensorflow")  # a tf.data.Dataset exists only where TensorFlow does
+    return tf is not None and isinstance(x, tf.data.Dataset)
+
+
+def samples(x, y, sample_weight, class_weight, what: str = "x") -> tuple:
+    """``(x, y[, sample_weight])`` as NumPy arrays (dicts of them), with ``class_weight`` turned
+    into sample weights; checked to hold one number of samples."""
+    batch = as_batch(*(_arrays(part, name) for part, name in
+                       ((x, what), (y, "y"), (sample_weight, "sample_weight"))))
+    batch = weighted(batch, class_weight, "the data")
+    if batch[0] is None:
+        raise HostavgError(f"{what} is None; fit and evaluate need the inputs")
+    feed_size(batch, what)  # one length along axis 0, and at least one array
+    return batch
+
+
+def _arrays(value, name: str):
+    """``value`` as NumPy: a pandas DataFrame or Series by ``to_numpy()``, a tensor by
+    ``np.asarray``, a dict of them entry by entry; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {k: _arrays(v, f"{name}[{k!r}]") for k, v in value.items()}
+    if type(value).__module__.startswith("pandas.") and hasattr(value, "to_numpy"):
+        return value.to_numpy()  # a DataFrame's columns side by side, as Keras takes it
+    if isinstance(value, (list, tuple)) and any(np.ndim(v) >= 1 for v in value):
+        raise HostavgError(
+            f"{name} is a {type(value).__name__} of {len(value)} arrays; give a multi-input "
+            f"model's inputs as a dict by input name (and a multi-output model's targets as a "
+            f"dict by output name)")
+    return np.asarray(value)
+
+
+def weighted(batch: tuple, class_weight, what: str) -> tuple:
+    """``batch`` with sample weights from ``class_weight`` ({class: weight}; each sample's class
+    from y: an integer label, a one-hot row's argmax, or a label in a last axis of 1), as
+    Keras's fit makes them; unchanged without ``class_weight``."""
+    if class_weight is None:
+        return batch
+    if not isinstance(class_weight, Mapping):
+        raise HostavgError(f"class_weight must be a dict {{class index: weight}}, got "
+                           f"{type(class_weight).__name__}")
+    if len(batch) == 3:
+        raise HostavgError(f"{what}: class_weight and sample_weight together; Keras takes one "
+                           f"or the other: fold the class weights into sample_weight")
+    y = batch[1]
+    if y is None or isinstance(y, Mapping):
+        raise HostavgError(f"{what}: class_weight needs one array of targets y (a model with a "
+                           f"single output), got {'none' if y is None else 'a dict'}")
+    labels = np.asarray(y)
+    if labels.ndim > 1:
+        labels = np.argmax(labels, axis=-1) if labels.shape[-1] != 1 else labels[..., 0]
+    labels = np.round(labels).astype(np.int64).reshape(len(labels), -1)[:, 0]
+    table = {int(k): float(v) for k, v in class_weight.items()}
+    weights = np.array([table.get(int(c), 1.0) for c in labels], keras.backend.floatx())
+    return batch[0], batch[1], weights
+
+
+def split_validation(batch: tuple, validation_split) -> tuple:
+    """(training part, validation part) of ``batch``: its last ``validation_split`` of the
+    samples (before shuffling) for validation, as Keras splits them."""
+    if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) \
+            or not 0 <= validation_split < 1:
+        raise HostavgError(f"validation_split must be a number in [0, 1), got {validation_split!r}")
+    n = feed_size(batch, "x")
+    cut = int(math.floor(n * (1.0 - validation_split)))
+    if cut in (0, n):
+        raise HostavgError(f"validation_split={validation_split} of {n} samples leaves "
+                           f"{'no training' if cut == 0 else 'no validation'} sample; give more "
+                           f"data or another validation_split")
+    return take(batch, slice(0, cut)), take(batch, slice(cut, n))
+
+
+def validation(validation_data, what: str = "validation_data"):
+    """``validation_data`` made ready: a batch ``(x, y[, sample_weight])`` of NumPy arrays, or a
+    dataset (its own batches); checked before any training."""
+    if is_batches(validation_data):
+        return validation_data
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+        raise HostavgError(f"{what} must be (x, y), (x, y, sample_weight), a tf.data.Dataset "
+                           f"or a keras.utils.PyDataset, got {type(validation_data).__name__}")
+    return samples(*validation_data, None, class_weight=None, what=f"{what}'s x") \
+        if len(validation_data) == 2 else samples(*validation_data, class_weight=None,
+                                                   what=f"{what}'s x")
+
+
+def chunks(data, size: int | None):
+    """The batches to evaluate ``data`` (a batch of samples, or a dataset) in: chunks of ``size``
+    samples (a dataset's elements each cut so, or kept whole with ``size`` None)."""
+    if not is_batches(data):
+        yield from split(data, size)
+        return
+    for batch, _ in BatchSource(data, shuffle=False).batches(0, 0, 0, 0):
+        yield from ([batch] if size is None else split(batch, size))
+
+
+class BatchSource:
+    """The batches of a ``tf.data.Dataset`` or a ``keras.utils.PyDataset``, as fit's source
+    (:mod:`hostavg.train.loop`): each element one step's batch; rows unknown."""
+
+    n = None  # the samples are the data's own: fit does not batch them
+
+    def __init__(self, data, shuffle: bool = False, class_weight=None):
+        self.data, self.shuffle, self.class_weight = data, shuffle, class_weight
+        self.py = isinstance(data, keras.utils.PyDataset)
+        if self.py:
+            self._len = data.num_batches
+        else:
+            cardinality = int(data.cardinality())
+            self._len = cardinality if cardinality >= 0 else None  # infinite, or unknown
+
+    def num_batches(self, drop_remainder):
+        return self._len
+
+    def first(self) -> tuple:
+        """The first batch (made ready), to learn the model's variables from."""
+        if self.py:
+            if self._len == 0:
+                raise HostavgError("the PyDataset gives no batch (num_batches 0)")
+            return self._batch(self.data[0], "batch 0 of the PyDataset")
+        for element in self.data.take(1):
+            return self._batch(element, "element 0 of the dataset")
+        raise HostavgError("the dataset gives no batch (it is empty)")
+
+    def batches(self, data_pass, seed, batch, samples):
+        """(batch, None) of the pass's elements from element ``batch`` on."""
+        if self.py:
+            yield from self._py_batches(data_pass, seed, batch)
+            return
+        for i, element in enumerate(self.data.skip(batch), batch):
+            yield self._batch(element, f"element {i} of the dataset"), None
+
+    def _py_batches(self, data_pass, seed, batch):
+        self.data.on_epoch_begin()
+        if self._len is None:  # infinite: in order
+            order = (i for i in range(batch, sys.maxsize))
+        else:
+            order = np.random.default_rng([seed, data_pass]).permutation(self._len) \
+                if self.shuffle else np.arange(self._len)
+            order = order[batch:]
+        for i in order:
+            yield self._batch(self.data[int(i)], f"batch {int(i)} of the PyDataset"), None
+        self.data.on_epoch_end()
+
+    def _batch(self, element, what: str) -> tuple:
+        """One element as a batch ``(x, y[, sample_weight])`` of NumPy arrays."""
+        if isinstance(element, list):
+            element = tuple(element)
+        if not isinstance(element, tuple):
+            element = (element,)
+        if len(element) not in (1, 2, 3):
+            raise HostavgError(f"{what} is a tuple of {len(element)}; each element must be x, "
+                               f"(x,), (x, y) or (x, y, sample_weight)")
+        batch = as_batch(*(_arrays(part, name) for part, name in
+                           zip(element + (None,) * (3 - len(element)),
+                               ("x", "y", "sample_weight"))))
+        return weighted(batch, self.class_weight, what)
+
+
+def checked_batch_size(batch_size, data) -> int | None:
+    """fit's ``batch_size``: None for data that gives its own batches (refused if given, as
+    Keras refuses it), else an integer >= 1, by default Keras's 32."""
+    if is_batches(data):
+        if batch_size is not None:
+            raise HostavgError(f"batch_size={batch_size!r} with a {type(data).__name__}, whose "
+                               f"elements are the batches: leave batch_size None")
+        return None
+    return 32 if batch_size is None else positive_int("batch_size", batch_size)
+
+
+def source(data, batch_size, shuffle, class_weight):
+    """fit's source of batches for ``data``: a dataset's own, or an array batch cut by fit."""
+    if is_batches(data):
+        return BatchSource(data, shuffle, class_weight)
+    return ArraySource(data, batch_size, shuffle)
