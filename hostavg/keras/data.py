@@ -46,12 +46,11 @@ def _is_dataset(x) -> bool:
     return tf is not None and isinstance(x, tf.data.Dataset)
 
 
-def samples(x, y, sample_weight, class_weight, what: str = "x") -> tuple:
-    """``(x, y[, sample_weight])`` as NumPy arrays (dicts of them), with ``class_weight`` turned
-    into sample weights; checked to hold one number of samples."""
+def samples(x, y, sample_weight, what: str = "x") -> tuple:
+    """``(x, y[, sample_weight])`` as NumPy arrays (dicts of them), checked to hold one number
+    of samples."""
     batch = as_batch(*(_arrays(part, name) for part, name in
                        ((x, what), (y, "y"), (sample_weight, "sample_weight"))))
-    batch = weighted(batch, class_weight, "the data")
     if batch[0] is None:
         raise HostavgError(f"{what} is None; fit and evaluate need the inputs")
     feed_size(batch, what)  # one length along axis 0, and at least one array
@@ -123,9 +122,8 @@ def validation(validation_data, what: str = "validation_data"):
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise HostavgError(f"{what} must be (x, y), (x, y, sample_weight), a tf.data.Dataset "
                            f"or a keras.utils.PyDataset, got {type(validation_data).__name__}")
-    return samples(*validation_data, None, class_weight=None, what=f"{what}'s x") \
-        if len(validation_data) == 2 else samples(*validation_data, class_weight=None,
-                                                   what=f"{what}'s x")
+    x, y, w = (*validation_data, None)[:3]
+    return samples(x, y, w, what=f"{what}'s x")
 
 
 def chunks(data, size: int | None):

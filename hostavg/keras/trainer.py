@@ -249,7 +249,7 @@ class Trainer(BaseTrainer):
         if keras_data.is_batches(x):
             data, size = x, None if batch_size is None else positive_int("batch_size", batch_size)
         else:
-            data = keras_data.samples(x, y, sample_weight, class_weight=None)
+            data = keras_data.samples(x, y, sample_weight)
             size = keras_data.checked_batch_size(batch_size, data)
         return self._evaluated(keras_data.chunks(data, size), data, None)
 
@@ -336,14 +336,16 @@ class Trainer(BaseTrainer):
                                    "validation_data")
             data = x
         else:
-            data = keras_data.samples(x, y, sample_weight, class_weight)
-            if validation_split and validation_data is None:
+            data = keras_data.samples(x, y, sample_weight)
+            if validation_split and validation_data is None:  # as Keras: no class weights there
                 data, validation_data = keras_data.split_validation(data, validation_split)
+            data = keras_data.weighted(data, class_weight, "the data")
         batch_size = keras_data.checked_batch_size(batch_size, data)
         val = None if validation_data is None else keras_data.validation(validation_data)
         val_size = micro_batch_size if validation_batch_size is None else positive_int(
             "validation_batch_size", validation_batch_size)
-        batches = keras_data.source(data, batch_size, shuffle, class_weight)
+        batches = keras_data.source(data, batch_size, shuffle,
+                                    class_weight if keras_data.is_batches(data) else None)
         announced = None if not keras_callbacks else KerasCallbacks(
             keras_callbacks, self.model, epochs=epochs, verbose=_verbose(verbose),
             steps=steps_per_epoch or batches.num_batches(drop_remainder),

@@ -1,0 +1,355 @@
+"""hostavg.keras as a Keras user drives it, against Keras's own fit, train_on_batch and evaluate
+on a twin model (the same initial weights): compile, fit's arguments and data, Keras callbacks,
+the History, mixed precision, distribution strategies, evaluation metrics (issue 20)."""
+
+import csv
+import warnings
+
+import keras
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+from models import CLASSES, FEATURES, HIDDEN
+from models import keras_model as build
+
+import hostavg
+import hostavg.keras
+
+N, BATCH, MICRO = 200, 64, 16
+
+
+def logits_loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def compiled(model=None, **kw):
+    """``model`` (default: the MLP of tests/models.py) compiled as a Keras user would."""
+    model = build() if model is None else model
+    model.compile(**{"optimizer": keras.optimizers.Adam(0.01), "loss": logits_loss(),
+                     "metrics": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")], **kw})
+    return model
+
+
+def data(seed=0, n=N):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
+    return x, y
+
+
+def weights(model) -> list:
+    return [v.numpy() for v in model.variables]
+
+
+def assert_close(got: list, want: list, atol: float = 1e-5):
+    assert len(got) == len(want)
+    worst = max(float(np.max(np.abs(np.asarray(a, np.float64) - b))) for a, b in zip(got, want))
+    assert worst <= atol, worst
+
+
+def assert_history(got: dict, want: dict, rel: float = 1e-5):
+    """Keras's History.history against ours: the same names, one value per epoch, equal."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=rel, abs=1e-6), name
+
+
+# --- 1. The model as compiled ------------------------------------------------------------------
+
+
+def two_outputs(seed=0):
+    """A functional model with two named outputs: a class ("label") and a number ("size")."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((FEATURES,), name="x")
+    h = keras.layers.Dense(HIDDEN, activation="tanh", name="hidden")(x)
+    return keras.Model(x, {"label": keras.layers.Dense(CLASSES, name="label")(h),
+                           "size": keras.layers.Dense(1, name="size")(h)})
+
+
+def two_outputs_compiled(seed=0):
+    model = two_outputs(seed)
+    model.compile(optimizer="adam",
+                  loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "size": "mse"},
+                  loss_weights={"label": 2.0, "size": 0.5},
+                  metrics={"label": [keras.metrics.SparseCategoricalAccuracy(name="acc")],
+                           "size": ["mae"]})
+    return model
+
+
+def test_a_compiled_model_trains_with_its_strings_dicts_and_loss_weights_as_keras_fit():
+    """Every batch and micro-batch of one size: Keras weights each output's loss tracker by the
+    batch's static size, which a function traced for any size does not know (Keras's own
+    counts a batch of another size, traced anew with the size open, once)."""
+    x, y = data(1, n=256)
+    targets = {"label": y, "size": x[:, :1] * 2.0}
+    val = (x[:40], {"label": y[:40], "size": x[:40, :1] * 2.0})
+    twin = two_outputs_compiled()
+    want = twin.fit(x, targets, batch_size=BATCH, epochs=2, shuffle=False, validation_data=val,
+                    validation_batch_size=BATCH, verbose=0)
+    model = two_outputs_compiled()
+    trainer = hostavg.keras.Trainer(model)
+    assert isinstance(trainer.optimizer, keras.optimizers.Adam) and trainer.loss is model.loss
+    history = trainer.fit(x, targets, batch_size=BATCH, micro_batch_size=MICRO, epochs=2,
+                          shuffle=False, validation_data=val, validation_batch_size=BATCH,
+                          verbose=0)
+    assert_history(history.history, want.history)
+    assert history.epoch == want.epoch == [0, 1]
+    assert_close(weights(model), weights(twin))
+    assert int(model.optimizer.iterations.numpy()) == int(twin.optimizer.iterations.numpy()) == 8
+    assert {"label_loss", "size_loss", "label_acc", "size_mae", "val_size_mae"} <= set(
+        history.history)
+
+
+def test_explicit_arguments_win_and_the_compiled_metrics_stay():
+    x, y = data(2)
+    model = compiled(optimizer="sgd", loss="mse")
+    trainer = hostavg.keras.Trainer(model, logits_loss(), keras.optimizers.Adam(0.01))
+    assert model.optimizer is trainer.optimizer and isinstance(trainer.optimizer,
+                                                               keras.optimizers.Adam)
+    history = trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, shuffle=False,
+                          verbose=0)
+    twin = compiled()
+    want = twin.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert_history(history.history, want.history)
+    assert_close(weights(model), weights(twin))
+    strings = hostavg.keras.Trainer(build(), "sparse_categorical_crossentropy", "rmsprop")
+    assert isinstance(strings.optimizer, keras.optimizers.RMSprop)
+
+
+def test_an_uncompiled_model_is_compiled_so_save_load_evaluate_and_predict_work(tmp_path):
+    x, y = data(3)
+    model = build()
+    trainer = hostavg.keras.Trainer(model, logits_loss(), keras.optimizers.Adam(0.01))
+    assert model.compiled and model.optimizer is trainer.optimizer
+    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, epochs=2, verbose=0)
+    model.save(tmp_path / "model.keras")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)], caught
+    assert int(loaded.optimizer.iterations.numpy()) == 8
+    assert_close(weights(loaded.optimizer), weights(model.optimizer), atol=0)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6)
+    assert loaded.evaluate(x, y, verbose=0) == pytest.approx(trainer.evaluate(x, y)["loss"],
+                                                              rel=1e-6)
+
+
+def test_compile_with_metrics_only_saves_the_optimizer_that_trained(tmp_path):
+    """The README's way: compile(metrics=...) (so compile's default RMSprop), then the trainer's
+    loss and Adam: model.save keeps the Adam, not the RMSprop nothing trained."""
+    x, y = data(4)
+    model = build()
+    model.compile(metrics=["accuracy"])
+    trainer = hostavg.keras.Trainer(model, logits_loss(), keras.optimizers.Adam(0.01))
+    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, verbose=0)
+    model.save(tmp_path / "m.keras")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)], caught
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+    assert int(loaded.optimizer.iterations.numpy()) == 4
+
+
+class PenalisedLoss(keras.Model):
+    """Keras's customisation point: compute_loss, here the compiled loss plus a weight penalty
+    and a running metric the loss updates."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.penalty = keras.metrics.Mean(name="penalty")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        penalty = 0.01 * keras.ops.sum(keras.ops.square(self.trainable_weights[0]))
+        self.penalty.update_state(penalty)
+        return loss + penalty
+
+
+def penalised(seed=0):
+    twin = build(seed)
+    return PenalisedLoss(twin.inputs, twin.outputs)
+
+
+def test_a_model_overriding_compute_loss_is_trained_through_it():
+    x, y = data(5)
+    model, twin = compiled(penalised()), compiled(penalised())
+    trainer = hostavg.keras.Trainer(model)
+    for start in range(0, N, BATCH):
+        twin.train_on_batch(x[start:start + BATCH], y[start:start + BATCH])
+        trainer.step(hostavg.split((x[start:start + BATCH], y[start:start + BATCH]), MICRO))
+    assert_close(weights(model), weights(twin))
+
+
+class OwnTrainStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_a_model_overriding_train_step_is_refused_naming_compute_loss():
+    """Issue 24, item 15: a train_step was skipped silently; now it is refused."""
+    plain = build()
+    model = compiled(OwnTrainStep(plain.inputs, plain.outputs))
+    with pytest.raises(hostavg.HostavgError, match=r"overrides train_step \(OwnTrainStep."
+                                                   r"train_step\), which hostavg never calls.* "
+                                                   r"Override compute_loss\(x, y, y_pred, "
+                                                   r"sample_weight, training\) instead"):
+        hostavg.keras.Trainer(model)
+
+
+# --- 2. fit's arguments and data -----------------------------------------------------------
+
+
+def fit_pair(x, y=None, *, keras_x=None, keras_y=None, epochs=2, keras_kw=None, **kw):
+    """(our History and model, Keras's History and twin) after fitting the same data alike."""
+    twin = compiled()
+    want = twin.fit(x if keras_x is None else keras_x, y if keras_y is None else keras_y,
+                    epochs=epochs, verbose=0, **{**kw, **(keras_kw or {})})
+    model = compiled()
+    trainer = hostavg.keras.Trainer(model)
+    got = trainer.fit(x, y, micro_batch_size=MICRO, epochs=epochs, verbose=0, **kw)
+    return got, model, want, twin
+
+
+def test_fit_without_batch_size_takes_keras_default_of_32():
+    x, y = data(6)
+    got, model, want, twin = fit_pair(x, y, shuffle=False)
+    assert [s.size for s in got.steps[:7]] == [32] * 6 + [8]
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+@pytest.mark.parametrize("kind", ["pandas", "tensors", "dict"])
+def test_pandas_tensors_and_dicts_train_as_the_arrays_they_hold(kind):
+    x, y = data(7)
+    if kind == "pandas":
+        fx, fy = pd.DataFrame(x, columns=list("abcdef")), pd.Series(y)
+    elif kind == "tensors":
+        fx, fy = tf.constant(x), tf.constant(y)
+    arrays = hostavg.keras.Trainer(compiled()).fit(x, y, batch_size=BATCH, micro_batch_size=MICRO,
+                                                   seed=1, verbose=0)
+    model = compiled()
+    if kind == "dict":  # a one-input model takes its input by name
+        fx, fy = {model.layers[0].name: x}, y
+    other = hostavg.keras.Trainer(model).fit(fx, fy, batch_size=BATCH, micro_batch_size=MICRO,
+                                             seed=1, verbose=0)
+    assert [s.loss for s in other.steps] == [s.loss for s in arrays.steps]
+
+
+def dataset(x, y, batch=BATCH):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch=BATCH):
+        super().__init__()
+        self.x, self.y, self.batch, self.epochs_ended = x, y, batch, 0
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, i):
+        return self.x[i * self.batch:(i + 1) * self.batch], self.y[i * self.batch:(i + 1) * self.batch]
+
+    def on_epoch_end(self):
+        self.epochs_ended += 1
+
+
+def test_a_tf_data_dataset_gives_one_step_per_element_as_keras_fit():
+    x, y = data(8)
+    got, model, want, twin = fit_pair(dataset(x, y), validation_data=dataset(x[:50], y[:50], 20))
+    assert [s.size for s in got.steps] == [64, 64, 64, 8] * 2
+    assert len(got.steps[0].micro_norms) == 4
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_a_py_dataset_gives_one_step_per_batch_in_a_seeded_order():
+    x, y = data(9)
+    got, model, want, twin = fit_pair(Batches(x, y), shuffle=False)
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+    ordered = Batches(x, y)
+    hostavg.keras.Trainer(compiled()).fit(ordered, micro_batch_size=MICRO, epochs=2, verbose=0)
+    assert ordered.epochs_ended == 2  # after each pass
+    a, b = (hostavg.keras.Trainer(compiled()).fit(Batches(x, y), micro_batch_size=MICRO, seed=5,
+                                                  epochs=2, verbose=0) for _ in range(2))
+    assert [s.loss for s in a.steps] == [s.loss for s in b.steps]
+    assert [s.size for s in a.steps] != [64, 64, 64, 8] * 2  # shuffled: the short one moves
+
+
+def test_class_weight_and_validation_split_as_keras_fit():
+    x, y = data(10)
+    got, model, want, twin = fit_pair(x, y, batch_size=BATCH, shuffle=False,
+                                      class_weight={0: 0.5, 1: 2.0, 2: 1.0}, validation_split=0.25)
+    assert sum(s.size for s in got.steps) == 2 * 150
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_steps_per_epoch_continues_the_data_and_ends_an_epoch_where_it_does_as_keras():
+    """200 samples in batches of 64 are 4 batches: epochs of 3 steps take 3, then the last
+    (the data ends there), then 3 of a new pass."""
+    x, y = data(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras's "Your input ran out of data"
+        got, model, want, twin = fit_pair(x, y, batch_size=BATCH, shuffle=False, epochs=3,
+                                          steps_per_epoch=3)
+    assert [len([s for s in got.steps if s.epoch == e]) for e in range(3)] == [3, 1, 3]
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_initial_epoch_and_an_endless_dataset_with_steps_per_epoch():
+    x, y = data(12)
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
+    got, model, want, twin = fit_pair(endless, epochs=4, initial_epoch=2, steps_per_epoch=5)
+    assert got.epoch == want.epoch == [2, 3]
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_verbose_2_prints_one_line_per_epoch_and_0_nothing(capsys):
+    x, y = data(13)
+    trainer = hostavg.keras.Trainer(compiled())
+    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, epochs=2, verbose=2,
+                validation_data=(x[:20], y[:20]))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("epoch 1/2: 4 steps in ")
+    assert "loss=" in lines[0] and "accuracy=" in lines[0] and "val_loss=" in lines[1]
+    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, verbose=0)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_fit_argument_errors_are_found_before_training():
+    x, y = data(14)
+    trainer = hostavg.keras.Trainer(compiled())
+    cases = [
+        (dict(x=dataset(x, y), batch_size=32), "batch_size=32 with a .*Dataset, whose elements "
+                                               "are the batches: leave batch_size None"),
+        (dict(x=dataset(x, y), y=y), "y and sample_weight come from the"),
+        (dict(x=dataset(x, y), validation_split=0.1), "validation_split needs arrays"),
+        (dict(x=x, y=y, validation_split=1.5), r"validation_split must be a number in \[0, 1\)"),
+        (dict(x=x, y=y, validation_data=(x[:5],)), "validation_data must be"),
+        (dict(x=x, y=y, validation_data=(x[:5], y[:4])), "arrays have different lengths"),
+        (dict(x=x, y=y, class_weight=[1, 2]), "class_weight must be a dict"),
+        (dict(x=x, y=y, sample_weight=np.ones(N), class_weight={0: 1}), "class_weight and "
+                                                                        "sample_weight together"),
+        (dict(x=[x, x], y=y), "a list of 2 arrays; give a multi-input model's inputs as a dict"),
+        (dict(x=x, y=y, verbose=3), "verbose must be 'auto', 0, 1 or 2, got 3"),
+        (dict(x=x, y=y, initial_epoch=-1), "initial_epoch must be an integer >= 0, got -1"),
+        (dict(x=x, y=y, steps_per_epoch=0), "steps_per_epoch must be an integer >= 1, got 0"),
+    ]
+    before = weights(trainer.model)
+    for kw, match in cases:
+        with pytest.raises(hostavg.HostavgError, match=match):
+            trainer.fit(micro_batch_size=MICRO, **{"batch_size": BATCH, **kw}
+                        if not keras_data_kind(kw) else {**kw})
+    assert_close(weights(trainer.model), before, atol=0)
+
+
+def keras_data_kind(kw) -> bool:
+    return isinstance(kw.get("x"), tf.data.Dataset)
