@@ -351,3 +351,194 @@ def test_fit_argument_errors_are_found_before_training():
 
 def keras_data_kind(kw) -> bool:
     return isinstance(kw.get("x"), tf.data.Dataset)
+
+
+# --- 3. Keras callbacks, as model.fit calls them --------------------------------------------
+
+
+class Recorder(keras.callbacks.Callback):
+    """Notes every call Keras's fit makes, with its logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def note(self, *call, logs=None):
+        self.calls.append((*call, dict(logs or {})))
+
+    def on_train_begin(self, logs=None):
+        self.note("train_begin", logs=logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.note("epoch_begin", epoch, logs=logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.note("batch_begin", batch, logs=logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.note("batch_end", batch, logs=logs)
+
+    def on_test_begin(self, logs=None):
+        self.note("test_begin", logs=logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.note("test_batch_begin", batch, logs=logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.note("test_batch_end", batch, logs=logs)
+
+    def on_test_end(self, logs=None):
+        self.note("test_end", logs=logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.note("epoch_end", epoch, logs=logs)
+
+    def on_train_end(self, logs=None):
+        self.note("train_end", logs=logs)
+
+
+def fit_callbacks(make, epochs=3, x=None, y=None, **kw):
+    """(our History, model, callbacks; Keras's History, twin, callbacks) after fitting alike with
+    the callbacks ``make()`` gives, validating on 40 samples in chunks of 20."""
+    if x is None:
+        x, y = data(20)
+    kw = {"batch_size": BATCH, "shuffle": False, "validation_data": (x[:40], y[:40]),
+          "validation_batch_size": 20, "epochs": epochs, "verbose": 0, **kw}
+    twin, theirs = compiled(), make()
+    want = twin.fit(x, y, callbacks=theirs, **kw)
+    model, ours = compiled(), make()
+    got = hostavg.keras.Trainer(model).fit(x, y, micro_batch_size=MICRO, callbacks=ours, **kw)
+    return got, model, ours, want, twin, theirs
+
+
+def test_keras_callbacks_are_called_in_model_fits_order_with_its_logs():
+    got, model, (ours,), want, twin, (theirs,) = fit_callbacks(lambda: [Recorder()], epochs=2)
+    assert [c[:-1] for c in ours.calls] == [c[:-1] for c in theirs.calls]
+    for a, b in zip(ours.calls, theirs.calls):
+        assert sorted(a[-1]) == sorted(b[-1]), a[:-1]
+        for name in b[-1]:
+            assert a[-1][name] == pytest.approx(b[-1][name], rel=1e-5, abs=1e-6), (a[:-1], name)
+    assert ours.model is model and ours.params["epochs"] == 2 and ours.params["steps"] == 4
+
+
+def test_early_stopping_restores_the_best_weights_and_stops_as_in_model_fit():
+    def make():
+        return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=0.05,
+                                              restore_best_weights=True)]
+    got, model, _, want, twin, _ = fit_callbacks(make, epochs=10)
+    assert got.epoch == want.epoch and len(got.epoch) < 10
+    assert "model.stop_training" in got.stopped
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_reduce_lr_on_plateau_sets_the_optimizer_and_logs_learning_rate_as_in_model_fit():
+    def make():
+        return [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                  min_delta=10.0)]
+    got, model, _, want, twin, _ = fit_callbacks(make)
+    assert got.history["learning_rate"] == want.history["learning_rate"]  # before reducing
+    assert want.history["learning_rate"] == pytest.approx([0.01, 0.01, 0.005])
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.0025)
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_model_checkpoint_and_csv_logger_write_what_model_fit_writes(tmp_path):
+    def make():
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run.mkdir()
+        return [keras.callbacks.ModelCheckpoint(str(run / "m-{epoch:02d}.keras")),
+                keras.callbacks.ModelCheckpoint(str(run / "best.weights.h5"), monitor="val_loss",
+                                                save_best_only=True, save_weights_only=True),
+                keras.callbacks.CSVLogger(str(run / "log.csv"))]
+    fit_callbacks(make)
+    theirs, ours = tmp_path / "run0", tmp_path / "run1"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == [
+        "best.weights.h5", "log.csv", "m-01.keras", "m-02.keras", "m-03.keras"]
+    for name in ("m-01.keras", "m-03.keras"):
+        a, b = (keras.models.load_model(run / name) for run in (ours, theirs))
+        assert_close(weights(a), weights(b))
+        assert int(a.optimizer.iterations.numpy()) == int(b.optimizer.iterations.numpy())
+    rows = [list(csv.DictReader(open(run / "log.csv"))) for run in (ours, theirs)]
+    assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]]
+    for a, b in zip(*rows):
+        for name in b:
+            assert float(a[name]) == pytest.approx(float(b[name]), rel=1e-5, abs=1e-6), name
+
+
+def test_tensorboard_writes_the_scalars_model_fit_writes(tmp_path):
+    def make():
+        return [keras.callbacks.TensorBoard(str(tmp_path / f"tb{len(list(tmp_path.iterdir()))}"))]
+    fit_callbacks(make, epochs=2)
+
+    def tags(run):
+        found = set()
+        for event in (tmp_path / run).rglob("events.out.tfevents.*"):
+            for e in tf.compat.v1.train.summary_iterator(str(event)):
+                found |= {(event.parent.name, v.tag) for v in e.summary.value}
+        return found
+    assert tags("tb1") == tags("tb0") and ("validation", "epoch_loss") in tags("tb1")
+
+
+def test_backup_and_restore_resumes_at_the_epoch_after_its_backup_as_in_model_fit(tmp_path):
+    x, y = data(21)
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("crash")
+
+    def run(fit, backup):
+        with pytest.raises(RuntimeError, match="crash"):
+            fit(callbacks=[keras.callbacks.BackupAndRestore(str(backup)), Crash()])
+        return fit(callbacks=[keras.callbacks.BackupAndRestore(str(backup))])
+
+    kw = dict(batch_size=BATCH, shuffle=False, epochs=4, verbose=0)
+    twin = compiled()
+    want = run(lambda **c: twin.fit(x, y, **kw, **c), tmp_path / "theirs")
+    model = compiled()
+    trainer = hostavg.keras.Trainer(model)
+    got = run(lambda **c: trainer.fit(x, y, micro_batch_size=MICRO, **kw, **c), tmp_path / "ours")
+    assert got.epoch == want.epoch == [2, 3]  # the backup was taken as epoch 1 ended
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+    assert not (tmp_path / "ours").exists()  # deleted when training ended, as Keras does
+
+
+def test_a_lambda_callback_and_stop_training_in_a_batch_end_the_epoch_as_model_fit():
+    def make():
+        seen = []
+
+        def stop(batch, logs):
+            seen.append(("batch", batch))
+            if batch == 1:
+                seen[-1] += ("stop",)
+                callback.model.stop_training = True
+        callback = keras.callbacks.LambdaCallback(
+            on_train_batch_end=stop, on_epoch_end=lambda epoch, logs: seen.append(("epoch", epoch,
+                                                                                  sorted(logs))))
+        callback.seen = seen
+        return [callback]
+    got, model, (ours,), want, twin, (theirs,) = fit_callbacks(make)
+    assert ours.seen == theirs.seen == [("batch", 0), ("batch", 1, "stop"), (
+        "epoch", 0, ["accuracy", "loss", "val_accuracy", "val_loss"])]
+    assert got.epoch == want.epoch == [0] and len(got.steps) == 2
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+
+
+def test_keras_callbacks_and_hostavg_hooks_run_side_by_side():
+    x, y = data(22)
+    seen = []
+
+    class Hook:
+        def on_applied(self, result):
+            seen.append(("hook", result.step))
+
+    history = hostavg.keras.Trainer(compiled()).fit(
+        x, y, batch_size=100, micro_batch_size=50, verbose=0, callbacks=[
+            Hook(), keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda b, logs: seen.append(("keras", b)))])
+    assert seen == [("hook", 1), ("keras", 0), ("hook", 2), ("keras", 1)]
+    assert history.history.keys() == {"loss", "accuracy"}
