@@ -542,3 +542,155 @@ def test_keras_callbacks_and_hostavg_hooks_run_side_by_side():
                 on_train_batch_end=lambda b, logs: seen.append(("keras", b)))])
     assert seen == [("hook", 1), ("keras", 0), ("hook", 2), ("keras", 1)]
     assert history.history.keys() == {"loss", "accuracy"}
+
+
+# --- 5. Mixed precision: the LossScaleOptimizer, as Keras drives it ---------------------------
+
+
+@pytest.fixture
+def mixed_float16():
+    """The mixed_float16 dtype policy within the test (compile then makes a LossScaleOptimizer)."""
+    before = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_dtype_policy(before)
+
+
+def mixed_model(optimizer=None):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((FEATURES,))
+    h = keras.layers.Dense(HIDDEN, activation="tanh", name="hidden")(x)
+    logits = keras.layers.Activation("linear", dtype="float32")(keras.layers.Dense(CLASSES)(h))
+    model = keras.Model(x, logits)
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01), loss=logits_loss())
+    return model
+
+
+def scale_state(optimizer) -> tuple:
+    return (float(optimizer.dynamic_scale.numpy()), int(optimizer.step_counter.numpy()),
+            int(optimizer.iterations.numpy()))
+
+
+def test_a_loss_scale_optimizer_skips_a_non_finite_step_and_grows_its_scale_as_train_on_batch(
+        mixed_float16):
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01),
+                                                   initial_scale=2.0**12, dynamic_growth_steps=2)
+    model, twin = mixed_model(optimizer()), mixed_model(optimizer())
+    applied = []
+    trainer = hostavg.keras.Trainer(model, hooks=[type("Seen", (), {
+        "on_applied": lambda self, result: applied.append(result.step)})()])
+    assert trainer._backend.nonfinite == "optimizer"
+    x, y = data(30, 6 * BATCH)
+    states = []
+    for i in range(6):
+        xs, ys = x[i * BATCH:(i + 1) * BATCH].copy(), y[i * BATCH:(i + 1) * BATCH]
+        if i == 3:
+            xs[37, 0] = np.nan  # in micro-batch 2
+        twin.train_on_batch(xs, ys)
+        result = trainer.step(hostavg.split((xs, ys), MICRO))
+        states.append((scale_state(model.optimizer), scale_state(twin.optimizer)))
+        assert (result.skipped is not None) == (i == 3)
+        if i == 3:
+            assert result.skipped == ("the LossScaleOptimizer skipped the step: the gradients "
+                                      "were not finite at loss scale 8192, which it lowered to "
+                                      "4096") and result.step == 3
+    assert [ours for ours, _ in states] == [theirs for _, theirs in states] == [
+        (4096.0, 1, 1), (8192.0, 0, 2), (8192.0, 1, 3), (4096.0, 0, 3), (4096.0, 1, 4),
+        (8192.0, 0, 5)]
+    assert applied == [1, 2, 3, 4, 5]  # not the skipped step
+    assert_close(weights(model), weights(twin), atol=1e-4)  # float16 sums over other batches
+
+
+def test_mixed_precision_fit_reports_a_skipped_step_and_keeps_it_out_of_the_loss(mixed_float16):
+    model = mixed_model()
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    x, y = data(31, 4 * BATCH)
+    x[BATCH + 3, 1] = np.inf  # batch 1
+    history = hostavg.keras.Trainer(model).fit(x, y, batch_size=BATCH, micro_batch_size=MICRO,
+                                               shuffle=False, verbose=0)
+    assert [s.step for s in history.steps] == [1, 1, 2, 3]
+    assert np.isnan(history.steps[1].loss) and np.isfinite(history.history["loss"][0])
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**14
+
+
+# --- 6. Distribution strategies ---------------------------------------------------------------
+
+
+def test_a_distribution_strategy_is_refused_naming_it_and_pointing_at_comm():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        inside = compiled()
+        with pytest.raises(hostavg.HostavgError, match=r"runs inside a OneDeviceStrategy scope.* "
+                                                       r"pass comm= \(an mpi4py communicator"):
+            hostavg.keras.Trainer(build(), logits_loss(), keras.optimizers.Adam())
+    with pytest.raises(hostavg.HostavgError, match=r"for a model made in a OneDeviceStrategy "
+                                                   r"scope"):
+        hostavg.keras.Trainer(inside)
+    x, y = data(32)
+    trainer = hostavg.keras.Trainer(compiled())
+    with strategy.scope(), pytest.raises(hostavg.HostavgError, match="OneDeviceStrategy"):
+        trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, verbose=0)
+
+
+# --- 7. Evaluation: the metrics Keras itself updates -------------------------------------------
+
+
+def test_evaluate_equals_keras_evaluate_with_sample_weights_and_weighted_metrics():
+    x, y = data(33)
+    w = np.random.default_rng(33).uniform(0.1, 2.0, N).astype(np.float32)
+
+    def make():
+        return compiled(weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="wacc")])
+    model, twin = make(), make()
+    got = hostavg.keras.Trainer(model).evaluate(x, y, batch_size=50, sample_weight=w)
+    want = twin.evaluate(x, y, batch_size=50, sample_weight=w, return_dict=True, verbose=0)
+    assert sorted(got) == sorted(want) == ["accuracy", "loss", "wacc"]
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=1e-6), name
+    ds = hostavg.keras.Trainer(make()).evaluate(tf.data.Dataset.from_tensor_slices(
+        (x, y, w)).batch(50))
+    assert ds == pytest.approx(got, rel=1e-6)
+
+
+class OwnMetrics(keras.Model):
+    """keras-io's custom evaluation: its own metrics and test_step; and one metric that nothing
+    ever updates."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+        self.unused = keras.metrics.Mean(name="unused")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae, self.unused]
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        self.loss_tracker.update_state(self.compute_loss(y=y, y_pred=y_pred, training=False))
+        self.mae.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def test_evaluation_reports_what_a_models_own_test_step_updates_and_nothing_else():
+    x, y = data(34)
+    target = x[:, :1] * 2.0
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        model = OwnMetrics(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+    model, twin = make(), make()
+    got = hostavg.keras.Trainer(model).evaluate(x, target, batch_size=N)
+    want = twin.evaluate(x, target, batch_size=N, return_dict=True, verbose=0)
+    assert want["unused"] == 0.0  # Keras reports a metric nothing updated
+    assert got == pytest.approx({"loss": want["loss"], "mae": want["mae"]}, rel=1e-6)
+    assert got["mae"] > 0.1
