@@ -15,6 +15,7 @@ import tensorflow as tf
 from models import ENV, OPTIMIZERS, build, make_optimizer, v1
 
 import hostavg
+import hostavg.compat.keras
 import hostavg.compat.python
 import hostavg.compat.tensorflow
 from hostavg.compat import PUBLIC_API_ONLY, apis, private_apis, public_api_only
@@ -31,6 +32,8 @@ TENSORFLOW_APIS = {
         "tensorflow.python.eager.polymorphic_function.concrete_function.ConcreteFunction._call_flat",
 }
 PYTHON_APIS = {"get_handler": "_signal.getsignal", "set_handler": "_signal.signal"}
+KERAS_APIS = {"compile_arguments": "keras.Model._compile_config",
+              "initial_epoch": "keras.Model._initial_epoch"}
 
 
 def forms(name: str) -> tuple:
@@ -45,11 +48,12 @@ def test_every_private_api_is_detected_in_this_tensorflow_and_each_wrapper_is_it
     """The versions the tests run on (setup.py's range) have every private API; a wrapper
     that fell back here would mean the detection is broken, or TensorFlow changed."""
     for module, names in ((hostavg.compat.tensorflow, TENSORFLOW_APIS),
-                          (hostavg.compat.python, PYTHON_APIS)):
+                          (hostavg.compat.python, PYTHON_APIS), (hostavg.compat.keras, KERAS_APIS)):
         for wrapper, name in names.items():
             assert apis()[name].used, name
             assert getattr(module, wrapper) is apis()[name].private, name
-    assert private_apis() == tuple(sorted([*TENSORFLOW_APIS.values(), *PYTHON_APIS.values()]))
+    assert private_apis() == tuple(sorted([*TENSORFLOW_APIS.values(), *PYTHON_APIS.values(),
+                                           *KERAS_APIS.values()]))
     assert hostavg.private_apis is private_apis
 
 
@@ -341,6 +345,40 @@ def test_a_concrete_function_gives_the_same_outputs_either_way():
             np.testing.assert_array_equal(x.numpy(), y.numpy())
 
 
+# --- Keras ---------------------------------------------------------------------------------------
+
+
+def test_a_models_compile_arguments_are_read_alike():
+    """The private form gives the very objects compile was given; the public one equal objects,
+    made anew from the model's compile config."""
+    import keras
+    private, public = forms("keras.Model._compile_config")
+    accuracy = keras.metrics.SparseCategoricalAccuracy(name="acc")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss={"dense": "mse"},
+                  loss_weights={"dense": 0.5}, metrics=[accuracy])
+    a, b = private(model), public(model)
+    assert a.keys() == b.keys() and a["metrics"][0] is accuracy
+    assert b["metrics"][0].get_config() == accuracy.get_config()
+    assert a["loss"] == b["loss"] and a["loss_weights"] == b["loss_weights"]
+    assert b["optimizer"].get_config() == a["optimizer"].get_config()
+
+
+def test_where_backup_and_restore_resumes_is_read_by_the_private_form_only(tmp_path):
+    """The fallback restores the backup's weights but starts at fit's initial_epoch."""
+    import keras
+    private, public = forms("keras.Model._initial_epoch")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    assert private(model) is None and public(model) is None
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    backup.set_model(model)
+    backup._current_epoch = 3  # pylint: disable=protected-access
+    backup._save_model()  # pylint: disable=protected-access
+    backup.on_train_begin()
+    assert private(model) == 3 and public(model) is None
+
+
 # --- Whole runs, with the switch on and off (one process each) --------------------------------
 
 RUN = r"""
@@ -431,7 +469,8 @@ def test_tf1_and_keras_runs_are_bit_identical_with_public_apis_only():
     slots, losses, update ratios, learning rates, evaluation."""
     private, public = run(public_only=False), run(public_only=True)
     assert public.pop("private_apis") == []
-    assert private.pop("private_apis") == sorted([*TENSORFLOW_APIS.values(), *PYTHON_APIS.values()])
+    assert private.pop("private_apis") == sorted([*TENSORFLOW_APIS.values(), *PYTHON_APIS.values(),
+                                                  *KERAS_APIS.values()])
     assert private.keys() == public.keys() == {"adam-graph-caller", "sgd-schedule-host-pool",
                                                "keras-dense", "keras-sparse"}
     for name in private:

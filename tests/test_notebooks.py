@@ -100,6 +100,11 @@ def test_batch_size_checks_the_noise_scale_from_one_start_at_matched_samples():
 @pytest.mark.slow
 def test_keras_notebook_matches_keras_finds_then_skips_the_nan_and_trains():
     printed = run("keras")
+    epochs, steps = map(int, re.search(r"trained (\d+) epochs, (\d+) steps", printed).groups())
+    assert steps == 6 * epochs  # 1,500 digits in tf.data batches of 256
+    accuracy, step = re.search(r"best checkpoint: digits test accuracy (\S+) \(optimizer step "
+                               r"(\d+)\)", printed).groups()
+    assert float(accuracy) > 0.8 and 0 < int(step) <= steps
     diff = float(re.search(r"max \|difference\| from Keras's own step = (\S+)", printed).group(1))
     assert diff < 1e-5, printed
     assert "output bias moved: False" in printed
