@@ -1,8 +1,10 @@
 """hostavg for Keras 3 models: ``hostavg.keras.Trainer`` (imports Keras; not imported by ``import hostavg``).
 
 The face is :mod:`hostavg.keras.trainer`; what every Keras backend shares is
-:mod:`hostavg.keras.common`; Keras's TensorFlow backend is
-:mod:`hostavg.keras.tensorflow`.
+:mod:`hostavg.keras.common` (the compiled model, batches, metrics),
+:mod:`hostavg.keras.data` (what fit takes as data) and
+:mod:`hostavg.keras.callbacks` (Keras callbacks in fit); Keras's TensorFlow
+backend is :mod:`hostavg.keras.tensorflow`.
 """
 
 from hostavg.keras.tensorflow import KerasBackend

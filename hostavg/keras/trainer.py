@@ -46,7 +46,11 @@ class Trainer(BaseTrainer):
     customise training for hostavg too: a model that overrides ``train_step``
     is refused (hostavg's step replaces it). The compiled metrics are updated
     on every micro-batch (``compute_metrics``, with the training forward
-    pass, as Keras's ``train_step`` does) and reported by :meth:`fit`. A
+    pass, as Keras's ``train_step`` does) and reported by :meth:`fit`
+    (exactly, over samples; but each output's loss of a multi-output model,
+    "<output>_loss", which Keras's compiled loss weights by the batch's size
+    where its compiled function fixed it, counts each micro-batch once: the
+    gradient function serves micro-batches of every size). A
     ``LossScaleOptimizer`` (what compile makes under the ``mixed_float16``
     policy) is driven as Keras drives it: each micro-batch's loss scaled, its
     gradients unscaled, a step with a non-finite micro-batch skipped and the

@@ -359,7 +359,9 @@ class Trainer(BaseTrainer):
             ``on_resume(step)``, ``close()``) as for the trainer's hooks;
             raising :class:`~hostavg.StopTraining` ends training cleanly.
           progress: True shows a tqdm bar on a terminal or in Jupyter,
-            "always" shows it anywhere, False never.
+            "always" shows it anywhere, "epoch" prints one line per epoch,
+            "auto" shows the bar on a terminal or in Jupyter and prints the
+            lines elsewhere, False shows nothing.
           checkpoint_dir: where to write checkpoints (:meth:`save`) every
             ``checkpoint_every`` steps, at the end, and when an exception,
             KeyboardInterrupt or SIGTERM stops fit (at the last completed
