@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import cuts, v1
+from models import ENV, cuts, v1
 
 import hostavg
 from hostavg.hooks import Record
@@ -400,6 +400,54 @@ def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
         return values(graph, sess)
 
     assert_close(trained(True), trained(False), atol=0)
+
+
+# --- Reference variables: TF1's variables before resource variables ---------------------------
+
+
+def ref_batch_norm_mlp():
+    """An MLP with batch norm written by hand, every variable a reference variable, as
+    programs that call tf.compat.v1.disable_v2_behavior() make them."""
+    graph = tf.Graph()
+    with graph.as_default(), v1.variable_scope("", use_resource=False):
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = tf.nn.relu(batch_norm(dense(x, 8, "d1"), "bn"))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=dense(h, 3, "d2")))
+    return graph, (x, y), loss
+
+
+def test_reference_variables_are_restored_by_check_and_by_a_failed_step():
+    # The snapshot read each variable with read_value(), which for a reference variable is the
+    # variable's own buffer: the moving statistics kept what check and the failed step left.
+    graph, (x, y), loss = ref_batch_norm_mlp()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.MomentumOptimizer(0.1, 0.9))
+        init = v1.global_variables_initializer()
+    moving = [v for v in trainer.rollback_variables if "moving" in v.op.name]
+    assert len(moving) == 2 and all(v.dtype._is_ref_dtype for v in moving)
+    sess = session(graph, init)
+    rng = np.random.default_rng(7)
+    X, Y = rng.normal(2, 3, (16, 6)).astype(np.float32), rng.integers(0, 3, 16)
+    trainer.step(sess, hostavg.split({x: X, y: Y}, 4))  # slots and statistics non-trivial
+    before = values(graph, sess)
+    report = trainer.check(sess, {x: X, y: Y}, 4)
+    assert not report.ok and "batch norm" in report.cause
+    assert_close(values(graph, sess), before, atol=0)
+    bad = X.copy()
+    bad[9, 2] = np.nan
+    with pytest.raises(hostavg.HostavgError, match=r"micro-batch 2 of 4 .*non-finite"):
+        trainer.step(sess, hostavg.split({x: bad, y: Y}, 4))
+    assert_close(values(graph, sess), before, atol=0)
+
+
+@pytest.mark.slow
+def test_a_program_that_disables_v2_behavior_is_restored_by_check_and_by_a_failed_step():
+    run = subprocess.run([sys.executable, str(HERE / "v1_script.py")], capture_output=True,
+                         text=True, env=ENV, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ref", "check", "unchanged", "failed", "unchanged"]
 
 
 # --- word2vec with nce_loss: sampled, sparse --------------------------------------------------

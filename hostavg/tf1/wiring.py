@@ -89,9 +89,11 @@ class Wiring:
                                   for g in fetched]
             if self.update_ops:
                 self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
-            # What a failed step must restore: every variable the compute call may assign.
+            # What a failed step must restore: every variable the compute call may assign, read
+            # into values of their own (a reference variable's read_value() is its buffer,
+            # which the next compute's UPDATE_OPS assign in place).
             self.assigned = assigned_variables(self.graph, self._fetches)
-            self._assigned_values = [v.read_value() for v in self.assigned]
+            self._assigned_values = [value_now(v) for v in self.assigned]
             variables = [v for _, v in pairs]
             step = self.global_step if increment_global_step else None
             # TF1's AdamOptimizer updates every row of its slots and variable on a sparse step
