@@ -101,6 +101,25 @@ def test_feeds_that_convert_without_changing_a_value_are_taken():
         np.testing.assert_allclose(got.grads[name], want.grads[name], rtol=1e-6, err_msg=name)
 
 
+def test_a_placeholder_missing_from_a_later_micro_batch_is_refused_before_any_runs():
+    # Micro-batch 0 ran (its UPDATE_OPS moved the moving mean, its hook was called) before the
+    # session refused micro-batch 1 for the label it lacked.
+    seen = []
+
+    class Seen:
+        def on_micro_batch(self, micro):
+            seen.append(micro.index)
+
+    case = Case(update_op=True, hooks=[Seen()])
+    y = case.model.inputs["y"]
+    feeds = [dict(f) for f in case.feeds]
+    del feeds[1][y]
+    unchanged(case, lambda: case.trainer.step(case.sess, feeds),
+              r"^step, micro-batch 1 of 4: the graph reads placeholder 'y:0', which this feed "
+              r"does not give; feed it to every micro-batch")
+    assert case.sess.run(case.model.counter) == 0 and seen == []  # refused before any ran
+
+
 # --- The train op's other inputs (a learning-rate placeholder) reach the apply ----------------
 
 

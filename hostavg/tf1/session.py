@@ -74,6 +74,13 @@ class SessionBackend:
 
     def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
         feed = self.conform(feed_dict, what)
+        unfed = self.wiring.unfed(tuple(feed))
+        if unfed:
+            names = ", ".join(repr(t.name) for t in unfed)
+            raise HostavgError(
+                f"{what}: the graph reads placeholder{'s' if len(unfed) > 1 else ''} {names}, "
+                f"which this feed does not give; feed {'them' if len(unfed) > 1 else 'it'} to "
+                f"every micro-batch")
         if size is None:
             # Every value is an array now: one length along axis 0 is the size (feed_size
             # walks any structure, and says what is wrong when the lengths differ).

@@ -62,10 +62,9 @@ def select_update_ops(graph, loss, update_ops) -> list:
             raise HostavgError(f"update_ops must be ops or tensors of the loss's graph, got "
                                f"{stray[:3]}")
         return ops
-    needed = set(placeholders_read(loss.op, with_default=False))
+    needed = set(placeholders_read(loss, with_default=False))
     return [u for u in graph.get_collection(v1.GraphKeys.UPDATE_OPS)
-            if set(placeholders_read(u if isinstance(u, tf.Operation) else u.op,
-                                     with_default=False)) <= needed]
+            if set(placeholders_read(u, with_default=False)) <= needed]
 
 
 def assigned_variables(graph, fetches) -> list:

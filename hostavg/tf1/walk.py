@@ -27,18 +27,26 @@ def ops_run(ops: Iterable, fed=()) -> Iterator:
         todo.extend(op.control_inputs)
 
 
-def placeholders_read(op, fed=(), with_default: bool = True) -> list:
-    """The placeholders that running ``op`` reads when ``fed`` (tensors) are fed, by name.
+def placeholders_read(fetches, fed=(), with_default: bool = True) -> list:
+    """The placeholders that running ``fetches`` (an operation or a tensor, or a list of them)
+    reads when ``fed`` (tensors) are fed, sorted by name.
 
     ``with_default``: count placeholders with a default too (read, though
     they need no feed).
     """
     kinds = ("Placeholder", "PlaceholderWithDefault") if with_default else ("Placeholder",)
-    found = [o for o in ops_run([op], fed) if o.type in kinds]
+    found = [o for o in ops_run(_ops(fetches), fed) if o.type in kinds]
     return [op.outputs[0] for op in sorted(found, key=lambda o: o.name)]
 
 
 def reaches(fetches, fed, types: frozenset) -> bool:
     """Whether running ``fetches`` (tensors and operations) with ``fed`` fed runs an op of ``types``."""
-    ops = [f.op if isinstance(f, tf.Tensor) else f for f in fetches]
-    return any(op.type in types for op in ops_run(ops, fed))
+    return any(op.type in types for op in ops_run(_ops(fetches), fed))
+
+
+def _ops(fetches) -> list:
+    """The operations of ``fetches``: an operation or anything with one (a tensor, what a
+    variable's assign returns), or a list or tuple of them."""
+    if not isinstance(fetches, (list, tuple)):
+        fetches = [fetches]
+    return [f if isinstance(f, tf.Operation) else f.op for f in fetches]

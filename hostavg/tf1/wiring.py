@@ -125,6 +125,7 @@ class Wiring:
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
             self._callables = Callables(session_threads)
+            self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self.conform_feed = FeedConformer().conform
             with tf.control_dependencies([self.train_op]):
                 step_after = self.global_step.read_value()
@@ -165,6 +166,19 @@ class Wiring:
         sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
                     for name, q in zip(self.names, map(float, got))}
         return Computed(out[0], values, int(out[1]), sq_norms)
+
+    def unfed(self, feed_keys: tuple) -> tuple:
+        """The placeholders (without a default) that :meth:`compute` reads and ``feed_keys``
+        (tensors) do not feed, sorted by name; found once per set of keys.
+
+        A fed tensor cuts the walk: what only it reads needs no feed.
+        """
+        key = (id(self._fetches), feed_keys)
+        found = self._unfed.get(key)
+        if found is None:
+            found = self._unfed[key] = tuple(placeholders_read(self._fetches, feed_keys,
+                                                               with_default=False))
+        return found
 
     def snapshot(self, sess) -> list | None:
         """The values of :attr:`assigned` (None when there are none)."""
