@@ -374,6 +374,32 @@ def test_step_together_is_atomic_across_trainers():
     assert_close(values(graph, sess), before, atol=0)
 
 
+def test_micro_batches_split_with_blocks_know_their_sizes_in_step_and_step_together():
+    # step_together refused split(..., blocks=)'s micro-batches unless given sizes, and its
+    # error suggested blocks=, which neither step nor step_together takes.
+    def run(given_sizes):
+        graph, t, d, g, init = gan_trainers()
+        sess = session(graph, init)
+        feed = gan_batch(np.random.default_rng(8), 10)
+        fake = sess.run(t["samples"], {t["z"]: feed["z"]})
+        d_feeds = hostavg.split({t["real"]: feed["real"], t["fake"]: fake,
+                                 t["labels"]: feed["labels"]}, 4, blocks={t["labels"]: 2})
+        g_feeds = hostavg.split({t["z"]: feed["z"]}, 4)
+        entry = (d, d_feeds, [4, 4, 2]) if given_sizes else (d, d_feeds)
+        res_d, _ = hostavg.step_together(sess, [entry, (g, g_feeds)])
+        assert [m.size for m in res_d.micro] == [4, 4, 2] and res_d.size == 10
+        res = d.step(sess, d_feeds)
+        assert [m.size for m in res.micro] == [4, 4, 2]
+        with pytest.raises(hostavg.HostavgError,
+                           match=r"^step, micro-batch 0 of 3: arrays have different lengths along "
+                                 r"axis 0 .*labels:0: 8\).*blocks=.* hostavg\.split.*sizes=.*"
+                                 r"\(trainer, feeds, sizes\) to step_together"):
+            hostavg.step_together(sess, [(d, [dict(f) for f in d_feeds])])  # plain dicts
+        return values(graph, sess)
+
+    assert_close(run(False), run(True), atol=0)
+
+
 def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
     graph, t, d_loss, g_loss, d_vars, g_vars = gan()
     rng = np.random.default_rng(4)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hostavg.compat.tensorflow import session_call
 from hostavg.core.errors import HostavgError, positive_int
-from hostavg.core.split import feed_size
+from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
@@ -83,9 +83,12 @@ class SessionBackend:
                 f"every micro-batch")
         if size is None:
             # Every value is an array now: one length along axis 0 is the size (feed_size
-            # walks any structure, and says what is wrong when the lengths differ).
+            # walks any structure, counts a micro-batch of split(..., blocks=) by its blocks,
+            # and says what is wrong when the lengths differ).
+            blocks = blocks_of(feed_dict)
             lengths = {len(a) for a in feed.values() if a.ndim}
-            n = lengths.pop() if len(lengths) == 1 else feed_size(feed, what)
+            n = lengths.pop() if len(lengths) == 1 and not blocks else feed_size(
+                feed, what, resolve_feed(self.wiring.graph, blocks, what))
             if n < 1:
                 raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
             return feed, n
