@@ -1,0 +1,82 @@
+"""A step that fails changes nothing, and its error says which micro-batch (and data rows) failed.
+
+The model is the batch-norm one: besides weights, optimizer state and the
+step, its forward pass assigns moving statistics and a counter, which a
+failed step must put back. Everything is compared bit for bit.
+"""
+
+import numpy as np
+import pytest
+from backends import BATCH, SIZES, same, said
+from models import FEATURES, batches, cuts
+
+import hostavg
+
+
+class RaiseAt:
+    """A hook whose ``on_micro_batch`` raises RuntimeError at micro-batch 1, once armed."""
+
+    armed = False
+
+    def on_micro_batch(self, micro):
+        if self.armed and micro.index == 1:
+            raise RuntimeError("hook failed on purpose")
+
+
+#: How micro-batch 1 of 3 fails: what is raised, and a word of its message.
+FAILURES = {
+    "nan-input": (hostavg.HostavgError, "non-finite gradients"),
+    "hook-raises": (RuntimeError, "hook failed on purpose"),
+    "wrong-shape": (hostavg.HostavgError, "shape"),
+}
+
+
+def failing(face, hook, failure: str, data: dict) -> list:
+    """``data`` cut into SIZES, micro-batch 1 of them made to fail as ``failure`` says."""
+    if failure == "nan-input":
+        data = dict(data, x=data["x"].copy())
+        data["x"][SIZES[0] + 3, 2] = np.nan
+    micro = face.cut(data, SIZES)
+    if failure == "hook-raises":
+        hook.armed = True
+    if failure == "wrong-shape":
+        rows = cuts(BATCH, SIZES)[1]
+        micro[1] = face.cut({"x": np.ones((SIZES[1], FEATURES - 1), np.float32),
+                             "y": data["y"][rows]}, SIZES[1:2])[0]
+    return micro
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failed_step_changes_nothing_and_names_its_micro_batch(backend, failure):
+    hook = RaiseAt()
+    face = backend.make("batchnorm", hooks=[hook])
+    data = batches(4, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))  # slots, step, moving statistics: all non-trivial
+    micro = failing(face, hook, failure, data[1])
+    before = face.values()
+    kind, word = FAILURES[failure]
+    with pytest.raises(kind) as raised:
+        face.step(micro)
+    same(face.values(), before)
+    assert word in said(raised.value)
+    assert "micro-batch 1 of 3" in said(raised.value)
+    hook.armed = False
+    assert face.step(face.cut(data[1], SIZES)).step == 2  # and the trainer steps on
+
+
+@pytest.mark.parametrize("failure", [
+    "nan-input", "hook-raises",
+    pytest.param("wrong-shape", marks=pytest.mark.needs("rows_in_every_error"))])
+def test_a_failed_steps_error_names_the_data_rows(backend, failure):
+    hook = RaiseAt()
+    face = backend.make("mlp", hooks=[hook])
+    data = batches(5, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))
+    rows = np.random.default_rng(5).permutation(1000)[:BATCH]
+    rows = [rows[s] for s in cuts(BATCH, SIZES)]
+    with pytest.raises(FAILURES[failure][0]) as raised:
+        face.step(failing(face, hook, failure, data[1]), rows=rows)
+    text = said(raised.value)
+    assert "micro-batch 1 of 3" in text
+    assert f"data rows [{rows[1][0]}, {rows[1][1]}, " in text, text
+    np.testing.assert_array_equal(getattr(raised.value, "rows", None), rows[1])

@@ -1,0 +1,94 @@
+"""An accumulated step is the framework's own full-batch step, on every backend.
+
+Tolerance: 1e-5 absolute on every variable (weights, optimizer state) after 3
+steps in float32. The mean sums the micro-batch gradients in another order
+than the framework's whole-batch reduction, so the two differ by rounding:
+at most 1.2e-7 here (one or two ulps of weights near 1), on both backends;
+1e-5 leaves room for other hardware and kernels (oneDNN, a GPU). A wrong
+weighting is far outside it: the unweighted mean of the 5, 11 and 16 samples'
+gradients moves some variable by 4.5e-4 to 0.1 in every case here.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from backends import BATCH, SIZES, same
+from models import OPTIMIZERS, batches
+
+import hostavg
+
+STEPS = 3
+ATOL = 1e-5
+
+
+@functools.cache
+def oracle(backend, model: str, optimizer: str) -> dict:
+    """The full-batch steps over the batches of seed 0, once for both accumulate modes."""
+    return backend.oracle(model, optimizer, batches(0, STEPS, BATCH, sparse=model == "embedding"))
+
+
+#: Every optimizer in "sum" mode, and "stack" mode with Adam: the mode only changes how the
+#: mean is formed before any optimizer sees it (the two means are equal bit for bit, below).
+MODES = [(optimizer, "sum") for optimizer in sorted(OPTIMIZERS)] + [("adam", "stack")]
+
+
+@pytest.mark.parametrize("optimizer,accumulate", MODES, ids=["-".join(m) for m in MODES])
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_an_accumulated_step_equals_the_full_batch_step(backend, model, optimizer, accumulate):
+    data = batches(0, STEPS, BATCH, sparse=model == "embedding")
+    want = oracle(backend, model, optimizer)
+    face = backend.make(model, optimizer, accumulate=accumulate)
+    results = [face.step(face.cut(d, SIZES)) for d in data]
+    same(face.values(), want, atol=ATOL, skip=face.assigned())
+    assert [r.step for r in results] == list(range(1, STEPS + 1))
+    assert results[-1].size == BATCH
+    assert [m.size for m in results[-1].micro] == list(SIZES)
+    assert all((m.grads is not None) == (accumulate == "stack") for m in results[-1].micro)
+    sparse = {name for name, s in face.trainer.spec.items() if s.sparse}
+    assert len(sparse) == (model == "embedding")
+    if sparse:  # the mean stays sparse: the unique ids of the last batch
+        (name,) = sparse
+        mean = results[-1].grads[name]
+        assert isinstance(mean, hostavg.SparseGradient)
+        ids = data[-1]["ids"]
+        assert len(np.unique(ids)) < ids.size  # ids repeat within the batch
+        np.testing.assert_array_equal(mean.indices, np.unique(ids))
+
+
+@pytest.mark.parametrize("model,interactive,stepped", [("mlp", "sum", "stack"),
+                                                       ("embedding", "stack", "sum")])
+def test_compute_add_mean_apply_is_a_step_in_either_mode_bit_for_bit(backend, model, interactive,
+                                                                      stepped):
+    data = batches(1, 1, BATCH, sparse=model == "embedding")[0]
+    a, b = backend.make(model, accumulate=interactive), backend.make(model, accumulate=stepped)
+    mean = a.mean(a.cut(data, SIZES))
+    assert mean.size == BATCH
+    assert a.apply(mean) == 1
+    res = b.step(b.cut(data, SIZES))
+    assert res.loss == pytest.approx(mean.loss, rel=1e-12)
+    assert res.grads.keys() == mean.keys()
+    for name in mean:
+        got, want = res.grads[name], mean[name]
+        if isinstance(want, hostavg.SparseGradient):
+            np.testing.assert_array_equal(got.indices, want.indices)
+            got, want = got.values, want.values
+        np.testing.assert_array_equal(got, want)
+    same(a.values(), b.values())
+
+
+def test_compute_changes_no_trained_variable_and_hands_out_read_only_gradients(backend):
+    face = backend.make("batchnorm")
+    data = batches(2, 1, BATCH)[0]
+    face.step(face.cut(data, SIZES))
+    before = face.values()
+    g = face.compute(face.cut(data, SIZES)[1])
+    assert g.size == SIZES[1] and np.isfinite(g.loss) and g.loss > 0
+    assert g.keys() == face.trainer.spec.keys()
+    for value in g.values():
+        assert not value.flags.writeable
+    # Only what the forward pass assigns moves (moving statistics, the counter).
+    same(face.values(), before, skip=face.assigned())
+    assert face.assigned(), "the batchnorm model's forward pass assigns variables"
+    assert any(not np.array_equal(face.values()[n], before[n]) for n in face.assigned())
+
