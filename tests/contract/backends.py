@@ -52,7 +52,7 @@ class Face:
     ``micro`` one micro-batch of :meth:`cut`): ``step(micro_batches, **kw)``,
     ``compute(micro)``, ``accumulator()``, ``apply(grads)``,
     ``check(data, micro_batch_size)``, ``per_sample(data)``, ``fit(data, **kw)``,
-    ``save(path)``, ``restore(path)``.
+    ``evaluate(data, batch_size)``, ``save(path)``, ``restore(path)``.
     """
 
     #: The hostavg trainer, for what tests read of it directly (spec, hooks).
@@ -72,6 +72,10 @@ class Face:
 
     def values(self) -> dict:
         """Every variable's value by name: weights, optimizer state, step, moving statistics."""
+        raise NotImplementedError
+
+    def loss(self, data: dict) -> float:
+        """The framework's own inference loss of the model as it is, over all ``data`` at once."""
         raise NotImplementedError
 
     def assigned(self) -> set:
@@ -160,11 +164,17 @@ class TF1Face(Face):
     def fit(self, data, **kw):
         return self.trainer.fit(self.sess, self.native(data), **kw)
 
+    def evaluate(self, data, batch_size):
+        return self.trainer.evaluate(self.sess, self.native(data), batch_size=batch_size)
+
     def save(self, path):
         self.trainer.save(self.sess, path)
 
     def restore(self, path):
         return self.trainer.restore(self.sess, path)
+
+    def loss(self, data):
+        return float(self.sess.run(self.trainer.loss, self.native(data)))
 
     def values(self):
         return self.model.values(self.sess)
@@ -185,9 +195,17 @@ class TF1(Backend):
         "fit_callbacks_get_hook_methods": "fit callbacks get on_micro_batch, on_step, on_applied",
         "trainer_hooks_get_on_train_end": "Trainer hooks get on_train_end from fit",
     }
-    bugs = {"rows_in_every_error": "BUG: an error found while a micro-batch is prepared (a feed "
-                                   "of the wrong shape) names the micro-batch but not the data "
-                                   "rows given with rows=, and sets no .rows"}
+    bugs = {
+        "rows_in_every_error": "BUG: an error found while a micro-batch is prepared (a feed of "
+                               "the wrong shape) names the micro-batch but not the data rows "
+                               "given with rows=, and sets no .rows",
+        "dropped_micro_batch_leaves_no_trace": "BUG: a micro-batch a hook drops (SkipNonFinite) "
+                                               "keeps what its forward pass assigned: NaN "
+                                               "moving statistics stay in the model",
+        "evaluate_changes_nothing": "BUG: evaluate, which promises to change nothing, leaves "
+                                    "what the forward pass assigns (a counter) moved; check and "
+                                    "per_sample restore it",
+    }
 
     def _model(self, model):
         built = build(**self.BUILD[model])
@@ -288,11 +306,18 @@ class KerasFace(Face):
     def fit(self, data, **kw):
         return self.trainer.fit(*self.native(data), **kw)
 
+    def evaluate(self, data, batch_size):
+        return self.trainer.evaluate(*self.native(data), batch_size=batch_size)
+
     def save(self, path):
         self.trainer.save(path)
 
     def restore(self, path):
         return self.trainer.restore(path)
+
+    def loss(self, data):
+        x, y = self.native(data)
+        return float(self.trainer.loss(y, self.trainer.model(x, training=False)))
 
     def values(self):
         return keras_values(self.trainer.model, self.trainer.optimizer)

@@ -11,6 +11,7 @@ from backends import BATCH, SIZES, same, said
 from models import FEATURES, batches, cuts
 
 import hostavg
+from hostavg.hooks import SkipNonFinite
 
 
 class RaiseAt:
@@ -80,3 +81,28 @@ def test_a_failed_steps_error_names_the_data_rows(backend, failure):
     assert "micro-batch 1 of 3" in text
     assert f"data rows [{rows[1][0]}, {rows[1][1]}, " in text, text
     np.testing.assert_array_equal(getattr(raised.value, "rows", None), rows[1])
+
+
+def test_a_step_whose_every_micro_batch_is_dropped_is_skipped_and_changes_nothing(backend):
+    face = backend.make("batchnorm", hooks=[SkipNonFinite()])
+    data = batches(6, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))
+    before = face.values()
+    poisoned = dict(data[1], x=np.full_like(data[1]["x"], np.nan))
+    res = face.step(face.cut(poisoned, SIZES))
+    assert res.skipped and res.dropped == (0, 1, 2) and res.step == 1
+    same(face.values(), before)
+
+
+@pytest.mark.needs("dropped_micro_batch_leaves_no_trace")
+def test_a_dropped_micro_batch_leaves_nothing_behind(backend):
+    """What a micro-batch's forward pass assigned (moving statistics, the counter) goes with it
+    when a hook drops it: the model is as after the step over the other micro-batches."""
+    data = batches(11, 1, BATCH)[0]
+    data["x"][SIZES[0] + 2, 0] = np.nan  # in micro-batch 1
+    face = backend.make("batchnorm", hooks=[SkipNonFinite()])
+    assert face.step(face.cut(data, SIZES)).dropped == (1,)
+    others = backend.make("batchnorm")
+    micro = others.cut(data, SIZES)
+    others.step([micro[0], micro[2]])
+    same(face.values(), others.values())

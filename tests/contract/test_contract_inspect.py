@@ -7,7 +7,7 @@ from backends import BATCH, SIZES, same
 from models import LEARNING_RATES, OPTIMIZERS, batches
 
 import hostavg
-from hostavg.hooks import Record, SkipNonFinite, TensorBoard
+from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record, SkipNonFinite, TensorBoard
 
 
 @pytest.mark.parametrize("model,ok,verdict", [
@@ -23,6 +23,24 @@ def test_check_passes_a_mean_loss_and_names_a_sum_or_dropout(backend, model, ok,
     assert verdict in str(report), str(report)
     if model == "sum":
         assert report.scale == pytest.approx(4, rel=1e-4)  # 4 equal micro-batches
+
+
+def test_evaluate_is_the_frameworks_loss_over_all_the_data(backend):
+    face = backend.make("batchnorm")
+    data = batches(15, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))  # moving statistics away from their start
+    got = face.evaluate(data[1], batch_size=7)  # chunks of 7, 7, 7, 7 and 4
+    assert got["loss"] == pytest.approx(face.loss(data[1]), rel=1e-6)
+
+
+@pytest.mark.needs("evaluate_changes_nothing")
+def test_evaluate_changes_nothing(backend):
+    face = backend.make("batchnorm")
+    data = batches(15, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))
+    before = face.values()
+    face.evaluate(data[1], batch_size=7)
+    same(face.values(), before)
 
 
 @pytest.mark.needs("per_sample")
@@ -86,3 +104,31 @@ def test_skip_non_finite_drops_the_micro_batch_and_record_and_tensorboard_keep_t
         np.testing.assert_array_equal(step.mean[name], value)
     board.close()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def scaled(grads, max_norm: float) -> dict:
+    """``grads`` scaled down to global norm ``max_norm`` (dense gradients)."""
+    factor = min(1.0, max_norm / grads.global_norm())
+    return {name: np.asarray(value) * factor for name, value in grads.items()}
+
+
+@pytest.mark.parametrize("clip", [ClipGlobalNorm, ClipMicroBatchNorm])
+def test_clipping_hooks_apply_the_clipped_mean(backend, clip):
+    data = batches(14, 1, BATCH)[0]
+    face = backend.make(hooks=[clip(0.05)])
+    res = face.step(face.cut(data, SIZES))
+    twin = backend.make()
+    micro = twin.cut(data, SIZES)
+    if clip is ClipGlobalNorm:
+        want = scaled(twin.mean(micro), 0.05)
+        assert res.stats.grad_norm == pytest.approx(0.05, rel=1e-5)
+    else:  # each micro-batch clipped, then the sample-weighted mean
+        grads = [twin.compute(m) for m in micro]
+        acc = twin.accumulator()
+        for g in grads:
+            acc.add(scaled(g, 0.05), weight=g.size)
+        want = acc.mean()
+    for name in want:
+        np.testing.assert_allclose(res.grads[name], want[name], rtol=1e-6, atol=1e-9)
+    twin.apply(want)
+    same(face.values(), twin.values(), atol=1e-7, skip=face.assigned())

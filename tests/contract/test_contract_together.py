@@ -74,7 +74,9 @@ def test_fit_callbacks_get_the_step_level_hook_methods(backend):
 
 def test_trainer_hooks_get_every_step_and_on_epoch_end(backend):
     hook = Calls()
-    backend.make(hooks=[hook]).fit(fit_data(), **FIT)
+    face = backend.make(hooks=[hook])
+    assert face.trainer.hooks == (hook,)
+    face.fit(fit_data(), **FIT)
     assert hook.of("on_applied") == STEPS
     assert len(hook.of("on_micro_batch")) == MICRO_BATCHES
     assert hook.of("on_epoch_end") == [0, 1]
