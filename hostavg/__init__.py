@@ -14,7 +14,7 @@ import importlib
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
 from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
-from hostavg.engine.step import AVERAGE_MODES
+from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog

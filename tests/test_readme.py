@@ -31,7 +31,7 @@ def test_docstring_examples_run():
     import importlib
 
     import numpy
-    for name in ("accumulator", "engine", "gradients", "split", "stats"):
-        module = importlib.import_module(f"hostavg.{name}")  # hostavg.split is the function
+    for name in ("core.accumulator", "engine.batches", "core.gradients", "core.split", "core.stats"):
+        module = importlib.import_module(f"hostavg.{name}")
         result = doctest.testmod(module, extraglobs={"np": numpy}, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, name
