@@ -191,10 +191,6 @@ class TF1(Backend):
     #: models.build's options per model ("sum" rescales the mean loss, below).
     BUILD = {"mlp": {}, "embedding": {"sparse": True}, "batchnorm": {"update_op": True},
              "dropout": {"dropout": 0.25}, "sum": {}}
-    missing = {
-        "fit_callbacks_get_hook_methods": "fit callbacks get on_micro_batch, on_step, on_applied",
-        "trainer_hooks_get_on_train_end": "Trainer hooks get on_train_end from fit",
-    }
     bugs = {
         "rows_in_every_error": "BUG: an error found while a micro-batch is prepared (a feed of "
                                "the wrong shape) names the micro-batch but not the data rows "
@@ -202,9 +198,6 @@ class TF1(Backend):
         "dropped_micro_batch_leaves_no_trace": "BUG: a micro-batch a hook drops (SkipNonFinite) "
                                                "keeps what its forward pass assigned: NaN "
                                                "moving statistics stay in the model",
-        "evaluate_changes_nothing": "BUG: evaluate, which promises to change nothing, leaves "
-                                    "what the forward pass assigns (a counter) moved; check and "
-                                    "per_sample restore it",
     }
 
     def _model(self, model):
@@ -331,12 +324,6 @@ class Keras(Backend):
     twin model from the same weights."""
 
     id = "keras"
-    missing = {
-        "update_ratios": "Trainer(update_ratios_every=) and StepResult.learning_rate on keras",
-        "per_sample": "Trainer.per_sample on keras",
-        "step_together": "hostavg.keras.step_together",
-        **TF1.missing,
-    }
     bugs = TF1.bugs
 
     def _model(self, model):
