@@ -47,8 +47,12 @@ def failing(face, hook, failure: str, data: dict) -> list:
     return micro
 
 
+#: The data rows of the step's micro-batches, as fit passes them.
+ROWS = [np.random.default_rng(5).permutation(1000)[:BATCH][s] for s in cuts(BATCH, SIZES)]
+
+
 @pytest.mark.parametrize("failure", sorted(FAILURES))
-def test_a_failed_step_changes_nothing_and_names_its_micro_batch(backend, failure):
+def test_a_failed_step_changes_nothing_and_names_its_micro_batch_and_rows(backend, failure):
     hook = RaiseAt()
     face = backend.make("batchnorm", hooks=[hook])
     data = batches(4, 2, BATCH)
@@ -57,30 +61,24 @@ def test_a_failed_step_changes_nothing_and_names_its_micro_batch(backend, failur
     before = face.values()
     kind, word = FAILURES[failure]
     with pytest.raises(kind) as raised:
-        face.step(micro)
+        face.step(micro, rows=ROWS)
     same(face.values(), before)
-    assert word in said(raised.value)
-    assert "micro-batch 1 of 3" in said(raised.value)
+    text = said(raised.value)
+    assert word in text and "micro-batch 1 of 3" in text, text
+    if failure != "wrong-shape":  # a BUG there: test_an_error_found_while_preparing_names_rows
+        assert f"data rows [{ROWS[1][0]}, {ROWS[1][1]}, " in text, text
+        np.testing.assert_array_equal(raised.value.rows, ROWS[1])
     hook.armed = False
     assert face.step(face.cut(data[1], SIZES)).step == 2  # and the trainer steps on
 
 
-@pytest.mark.parametrize("failure", [
-    "nan-input", "hook-raises",
-    pytest.param("wrong-shape", marks=pytest.mark.needs("rows_in_every_error"))])
-def test_a_failed_steps_error_names_the_data_rows(backend, failure):
-    hook = RaiseAt()
-    face = backend.make("mlp", hooks=[hook])
-    data = batches(5, 2, BATCH)
-    face.step(face.cut(data[0], SIZES))
-    rows = np.random.default_rng(5).permutation(1000)[:BATCH]
-    rows = [rows[s] for s in cuts(BATCH, SIZES)]
-    with pytest.raises(FAILURES[failure][0]) as raised:
-        face.step(failing(face, hook, failure, data[1]), rows=rows)
-    text = said(raised.value)
-    assert "micro-batch 1 of 3" in text
-    assert f"data rows [{rows[1][0]}, {rows[1][1]}, " in text, text
-    np.testing.assert_array_equal(getattr(raised.value, "rows", None), rows[1])
+@pytest.mark.needs("rows_in_every_error")
+def test_an_error_found_while_preparing_names_rows(backend):
+    face = backend.make()
+    with pytest.raises(hostavg.HostavgError) as raised:
+        face.step(failing(face, None, "wrong-shape", batches(5, 1, BATCH)[0]), rows=ROWS)
+    assert f"data rows [{ROWS[1][0]}, {ROWS[1][1]}, " in str(raised.value), str(raised.value)
+    np.testing.assert_array_equal(getattr(raised.value, "rows", None), ROWS[1])
 
 
 def test_a_step_whose_every_micro_batch_is_dropped_is_skipped_and_changes_nothing(backend):

@@ -28,22 +28,29 @@ def oracle(backend, model: str, optimizer: str) -> dict:
     return backend.oracle(model, optimizer, batches(0, STEPS, BATCH, sparse=model == "embedding"))
 
 
-#: Every optimizer in "sum" mode, and "stack" mode with Adam: the mode only changes how the
-#: mean is formed before any optimizer sees it (the two means are equal bit for bit, below).
-MODES = [(optimizer, "sum") for optimizer in sorted(OPTIMIZERS)] + [("adam", "stack")]
+#: (model, optimizer, accumulate, micro-batch sizes): both models with every optimizer in
+#: "sum" mode over unequal micro-batches, and with Adam in "stack" mode (the mode only changes
+#: how the mean is formed before an optimizer sees it; the two means are equal bit for bit,
+#: below); and the MLP over equal micro-batches, which the accumulator adds without scaling
+#: (a path of dense gradients alone).
+CASES = [(model, optimizer, "sum", SIZES) for model in ("mlp", "embedding")
+         for optimizer in sorted(OPTIMIZERS)] + [
+    ("mlp", "adam", "stack", SIZES), ("embedding", "adam", "stack", SIZES),
+    ("mlp", "adam", "sum", (BATCH // 2, BATCH // 2))]
+IDS = [f"{m}-{o}-{a}" + ("-equal" if s != SIZES else "") for m, o, a, s in CASES]
 
 
-@pytest.mark.parametrize("optimizer,accumulate", MODES, ids=["-".join(m) for m in MODES])
-@pytest.mark.parametrize("model", ["mlp", "embedding"])
-def test_an_accumulated_step_equals_the_full_batch_step(backend, model, optimizer, accumulate):
+@pytest.mark.parametrize("model,optimizer,accumulate,sizes", CASES, ids=IDS)
+def test_an_accumulated_step_equals_the_full_batch_step(backend, model, optimizer, accumulate,
+                                                        sizes):
     data = batches(0, STEPS, BATCH, sparse=model == "embedding")
     want = oracle(backend, model, optimizer)
     face = backend.make(model, optimizer, accumulate=accumulate)
-    results = [face.step(face.cut(d, SIZES)) for d in data]
+    results = [face.step(face.cut(d, sizes)) for d in data]
     same(face.values(), want, atol=ATOL, skip=face.assigned())
     assert [r.step for r in results] == list(range(1, STEPS + 1))
     assert results[-1].size == BATCH
-    assert [m.size for m in results[-1].micro] == list(SIZES)
+    assert [m.size for m in results[-1].micro] == list(sizes)
     assert all((m.grads is not None) == (accumulate == "stack") for m in results[-1].micro)
     sparse = {name for name, s in face.trainer.spec.items() if s.sparse}
     assert len(sparse) == (model == "embedding")
@@ -62,10 +69,19 @@ def test_compute_add_mean_apply_is_a_step_in_either_mode_bit_for_bit(backend, mo
                                                                       stepped):
     data = batches(1, 1, BATCH, sparse=model == "embedding")[0]
     a, b = backend.make(model, accumulate=interactive), backend.make(model, accumulate=stepped)
-    mean = a.mean(a.cut(data, SIZES))
+    grads = [a.compute(m) for m in a.cut(data, SIZES)]
+    acc = a.accumulator()
+    for g in grads:
+        acc.add(g)
+    mean = acc.mean()
     assert mean.size == BATCH
     assert a.apply(mean) == 1
     res = b.step(b.cut(data, SIZES))
+    if stepped == "stack":  # each micro-batch's gradients as compute gives them
+        for m, g in zip(res.micro, grads):
+            assert m.grads.keys() == g.keys() and m.loss == g.loss and m.size == g.size
+            for name in g:
+                np.testing.assert_array_equal(m.grads[name], g[name])
     assert res.loss == pytest.approx(mean.loss, rel=1e-12)
     assert res.grads.keys() == mean.keys()
     for name in mean:
@@ -94,8 +110,8 @@ def test_compute_assigns_exactly_the_rollback_variables_and_hands_out_read_only_
 
 
 def test_an_overlapped_step_is_the_plain_step_bit_for_bit(backend):
-    data = batches(3, 2, BATCH, sparse=True)
-    plain, overlapped = backend.make("embedding"), backend.make("embedding", overlap=True)
+    data = batches(3, 2, BATCH)
+    plain, overlapped = backend.make("batchnorm"), backend.make("batchnorm", overlap=True)
     for d in data:
         a, b = (face.step(face.cut(d, SIZES)) for face in (plain, overlapped))
         assert a.loss == b.loss

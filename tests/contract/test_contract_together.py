@@ -61,30 +61,18 @@ def fit_data():
     return batches(13, 1, 40)[0]
 
 
-@pytest.mark.needs("fit_callbacks_get_hook_methods")
-def test_fit_callbacks_get_the_step_level_hook_methods(backend):
-    callback = Calls()
-    backend.make().fit(fit_data(), callbacks=[callback], **FIT)
-    assert callback.of("on_applied") == STEPS
-    assert len(callback.of("on_step")) == len(STEPS)
-    assert len(callback.of("on_micro_batch")) == MICRO_BATCHES
-    assert callback.of("on_epoch_end") == [0, 1]
-    assert len(callback.of("on_train_end")) == 1
-
-
-def test_trainer_hooks_get_every_step_and_on_epoch_end(backend):
-    hook = Calls()
+@pytest.mark.needs("fit_callbacks_get_hook_methods", "trainer_hooks_get_on_train_end")
+def test_hooks_and_fit_callbacks_get_every_hook_method(backend):
+    """An object's hook methods are called wherever it is registered: in the trainer's hooks
+    or in fit's callbacks."""
+    hook, callback = Calls(), Calls()
     face = backend.make(hooks=[hook])
     assert face.trainer.hooks == (hook,)
-    face.fit(fit_data(), **FIT)
-    assert hook.of("on_applied") == STEPS
-    assert len(hook.of("on_micro_batch")) == MICRO_BATCHES
-    assert hook.of("on_epoch_end") == [0, 1]
-    assert hook.of("close") == [None]
-
-
-@pytest.mark.needs("trainer_hooks_get_on_train_end")
-def test_trainer_hooks_get_on_train_end(backend):
-    hook = Calls()
-    backend.make(hooks=[hook]).fit(fit_data(), **FIT)
-    assert hook.of("on_train_end") == [None]
+    face.fit(fit_data(), callbacks=[callback], **FIT)
+    for heard in (hook, callback):
+        assert heard.of("on_applied") == STEPS
+        assert len(heard.of("on_step")) == len(STEPS)
+        assert len(heard.of("on_micro_batch")) == MICRO_BATCHES
+        assert heard.of("on_epoch_end") == [0, 1]
+        assert heard.of("on_train_end") == [None]
+        assert heard.of("close") == [None]
