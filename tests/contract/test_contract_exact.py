@@ -109,6 +109,19 @@ def test_compute_assigns_exactly_the_rollback_variables_and_hands_out_read_only_
     assert moved == face.assigned() != set()  # moving statistics and the counter, nothing else
 
 
+def test_apply_takes_an_edited_dict_and_runs_no_forward_pass(backend):
+    face = backend.make("batchnorm")
+    data = batches(2, 1, BATCH)[0]
+    g = face.compute(face.cut(data, SIZES)[0])
+    edited = {name: np.array(value) * 0.5 for name, value in g.items()}  # writable copies
+    before = face.values()
+    assert face.apply(edited) == 1
+    after = face.values()
+    for name in face.assigned():  # no forward pass: no moving statistic, no counter moved
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    assert all(not np.array_equal(after[name], before[name]) for name in face.trainer.spec)
+
+
 def test_an_overlapped_step_is_the_plain_step_bit_for_bit(backend):
     data = batches(3, 2, BATCH)
     plain, overlapped = backend.make("batchnorm"), backend.make("batchnorm", overlap=True)
