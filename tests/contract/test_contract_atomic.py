@@ -41,9 +41,9 @@ def failing(face, hook, failure: str, data: dict) -> list:
     if failure == "hook-raises":
         hook.armed = True
     if failure == "wrong-shape":
-        rows = cuts(BATCH, SIZES)[1]
+        second = cuts(BATCH, SIZES)[1]
         micro[1] = face.cut({"x": np.ones((SIZES[1], FEATURES - 1), np.float32),
-                             "y": data["y"][rows]}, SIZES[1:2])[0]
+                             "y": data["y"][second]}, SIZES[1:2])[0]
     return micro
 
 
