@@ -130,7 +130,7 @@ def test_one_display_per_epoch_under_the_historys_names(tmp_path, capsys, monkey
     out = capsys.readouterr()
     lines = [line for line in out.out.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2 and "val_loss" in lines[0] and "val_accuracy" in lines[0], lines
-    assert all(re.search(r"\(took \d+\.\d s; \d+\.\d s in all\)$", line) for line in lines), lines
+    assert all(re.search(r"\(took \d+\.\d\d s; \d+\.\d\d s in all\)$", line) for line in lines), lines
     assert "test loss" not in lines[0] and out.err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar alone
     assert main(argv) == 0
@@ -165,7 +165,9 @@ def test_resuming_says_from_where_and_a_finished_run_says_so(tmp_path, capsys):
     assert main([*argv, "--epochs", "2"]) == 0
     printed = capsys.readouterr().out
     assert "resumed from" in printed and "after 12 steps" in printed
-    assert "nothing left to train: the checkpoint's run had finished its 2 epochs" in printed
+    assert "nothing left to train: the checkpoint's run had finished 2 epochs (--epochs 2)" in printed
+    assert main([*argv, "--epochs", "1"]) == 0
+    assert "the checkpoint's run had finished 2 epochs (--epochs 1)" in capsys.readouterr().out
 
 
 def test_ctrl_c_says_where_the_checkpoint_is(tmp_path, capsys, monkeypatch):

@@ -285,7 +285,7 @@ class _EpochPrinter:
         now = time.perf_counter()
         print(f"epoch {epoch + 1}/{self.epochs}: loss {logs['loss']:.4f}, "
               f"val_loss {logs['val_loss']:.4f}, val_accuracy {logs['val_accuracy']:.4f} "
-              f"(took {now - self.last:.1f} s; {now - self.first:.1f} s in all)", flush=True)
+              f"(took {now - self.last:.2f} s; {now - self.first:.2f} s in all)", flush=True)
         self.last = now
 
 
@@ -307,11 +307,14 @@ class _Report:
             print(f"resumed from {_latest_checkpoint(self.args.checkpoint_dir)} at global step "
                   f"{step}", flush=True)
 
-    def finish(self, summary: dict) -> None:
-        """Prints what a resume left to do and the stack statistics; adds them to ``summary``."""
+    def finish(self, history, summary: dict) -> None:
+        """Prints why a resumed run trained nothing and the stack statistics; adds those to
+        ``summary``."""
         if self.resumed is not None and not self.applied and not self.args.quiet:
-            print(f"nothing left to train: the checkpoint's run had finished its "
-                  f"{self.args.epochs} epochs", flush=True)
+            print(f"nothing left to train: the checkpoint's run had finished "
+                  f"{len(history.epochs)} epochs (--epochs {self.args.epochs})"
+                  + (f" and was stopped: {history.stopped}" if history.stopped else ""),
+                  flush=True)
         stats = self.last.stats if self.last is not None else None
         if stats is None or stats.cosines is None:  # sum mode, or over MPI
             return
@@ -369,7 +372,7 @@ def _train(args) -> int:
                "test_loss": result["loss"], "steps": len(history.steps),
                "samples": history.samples, "self_check": check.ok,
                "seconds": round(time.perf_counter() - t0, 3)}
-    report.finish(summary)
+    report.finish(history, summary)
     if comm is None or comm.Get_rank() == 0:
         print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
               f"after {summary['steps']} steps, {summary['samples']} samples, "
