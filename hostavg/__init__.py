@@ -1,20 +1,28 @@
-"""hostavg: large-batch training of TensorFlow graph-mode models, with gradients averaged on the host.
+"""hostavg: large-batch training on one small device, with every micro-batch's gradient on the host.
 
 Per optimizer step, each micro-batch's gradients are fetched to NumPy, summed
-or stacked and averaged on the host (sample-weighted), and the mean is fed back
-through the gradient tensors to a train op that runs once.
+or stacked and averaged on the host (sample-weighted), and the mean is applied
+once: the step equals the full-batch step, and every gradient can be looked at.
 
-The host math (:class:`Gradients`, :class:`Accumulator`, :func:`split`) is
-pure NumPy; TensorFlow is imported the first time a name that needs it (such
-as :class:`Trainer`) is used, so ``import hostavg`` stays fast. Keras 3 models
-have their own trainer, ``hostavg.keras.Trainer``, after ``import hostavg.keras``.
+One trainer contract, two faces that differ only in how data is given:
+:class:`Trainer` for ``tf.compat.v1`` graphs (a session and feed dicts), and
+``hostavg.keras.Trainer`` for Keras 3 models (``(x, y[, sample_weight])``),
+after ``import hostavg.keras``. Both are thin bindings of
+:class:`hostavg.train.trainer.BaseTrainer` over the framework-free step engine
+(:mod:`hostavg.engine`).
+
+The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine`,
+:mod:`hostavg.train` and :mod:`hostavg.inspect` import no framework;
+:mod:`hostavg.tf1` and :mod:`hostavg.keras` are the backends; TensorFlow is
+imported the first time a name that needs it (such as :class:`Trainer`) is
+used, so ``import hostavg`` stays fast.
 """
 
 import importlib
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
 from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
-from hostavg.engine.step import AVERAGE_MODES
+from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog

@@ -1,4 +1,14 @@
-"""Public namespace ``hostavg.hooks``: the names of :mod:`hostavg.train.hooks`."""
+"""Public namespace ``hostavg.hooks``: the built-in hooks (:class:`~hostavg.core.results.Hook`).
 
-from hostavg.train.hooks import *  # noqa: F401,F403
-from hostavg.train.hooks import __all__  # noqa: F401
+Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
+:class:`ClipMicroBatchNorm` (:mod:`hostavg.train.hooks`). Writing what
+happened: :class:`Record` (:mod:`hostavg.inspect.record`) and
+:class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`).
+"""
+
+from hostavg.core.results import Drop, Hook
+from hostavg.inspect.record import Record
+from hostavg.inspect.tensorboard import TensorBoard
+from hostavg.train.hooks import ClipGlobalNorm, ClipMicroBatchNorm, SkipNonFinite
+
+__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "Hook", "Record", "SkipNonFinite", "TensorBoard"]

@@ -555,15 +555,17 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     history = trainer.fit(sess, data, callbacks=None, **dict(FIT, epochs=1))
     assert len(history.steps) == 5
     with pytest.raises(hostavg.HostavgError, match=r"^callbacks must be a list of objects with "
-                       r"on_step_end or on_epoch_end or on_train_end \(or None\), got "
-                       r"<hostavg.callbacks.EarlyStopping"):
+                       r"on_micro_batch or on_step or on_applied or on_epoch_end or on_resume or "
+                       r"on_train_end or close or on_step_end \(or None\), got "
+                       r"<hostavg.train.callbacks.EarlyStopping"):
         trainer.fit(sess, data, callbacks=hostavg.EarlyStopping(), **FIT)
     model = build()
     with model.graph.as_default():
         assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None).hooks == ()
         with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
-                           r"on_micro_batch or on_step or on_applied \(or None\), got "
-                           r"<hostavg.hooks.SkipNonFinite"):
+                           r"on_micro_batch or on_step or on_applied or on_epoch_end or "
+                           r"on_resume or on_train_end or close or on_step_end \(or None\), got "
+                           r"<hostavg.train.hooks.SkipNonFinite"):
             hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1),
                             hooks=hostavg.hooks.SkipNonFinite())
 

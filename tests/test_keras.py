@@ -213,8 +213,10 @@ def test_batch_norm_statistics_update_per_micro_batch_and_a_failed_step_restores
     np.testing.assert_allclose(bn.moving_variance.numpy(), twin_bn.moving_variance.numpy(),
                                rtol=1e-6)
     rollback = {v.path for v in trainer.rollback_variables}
-    assert rollback == {"bn/moving_mean", "bn/moving_variance",
-                        "seed_generator/seed_generator_state"}  # not the frozen backbone
+    # Not the frozen backbone; the dropout's seed state is named by a process-wide counter.
+    assert {p for p in rollback if p.startswith("bn/")} == {"bn/moving_mean", "bn/moving_variance"}
+    (seed,) = rollback - {"bn/moving_mean", "bn/moving_variance"}
+    assert seed.endswith("/seed_generator_state"), rollback
 
     before = [v.numpy() for v in model.variables + trainer.optimizer.variables]
     x, y = xy(data[1])

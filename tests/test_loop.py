@@ -198,7 +198,7 @@ def test_save_restore_round_trip_and_a_different_model_is_refused(tmp_path):
     with pytest.raises(hostavg.HostavgError, match=r"written by a different model: missing \[\], "
                                                    r"unexpected \[\], mismatched \['hidden0/kernel': \(10, 16\) "
                                                    r"float32 in the checkpoint, \(10, 8\) float32 in "
-                                                   r"the graph, .* and 6 more"):
+                                                   r"the model, .* and 6 more"):
         other_trainer.restore(other_sess, tmp_path / "a.npz")
     assert_bitwise_equal(weights(other, other_sess), before)
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 half a zip")

@@ -407,7 +407,7 @@ def test_rows_go_onto_micro_batches_and_into_errors():
     unchanged(case, lambda: case.trainer.step(case.sess, case.feeds, rows=[[1, 2]] * 4),
               r"micro-batch 0 of 4: rows must be 10 integer row indices, one per sample, got "
               r"shape \(2,\)")
-    assert hostavg.engine.step.describe_rows(np.arange(96, 128)) == "rows 96:128"
+    assert hostavg.engine.batches.describe_rows(np.arange(96, 128)) == "rows 96:128"
 
 
 def test_per_sample_is_each_sample_alone_against_the_feeds_mean_and_changes_nothing():

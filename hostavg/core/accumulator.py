@@ -277,10 +277,12 @@ class Accumulator:
         loss = getattr(grads, "loss", None)
         values = conform(self.spec, grads, what=what)
         sq_norm = check_finite(values, what, loss, getattr(grads, "sq_norms", None))
-        self._append(values, float(weight), loss, sq_norm)
+        self.add_checked(values, float(weight), loss, sq_norm)
 
-    def _append(self, values: dict, weight: float, loss: float | None, sq_norm: float) -> None:
-        """Adds values that :func:`~hostavg.gradients.conform` and :func:`check_finite` passed."""
+    def add_checked(self, values: dict, weight: float, loss: float | None, sq_norm: float) -> None:
+        """Adds ``values`` that :func:`~hostavg.core.gradients.conform` and
+        :func:`~hostavg.core.gradients.check_finite` passed (the engine's path: :meth:`add`
+        checks, then calls this), with their squared norm ``sq_norm``; nothing is copied."""
         for name, value in values.items():
             if name in self._rows:
                 self._rows[name].append((value.indices, value.values, weight))

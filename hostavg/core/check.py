@@ -24,11 +24,39 @@ import numpy as np
 
 from hostavg.core.gradients import SparseGradient
 
-__all__ = ["CheckReport", "diagnose"]
+__all__ = ["ADVICE", "CheckReport", "diagnose"]
 
 #: Relative difference under which two gradients count as equal, by dtype:
 #: room for summation order (float32: ~1e-6 seen), far below any real cause.
 TOLERANCE = {np.dtype("float16"): 1e-2, np.dtype("float32"): 1e-4, np.dtype("float64"): 1e-9}
+
+#: A variable's difference is judged relative to its own gradient's norm, but never to less
+#: than this fraction of the whole gradient's norm: a variable whose true gradient is zero (a
+#: bias the softmax cancels, such as an attention key's) holds round-off alone, and round-off
+#: relative to zero is anything. Differences below FLOOR * TOLERANCE of the whole gradient
+#: (1e-7 in float32) are not seen; a sum loss or a batch-dependent op moves every variable by
+#: far more.
+FLOOR = 1e-3
+
+#: What to do about each cause, in the words of the user's framework: cause -> advice.
+ADVICE = {
+    "tf1": {
+        "random": "Turn them off for the check (a keep_prob or dropout-rate placeholder fed "
+                  "1.0 or 0.0, a training placeholder fed False) and check again",
+        "scale": "Use the mean over the micro-batch's samples, tf.reduce_mean",
+        "batch": "such as batch norm in training mode (tf.compat.v1.layers.batch_normalization "
+                 "with training=True)",
+    },
+    "keras": {
+        "random": "hostavg computes with training=True, so keras.layers.Dropout (and other "
+                  "random layers) draw anew each run: check a model built with their rate 0, "
+                  "or expect each micro-batch to draw its own mask",
+        "scale": "Use a keras.losses.Loss with reduction='sum_over_batch_size' (the default), "
+                 "or a loss function that returns the mean over the batch",
+        "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
+                 "micro-batch by its own statistics",
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +66,8 @@ class CheckReport:
     Attributes:
       ok: the sample-weighted mean of the micro-batch gradients equals the
         whole feed's gradient for every variable, within :data:`TOLERANCE`.
-      max_rel_diff: name -> |mean - whole| / |whole| (L2 norms) per variable.
+      max_rel_diff: name -> |mean - whole| / max(|whole|, FLOOR * |W|) per
+        variable (L2 norms; W: the whole gradient of every variable).
       micro_batches: how many micro-batches the feed was cut into.
       scale: |whole| / |mean| over all variables (1 when ok; the number of
         micro-batches for a loss that is a sum).
@@ -63,22 +92,32 @@ class CheckReport:
         return f"self-check FAILED: {self.micro_batches} micro-batches differ ({said}): {self.cause}"
 
 
-def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int) -> CheckReport:
+def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
+             framework: str = "tf1") -> CheckReport:
     """Compares the micro-batch mean with the whole feed's gradient, and says why they differ.
+
+    Each variable's difference is ``|mean - whole| / max(|whole|, FLOOR * |W|)``
+    (L2 norms; W: the whole gradient over every variable), judged against
+    :data:`TOLERANCE` for its dtype: see :data:`FLOOR`.
 
     Args:
       whole, again: the gradient of the whole feed, run twice from the same weights.
       mean: the sample-weighted mean of its micro-batches' gradients.
       micro_batches: how many there were.
+      framework: whose words the advice uses, a key of :data:`ADVICE`.
     """
+    advice = ADVICE[framework]
+    dense = {name: [_dense(g[name]) for g in (whole, again, mean)] for name in whole}
+    floor = FLOOR * math.sqrt(math.fsum(float(w @ w) for w, _, _ in dense.values()))
     rel, noise, sq_whole, sq_mean, dot = {}, 0.0, 0.0, 0.0, 0.0
     ok = True
-    for name in whole:
+    for name, (w, a, m) in dense.items():
         tolerance = TOLERANCE.get(np.dtype(whole[name].dtype), 1e-4)
-        w, a, m = (_dense(g[name]) for g in (whole, again, mean))
         nw = float(np.linalg.norm(w))
-        rel[name] = float(np.linalg.norm(m - w)) / nw if nw else float(np.linalg.norm(m))
-        noise = max(noise, float(np.linalg.norm(a - w)) / nw if nw else float(np.linalg.norm(a)))
+        scale_of = max(nw, floor)
+        rel[name] = float(np.linalg.norm(m - w)) / scale_of if scale_of else float(np.linalg.norm(m))
+        noise = max(noise, float(np.linalg.norm(a - w)) / scale_of if scale_of
+                    else float(np.linalg.norm(a)))
         ok &= rel[name] <= tolerance
         sq_whole, sq_mean, dot = sq_whole + nw * nw, sq_mean + float(m @ m), dot + float(w @ m)
     scale = math.sqrt(sq_whole / sq_mean) if sq_mean else math.inf
@@ -86,24 +125,24 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int) 
     cause = None
     if not ok:
         tolerance = max(TOLERANCE.values())
+        scaled = cosine > 0.9999 and abs(scale - 1) > 0.01
         if noise > tolerance:
             cause = (f"the same feed gives another gradient each run (by {noise:.2g}): random ops "
-                     f"in training mode, such as dropout or a sampled loss. Turn them off for the "
-                     f"check (keep_prob 1.0, training False) and check again")
-        elif cosine > 0.9999 and micro_batches > 1 and abs(scale / micro_batches - 1) < 0.05:
+                     f"in training mode, such as dropout or a sampled loss. {advice['random']}")
+        elif scaled and micro_batches > 1 and abs(scale / micro_batches - 1) < 0.05:
             cause = (f"the whole gradient is {scale:.3g} times the micro-batch mean, about the "
                      f"number of micro-batches: the loss grows with the number of samples (a "
-                     f"sum over samples, or a division by a fixed batch size). Use the mean, "
-                     f"tf.reduce_mean, so that micro-batches average to the batch")
-        elif cosine > 0.9999:
+                     f"sum over samples, or a division by a fixed batch size). "
+                     f"{advice['scale']}, so that micro-batches average to the batch")
+        elif scaled:
             cause = (f"the whole gradient is {scale:.3g} times the micro-batch mean: the loss "
                      f"is scaled by something that depends on the feed's size (a sum over "
-                     f"samples, a division by a fixed batch size). Use tf.reduce_mean")
+                     f"samples, a division by a fixed batch size). {advice['scale']}")
         else:
-            cause = ("the micro-batches see something the whole feed does not: an op that "
-                     "computes over the batch, such as batch norm in training mode (statistics "
-                     "of each micro-batch instead of the batch). Expect a k-micro-batch step to "
-                     "differ from a full-batch step; larger micro-batches make it smaller")
+            cause = (f"the micro-batches see something the whole feed does not: an op that "
+                     f"computes over the batch, {advice['batch']} (statistics of each "
+                     f"micro-batch instead of the batch). Expect a k-micro-batch step to differ "
+                     f"from a full-batch step; larger micro-batches make it smaller")
     return CheckReport(bool(ok), rel, micro_batches, scale, noise, cause)
 
 

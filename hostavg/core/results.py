@@ -17,10 +17,12 @@ from typing import Protocol
 import numpy as np
 
 from hostavg.core.gradients import Gradients
-from hostavg.inspect.record import pandas
+from hostavg.core.errors import HostavgError
+from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
-__all__ = ["Drop", "Hook", "MicroBatch", "StepResult"]
+__all__ = ["FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "STEP_METHODS", "StepResult",
+           "check_quantity"]
 
 
 @dataclass(frozen=True)
@@ -151,27 +153,40 @@ class StepResult:
 
 
 class Hook(Protocol):
-    """What a trainer calls during a step; a hook has any of these methods.
+    """The one hook protocol: an object with any of these methods, registered with
+    ``Trainer(hooks=[...])`` or ``fit(callbacks=[...])``; each method is called wherever
+    the object is registered.
 
-    ``on_micro_batch(micro)`` gets each :class:`MicroBatch`, with its
-    gradients, before it is accumulated, and returns None (keep it), a
-    mapping of replacement gradients, or a :class:`Drop`.
-    ``on_step(mean, result)`` gets the mean :class:`Gradients` and the
-    :class:`StepResult` before the apply, and returns None or a replacement
-    mean. ``on_applied(result)`` gets the final StepResult once the apply
-    succeeded (what was applied, ``update_ratios``, ``learning_rate``); it is
-    never called for a step that failed, was rolled back or was skipped, so a
-    hook that writes steps somewhere (:class:`hostavg.hooks.Record`,
-    :class:`hostavg.hooks.TensorBoard`) writes only steps that happened.
+    Per step (by the trainer, inside every step, fit's or yours):
 
-    Hooks run in the order given; an exception raised in a hook propagates as
-    it is, with a note naming the hook and the micro-batch; raised before the
-    apply, nothing is applied; raised in ``on_applied``, the step was applied.
+    - ``on_micro_batch(micro)`` gets each :class:`MicroBatch`, with its
+      gradients, before it is accumulated, and returns None (keep it), a
+      mapping of replacement gradients, or a :class:`Drop`.
+    - ``on_step(mean, result)`` gets the mean :class:`Gradients` and the
+      :class:`StepResult` before the apply, and returns None or a replacement mean.
+    - ``on_applied(result)`` gets the final StepResult once the apply succeeded
+      (what was applied, ``update_ratios``, ``learning_rate``); it is never
+      called for a step that failed, was rolled back or was skipped, so a hook
+      that writes steps somewhere (:class:`hostavg.hooks.Record`,
+      :class:`hostavg.hooks.TensorBoard`) writes only steps that happened.
 
-    ``fit`` also calls, where a hook has them: ``on_epoch_end(epoch, logs)``
-    after each epoch (with the validation results), ``on_resume(step)`` when
-    it resumes from a checkpoint at global step ``step``, and ``close()`` when
-    it ends, however it ends.
+    Per fit (by ``fit``, for the trainer's hooks and fit's callbacks alike):
+
+    - ``on_epoch_end(epoch, logs)`` after each epoch (from 0; ``logs`` holds
+      "loss", "samples", "steps" and the validation results "val_*"); raising
+      :class:`~hostavg.StopTraining` ends fit cleanly;
+    - ``on_resume(step)`` when fit resumes from a checkpoint at global step ``step``;
+    - ``on_train_end(history)`` once, when fit ends short of an exception;
+    - ``close()`` when fit ends, however it ends.
+
+    ``on_step_end(step, result)``, the callback method of earlier versions, is
+    still called by fit after each step it counted (after ``on_applied``, once
+    the step is in the History and checkpointed); new code uses ``on_applied``.
+
+    Hooks run in the order given, the trainer's before fit's callbacks; an
+    exception raised in a step-level method propagates as it is, with a note
+    naming the hook and the micro-batch; raised before the apply, nothing is
+    applied; raised in ``on_applied``, the step was applied.
     """
 
     def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | None: ...
@@ -179,3 +194,27 @@ class Hook(Protocol):
     def on_step(self, mean: Gradients, result: StepResult) -> Mapping | None: ...
 
     def on_applied(self, result: StepResult) -> None: ...
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None: ...
+
+    def on_resume(self, step: int) -> None: ...
+
+    def on_train_end(self, history) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: The hook methods a step calls (the trainer), and those fit calls.
+STEP_METHODS = ("on_micro_batch", "on_step", "on_applied")
+FIT_METHODS = ("on_epoch_end", "on_resume", "on_train_end", "close", "on_step_end")
+#: Any of these makes an object a hook.
+HOOK_METHODS = STEP_METHODS + FIT_METHODS
+
+
+#: What a per-variable view shows: each variable's gradient norm, or |update| / |weights|.
+QUANTITIES = ("grad_norm", "update_ratio")
+
+
+def check_quantity(quantity: str) -> None:
+    if quantity not in QUANTITIES:
+        raise HostavgError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")

@@ -52,6 +52,7 @@ __all__ = [
     "orthogonality_test",
     "pairwise_cosines",
     "step_stats",
+    "update_ratio",
 ]
 
 GSNR_EPS = 1e-5
@@ -460,3 +461,16 @@ class NoiseScale:
 
     def __repr__(self) -> str:
         return f"NoiseScale(beta={self.beta}, b_simple={self.b_simple}, updates={self._n})"
+
+
+def update_ratio(update_sq: float, weight_sq: float) -> float:
+    """|update| / |weights| from their squared L2 norms: 0 where nothing moved, inf where
+    weights of norm 0 moved (``StepResult.update_ratios``).
+
+    Example:
+      >>> update_ratio(1.0, 4.0), update_ratio(0.0, 0.0), update_ratio(1.0, 0.0)
+      (0.5, 0.0, inf)
+    """
+    if update_sq == 0:
+        return 0.0
+    return math.sqrt(update_sq / weight_sq) if weight_sq > 0 else math.inf

@@ -45,7 +45,7 @@ import weakref
 import numpy as np
 
 from hostavg.core.accumulator import Reduction, aligned_empty, stack_sum, weighted_rows
-from hostavg.engine.step import Tally
+from hostavg.engine.protocols import Tally
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import coalesce_rows
 

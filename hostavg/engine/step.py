@@ -30,11 +30,13 @@ at once (it is rolled back); one that arrives from the apply on waits until
 the step has returned (or, in fit, until the step is counted), so a step is
 applied completely or not at all (:mod:`hostavg.signals`).
 
-The engine knows no framework. What it needs of one is a :class:`Backend`
-(the TF1 session wiring, :mod:`hostavg.graph`; a Keras model), and where the
-mean is computed is an :class:`Average` chosen when the trainer is made
-(:class:`HostAverage`: NumPy; ``hostavg.graph.GraphAverage``: a small graph
-in the session; ``hostavg.mpi.Distributed``: across MPI ranks).
+The engine knows no framework. What it needs of one is a
+:class:`~hostavg.engine.protocols.Backend` (the TF1 session wiring,
+:mod:`hostavg.tf1`; a Keras model, :mod:`hostavg.keras`), and where the mean
+is computed is an :class:`~hostavg.engine.protocols.Average` chosen when the
+trainer is made (:class:`~hostavg.engine.protocols.HostAverage`: NumPy;
+``hostavg.tf1.graph.GraphAverage``: a small graph in the session;
+``hostavg.engine.mpi.Distributed``: across MPI ranks).
 
 Threading: a trainer runs one step at a time. A second :meth:`Engine.step`
 while one is running (from another thread, or from a hook) raises
@@ -48,25 +50,24 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from hostavg.core.accumulator import Accumulator, Reducer
+from hostavg.core.accumulator import Accumulator
 from hostavg.core.check import CheckReport, diagnose
-from hostavg.core.errors import HostavgError, flag, object_list, positive_int
-from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, freeze,
-                               squared_norm)
+from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
-from hostavg.engine.signals import hold, region
 from hostavg.core.stats import StepStats, step_stats
+from hostavg.engine.batches import prepare
+from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
+from hostavg.engine.overlap import overlapped, worker
+from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
+from hostavg.engine.signals import hold, region
 
-__all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "Engine", "HostAverage",
-           "SampleStats", "Tally", "describe_rows", "normalize_hooks", "step_together"]
+__all__ = ["Engine", "step_together"]
 
 #: What a non-finite mean of finite micro-batches means, accumulated in a narrower dtype.
 OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted sum overflowed the "
@@ -75,183 +76,6 @@ OVERFLOW_HINT = ("Every micro-batch's gradients were finite, so their weighted s
 CAST_HINT = ("Every micro-batch's gradients were finite and were summed in float64, so the "
              "mean itself is beyond the range of the variables' dtype: scale the loss down, or "
              "clip the gradients (hostavg.hooks.ClipGlobalNorm).")
-
-#: Where a trainer computes the mean of the accumulated gradients. "host":
-#: with NumPy. "graph": in the session, as a division of the fed running sum
-#: ("sum") or a weighted reduce over a fed stack of micro-batch gradients ("stack").
-AVERAGE_MODES = ("host", "graph")
-
-
-class Computed(NamedTuple):
-    """One micro-batch as a backend computed it.
-
-    Attributes:
-      loss: its mean loss (a float, or a 0-d array).
-      grads: name -> frozen array or SparseGradient of frozen arrays
-        (:func:`~hostavg.gradients.freeze`), exactly the spec's names.
-      global_step: the global step before this step's apply.
-      sq_norms: name -> squared L2 norm of each gradient (sparse rows
-        coalesced), reduced where the values were made.
-    """
-
-    loss: Any
-    grads: dict
-    global_step: int
-    sq_norms: dict
-
-
-class Applied(NamedTuple):
-    """What a backend's apply reports.
-
-    Attributes:
-      global_step: the global step after the apply.
-      update_ratios: name -> |w_after - w_before| / |w_before| of each trained
-        variable (L2 norms over the whole variable, reduced where the values
-        live, in the same call as the apply); 0 where nothing moved, inf where
-        a variable of norm 0 moved. None where the backend cannot tell.
-      learning_rate: the optimizer's learning rate as this apply used it (a
-        schedule's value at this step), or None where the optimizer exposes none.
-    """
-
-    global_step: int
-    update_ratios: dict | None = None
-    learning_rate: float | None = None
-
-
-class SampleStats(NamedTuple):
-    """Per sample of a feed (:meth:`Engine.per_sample`), in order.
-
-    Attributes:
-      losses: each sample's loss.
-      norms: each sample's gradient norm (NaN or Inf where non-finite).
-      cosines: each sample's cosine with the mean gradient of the feed's
-        samples whose loss and gradient are finite (NaN for the others, and
-        where a norm is 0).
-    """
-
-    losses: tuple
-    norms: tuple
-    cosines: tuple
-
-
-class Backend(Protocol):
-    """What the engine needs of a framework: one model, bound to where its values live.
-
-    Errors of the framework are raised as :class:`~hostavg.HostavgError` whose
-    message says what failed and what to do, without saying where (the engine
-    adds the micro-batch).
-    """
-
-    #: name -> VariableSpec of every trained variable.
-    spec: Mapping[str, VariableSpec]
-    #: How much an apply adds to the global step: 1, or 0 for a trainer that
-    #: leaves the step to another (the second network of a GAN).
-    increment: int
-    #: The object that holds the variables' values (a TF1 session, a Keras
-    #: model): an Average keeps it weakly, to know whether it met it before.
-    target: Any
-
-    def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
-        """The feed made ready to compute, and its number of samples (``size`` if given)."""
-
-    def compute(self, feed) -> Computed:
-        """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
-
-    def apply_feed(self, feeds: Sequence, what: str) -> dict:
-        """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).
-
-        The values every one of ``feeds`` gives to the inputs the optimizer
-        reads (a learning-rate placeholder), by name: small and picklable, so
-        ranks can compare them. Raises HostavgError naming the input when the
-        optimizer needs one that ``feeds`` lack or give different values.
-        """
-
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
-        """Runs the optimizer once on ``mean`` (conformed, finite), fed ``feed`` (from
-        :meth:`apply_feed`); returns the new global step, the learning rate and, when
-        ``measure``, the update-to-weight ratios, measured in the same call (None otherwise)."""
-
-    def global_step(self) -> int:
-        """The global step now."""
-
-    def snapshot(self) -> Any:
-        """The values of every variable :meth:`compute` may assign (None if there are none)."""
-
-    def restore(self, snapshot) -> None:
-        """Sets those variables back to a :meth:`snapshot`."""
-
-    def variables(self) -> dict:
-        """Every variable's value (model, optimizer state, global step) by name, in a fixed order."""
-
-    def assign(self, values: Mapping) -> None:
-        """Sets every variable to ``values`` (:meth:`variables`' names)."""
-
-
-class Tally(NamedTuple):
-    """A step's bookkeeping: this process's, or (over MPI) every rank's together.
-
-    Attributes:
-      weights, sq_norms: of each accumulated micro-batch.
-      norms, losses: of each micro-batch, dropped ones too.
-      total: sum of the weights.
-      loss_sum: sum_i w_i loss_i (None if a loss was missing).
-      size: samples accumulated.
-      global_step: before the apply (None where no micro-batch ran).
-      apply_feed: what the apply is fed (:meth:`Backend.apply_feed`; None
-        where no micro-batch ran).
-    """
-
-    weights: list
-    sq_norms: list
-    norms: list
-    losses: list
-    total: float
-    loss_sum: float | None
-    size: int
-    global_step: int | None
-    apply_feed: dict | None = None
-
-
-class Average(Protocol):
-    """Where the mean of a step is computed; chosen once, when a trainer is made."""
-
-    #: Whether this process holds every micro-batch of the step (then the
-    #: statistics that need every micro-batch's gradients can be computed).
-    sees_every_micro_batch: bool
-
-    def begin(self, backend: Backend) -> None:
-        """Called before each step (over MPI: the first step of a target takes rank 0's values)."""
-
-    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
-        """The step's tally; raises if this process (or any rank) failed with ``error``."""
-
-    def reducer(self, backend: Backend, total: float) -> Reducer | None:
-        """The reducer that turns the accumulator's sums into the mean over ``total`` weight (None: NumPy)."""
-
-    def abandon(self, error: BaseException) -> None:
-        """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
-        other ranks did not raise it too, the job must end, or they would wait forever)."""
-
-
-class HostAverage:
-    """One process; the mean is computed on the host with NumPy."""
-
-    sees_every_micro_batch = True
-
-    def begin(self, backend: Backend) -> None:
-        pass
-
-    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
-        if error is not None:
-            raise error
-        return tally
-
-    def reducer(self, backend: Backend, total: float) -> Reducer | None:
-        return None
-
-    def abandon(self, error: BaseException) -> None:
-        pass
-
 
 class Engine:
     """Runs steps (and lone computes and applies) of one trainer over a :class:`Backend`.
@@ -282,11 +106,7 @@ class Engine:
         self.spec = spec
         self.hooks = hooks
         self.average = average or HostAverage()
-        self._micro_hooks = [(h, h.on_micro_batch) for h in hooks
-                             if callable(getattr(h, "on_micro_batch", None))]
-        self._step_hooks = [(h, h.on_step) for h in hooks if callable(getattr(h, "on_step", None))]
-        self._applied_hooks = [(h, h.on_applied) for h in hooks
-                               if callable(getattr(h, "on_applied", None))]
+        self._look_up_hooks(hooks)
         self.update_ratios_every = 0 if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
         self._keep_micro = accumulate == "stack"
@@ -300,6 +120,25 @@ class Engine:
         self._busy = threading.Lock()
         self.overlap = flag("overlap", overlap)
         self._worker = None  # made on the first overlapped step
+
+    def _look_up_hooks(self, hooks) -> None:
+        """Each step-level hook method looked up once: (hook, bound method) per method."""
+        self._micro_hooks = methods(hooks, "on_micro_batch")
+        self._step_hooks = methods(hooks, "on_step")
+        self._applied_hooks = methods(hooks, "on_applied")
+
+    @contextlib.contextmanager
+    def hooked(self, extra: Sequence):
+        """Within the block, steps call ``extra``'s step-level methods too, after the
+        trainer's own hooks (fit's callbacks: one hook protocol wherever registered)."""
+        if not extra:
+            yield
+            return
+        self._look_up_hooks(self.hooks + tuple(extra))
+        try:
+            yield
+        finally:
+            self._look_up_hooks(self.hooks)
 
     def compute(self, backend: Backend, feed, size: int | None = None) -> Gradients:
         """One micro-batch's :class:`Gradients` (read-only), with ``.loss``, ``.size``, ``.sq_norms``."""
@@ -318,20 +157,20 @@ class Engine:
         Changes nothing: no apply runs, and the rollback variables (moving
         statistics) are restored afterwards. See :mod:`hostavg.check`.
         """
-        with self._leaving_no_trace(backend, "check"):
+        with self.leaving_no_trace(backend, "check"):
             whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
             whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)
-            for micro_feed, size, _, where, _ in _prepare(backend, micro_feeds, None, "check"):
+            for micro_feed, size, _, where, _ in prepare(backend, micro_feeds, None, "check"):
                 g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
-                acc._append(dict(g), float(size), g.loss,
+                acc.add_checked(dict(g), float(size), g.loss,
                             check_finite(g, f"check, {where}", g.loss, g.sq_norms))
             mean = acc.mean()
-        return diagnose(whole, again, mean, len(micro_feeds))
+        return diagnose(whole, again, mean, len(micro_feeds), backend.framework)
 
     @contextlib.contextmanager
-    def _leaving_no_trace(self, backend: Backend, call: str):
+    def leaving_no_trace(self, backend: Backend, call: str):
         """Within the block no step of this trainer runs, and afterwards what the computes
         assigned (moving statistics) is as before: for calls that only look."""
         if not self._busy.acquire(blocking=False):
@@ -372,17 +211,17 @@ class Engine:
         out of it. No apply runs, and the rollback variables (moving
         statistics) are restored afterwards.
         """
-        with self._leaving_no_trace(backend, "per_sample"):
+        with self.leaving_no_trace(backend, "per_sample"):
             losses, norms, kept, index = [], [], [], []
             acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
-            for i, (feed, n, _, where, _) in enumerate(_prepare(backend, feeds, None,
+            for i, (feed, n, _, where, _) in enumerate(prepare(backend, feeds, None,
                                                              "per_sample")):
                 g = self._compute(backend, feed, n, f"per_sample, {where}")[0]
                 sq = math.fsum(_sq_norms(g).values())
                 losses.append(g.loss)
                 norms.append(math.sqrt(sq))
                 if math.isfinite(sq) and math.isfinite(g.loss):
-                    acc._append(dict(g), float(n), g.loss, sq)
+                    acc.add_checked(dict(g), float(n), g.loss, sq)
                     kept.append(g)
                     index.append(i)
         cosines = [math.nan] * len(losses)
@@ -411,7 +250,7 @@ class Engine:
         acc.reset()
         micro = log.micro
         try:
-            batches = _prepare(backend, feeds, sizes, rows=rows)
+            batches = prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
             global_step = self._micro_batches(backend, batches, log)
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
@@ -452,9 +291,9 @@ class Engine:
         result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
         what, hint, mine = "step, the mean", self._overflow_hint, True
         for hook, on_step in self._step_hooks:
-            new = _call(hook, on_step, (mean, result), f"on_step of step {after}")
+            new = call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:
-                what = f"step, the mean that on_step hook {_name(hook)} returned"
+                what = f"step, the mean that on_step hook {name_of(hook)} returned"
                 hint = "Look at that hook."
                 mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
                                  size=mean.size)
@@ -466,8 +305,14 @@ class Engine:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
         returns the global step."""
         global_step = None
-        computed = self._overlapped(backend, batches) if self.overlap and len(batches) > 1 else (
-            self._compute(backend, feed, n, f"step, {where}") for feed, n, _, where, _ in batches)
+        if self.overlap and len(batches) > 1:
+            if self._worker is None:
+                self._worker = worker()
+            computed = overlapped(self._worker, lambda batch: self._compute(
+                backend, batch[0], batch[1], f"step, {batch[3]}"), batches)
+        else:
+            computed = (self._compute(backend, feed, n, f"step, {where}")
+                        for feed, n, _, where, _ in batches)
         with contextlib.closing(computed):
             for i, batch in enumerate(batches):
                 try:
@@ -479,30 +324,6 @@ class Engine:
                     raise
         return global_step
 
-    def _overlapped(self, backend, batches):
-        """Yields each micro-batch's ``_compute``, computing the next one in the worker meanwhile.
-
-        Closing it (the step failed) waits for the computation in flight.
-        """
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hostavg-compute")
-        submit = lambda batch: self._worker.submit(  # noqa: E731
-            self._compute, backend, batch[0], batch[1], f"step, {batch[3]}")
-        finished = False
-        try:
-            pending = submit(batches[0])
-            for i in range(len(batches)):
-                done = pending.result()
-                if i + 1 < len(batches):
-                    pending = submit(batches[i + 1])
-                yield done
-            finished = True
-        finally:
-            if not finished:
-                # The worker runs what it is given in order: once this no-op has run, nothing
-                # submitted before it is running (whatever an interrupt left unassigned).
-                _wait(self._worker.submit(_nothing))
-
     def _micro_batch(self, i, batch, computed, backend, log: _StepLog) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
         _, n, start, where, rows = batch
@@ -512,25 +333,25 @@ class Engine:
         if self._micro_hooks:
             record = MicroBatch(i, n, g.loss, g, start, step, rows=rows)
             for hook, on_micro_batch in self._micro_hooks:
-                out = _call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
+                out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
                 if isinstance(out, Drop):
                     dropped = out.reason
                     break
                 if out is not None:
                     changed_by = hook
                     grads = Gradients(conform(self.spec, out, what=f"step, {where}, on_micro_batch "
-                                                                   f"hook {_name(hook)}'s gradients"),
+                                                                   f"hook {name_of(hook)}'s gradients"),
                                       loss=g.loss, size=n)
                     record = replace(record, grads=grads)
         sq = _sq_norms(grads)
         log.var_sq.append(sq)
         if dropped is None:
             hint = INPUTS_HINT if changed_by is None else (
-                f"They were finite before on_micro_batch hook {_name(changed_by)} "
+                f"They were finite before on_micro_batch hook {name_of(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
             sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
-            self._acc._append(grads.as_dict(), float(n), g.loss, sq_norm)
+            self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
             log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if log.kept is not None:
@@ -633,87 +454,9 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     for engine, result in zip(held, results):
         if result.skipped is None:
             for hook, on_applied in engine._applied_hooks:
-                _call(hook, on_applied, (result,), f"on_applied of step {result.step}",
+                call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                       applied=True)
     return results
-
-
-def _nothing() -> None:
-    pass
-
-
-def _wait(future) -> None:
-    """Waits until ``future`` is done (its outcome is not wanted); an interrupt meanwhile
-    is raised once it is, so that nothing is restored under a running computation."""
-    interrupted = None
-    while not future.done():
-        try:
-            futures_wait([future])
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            interrupted = e
-    if interrupted is not None:
-        raise interrupted
-
-
-def normalize_hooks(hooks) -> tuple:
-    """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
-    return object_list("hooks", hooks, HOOK_METHODS, "hostavg.hooks.SkipNonFinite()")
-
-
-def _prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
-    """Every micro-batch checked and sized before any runs: (feed, n, start, where, rows) each."""
-    if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
-        raise HostavgError(
-            f"{call} takes a list of feed dicts, one per micro-batch, got "
-            f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
-    if sizes is not None:
-        if isinstance(sizes, Mapping) or not isinstance(sizes, (Sequence, np.ndarray)) \
-                or len(sizes) != len(feeds):
-            raise HostavgError(f"sizes must hold one number of samples per feed ({len(feeds)}), "
-                               f"got {sizes!r}")
-        sizes = [positive_int(f"sizes[{i}]", n) for i, n in enumerate(sizes)]
-    if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, (Sequence, np.ndarray))
-                             or len(rows) != len(feeds)):
-        raise HostavgError(f"rows must hold one array of row indices per feed ({len(feeds)}), "
-                           f"or be None; got {type(rows).__name__} of length "
-                           f"{len(rows) if hasattr(rows, '__len__') else '?'}")
-    out, start = [], 0
-    for i, feed in enumerate(feeds):
-        what = f"micro-batch {i} of {len(feeds)}"
-        feed, n = backend.prepare(feed, None if sizes is None else sizes[i], f"{call}, {what}")
-        indices = None if rows is None else _rows(rows[i], n, f"{call}, {what}")
-        said = "" if indices is None else f", data {describe_rows(indices)}"
-        out.append((feed, n, start, f"{what} (samples {start}:{start + n}{said})", indices))
-        start += n
-    return out
-
-
-def _rows(rows, n: int, what: str) -> np.ndarray | None:
-    """A micro-batch's data rows as a read-only int64 array of length ``n`` (or None)."""
-    if rows is None:
-        return None
-    array = np.asarray(rows)
-    if array.shape != (n,) or (array.size and array.dtype.kind not in "iu"):
-        raise HostavgError(f"{what}: rows must be {n} integer row indices, one per sample, got "
-                           f"shape {array.shape} dtype {array.dtype}")
-    return freeze(array.astype(np.int64))
-
-
-def describe_rows(rows, handful: int = 8) -> str:
-    """Data rows in words: each of a handful, a range ``a:b`` when contiguous, else the first few.
-
-    Example:
-      >>> describe_rows(np.arange(96, 128)), describe_rows([7, 3])
-      ('rows 96:128', 'rows [7, 3]')
-    """
-    rows = np.asarray(rows)
-    if len(rows) <= handful:
-        return f"rows {rows.tolist()}"
-    if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-        return f"rows {rows[0]}:{rows[0] + len(rows)}"
-    shown = ", ".join(map(str, rows[:handful // 2].tolist()))
-    return (f"rows [{shown}, ...] ({len(rows)} of them, between {rows.min()} and {rows.max()}; "
-            f"the exception's .rows holds all)")
 
 
 def _sq_norms(grads: Gradients) -> dict:
@@ -721,25 +464,3 @@ def _sq_norms(grads: Gradients) -> dict:
     known = grads.sq_norms
     return {name: known[name] if name in known else squared_norm(value)
             for name, value in grads.items()}
-
-
-def _call(hook, method, args, where: str, applied: bool = False):
-    """``method(*args)``; an exception it raises propagates as it is, with a note naming the hook."""
-    try:
-        return method(*args)
-    except Exception as e:
-        e.add_note(f"hostavg: raised by hook {_name(hook)} in {where}; "
-                   f"{'the step was applied' if applied else 'nothing was applied'}")
-        raise
-
-
-#: The methods that make an object a hook (see :class:`~hostavg.results.Hook`).
-HOOK_METHODS = ("on_micro_batch", "on_step", "on_applied")
-
-
-def _is_hook(obj) -> bool:
-    return any(callable(getattr(obj, m, None)) for m in HOOK_METHODS)
-
-
-def _name(hook) -> str:
-    return type(hook).__name__

@@ -160,8 +160,10 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
     field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
     names = list(dict.fromkeys(n for s in rows for n in getattr(s, field)))
     if not names:
-        raise HostavgError(f"hostavg.plot.variable_norms: no step holds {quantity} values "
-                           f"(a record of format 1 has none)")
+        why = ("update ratios are measured only when the trainer is made with "
+               "update_ratios_every=N (then every N-th step has them)"
+               if quantity == "update_ratio" else "the steps hold no variables")
+        raise HostavgError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
     ax = _axes(ax)
     x = np.array([s.step for s in rows])
     values = np.array([[getattr(s, field).get(n, np.nan) for n in names] for s in rows], float)

@@ -43,15 +43,17 @@ from pathlib import Path
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.files import remove_stale, temporary
 from hostavg.core.gradients import Gradients, SparseGradient
+from hostavg.core.optional import pandas
+from hostavg.core.results import check_quantity
 
-__all__ = ["RecordedStep", "RecordReader", "RecordWriter", "load_record"]
+__all__ = ["SCALARS", "Record", "RecordedStep", "RecordReader", "RecordWriter", "load_record"]
 
 FORMAT = 2
 _NAME = re.compile(r"^step-(\d+)\.npz$")
-_SCALARS = ("grad_norm", "g2", "trace_sigma", "b_simple", "norm_test", "inner_product_test",
+SCALARS = ("grad_norm", "g2", "trace_sigma", "b_simple", "norm_test", "inner_product_test",
             "orthogonality_test", "gsnr")
 
 
@@ -234,7 +236,7 @@ class RecordReader:
         rows = []
         for s in self:
             row = {"step": s.step, "loss": s.loss, "size": s.size,
-                   "learning_rate": s.learning_rate, **{k: s.stats.get(k) for k in _SCALARS}}
+                   "learning_rate": s.learning_rate, **{k: s.stats.get(k) for k in SCALARS}}
             if "grad_norm_before_clip" in s.info:
                 row["grad_norm_before_clip"] = s.info["grad_norm_before_clip"]
             rows.append(row)
@@ -296,24 +298,112 @@ class RecordReader:
         return f"RecordReader({str(self.path)!r}, {len(self.steps)} steps)"
 
 
-#: What a per-variable view shows: each variable's gradient norm, or |update| / |weights|.
-QUANTITIES = ("grad_norm", "update_ratio")
-
-
-def check_quantity(quantity: str) -> None:
-    if quantity not in QUANTITIES:
-        raise HostavgError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
-
-
 def load_record(path) -> RecordReader:
     """Opens a record written by :class:`hostavg.hooks.Record`; gradients load lazily, per step."""
     return RecordReader(path)
 
 
-def pandas(what: str):
-    """The pandas module, or a HostavgError saying ``what`` needs it."""
-    try:
-        import pandas as pd
-    except ImportError:
-        raise HostavgError(f"{what} needs pandas: pip install pandas") from None
-    return pd
+class Record:
+    """Appends every ``every``-th applied step to an on-disk record (see :mod:`hostavg.record`).
+
+    Records the applied mean, the step's statistics (per variable and per
+    micro-batch too), the update-to-weight ratios and the learning rate, each
+    micro-batch's loss, size, sample range and data rows, and with
+    ``micro=True`` each micro-batch's gradients, streamed to disk as they
+    come: memory stays O(parameters) however long training runs. A step is
+    committed only once its apply succeeded (``on_applied``): a step that
+    failed or was rolled back leaves nothing. Read it back with
+    :func:`hostavg.load_record`.
+
+    A folder that already holds steps at or after the first one this record
+    writes belongs to another run (a notebook cell run twice, a model trained
+    again from scratch): the first step raises HostavgError naming the
+    folder, unless ``overwrite=True``, which deletes those steps. Continuing
+    the same model (its global step beyond every recorded step) appends; a
+    resumed ``fit`` continues the record, replacing what the interrupted run
+    wrote after its checkpoint.
+
+    Args:
+      path: the record's folder (created if missing).
+      every: record steps whose global step is a multiple of this.
+      micro: also record each micro-batch's gradients.
+      overwrite: delete another run's steps instead of refusing the folder.
+    """
+
+    def __init__(self, path, every: int = 1, micro: bool = True, overwrite: bool = False):
+        positive_int("every", every)
+        self.micro, self.overwrite = flag("micro", micro), flag("overwrite", overwrite)
+        self.path, self.every = Path(path), every
+        self._writer = RecordWriter(self.path)
+        self._open = None  # (step, last micro-batch index) of the step being written
+        self._recorded = []
+        self._last = None  # the last step committed (or resumed from)
+
+    def _begin(self, step: int) -> None:
+        if self._last is None or step <= self._last:
+            self._claim(step)
+        self._writer.begin(step)
+        self._recorded = []
+
+    def _claim(self, step: int) -> None:
+        """Refuses (or with overwrite, clears) steps at or after ``step``: another run's."""
+        later = self._writer.steps(since=step)
+        if later and not self.overwrite:
+            shown = ", ".join(map(str, later[:3])) + (", ..." if len(later) > 3 else "")
+            raise HostavgError(
+                f"Record: the folder {str(self.path)!r} already holds {len(later)} steps at or after "
+                f"step {step}, the first this run writes ({shown}): another run's, such as a cell "
+                f"run twice. Pick another folder, or pass Record(..., overwrite=True) to delete "
+                f"them")
+        self._writer.delete(later)
+        self._last = step - 1
+
+    def on_micro_batch(self, record):
+        if record.step % self.every:
+            return None
+        # A new step, or the same step run again after a failure: start its file afresh.
+        if self._open is None or self._open[0] != record.step or record.index <= self._open[1]:
+            self._begin(record.step)
+        self._open = (record.step, record.index)
+        if self.micro:
+            self._writer.write(f"micro/{record.index}", record.grads)
+            self._recorded.append(record.index)
+        return None
+
+    def on_applied(self, result):
+        """Commits the step: the applied mean and everything known about the step."""
+        if result.step % self.every:
+            return None
+        if self._open is None or self._open[0] != result.step:
+            self._begin(result.step)  # every micro-batch went before this hook saw it
+        self._open = None
+        mean = result.grads
+        self._writer.write("mean", mean)
+        stats = result.stats
+        self._writer.finish(result.step, {
+            "loss": result.loss, "size": result.size,
+            "stats": {**{k: getattr(stats, k) for k in SCALARS},
+                      "micro_norms": stats.micro_norms, "cosines": stats.cosines,
+                      "variable_norms": stats.variable_norms,
+                      "micro_variable_norms": stats.micro_variable_norms},
+            "update_ratios": result.update_ratios, "learning_rate": result.learning_rate,
+            "info": jsonable(result.info),
+            "micro": [{"index": m.index, "start": m.start, "size": m.size, "loss": m.loss,
+                       "dropped": m.dropped, "recorded": m.index in self._recorded,
+                       "rows": None if m.rows is None else m.rows.tolist()}
+                      for m in result.micro],
+            "variables": {name: {"sparse": isinstance(v, SparseGradient), "shape": list(v.shape)}
+                          for name, v in mean.items()}})
+        self._last = result.step
+        return None
+
+    def on_resume(self, step: int) -> None:
+        """fit resumed from a checkpoint at global step ``step``: what was recorded after it is redone."""
+        self._writer.abort()
+        self._writer.delete(self._writer.steps(since=step + 1))
+        self._open, self._last = None, step
+
+    def close(self) -> None:
+        """Discards the unfinished file of a step that never applied (fit calls it when it ends)."""
+        self._writer.abort()
+        self._open = None

@@ -37,23 +37,26 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.core.check import CheckReport
-from hostavg.engine.step import Applied, Computed, Engine, HostAverage, normalize_hooks
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec, coalesce_rows, freeze
+from hostavg.core.results import StepResult
+from hostavg.core.split import feed_size, take
+from hostavg.core.stats import update_ratio
+from hostavg.engine.protocols import Applied, Computed
+from hostavg.engine.step import step_together as engine_step_together
 from hostavg.tf1.graph import READ_OPS, first_line
 from hostavg.train.history import History
-from hostavg.core.results import StepResult
-from hostavg.core.split import feed_size, split, take
+from hostavg.train.loop import ArraySource
+from hostavg.train.trainer import BaseTrainer, entries
 
-__all__ = ["KerasBackend", "Trainer"]
+__all__ = ["KerasBackend", "Trainer", "step_together"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
-class Trainer:
+class Trainer(BaseTrainer):
     """Trains a Keras 3 model with gradients averaged on the host.
 
     One optimizer step runs k micro-batches through forward and backward,
@@ -64,11 +67,21 @@ class Trainer:
     optimizer (with sample weights too: Keras's mean divides the weighted sum
     by the number of samples), and ``optimizer.iterations`` grows by one.
 
+    The same trainer contract as :class:`hostavg.Trainer`
+    (:class:`~hostavg.train.trainer.BaseTrainer`): the same methods with the
+    same meaning and results; only the data differs. A batch is a tuple
+    ``(x, y)`` or ``(x, y, sample_weight)``; x is an array or, for a
+    multi-input model, a dict of arrays by input name; y is an array (or a
+    dict, for a loss that takes one). Every array's axis 0 runs over samples.
+    ``hostavg.split((x, y), 32)`` cuts one into micro-batches.
+
     The trainer learns the model's gradients on the first batch it sees (the
     compiled gradient function is traced then, and an unbuilt model is built
     by one forward pass with ``training=False``): :attr:`spec`,
     :meth:`accumulator` and :meth:`apply` need a batch to have been seen
-    (by :meth:`compute`, :meth:`step` or :meth:`fit`).
+    (by :meth:`compute`, :meth:`step`, :meth:`fit` or :meth:`evaluate`).
+    (Which variables have a gradient, and which gradients are sparse, is
+    known only by tracing the loss on data.)
 
     Args:
       model: a ``keras.Model``.
@@ -80,19 +93,10 @@ class Trainer:
       optimizer: a ``keras.optimizers.Optimizer`` without
         ``gradient_accumulation_steps`` (hostavg accumulates). It is built
         with the model's trainable variables, as Keras's fit builds it.
-      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
-      accum_dtype: host accumulation dtype (e.g. "float64"); None keeps each
-        variable's dtype.
-      hooks: as for :class:`hostavg.Trainer` (:mod:`hostavg.hooks`).
-      comm: an mpi4py communicator, to train over several processes
-        (:mod:`hostavg.mpi`).
-      overlap: compute micro-batch i + 1 while the host takes micro-batch i;
-        see :class:`hostavg.Trainer`.
-
-    A batch is a tuple ``(x, y)`` or ``(x, y, sample_weight)``; x is an array
-    or, for a multi-input model, a dict of arrays by input name; y is an
-    array (or a dict, for a loss that takes one). Every array's axis 0 runs
-    over samples. ``hostavg.split((x, y), 32)`` cuts one into micro-batches.
+      accumulate, accum_dtype, hooks, comm, update_ratios_every, overlap: as
+        for every trainer (:class:`~hostavg.train.trainer.BaseTrainer`).
+        ``average="graph"`` is TF1's alone: a Keras model's mean is computed
+        by NumPy (or, with ``comm``, by MPI).
 
     Attributes:
       model, loss, optimizer: as given.
@@ -113,40 +117,26 @@ class Trainer:
     """
 
     def __init__(self, model, loss, optimizer, *, accumulate: str = "sum", accum_dtype=None,
-                 hooks=(), comm=None, overlap: bool = False):
+                 hooks=(), comm=None, update_ratios_every: int | None = None,
+                 overlap: bool = False):
         if keras.backend.backend() != "tensorflow":
             raise HostavgError(f"hostavg.keras needs Keras's TensorFlow backend, got "
                                f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before "
                                f"importing keras")
         if not isinstance(model, keras.Model):
             raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
-        if accumulate not in ACCUMULATE_MODES:
-            raise HostavgError(
-                f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        self.hooks = normalize_hooks(hooks)
-        self.overlap = flag("overlap", overlap)
-        if comm is not None:
-            from hostavg.engine.mpi import Distributed  # multi-worker sits above the trainer: imported on use
-            self._average = Distributed(comm)
-        else:
-            self._average = HostAverage()
+        super().__init__(accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
+                         update_ratios_every=update_ratios_every, overlap=overlap)
         self.model, self.loss, self.optimizer = model, loss, _checked_optimizer(optimizer)
-        self.accumulate, self.accum_dtype, self.comm = accumulate, as_accum_dtype(accum_dtype), comm
         self._backend = KerasBackend(model, _Loss(loss), self.optimizer)
-        self._engine = None
-
-    @property
-    def spec(self) -> dict:
-        return self._ready_engine("trainer.spec").spec
 
     @property
     def rollback_variables(self) -> tuple:
         return tuple(self._backend.assigned.values())
 
-    def accumulator(self) -> Accumulator:
+    def accumulator(self):
         """A new, empty :class:`~hostavg.Accumulator` for this trainer's variables and settings."""
-        return Accumulator(self._ready_engine("accumulator()").spec, accumulate=self.accumulate,
-                           accum_dtype=self.accum_dtype)
+        return self._accumulator()
 
     def compute(self, batch, *, size: int | None = None) -> Gradients:
         """Runs one micro-batch forward (``training=True``) and backward; returns its gradients.
@@ -163,7 +153,7 @@ class Trainer:
           arrays; a sparse gradient as a :class:`~hostavg.SparseGradient` of
           unique rows), with ``.loss``, ``.size`` and ``.sq_norms``.
         """
-        return self._engine_for(batch, "compute").compute(self._backend, batch, size)
+        return self._compute(self._backend, batch, size)
 
     def apply(self, grads: Mapping) -> int:
         """Applies ``grads`` with the optimizer, once; runs no forward or backward pass.
@@ -175,7 +165,7 @@ class Trainer:
         Returns:
           ``optimizer.iterations`` after the apply (one more than before).
         """
-        return self._ready_engine("apply()").apply(self._backend, grads, {})
+        return self._apply(self._backend, grads, {})
 
     def step(self, batches: Sequence, sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:
@@ -195,21 +185,7 @@ class Trainer:
             samples: kept as ``MicroBatch.rows`` and named in errors (fit
             passes them).
         """
-        if isinstance(batches, tuple) and batches and not isinstance(batches[0], (tuple, list)):
-            raise HostavgError(
-                "step takes a list of batches, one per micro-batch, got one batch (a tuple of "
-                f"{', '.join(type(b).__name__ for b in batches)}); cut it with "
-                "hostavg.split((x, y), micro_batch_size)")
-        if isinstance(batches, (Mapping, str)) or not isinstance(batches, Sequence):
-            raise HostavgError(
-                f"step takes a list of (x, y) batches, one per micro-batch, got "
-                f"{type(batches).__name__}; cut one with hostavg.split((x, y), micro_batch_size)")
-        engine = self._engine
-        if engine is None:
-            if not batches:
-                raise HostavgError("step got no micro-batches; pass at least one (x, y) batch")
-            engine = self._engine_for(batches[0], f"step, micro-batch 0 of {len(batches)}")
-        return engine.step(self._backend, batches, sizes, rows)
+        return self._step(self._backend, _batches(batches, "step"), sizes, rows)
 
     def check(self, x, y, micro_batch_size: int, *, sample_weight=None) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
@@ -220,9 +196,28 @@ class Trainer:
         variable, restores what the runs assigned (batch-norm statistics), and
         says the likely cause when they differ. ``str(report)`` is one line.
         """
-        data = _batch(x, y, sample_weight)
-        return self._engine_for(data, "check").check(self._backend, data,
-                                                      split(data, micro_batch_size))
+        return self._check(self._backend, _batch(x, y, sample_weight), micro_batch_size)
+
+    def per_sample(self, batch):
+        """One row per sample of ``batch`` (``(x, y)`` or ``(x, y, sample_weight)``): its loss,
+        gradient norm, and cosine with the batch's mean gradient. Changes nothing.
+
+        As :meth:`hostavg.Trainer.per_sample`: each sample is computed alone
+        (``training=True``: a sample alone is normalised by itself in batch
+        norm, and dropout draws for it alone), the mean is over the samples
+        whose loss and gradient are finite, and what the computes assigned is
+        restored. Costs one compiled call per sample.
+
+        Returns:
+          a pandas DataFrame indexed by ``sample`` (position in the batch)
+          with columns ``loss``, ``norm``, ``cosine``.
+
+        Example::
+
+            table = trainer.per_sample((x[:32], y[:32]))
+            table.sort_values("cosine").head()
+        """
+        return self._per_sample(self._backend, batch)
 
     def evaluate(self, x, y, *, batch_size: int, sample_weight=None) -> dict:
         """The loss, and the metrics the model was compiled with, over ``(x, y)``; changes nothing.
@@ -230,14 +225,13 @@ class Trainer:
         Runs the model with ``training=False`` in chunks of ``batch_size``
         samples. The loss (with ``model.losses``) is the sample-weighted mean
         over the chunks; compiled metrics (``model.compile(metrics=[...])``)
-        are Keras's own, reset first and updated chunk by chunk.
+        are Keras's own, reset first and updated chunk by chunk. What the
+        forward pass assigns is restored.
 
         Returns:
           {"loss": ..., **{metric name: ...}} as floats.
         """
-        data = _batch(x, y, sample_weight)
-        self._engine_for(take(data, slice(0, 1)), "evaluate")
-        return self._backend.evaluate(split(data, batch_size))
+        return self._evaluate(self._backend, _batch(x, y, sample_weight), batch_size)
 
     def fit(self, x, y, *, batch_size: int, micro_batch_size: int, epochs: int = 1,
             sample_weight=None, shuffle: bool = True, seed: int | None = None,
@@ -260,30 +254,39 @@ class Trainer:
         Returns:
           the :class:`~hostavg.History`.
         """
-        from hostavg.train.loop import ArraySource, fit
         data = _batch(x, y, sample_weight)
+        if validation_data is not None and (not isinstance(validation_data, (tuple, list))
+                                            or len(validation_data) not in (2, 3)):
+            raise HostavgError(f"validation_data must be (x, y) or (x, y, sample_weight), got "
+                               f"{type(validation_data).__name__}")
 
         def source():
             batches = ArraySource(data, batch_size, shuffle)
-            self._engine_for(take(data, slice(0, 1)), "fit, data")
+            self._engine_for(self._backend, take(data, slice(0, 1)), "fit, data")
             return batches
 
-        return fit(_ModelRun(self, validation_data, micro_batch_size), source,
-                   batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
-                   seed=seed, drop_remainder=drop_remainder, callbacks=callbacks,
-                   progress=progress, checkpoint_dir=checkpoint_dir,
-                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)
+        def validate():
+            if validation_data is None:
+                return {}
+            return self.evaluate(*validation_data[:2], batch_size=micro_batch_size,
+                                 sample_weight=validation_data[2] if len(validation_data) == 3
+                                 else None)
 
-    def save(self, path, *, fit: dict | None = None) -> None:
+        return self._fit(self._backend, source, validate, batch_size=batch_size,
+                         micro_batch_size=micro_batch_size, epochs=epochs, seed=seed,
+                         drop_remainder=drop_remainder, callbacks=callbacks, progress=progress,
+                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                         keep_checkpoints=keep_checkpoints)
+
+    def save(self, path) -> None:
         """Writes the model's and the optimizer's variables (weights, slots, iterations) to ``path``.
 
-        One ``.npz`` file written atomically (:mod:`hostavg.checkpoint`), each
-        variable by its position: ``model/<i>`` in ``model.variables`` and
+        One ``.npz`` file written atomically (:mod:`hostavg.train.checkpoint`),
+        each variable by its position: ``model/<i>`` in ``model.variables`` and
         ``optimizer/<i>`` in ``optimizer.variables``, so a model built the same
         way in another process reads it, whatever names Keras gave its layers.
         """
-        from hostavg.train.checkpoint import write
-        write(path, {name: v.numpy() for name, v in self._saved("save").items()}, fit=fit)
+        self._save(self._backend, path)
 
     def restore(self, path) -> dict | None:
         """Loads a checkpoint written by :meth:`save` or :meth:`fit`; returns fit's state or None.
@@ -291,42 +294,52 @@ class Trainer:
         Raises:
           HostavgError: if it was written by a different model; nothing changes then.
         """
-        from hostavg.train.checkpoint import read
-        variables = self._saved("restore")
-        stored, fit = read(path, {name: (tuple(v.shape), np.dtype(v.dtype))
-                                  for name, v in variables.items()})
-        for name, v in variables.items():
-            v.assign(stored[name])
-        return fit
-
-    def _saved(self, what: str) -> dict:
-        """Every variable a checkpoint holds, by its name there."""
-        if not self.model.built:
-            raise HostavgError(f"{what}: the model is not built yet; run compute, step or fit on a "
-                               f"batch first, or give the model an Input")
-        self._backend.build_optimizer()
-        return self._backend.named_variables()
-
-    def _engine_for(self, batch, what: str) -> Engine:
-        """The engine, made on the first batch (which the backend traces to learn the spec)."""
-        if self._engine is None:
-            self._backend.prepare(batch, None, what)
-            self._engine = Engine(self._backend.spec, accumulate=self.accumulate,
-                                  accum_dtype=self.accum_dtype, hooks=self.hooks,
-                                  average=self._average, overlap=self.overlap)
-        return self._engine
-
-    def _ready_engine(self, what: str) -> Engine:
-        if self._engine is None:
-            raise HostavgError(
-                f"{what} needs the trained variables, which the trainer learns from the first "
-                f"batch: run trainer.compute(batch) (or step, fit, evaluate) first")
-        return self._engine
+        return self._restore(self._backend, path)
 
     def __repr__(self) -> str:
         known = "unknown until the first batch" if self._engine is None else len(self.spec)
         return (f"hostavg.keras.Trainer(model={self.model.name!r}, variables={known}, "
                 f"accumulate={self.accumulate!r}, accum_dtype={self.accum_dtype})")
+
+
+def step_together(steps: Sequence[tuple]) -> list[StepResult]:
+    """Steps several Keras trainers from the same weights: all computed, then all applied.
+
+    A GAN's simultaneous update, as :func:`hostavg.step_together` for TF1:
+    every trainer's gradients are taken before any model changes, then the
+    means are applied in order. Atomic: if any micro-batch of any trainer
+    fails, nothing is applied and every trainer's rollback variables are
+    restored.
+
+    Args:
+      steps: ``(trainer, batches)`` or ``(trainer, batches, sizes)`` per
+        trainer, as :meth:`Trainer.step` takes them; applied in this order.
+
+    Returns:
+      one :class:`~hostavg.StepResult` per trainer, in order.
+
+    Example::
+
+        res_d, res_g = hostavg.keras.step_together([(d, d_batches), (g, g_batches)])
+    """
+    return engine_step_together([trainer._part(trainer._backend, _batches(batches, "step_together"),
+                                               sizes)
+                                 for trainer, batches, sizes in entries(steps, Trainer,
+                                                                        "step_together")])
+
+
+def _batches(batches, call: str):
+    """``batches`` checked to be a list of batches (not one batch, not a mapping)."""
+    if isinstance(batches, tuple) and batches and not isinstance(batches[0], (tuple, list)):
+        raise HostavgError(
+            f"{call} takes a list of batches, one per micro-batch, got one batch (a tuple of "
+            f"{', '.join(type(b).__name__ for b in batches)}); cut it with "
+            f"hostavg.split((x, y), micro_batch_size)")
+    if isinstance(batches, (Mapping, str)) or not isinstance(batches, Sequence):
+        raise HostavgError(
+            f"{call} takes a list of (x, y) batches, one per micro-batch, got "
+            f"{type(batches).__name__}; cut one with hostavg.split((x, y), micro_batch_size)")
+    return batches
 
 
 class KerasBackend:
@@ -341,6 +354,8 @@ class KerasBackend:
       target: the model.
     """
 
+    framework = "keras"
+
     def __init__(self, model, loss, optimizer):
         self.model, self.optimizer, self._loss = model, optimizer, loss
         self.target = model
@@ -349,7 +364,8 @@ class KerasBackend:
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
         self._computes, self._evaluates = {}, {}  # input signature -> compiled function
-        self._apply, self._apply_jit = None, False
+        # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
+        self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._snapshot = {}
 
     # --- The engine's protocol ------------------------------------------------------------
@@ -387,11 +403,21 @@ class KerasBackend:
         return {}
 
     def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
-        """Applies ``mean`` once; reports the new ``optimizer.iterations`` (update-to-weight
-        ratios are not measured by this backend: None)."""
-        return Applied(self._apply_mean(mean), None, None)
+        """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
+        the apply used and, with ``measure``, the update-to-weight ratios, all from that one
+        compiled call (measuring keeps each weight's value from before the update while the
+        optimizer runs, and reduces two norms per variable)."""
+        step, lr, squares = self._apply_mean(mean, measure)
+        ratios = None
+        if measure:
+            squares, k = squares.tolist(), len(self.spec)
+            ratios = {name: update_ratio(u, w)
+                      for name, u, w in zip(self.spec, squares[:k], squares[k:])}
+        return Applied(step, ratios, lr)
 
-    def _apply_mean(self, mean: Mapping) -> int:
+    def _apply_mean(self, mean: Mapping, measure: bool) -> tuple:
+        """(iterations after, learning rate, squared norms of the updates then of the weights
+        before, or an empty array) of one apply of ``mean``."""
         args = []
         for name, s in self.spec.items():
             value = mean[name]
@@ -402,17 +428,19 @@ class KerasBackend:
                 args += [_tensor(indices, np.int64), _tensor(values, s.dtype)]
             else:
                 args.append(_tensor(value, s.dtype))
-        if self._apply_jit:
+        if measure not in self._applies:
+            self._applies[measure] = self._trace(self._application(measure), self._apply_specs(),
+                                                 "apply", jit_compile=self._apply_jit)
+            self._jit_tried[measure] = not self._apply_jit
+        if not self._jit_tried[measure]:
+            self._jit_tried[measure] = True
             try:  # the first call compiles: an optimizer XLA cannot compile runs without it
-                step = int(self._apply(*args))
+                return _applied(self._applies[measure](*args))
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
-                self._apply = self._trace(self._application(), self._apply_specs(), "apply")
-            else:
-                return step
-            finally:
-                self._apply_jit = False
+                self._applies[measure] = self._trace(self._application(measure),
+                                                     self._apply_specs(), "apply")
         with _tensorflow_errors("apply"):
-            return int(self._apply(*args))
+            return _applied(self._applies[measure](*args))
 
     def global_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
@@ -429,6 +457,10 @@ class KerasBackend:
     def named_variables(self) -> dict:
         """Every variable of the model and the optimizer by its position, ``model/<i>`` and
         ``optimizer/<i>``: names that agree between processes that built the same model."""
+        if not self.model.built:
+            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
+                               "first, or give the model an Input")
+        self.build_optimizer()
         return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
                 **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
 
@@ -441,8 +473,9 @@ class KerasBackend:
 
     # --- Evaluation and building -------------------------------------------------------------
 
-    def evaluate(self, chunks: list) -> dict:
-        """The sample-weighted mean loss over ``chunks`` (batches), and the compiled metrics' results."""
+    def evaluate(self, chunks: list, metrics=None) -> dict:
+        """The sample-weighted mean loss over ``chunks`` (batches), and the compiled metrics'
+        results (``metrics`` is TF1's: a Keras model's metrics are those it was compiled with)."""
         compiled = self.model.compiled
         if compiled:
             self.model.reset_metrics()
@@ -529,8 +562,6 @@ class KerasBackend:
             # (Adam on the 2M-parameter MLP: 3.8 ms against 9.6 ms); it needs fixed shapes,
             # so a model with sparse gradients (rows that vary in number) applies without it.
             self._apply_jit = not any(s.sparse for s in spec.values())
-            self._apply = self._trace(self._application(), self._apply_specs(), what,
-                                      jit_compile=self._apply_jit)
         elif spec != self.spec:
             raise HostavgError(
                 f"{what}: with this batch's inputs the loss has gradients for other variables "
@@ -558,7 +589,7 @@ class KerasBackend:
                 if s.sparse else [tf.TensorSpec(s.shape, dtype)]
         return specs
 
-    def _application(self):
+    def _application(self, measure: bool):
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
 
         def apply(*flat):
@@ -569,8 +600,14 @@ class KerasBackend:
                     grads.append(tf.IndexedSlices(next(flat), indices, tf.constant(s.shape, tf.int64)))
                 else:
                     grads.append(next(flat))
+            lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
+            before = [tf.identity(v.value) for v in variables] if measure else []
             optimizer.apply_gradients(zip(grads, variables))
-            return tf.convert_to_tensor(optimizer.iterations)
+            squares = tf.zeros(0, tf.float64)
+            if measure:  # the reads of ``before`` precede the update: it waits for them
+                squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
+                                   + [_sum_squares(b) for b in before])
+            return tf.convert_to_tensor(optimizer.iterations), lr, squares
         return apply
 
     def _evaluation(self, signature, compiled: bool):
@@ -599,42 +636,6 @@ class KerasBackend:
             if not v.trainable and i not in self.assigned and id(v.value.handle) in handles:
                 self.assigned[i] = v
                 self._snapshot[i] = v.numpy()  # the step being prepared has not computed yet
-
-
-class _ModelRun:
-    """A Keras trainer as fit drives it (:class:`hostavg.loop.Run`)."""
-
-    def __init__(self, trainer: Trainer, validation_data, batch_size: int):
-        self.trainer, self.comm, self.hooks = trainer, trainer.comm, trainer.hooks
-        self._validation = validation_data, batch_size
-
-    def step(self, micro_batches: list, sizes: list | None = None, rows: list | None = None
-             ) -> StepResult:
-        return self.trainer.step(micro_batches, sizes, rows)
-
-    def global_step(self) -> int:
-        return self.trainer._backend.global_step()
-
-    def save(self, path, fit: dict) -> None:
-        self.trainer.save(path, fit=fit)
-
-    def restore(self, path) -> dict | None:
-        return self.trainer.restore(path)
-
-    def validate(self) -> dict:
-        data, batch_size = self._validation
-        if data is None:
-            return {}
-        if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
-            raise HostavgError(f"validation_data must be (x, y) or (x, y, sample_weight), got "
-                               f"{type(data).__name__}")
-        return self.trainer.evaluate(*data[:2], batch_size=batch_size,
-                                     sample_weight=data[2] if len(data) == 3 else None)
-
-    def abandon(self, error: BaseException) -> None:
-        engine = self.trainer._engine
-        if engine is not None:
-            engine.abandon(error)
 
 
 _EagerTensor = type(tf.constant(0.0))
@@ -674,6 +675,21 @@ def _fast(concrete):
         return call_flat(list(tensors), captured)
     call.graph = concrete.graph
     return call
+
+
+def _applied(out) -> tuple:
+    """(iterations, learning rate, squares) of a compiled apply's outputs, on the host."""
+    step, lr, squares = out
+    return int(step), float(lr), np.asarray(squares)
+
+
+def _sum_squares(x, minus=None):
+    """sum((x - minus)^2), or sum(x^2), in float64 (TF1's backend reduces in the variable's
+    dtype, float32 at least; Keras variables are few and this runs only when measuring)."""
+    x = tf.cast(x, tf.float64)
+    if minus is None:
+        return tf.reduce_sum(tf.square(x))
+    return tf.reduce_sum(tf.math.squared_difference(x, tf.cast(minus, tf.float64)))
 
 
 def _batch(x, y, sample_weight) -> tuple:

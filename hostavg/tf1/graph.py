@@ -17,7 +17,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
 from hostavg.core.accumulator import Reduction
-from hostavg.engine.step import Applied, Computed, HostAverage
+from hostavg.engine.protocols import Applied, Computed, HostAverage
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.core.split import feed_size
@@ -64,7 +64,7 @@ class Wiring:
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
                  session_threads: str = "pool"):
-        self.graph = loss.graph
+        self.graph, self.loss = loss.graph, loss
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
             self.increment = 1 if increment_global_step else 0
@@ -251,6 +251,8 @@ class SessionBackend:
     failure is reported as the session's, with its first line.
     """
 
+    framework = "tf1"
+
     def __init__(self, wiring: Wiring, sess):
         graph = getattr(sess, "graph", None)
         if graph is not wiring.graph:
@@ -319,6 +321,23 @@ class SessionBackend:
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))
+
+    def evaluate(self, chunks, metrics=None) -> dict:
+        """The loss and ``metrics`` (name -> scalar tensor, each a mean over its chunk) over
+        ``chunks`` (feed dicts), sample-weighted; runs no gradient and no UPDATE_OPS."""
+        fetches = {"loss": self.wiring.loss, **(metrics or {})}
+        totals, count = dict.fromkeys(fetches, 0.0), 0
+        for chunk in chunks:
+            n = feed_size(chunk)
+            with _session_errors("evaluate"):
+                got = self.session.run(fetches, chunk)
+            for name, value in got.items():
+                if np.ndim(value) != 0:
+                    raise HostavgError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
+                                       f"not a scalar; give the mean over the batch")
+                totals[name] += n * float(value)
+            count += n
+        return {name: total / count for name, total in totals.items()}
 
     def snapshot(self):
         return self.wiring.snapshot(self.session)

@@ -1,28 +1,31 @@
-"""The TF1 face: a Trainer for a ``tf.compat.v1`` graph, over the step engine and a session backend."""
+"""The TF1 face: a Trainer for a ``tf.compat.v1`` graph, bound per call to a session.
+
+The trainer contract is :class:`~hostavg.train.trainer.BaseTrainer`'s; this face
+wires the graph (:class:`~hostavg.tf1.graph.Wiring`) once and binds it to the
+session each call is given (:class:`~hostavg.tf1.graph.SessionBackend`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import tensorflow as tf
 
-from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
-from hostavg.engine import step as engine
-from hostavg.engine.step import AVERAGE_MODES, Engine, HostAverage, normalize_hooks
 from hostavg.core.check import CheckReport
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
-from hostavg.tf1.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
 from hostavg.core.results import Drop, MicroBatch, StepResult
-from hostavg.core.split import feed_size, split
+from hostavg.engine import step as engine
+from hostavg.engine.protocols import AVERAGE_MODES
+from hostavg.tf1.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
+from hostavg.train.trainer import BaseTrainer, entries
 
 v1 = tf.compat.v1
 
 __all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer", "step_together"]
 
 
-class Trainer:
+class Trainer(BaseTrainer):
     """Trains a ``tf.compat.v1`` graph with gradients averaged on the host.
 
     One optimizer step runs k micro-batches through forward and backward,
@@ -136,9 +139,6 @@ class Trainer:
                 f"tf.compat.v1.train.AdamOptimizer), got {type(optimizer).__name__}")
         if average not in AVERAGE_MODES:
             raise HostavgError(f"average must be one of {AVERAGE_MODES}, got {average!r}")
-        if accumulate not in ACCUMULATE_MODES:
-            raise HostavgError(
-                f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         if session_threads not in SESSION_THREADS:
             raise HostavgError(
                 f"session_threads must be one of {SESSION_THREADS}, got {session_threads!r}")
@@ -154,35 +154,26 @@ class Trainer:
         if comm is not None and average == "graph":
             raise HostavgError("average='graph' cannot be combined with comm=: with several "
                                "processes the mean is the MPI reduction of the host sums")
-        hooks = normalize_hooks(hooks)
-        if comm is not None:
-            from hostavg.engine.mpi import Distributed  # multi-worker sits above the trainer: imported on use
-            averaging = Distributed(comm)
-        self.comm = comm
-        self.accumulate = accumulate
+        super().__init__(accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
+                         update_ratios_every=update_ratios_every, overlap=overlap)
         self.average = average
-        self.accum_dtype = as_accum_dtype(accum_dtype)
         self._wiring = Wiring(loss, optimizer, var_list, global_step,
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype, update_ops=update_ops,
-                              increment_global_step=bool(increment_global_step),
+                              increment_global_step=flag("increment_global_step", increment_global_step),
                               session_threads=session_threads)
         self.graph = self._wiring.graph
         self.loss = loss
-        self.spec = self._wiring.spec
         self.global_step = self._wiring.global_step
         self.train_op = self._wiring.train_op
         self.update_ops = tuple(self._wiring.update_ops)
         self.apply_inputs = dict(self._wiring.apply_inputs)
         self.rollback_variables = tuple(self._wiring.assigned)
-        if comm is None:
-            averaging = GraphAverage(self._wiring) if average == "graph" else HostAverage()
-        self._engine = Engine(self.spec, accumulate=accumulate, accum_dtype=self.accum_dtype,
-                              hooks=hooks, average=averaging,
-                              update_ratios_every=update_ratios_every, overlap=overlap)
-        self.hooks = self._engine.hooks
+        if comm is None and average == "graph":
+            self._average = GraphAverage(self._wiring)
+        self._make_engine(self._wiring.spec)
 
-    def accumulator(self, sess=None) -> Accumulator:
+    def accumulator(self, sess=None):
         """A new, empty :class:`~hostavg.Accumulator` for this trainer's variables and settings.
 
         Args:
@@ -195,8 +186,7 @@ class Trainer:
                 raise HostavgError("average='graph' computes the mean in a session: pass it, as "
                                    "trainer.accumulator(sess)")
             reducer = self._wiring.reducer.bind(self._backend(sess).session)
-        return Accumulator(self.spec, accumulate=self.accumulate, accum_dtype=self.accum_dtype,
-                           reducer=reducer)
+        return self._accumulator(reducer)
 
     def compute(self, sess, feed_dict: Mapping, *, size: int | None = None) -> Gradients:
         """Runs one micro-batch forward and backward and fetches its gradients.
@@ -214,7 +204,7 @@ class Trainer:
           :class:`Gradients` (read-only arrays) with ``.loss``, ``.size`` and
           ``.sq_norms`` (each gradient's squared norm, reduced in the session).
         """
-        return self._engine.compute(self._backend(sess), feed_dict, size)
+        return self._compute(self._backend(sess), feed_dict, size)
 
     def apply(self, sess, grads: Mapping, feed_dict: Mapping | None = None) -> int:
         """Feeds ``grads`` through the gradient tensors and runs the train op once.
@@ -237,7 +227,7 @@ class Trainer:
         """
         backend = self._backend(sess)
         feed = backend.apply_feed([backend.conform(feed_dict or {}, "apply")], "apply")
-        return self._engine.apply(backend, grads, feed)
+        return self._apply(backend, grads, feed)
 
     def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:
@@ -265,7 +255,7 @@ class Trainer:
             its samples: kept as ``MicroBatch.rows`` and named in errors
             (``fit`` passes them). Default None.
         """
-        return self._engine.step(self._backend(sess), feeds, sizes, rows)
+        return self._step(self._backend(sess), feeds, sizes, rows)
 
     def check(self, sess, feed_dict: Mapping, micro_batch_size: int) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
@@ -286,7 +276,7 @@ class Trainer:
 
             print(trainer.check(sess, {x: X[:256], y: Y[:256]}, 32))
         """
-        return self._engine.check(self._backend(sess), feed_dict, split(feed_dict, micro_batch_size))
+        return self._check(self._backend(sess), feed_dict, micro_batch_size)
 
     def per_sample(self, sess, feed_dict: Mapping):
         """One row per sample of ``feed_dict``: its loss, gradient norm, and cosine with the feed's mean gradient.
@@ -313,11 +303,7 @@ class Trainer:
             table = trainer.per_sample(sess, feeds[3])   # micro-batch 3, sample by sample
             table.sort_values("cosine").head()
         """
-        from hostavg.inspect.record import pandas
-        pd = pandas("per_sample")
-        found = self._engine.per_sample(self._backend(sess), split(feed_dict, 1))
-        return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines},
-                            index=pd.RangeIndex(len(found.losses), name="sample"))
+        return self._per_sample(self._backend(sess), feed_dict)
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int, metrics: Mapping | None = None) -> dict:
         """The loss (and ``metrics``) over ``data``, sample-weighted, without training.
@@ -332,21 +318,12 @@ class Trainer:
         Returns:
           {"loss": ..., **{name: ...}} as floats.
         """
-        self._check_session(sess)
+        backend = self._backend(sess)
         metrics = dict(metrics or {})
         if "loss" in metrics:
             raise HostavgError("metrics may not be named 'loss': that name holds the loss")
-        fetches = {"loss": self.loss, **metrics}
-        totals, count = dict.fromkeys(fetches, 0.0), 0
-        for chunk in split(resolve_feed(self.graph, data, "evaluate"), batch_size):
-            n = feed_size(chunk)
-            for name, value in sess.run(fetches, chunk).items():
-                if np.ndim(value) != 0:
-                    raise HostavgError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
-                                       f"not a scalar; give the mean over the batch")
-                totals[name] += n * float(value)
-            count += n
-        return {name: total / count for name, total in totals.items()}
+        return self._evaluate(backend, resolve_feed(self.graph, data, "evaluate"), batch_size,
+                              metrics)
 
     def fit(self, sess, data, *, batch_size: int, micro_batch_size: int, epochs: int = 1,
             shuffle: bool = True, seed: int | None = None, drop_remainder: bool = False,
@@ -362,7 +339,7 @@ class Trainer:
         ``data`` is a dict ``{placeholder: array}``, an iterable of batch feed
         dicts (or a callable returning one per epoch), or a ``tf.data.Dataset``
         of single samples with ``inputs=`` naming the placeholder of each
-        element key; see :mod:`hostavg.loop`.
+        element key; see :mod:`hostavg.train.loop`.
 
         Args:
           shuffle, seed: a dict's samples are reordered each epoch by a
@@ -371,9 +348,13 @@ class Trainer:
           validation_data: {placeholder: array}, evaluated at each epoch's end
             (:meth:`evaluate`, in chunks of micro_batch_size) into the epoch's
             "val_loss" and "val_<metric>" for each of ``metrics``.
-          callbacks: objects with any of ``on_step_end(step, result)``,
-            ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``; raising
-            :class:`~hostavg.StopTraining` ends training cleanly.
+          callbacks: hooks for this fit only (:class:`~hostavg.core.results.Hook`):
+            objects with any of the hook methods, step-level ones
+            (``on_micro_batch``, ``on_step``, ``on_applied``) called in every
+            step of this fit after the trainer's own hooks, fit-level ones
+            (``on_epoch_end(epoch, logs)``, ``on_train_end(history)``,
+            ``on_resume(step)``, ``close()``) as for the trainer's hooks;
+            raising :class:`~hostavg.StopTraining` ends training cleanly.
           progress: True shows a tqdm bar on a terminal or in Jupyter,
             "always" shows it anywhere, False never.
           checkpoint_dir: where to write checkpoints (:meth:`save`) every
@@ -395,42 +376,43 @@ class Trainer:
 
         Each micro-batch knows the rows of ``data`` it holds (``MicroBatch.rows``;
         None for an iterable of feed dicts, whose rows fit can't tell). The
-        trainer's hooks that have them get ``on_epoch_end(epoch, logs)``,
-        ``on_resume(step)`` (resuming from a checkpoint) and ``close()`` (when
-        fit ends, however it ends).
-
-        Raises:
-          HostavgError: before training, for bad arguments, data that gives no
-            batch, or a checkpoint_dir that is a file, cannot be written, or
-            holds a damaged checkpoint or one of another model.
+        trainer's hooks get the fit-level hook methods too.
 
         Returns:
           the :class:`~hostavg.History`.
 
         Raises:
-          HostavgError: whose message starts with where it happened (epoch,
+          HostavgError: before training, for bad arguments, data that gives no
+            batch, or a checkpoint_dir that is a file, cannot be written, or
+            holds a damaged checkpoint or one of another model; during
+            training, one whose message starts with where it happened (epoch,
             batch, global step) and names the micro-batch's data rows; any
             exception leaving fit carries ``.history``, the History up to it.
         """
-        from hostavg.train.loop import feed_source, fit
+        from hostavg.tf1.sources import feed_source
+        backend = self._backend(sess)
         blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
                   for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
-        return fit(_SessionRun(self, sess, validation_data, micro_batch_size, metrics),
-                   lambda: feed_source(self.graph, data, inputs, batch_size, shuffle, blocks),
-                   batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
-                   seed=seed, drop_remainder=drop_remainder, callbacks=callbacks,
-                   progress=progress, checkpoint_dir=checkpoint_dir,
-                   checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                   blocks=blocks)
+
+        def validate():
+            if validation_data is None:
+                return {}
+            return self.evaluate(sess, validation_data, batch_size=micro_batch_size,
+                                 metrics=metrics)
+
+        return self._fit(
+            backend, lambda: feed_source(self.graph, data, inputs, batch_size, shuffle, blocks),
+            validate, batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+            seed=seed, drop_remainder=drop_remainder, callbacks=callbacks, progress=progress,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints, blocks=blocks)
 
     def save(self, sess, path) -> None:
         """Writes every variable of the graph (model, optimizer slots, global step) to ``path``.
 
-        One ``.npz`` file written atomically; see :mod:`hostavg.checkpoint`.
+        One ``.npz`` file written atomically; see :mod:`hostavg.train.checkpoint`.
         """
-        self._check_session(sess)
-        from hostavg.train.checkpoint import save
-        save(self.graph, sess, path)
+        self._save(self._backend(sess), path)
 
     def restore(self, sess, path) -> dict | None:
         """Loads a checkpoint written by :meth:`save` or :meth:`fit`; returns fit's state or None.
@@ -438,52 +420,14 @@ class Trainer:
         Raises:
           HostavgError: if it was written by a different model; nothing changes then.
         """
-        self._check_session(sess)
-        from hostavg.train.checkpoint import restore
-        return restore(self.graph, sess, path)
+        return self._restore(self._backend(sess), path)
 
     def _backend(self, sess) -> SessionBackend:
         return SessionBackend(self._wiring, sess)
 
-    def _check_session(self, sess) -> None:
-        self._backend(sess)
-
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
-
-
-
-class _SessionRun:
-    """A TF1 trainer bound to a session, as fit drives it (:class:`hostavg.loop.Run`)."""
-
-    def __init__(self, trainer: Trainer, sess, validation_data, batch_size: int, metrics):
-        self.trainer, self.sess = trainer, sess
-        self.comm, self.hooks = trainer.comm, trainer.hooks
-        self._validation = validation_data, batch_size, metrics
-
-    def step(self, micro_batches: list, sizes: list | None = None, rows: list | None = None
-             ) -> StepResult:
-        return self.trainer.step(self.sess, micro_batches, sizes, rows)
-
-    def global_step(self) -> int:
-        return int(self.sess.run(self.trainer.global_step))
-
-    def save(self, path, fit: dict) -> None:
-        from hostavg.train.checkpoint import save
-        save(self.trainer.graph, self.sess, path, fit=fit)
-
-    def restore(self, path) -> dict | None:
-        return self.trainer.restore(self.sess, path)
-
-    def validate(self) -> dict:
-        data, batch_size, metrics = self._validation
-        if data is None:
-            return {}
-        return self.trainer.evaluate(self.sess, data, batch_size=batch_size, metrics=metrics)
-
-    def abandon(self, error: BaseException) -> None:
-        self.trainer._engine.abandon(error)
 
 
 def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:
@@ -510,12 +454,6 @@ def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:
                             increment_global_step=False)
         res_d, res_g = hostavg.step_together(sess, [(d, feeds), (g, feeds)])
     """
-    parts = []
-    for entry in steps:
-        if not isinstance(entry, tuple) or len(entry) not in (2, 3) \
-                or not isinstance(entry[0], Trainer):
-            raise HostavgError(f"step_together takes (trainer, feeds) or (trainer, feeds, sizes) "
-                               f"per trainer, got {entry!r}")
-        trainer, feeds, sizes = entry if len(entry) == 3 else (*entry, None)
-        parts.append((trainer._engine, trainer._backend(sess), feeds, sizes))
-    return engine.step_together(parts)
+    return engine.step_together([trainer._part(trainer._backend(sess), feeds, sizes)
+                                 for trainer, feeds, sizes in entries(steps, Trainer,
+                                                                      "step_together")])

@@ -2,9 +2,10 @@
 
 Format: one NumPy ``.npz`` file (loads with ``allow_pickle=False``). Each
 variable (model weights, optimizer slots, the global step) is the array
-``var/<name>``: for a TF1 graph, each global variable by ``var.op.name``; for a
-Keras model, ``model/<i>`` and ``optimizer/<i>`` by position (see
-:mod:`hostavg.keras`); the array ``meta`` is a JSON string with the format
+``var/<name>``, by the name its backend gives it (:meth:`Backend.variables
+<hostavg.engine.protocols.Backend.variables>`): for a TF1 graph, each global
+variable by ``var.op.name``; for a Keras model, ``model/<i>`` and
+``optimizer/<i>`` by position (see :mod:`hostavg.keras`); the array ``meta`` is a JSON string with the format
 version, each variable's shape and dtype, and, when fit wrote it, fit's
 state: its position (``epoch``; ``batch`` and ``samples`` taken from the data
 in that epoch), the ``batch_size`` and ``seed`` it ran with, and its History
@@ -33,14 +34,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
-import tensorflow as tf
 
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.files import fsync_dir, remove_stale, temporary
-from hostavg.tf1.graph import load_variables
 from hostavg.train.history import History
-
-v1 = tf.compat.v1
 
 __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
 
@@ -114,22 +111,22 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
     return stored, fit
 
 
-def save(graph, sess, path, *, fit: dict | None = None) -> Path:
-    """Writes every global variable of ``graph`` (and ``fit``'s state) to ``path`` atomically."""
-    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-    return write(path, dict(zip([v.op.name for v in variables], sess.run(variables))), fit=fit)
+def save(backend, path, *, fit: dict | None = None) -> Path:
+    """Writes every variable of ``backend`` (:meth:`~hostavg.engine.protocols.Backend.variables`:
+    model, optimizer state, global step), and ``fit``'s state, to ``path`` atomically."""
+    return write(path, backend.variables(), fit=fit)
 
 
-def restore(graph, sess, path) -> dict | None:
-    """Loads ``path`` into the variables of ``graph``; returns fit's state, or None.
+def restore(backend, path) -> dict | None:
+    """Loads ``path`` into the variables of ``backend``; returns fit's state, or None.
 
     Raises:
       HostavgError: see :func:`read`; no variable is changed then.
     """
-    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-    stored, fit = read(path, {v.op.name: (v.shape.as_list(), v.dtype.base_dtype.as_numpy_dtype)
-                              for v in variables}, "the graph")
-    load_variables(sess, variables, [stored[v.op.name] for v in variables])
+    now = backend.variables()
+    stored, fit = read(path, {name: (np.shape(value), np.asarray(value).dtype)
+                              for name, value in now.items()})
+    backend.assign(stored)
     return fit
 
 
@@ -138,11 +135,24 @@ def _refuse_saver_checkpoint(path) -> None:
     path = Path(path)
     prefix = re.sub(r"\.(index|meta|data-\d+-of-\d+)$", "", str(path))
     if Path(prefix + ".index").exists() or (path.is_dir() and (path / "checkpoint").exists()):
-        shown = prefix if not path.is_dir() else v1.train.latest_checkpoint(str(path)) or path
+        shown = prefix if not path.is_dir() else _saver_latest(path) or path
         raise HostavgError(
             f"{path} is a tf.train.Saver checkpoint, not one of hostavg's: restore it with "
             f"saver.restore(sess, {str(shown)!r}); trainer.restore reads the .npz files that "
             f"trainer.save and fit(checkpoint_dir=...) write")
+
+
+def _saver_latest(folder: Path) -> str | None:
+    """The newest checkpoint a ``tf.train.Saver`` folder's ``checkpoint`` file names, or None."""
+    try:
+        text = (folder / "checkpoint").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = re.search(r'^model_checkpoint_path:\s*"(.*)"\s*$', text, re.M)
+    if found is None:
+        return None
+    name = found.group(1)
+    return name if os.path.isabs(name) else str(folder / name)
 
 
 class _Damaged(Exception):

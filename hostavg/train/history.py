@@ -7,7 +7,8 @@ import math
 from typing import NamedTuple
 
 from hostavg.core.errors import HostavgError
-from hostavg.inspect.record import check_quantity, pandas
+from hostavg.core.optional import pandas
+from hostavg.core.results import check_quantity
 
 __all__ = ["History", "StepLog"]
 

@@ -47,22 +47,20 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
-import tensorflow as tf
 
 from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
 from hostavg.core.errors import HostavgError, object_list, positive_int
-from hostavg.tf1.graph import resolve_feed
+from hostavg.core.results import FIT_METHODS, HOOK_METHODS
 from hostavg.train.history import History
 from hostavg.core.results import StepResult
 from hostavg.engine.signals import hold, region, release
 from hostavg.core.split import feed_size, split, take
 
-__all__ = ["ArraySource", "Run", "check_sizes", "feed_source", "fit"]
+__all__ = ["ArraySource", "IterableSource", "Run", "check_sizes", "fit"]
 
 
 class Run(Protocol):
@@ -70,8 +68,11 @@ class Run(Protocol):
 
     #: The trainer's MPI communicator, or None.
     comm: Any
-    #: The trainer's hooks (fit calls their on_epoch_end, on_resume and close).
+    #: The trainer's hooks (fit calls their fit-level methods too).
     hooks: tuple
+
+    def hooked(self, extra: tuple):
+        """A context within which the trainer's steps call ``extra``'s step-level hook methods too."""
 
     def step(self, micro_batches: list, sizes: list | None = None, rows: list | None = None
              ) -> StepResult:
@@ -113,18 +114,18 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
                            f"batch_size {batch_size}{' (drop_remainder)' if n else ''}; "
                            f"fit needs at least one batch")
-    hooks = _callbacks(callbacks)
+    callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
+    hooks = _fit_methods(run.hooks + callbacks)
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
     history, epoch, batch, samples = History(), 0, 0, 0
-    trainer_hooks = _hook_methods(run.hooks)
     if ckpt is not None and ckpt.latest() is not None:
         state = run.restore(ckpt.latest())
         if state is not None:
             epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
             history = History.from_json(state["history"])
         resumed = run.global_step()
-        for on_resume in trainer_hooks["on_resume"]:
+        for on_resume in hooks["on_resume"]:
             on_resume(resumed)
     comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
@@ -149,7 +150,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     num_batches = source.num_batches(drop_remainder)
     bar = _Progress(progress if rank == 0 else False)
     # A signal that arrives from a step's apply on waits until the step is counted (release).
-    with _sigterm_as_exit(), region():
+    with _sigterm_as_exit(), region(), run.hooked(callbacks):
         try:
             while epoch < epochs:
                 bar.start(f"epoch {epoch + 1}/{epochs}", num_batches)
@@ -184,7 +185,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                 history.epochs.append(logs)
                 epoch, batch, samples = epoch + 1, 0, 0
                 release()
-                for hook in hooks["on_epoch_end"] + trainer_hooks["on_epoch_end"]:
+                for hook in hooks["on_epoch_end"]:
                     hook(epoch - 1, logs)
         except StopTraining as e:
             history.stopped = str(e) or "stopped by a callback"
@@ -196,7 +197,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                 if ckpt is not None and run.global_step() != saved_step:
                     checkpoint()  # the last completed step: a step is atomic
             finally:
-                _close(trainer_hooks)
+                _close(hooks)
             run.abandon(error)  # over MPI, a rank leaving alone ends the job
             raise
     bar.close(None)
@@ -206,13 +207,13 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         for hook in hooks["on_train_end"]:
             hook(history)
     finally:
-        _close(trainer_hooks)
+        _close(hooks)
     return history
 
 
-def _close(trainer_hooks: dict) -> None:
+def _close(hooks: dict) -> None:
     """Closes every hook that can be (TensorBoard flushes its file, Record drops a step never applied)."""
-    for close in trainer_hooks["close"]:
+    for close in hooks["close"]:
         close()
 
 
@@ -237,10 +238,10 @@ class _context:
         return False
 
 
-def _hook_methods(hooks) -> dict:
-    """The trainer's hooks' fit-time methods, looked up once: name -> bound methods."""
-    names = ("on_epoch_end", "on_resume", "close")
-    return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in names}
+def _fit_methods(hooks) -> dict:
+    """The fit-level methods of the trainer's hooks and fit's callbacks, looked up once:
+    name -> bound methods, the trainer's first."""
+    return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in FIT_METHODS}
 
 
 def _micro_batches(batch, n: int, micro_batch_size: int, rank: int, size: int,
@@ -277,32 +278,6 @@ def _epoch_logs(history: History, epoch: int) -> dict:
     return {"epoch": epoch, "loss": loss, "samples": samples, "steps": len(steps)}
 
 
-def _callbacks(callbacks) -> dict:
-    """Each callback method looked up once: name -> list of bound methods."""
-    names = ("on_step_end", "on_epoch_end", "on_train_end")
-    callbacks = object_list("callbacks", callbacks, names, "hostavg.EarlyStopping()")
-    return {n: [getattr(cb, n) for cb in callbacks if callable(getattr(cb, n, None))]
-            for n in names}
-
-
-def feed_source(graph, data, inputs, batch_size, shuffle, blocks=None):
-    """The batches of a TF1 trainer's ``data``: a feed dict, an iterable of them, or a tf.data.Dataset."""
-    if isinstance(data, tf.data.Dataset):
-        if inputs is None:
-            raise HostavgError("a tf.data.Dataset needs inputs=: a mapping from each element's "
-                               "keys (or positions) to placeholders")
-        return _DatasetSource(graph, data, inputs, batch_size, shuffle)
-    if inputs is not None:
-        raise HostavgError("inputs= is only for a tf.data.Dataset")
-    if isinstance(data, Mapping):
-        return ArraySource(resolve_feed(graph, data, "data"), batch_size, shuffle, blocks)
-    if callable(data) or isinstance(data, Iterable):
-        return _IterableSource(graph, data)
-    raise HostavgError(
-        f"data must be a dict {{placeholder: array}}, an iterable (or a callable returning one) "
-        f"of feed dicts, or a tf.data.Dataset; got {type(data).__name__}")
-
-
 class ArraySource:
     """A batch of arrays (a feed dict, or a tuple (x, y)) cut into batches by (shuffled) index.
 
@@ -328,11 +303,14 @@ class ArraySource:
                        self.n, self.blocks), rows
 
 
-class _IterableSource:
-    n = None  # its batches are its own: how many samples they hold is unknown until read
+class IterableSource:
+    """The batches of an iterable (or of a callable returning one per epoch), each made ready by
+    ``conform(batch, what)``; its rows are the iterable's own, so fit can't tell them."""
 
-    def __init__(self, graph, data):
-        self.graph, self.data = graph, data
+    n = None  # how many samples its batches hold is unknown until read
+
+    def __init__(self, data, conform):
+        self.data, self.conform = data, conform
         self._used = False
 
     def num_batches(self, drop_remainder):
@@ -350,42 +328,7 @@ class _IterableSource:
             self._used = True
         for i, feed in enumerate(it):
             if i >= batch:  # which rows of the user's data a batch holds, fit can't tell
-                yield resolve_feed(self.graph, feed, f"batch {i} of epoch {epoch}"), None
-
-
-class _DatasetSource:
-    def __init__(self, graph, dataset, inputs, batch_size, shuffle):
-        self.graph, self.dataset, self.batch_size, self.shuffle = graph, dataset, batch_size, shuffle
-        self.inputs = dict(inputs) if isinstance(inputs, Mapping) else dict(enumerate(inputs))
-        resolve_feed(graph, {v: None for v in self.inputs.values()}, "inputs")
-        try:
-            n = int(dataset.cardinality())
-        except TypeError:  # its ops live in a graph: it cannot be iterated from Python
-            raise HostavgError(
-                "fit reads a tf.data.Dataset eagerly, but this one is in graph mode: make it, and "
-                "call fit, outside `with graph.as_default():`") from None
-        self.n = n if n >= 0 else None
-
-    def num_batches(self, drop_remainder):
-        if self.n is None:
-            return None
-        return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
-
-    def batches(self, epoch, seed, batch, samples):
-        """(feed, data rows) of the epoch's batches from sample ``samples`` of its (seeded)
-        order on: the rows are the elements' positions in the dataset."""
-        ds = self.dataset.enumerate()
-        if self.shuffle:
-            ds = ds.shuffle(self.n or 10_000, seed=(seed + epoch) % 2**63,
-                            reshuffle_each_iteration=False)
-        for rows, element in ds.skip(samples).batch(self.batch_size).as_numpy_iterator():
-            try:
-                yield resolve_feed(self.graph, {ph: element[k] for k, ph in self.inputs.items()},
-                                   "inputs"), rows
-            except (KeyError, IndexError, TypeError):
-                raise HostavgError(
-                    f"inputs= names elements {list(self.inputs)} but the dataset's elements "
-                    f"are {self.dataset.element_spec}") from None
+                yield self.conform(feed, f"batch {i} of epoch {epoch}"), None
 
 
 class _Progress:

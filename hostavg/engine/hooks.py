@@ -1,0 +1,31 @@
+"""Calling hooks: the one hook protocol (:class:`~hostavg.core.results.Hook`) as the engine runs it."""
+
+from __future__ import annotations
+
+from hostavg.core.errors import object_list
+from hostavg.core.results import HOOK_METHODS
+
+__all__ = ["call", "methods", "name_of", "normalize_hooks"]
+
+
+def normalize_hooks(hooks) -> tuple:
+    """``hooks`` (a list of hooks, or None for none) as a tuple, each checked to be a hook."""
+    return object_list("hooks", hooks, HOOK_METHODS, "hostavg.hooks.SkipNonFinite()")
+
+
+def call(hook, method, args, where: str, applied: bool = False):
+    """``method(*args)``; an exception it raises propagates as it is, with a note naming the hook."""
+    try:
+        return method(*args)
+    except Exception as e:
+        e.add_note(f"hostavg: raised by hook {name_of(hook)} in {where}; "
+                   f"{'the step was applied' if applied else 'nothing was applied'}")
+        raise
+
+
+def methods(hooks, name: str) -> list:
+    return [(h, getattr(h, name)) for h in hooks if callable(getattr(h, name, None))]
+
+
+def name_of(hook) -> str:
+    return type(hook).__name__

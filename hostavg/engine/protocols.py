@@ -1,0 +1,197 @@
+"""What the engine needs of a framework (:class:`Backend`) and of an averaging (:class:`Average`),
+and the small records they exchange. Pure Python: a new backend implements these."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from hostavg.core.accumulator import Reducer
+from hostavg.core.gradients import VariableSpec
+
+__all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "HostAverage", "SampleStats",
+           "Tally"]
+
+
+#: Where a trainer computes the mean of the accumulated gradients. "host":
+#: with NumPy. "graph": in the session, as a division of the fed running sum
+#: ("sum") or a weighted reduce over a fed stack of micro-batch gradients ("stack").
+AVERAGE_MODES = ("host", "graph")
+
+
+class Computed(NamedTuple):
+    """One micro-batch as a backend computed it.
+
+    Attributes:
+      loss: its mean loss (a float, or a 0-d array).
+      grads: name -> frozen array or SparseGradient of frozen arrays
+        (:func:`~hostavg.gradients.freeze`), exactly the spec's names.
+      global_step: the global step before this step's apply.
+      sq_norms: name -> squared L2 norm of each gradient (sparse rows
+        coalesced), reduced where the values were made.
+    """
+
+    loss: Any
+    grads: dict
+    global_step: int
+    sq_norms: dict
+
+
+class Applied(NamedTuple):
+    """What a backend's apply reports.
+
+    Attributes:
+      global_step: the global step after the apply.
+      update_ratios: name -> |w_after - w_before| / |w_before| of each trained
+        variable (L2 norms over the whole variable, reduced where the values
+        live, in the same call as the apply); 0 where nothing moved, inf where
+        a variable of norm 0 moved. None where the backend cannot tell.
+      learning_rate: the optimizer's learning rate as this apply used it (a
+        schedule's value at this step), or None where the optimizer exposes none.
+    """
+
+    global_step: int
+    update_ratios: dict | None = None
+    learning_rate: float | None = None
+
+
+class SampleStats(NamedTuple):
+    """Per sample of a feed (:meth:`Engine.per_sample`), in order.
+
+    Attributes:
+      losses: each sample's loss.
+      norms: each sample's gradient norm (NaN or Inf where non-finite).
+      cosines: each sample's cosine with the mean gradient of the feed's
+        samples whose loss and gradient are finite (NaN for the others, and
+        where a norm is 0).
+    """
+
+    losses: tuple
+    norms: tuple
+    cosines: tuple
+
+
+class Backend(Protocol):
+    """What the engine needs of a framework: one model, bound to where its values live.
+
+    Errors of the framework are raised as :class:`~hostavg.HostavgError` whose
+    message says what failed and what to do, without saying where (the engine
+    adds the micro-batch).
+    """
+
+    #: name -> VariableSpec of every trained variable.
+    spec: Mapping[str, VariableSpec]
+    #: How much an apply adds to the global step: 1, or 0 for a trainer that
+    #: leaves the step to another (the second network of a GAN).
+    increment: int
+    #: The object that holds the variables' values (a TF1 session, a Keras
+    #: model): an Average keeps it weakly, to know whether it met it before.
+    target: Any
+    #: Whose words errors and the check's advice use: a key of
+    #: :data:`hostavg.core.check.ADVICE` ("tf1", "keras").
+    framework: str
+
+    def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
+        """The feed made ready to compute, and its number of samples (``size`` if given)."""
+
+    def compute(self, feed) -> Computed:
+        """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
+
+    def apply_feed(self, feeds: Sequence, what: str) -> dict:
+        """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).
+
+        The values every one of ``feeds`` gives to the inputs the optimizer
+        reads (a learning-rate placeholder), by name: small and picklable, so
+        ranks can compare them. Raises HostavgError naming the input when the
+        optimizer needs one that ``feeds`` lack or give different values.
+        """
+
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+        """Runs the optimizer once on ``mean`` (conformed, finite), fed ``feed`` (from
+        :meth:`apply_feed`); returns the new global step, the learning rate and, when
+        ``measure``, the update-to-weight ratios, measured in the same call (None otherwise)."""
+
+    def global_step(self) -> int:
+        """The global step now."""
+
+    def evaluate(self, chunks: Sequence, metrics=None) -> dict:
+        """The loss (and the backend's metrics) over ``chunks`` (batches in the face's form),
+        sample-weighted: {"loss": float, name: float, ...}; runs no gradient."""
+
+    def snapshot(self) -> Any:
+        """The values of every variable :meth:`compute` may assign (None if there are none)."""
+
+    def restore(self, snapshot) -> None:
+        """Sets those variables back to a :meth:`snapshot`."""
+
+    def variables(self) -> dict:
+        """Every variable's value (model, optimizer state, global step) by name, in a fixed order."""
+
+    def assign(self, values: Mapping) -> None:
+        """Sets every variable to ``values`` (:meth:`variables`' names)."""
+
+
+class Tally(NamedTuple):
+    """A step's bookkeeping: this process's, or (over MPI) every rank's together.
+
+    Attributes:
+      weights, sq_norms: of each accumulated micro-batch.
+      norms, losses: of each micro-batch, dropped ones too.
+      total: sum of the weights.
+      loss_sum: sum_i w_i loss_i (None if a loss was missing).
+      size: samples accumulated.
+      global_step: before the apply (None where no micro-batch ran).
+      apply_feed: what the apply is fed (:meth:`Backend.apply_feed`; None
+        where no micro-batch ran).
+    """
+
+    weights: list
+    sq_norms: list
+    norms: list
+    losses: list
+    total: float
+    loss_sum: float | None
+    size: int
+    global_step: int | None
+    apply_feed: dict | None = None
+
+
+class Average(Protocol):
+    """Where the mean of a step is computed; chosen once, when a trainer is made."""
+
+    #: Whether this process holds every micro-batch of the step (then the
+    #: statistics that need every micro-batch's gradients can be computed).
+    sees_every_micro_batch: bool
+
+    def begin(self, backend: Backend) -> None:
+        """Called before each step (over MPI: the first step of a target takes rank 0's values)."""
+
+    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+        """The step's tally; raises if this process (or any rank) failed with ``error``."""
+
+    def reducer(self, backend: Backend, total: float) -> Reducer | None:
+        """The reducer that turns the accumulator's sums into the mean over ``total`` weight (None: NumPy)."""
+
+    def abandon(self, error: BaseException) -> None:
+        """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
+        other ranks did not raise it too, the job must end, or they would wait forever)."""
+
+
+class HostAverage:
+    """One process; the mean is computed on the host with NumPy."""
+
+    sees_every_micro_batch = True
+
+    def begin(self, backend: Backend) -> None:
+        pass
+
+    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+        if error is not None:
+            raise error
+        return tally
+
+    def reducer(self, backend: Backend, total: float) -> Reducer | None:
+        return None
+
+    def abandon(self, error: BaseException) -> None:
+        pass
