@@ -110,6 +110,19 @@ def test_the_site_builds_strict_and_documents_every_public_name(tmp_path):
             if not ids & anchors:
                 missing.append(f"{namespace}.{name}")
     assert not missing, f"no entry in docs/reference/ for {missing}: add a `::: name` line"
+    # The README is no page of the site, so mkdocs checks none of its links: here, each one
+    # into docs/ must reach a page, and its #anchor a heading there.
+    broken = []
+    for target, anchor in re.findall(r"\]\(docs/([\w/.-]+?\.(?:md|png|py))(?:#([\w-]+))?\)",
+                                     (ROOT / "README.md").read_text()):
+        page = site / target[:-3] / "index.html" if target.endswith(".md") else site / target
+        if target == "index.md":
+            page = site / "index.html"
+        if target.endswith(".py"):
+            page = ROOT / "docs" / target
+        if not page.exists() or (anchor and f'id="{anchor}"' not in page.read_text()):
+            broken.append(f"docs/{target}" + (f"#{anchor}" if anchor else ""))
+    assert not broken, f"README links to what docs/ lacks: {broken}"
 
 
 def test_the_performance_tables_are_those_of_the_runs_kept():
