@@ -57,8 +57,10 @@ def record(name: str, options: list[str]) -> Path:
                        check=True)
         wall, load_after = time.perf_counter() - t0, os.getloadavg()[0]
         bench = json.loads(out.read_text())
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                            text=True, cwd=DOCS).stdout.strip() or None
     run = {"command": " ".join(["hostavg", "bench", *options]),
-           "date": datetime.date.today().isoformat(),
+           "date": datetime.date.today().isoformat(), "commit": commit,
            "wall_s": round(wall, 1),
            "load_average": [round(load_before, 2), round(load_after, 2)],
            "machine": {"cpu": _cpu(), "cores": os.cpu_count(),
@@ -84,7 +86,8 @@ def caption(run: dict) -> str:
     """Where, when and how a run was made, in one paragraph."""
     m = run["machine"]
     before, after = run["load_average"]
-    return (f"`{run['command']}`, {run['date']}: {m['cores']}-core {m['cpu']}, "
+    at = f" (hostavg at {run['commit']})" if run.get("commit") else ""
+    return (f"`{run['command']}`, {run['date']}{at}: {m['cores']}-core {m['cpu']}, "
             f"{m['memory_gib']} GiB, {m['system']}, Python {m['python']}, TensorFlow "
             f"{m['tensorflow']} on the CPU, Keras {m['keras']}, NumPy {m['numpy']}; "
             f"load average {before} when it started and {after} when it ended; "
