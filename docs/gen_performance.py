@@ -48,6 +48,16 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _commit() -> str | None:
+    """The commit of the code measured: HEAD, and "+changes" where hostavg/ differs from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=DOCS).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD")
+    return (head + ("+changes" if git("status", "--porcelain", "--", "../hostavg") else "")) \
+        if head else None
+
+
 def record(name: str, options: list[str]) -> Path:
     """Runs hostavg bench with ``options``; keeps its JSON with where and when it ran."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,8 +67,7 @@ def record(name: str, options: list[str]) -> Path:
                        check=True)
         wall, load_after = time.perf_counter() - t0, os.getloadavg()[0]
         bench = json.loads(out.read_text())
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                            text=True, cwd=DOCS).stdout.strip() or None
+    commit = _commit()
     run = {"command": " ".join(["hostavg", "bench", *options]),
            "date": datetime.date.today().isoformat(), "commit": commit,
            "wall_s": round(wall, 1),

@@ -153,7 +153,7 @@ def _parser() -> _Parser:
                     "each configuration's baseline (in-graph accumulation; with one micro-batch, "
                     "the program's own train op), and peak host memory per implementation.")
     bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead"), default="quick",
-                       help="times measured on a 2-core AMD EPYC. quick (default, 2 minutes): "
+                       help="times measured on a 2-core AMD EPYC. quick (default, 2 to 3 minutes): "
                             "mlp-50k, mlp-300k, mlp-2m, conv and embedding at micro-batch size 32 "
                             "with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32; "
                             "smallest (a smoke test, 10 s): mlp-50k at micro-batch size 32 with "
