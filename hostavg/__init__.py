@@ -16,10 +16,17 @@ The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine`,
 :mod:`hostavg.tf1` and :mod:`hostavg.keras` are the backends; TensorFlow is
 imported the first time a name that needs it (such as :class:`Trainer`) is
 used, so ``import hostavg`` stays fast.
+
+A few private APIs of CPython and TensorFlow serve the per-micro-batch path,
+each detected when hostavg imports its framework and each with a public
+fallback giving the same results (:mod:`hostavg.compat`): :func:`private_apis`
+names those in use. Set ``HOSTAVG_PUBLIC_API_ONLY=1`` before importing hostavg
+to use the public fallbacks only.
 """
 
 import importlib
 
+from hostavg.compat import private_apis
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
 from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
 from hostavg.engine.protocols import AVERAGE_MODES
@@ -63,6 +70,7 @@ __all__ = [
     "import_tensorflow",
     "load_record",
     "plot",
+    "private_apis",
     "split",
     "stats",
     "step_together",

@@ -60,7 +60,7 @@ with oracle.as_default():
 osess = v1.Session(graph=oracle)
 osess.run(init)
 variables = oracle.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-hostavg.tf1.graph.load_variables(osess, variables, [start[v.op.name] for v in variables])
+hostavg.tf1.variables.load_variables(osess, variables, [start[v.op.name] for v in variables])
 for arrays in data:
     osess.run(train, dict(zip(oinputs, arrays)))
 

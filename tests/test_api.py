@@ -8,7 +8,7 @@ import hostavg
 PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "Callback", "EarlyStopping",
           "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "SparseGradient",
           "StepLog", "StepResult", "StepStats", "StopTraining", "Trainer", "VariableSpec",
-          "hooks", "import_tensorflow", "load_record", "plot", "split", "stats", "step_together", "__version__"}
+          "hooks", "import_tensorflow", "load_record", "plot", "private_apis", "split", "stats", "step_together", "__version__"}
 
 
 def test_all_is_exactly_the_public_api_and_every_name_resolves():

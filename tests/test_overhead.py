@@ -21,6 +21,7 @@ from test_trainer import BATCH, UNEQUAL, Case, assert_same_weights, train, uncha
 import hostavg
 from hostavg.core.gradients import _stable_order, coalesce_rows
 from hostavg.hooks import Drop
+from hostavg.tf1.session import SESSION_THREADS
 
 
 def assert_bitwise(got: dict, want: dict):
@@ -60,7 +61,7 @@ def test_caller_and_pool_give_bit_identical_weights_equal_to_the_full_batch_step
     data = batches(5, 4, BATCH, sparse=model_kw.get("sparse", False))
     caller, pool = (train("adam", data, UNEQUAL, model_kw=model_kw, average=average,
                             session_threads=threads)[:2]
-                    for threads in hostavg.tf1.graph.SESSION_THREADS)
+                    for threads in SESSION_THREADS)
     caller, pool = (model.values(sess) for model, sess in (caller, pool))
     assert_bitwise(caller, pool)
     # The oracle runs the UPDATE_OPS once per micro-batch too, then minimize on the whole batch.

@@ -15,18 +15,19 @@ Before the hold a signal acts at once, as it always did (the step is then
 rolled back: nothing was applied). Regions nest: an inner one joins the outer
 one. Off the main thread all three do nothing, since signals interrupt only
 the main thread. The handlers are swapped at a region's first hold and put
-back at its end: about four system calls per region, made through ``_signal``
-(the C module under :mod:`signal`, whose wrappers convert every number and
-handler to an enum and back: 20 us a step, a twentieth of a small model's).
+back at its end: about four system calls per region, made through
+:func:`hostavg.compat.python.set_handler` and ``get_handler`` (CPython's
+``_signal`` where it works, else :mod:`signal`'s own functions).
 """
 
 from __future__ import annotations
 
-import _signal
 import os
 import signal
 import threading
 from contextlib import contextmanager
+
+from hostavg.compat.python import get_handler, set_handler
 
 __all__ = ["hold", "region", "release"]
 
@@ -59,7 +60,7 @@ def region():
         yield
     finally:
         for signum, handler in here.previous.items():
-            _signal.signal(signum, handler)
+            set_handler(signum, handler)
         _open.pop()
         for signum in here.pending:
             signal.raise_signal(signum)  # its own handler runs now, as it would have then
@@ -73,10 +74,10 @@ def hold() -> None:
     here.holding = True
     if not here.previous:
         for signum in _SIGNALS:
-            handler = _signal.getsignal(signum)
+            handler = get_handler(signum)
             if handler is not None:  # None: set outside Python, and we could not put it back
                 here.previous[signum] = handler
-                _signal.signal(signum, _handler)
+                set_handler(signum, _handler)
 
 
 def release() -> None:

@@ -35,7 +35,7 @@ The engine knows no framework. What it needs of one is a
 :mod:`hostavg.tf1`; a Keras model, :mod:`hostavg.keras`), and where the mean
 is computed is an :class:`~hostavg.engine.protocols.Average` chosen when the
 trainer is made (:class:`~hostavg.engine.protocols.HostAverage`: NumPy;
-``hostavg.tf1.graph.GraphAverage``: a small graph in the session;
+``hostavg.tf1.average.GraphAverage``: a small graph in the session;
 ``hostavg.engine.mpi.Distributed``: across MPI ranks).
 
 Threading: a trainer runs one step at a time. A second :meth:`Engine.step`

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 import tensorflow as tf
 
 from hostavg.core.errors import HostavgError
-from hostavg.tf1.graph import resolve_feed
+from hostavg.tf1.feeds import resolve_feed
 from hostavg.train.loop import ArraySource, IterableSource
 
 __all__ = ["DatasetSource", "feed_source"]

@@ -1,8 +1,8 @@
 """The TF1 face: a Trainer for a ``tf.compat.v1`` graph, bound per call to a session.
 
 The trainer contract is :class:`~hostavg.train.trainer.BaseTrainer`'s; this face
-wires the graph (:class:`~hostavg.tf1.graph.Wiring`) once and binds it to the
-session each call is given (:class:`~hostavg.tf1.graph.SessionBackend`).
+wires the graph (:class:`~hostavg.tf1.wiring.Wiring`) once and binds it to the
+session each call is given (:class:`~hostavg.tf1.session.SessionBackend`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from hostavg.core.gradients import Gradients
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.engine import step as engine
 from hostavg.engine.protocols import AVERAGE_MODES
-from hostavg.tf1.graph import SESSION_THREADS, GraphAverage, SessionBackend, Wiring, resolve_feed
+from hostavg.tf1.average import GraphAverage
+from hostavg.tf1.feeds import resolve_feed
+from hostavg.tf1.session import SESSION_THREADS, SessionBackend
+from hostavg.tf1.wiring import Wiring
 from hostavg.train.trainer import BaseTrainer, entries
 
 v1 = tf.compat.v1
@@ -78,7 +81,7 @@ class Trainer(BaseTrainer):
         cost of the apply again, which is 0.5% of a step of 8 micro-batches
         for a 50k-parameter MLP and 5 to 10% for 0.3M to 2M parameters (see
         the README's performance section).
-      session_threads: one of :data:`~hostavg.graph.SESSION_THREADS`: where the
+      session_threads: one of :data:`~hostavg.tf1.session.SESSION_THREADS`: where the
         trainer's session calls run their ops. "pool" (default): in the
         session's inter-op thread pool, as ``sess.run`` does. "caller": in the
         calling thread, which saves TensorFlow's hand-off to the pool and back

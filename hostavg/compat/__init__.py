@@ -1,0 +1,113 @@
+"""The private framework APIs hostavg uses: one module per framework, each API detected, each with a public fallback.
+
+A few private APIs of CPython and TensorFlow sit on hostavg's per-micro-batch
+path, where their public twins cost Python time on every call (see each
+wrapper's docstring). Each is wrapped in one small named function in the
+module of its framework, :mod:`hostavg.compat.python` (``_signal``) and
+:mod:`hostavg.compat.tensorflow` (imported by the TF1 and Keras backends only).
+When that module is imported, each private API is detected (it exists and
+behaves as expected on a small probe) and the wrapper becomes either the
+private form or its public fallback, which gives the same results.
+
+The switch: with the environment variable ``HOSTAVG_PUBLIC_API_ONLY=1`` set
+before hostavg is imported, every wrapper is its public fallback and
+:func:`private_apis` is empty. Unset or ``0``: private APIs are used where
+they work. Any other value is refused.
+
+This module itself is standard library only (and hostavg's one exception type).
+
+Example::
+
+    import hostavg
+    hostavg.private_apis()  # ('_signal.getsignal', '_signal.signal')
+    hostavg.Trainer         # imports the TF1 backend, and hostavg.compat.tensorflow with it
+    hostavg.private_apis()  # TensorFlow's six too
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+from hostavg.core.errors import HostavgError
+
+__all__ = ["PUBLIC_API_ONLY", "PrivateApi", "apis", "choose", "private_apis", "public_api_only"]
+
+#: The environment variable that, set to ``1``, makes every wrapper its public fallback.
+PUBLIC_API_ONLY = "HOSTAVG_PUBLIC_API_ONLY"
+
+
+class PrivateApi(NamedTuple):
+    """One private framework API as hostavg wraps it.
+
+    Attributes:
+      name: the private API, as its framework spells it
+        (``"tensorflow.DType._is_ref_dtype"``).
+      private: the wrapper's form that calls it.
+      public: the wrapper's fallback, through public APIs only.
+      used: whether this process uses ``private``: it was detected working
+        and ``HOSTAVG_PUBLIC_API_ONLY`` is not ``1``.
+    """
+
+    name: str
+    private: Callable
+    public: Callable
+    used: bool
+
+
+_registry: dict[str, PrivateApi] = {}
+
+
+def public_api_only() -> bool:
+    """Whether ``HOSTAVG_PUBLIC_API_ONLY`` is ``1`` (unset, empty or ``0``: False).
+
+    Raises:
+      HostavgError: for any other value.
+    """
+    value = os.environ.get(PUBLIC_API_ONLY, "")
+    if value not in ("", "0", "1"):
+        raise HostavgError(f"{PUBLIC_API_ONLY} must be 1 (public APIs only) or 0 (or unset), "
+                           f"got {value!r}")
+    return value == "1"
+
+
+def choose(name: str, private: Callable, public: Callable, works: Callable[[], bool]) -> Callable:
+    """``private`` if the private API ``name`` works and the switch is off, else ``public``.
+
+    ``works`` is the detection: it returns whether the private API exists and
+    behaves (an exception counts as no). It is not called when
+    ``HOSTAVG_PUBLIC_API_ONLY=1``. The choice is recorded under ``name`` for
+    :func:`private_apis` and :func:`apis`.
+    """
+    used = not public_api_only() and _works(works)
+    _registry[name] = PrivateApi(name, private, public, used)
+    return private if used else public
+
+
+def _works(works: Callable[[], bool]) -> bool:
+    try:
+        return bool(works())
+    except Exception:  # noqa: BLE001 - whatever a probe of a private API raises, it does not work
+        return False
+
+
+def private_apis() -> tuple[str, ...]:
+    """The private framework APIs this process uses, sorted by name.
+
+    Covers the frameworks hostavg has imported so far: CPython's ``_signal``
+    from ``import hostavg``; TensorFlow's once a trainer module is imported
+    (``hostavg.Trainer`` or ``import hostavg.keras``). Empty with
+    ``HOSTAVG_PUBLIC_API_ONLY=1``.
+
+    Example::
+
+        import hostavg
+        hostavg.private_apis()  # ('_signal.getsignal', '_signal.signal')
+    """
+    return tuple(sorted(name for name, api in _registry.items() if api.used))
+
+
+def apis() -> dict[str, PrivateApi]:
+    """Every private API detected so far, by name, used or not (a copy)."""
+    return dict(_registry)

@@ -1,0 +1,315 @@
+"""TensorFlow's private APIs that hostavg uses, each detected at import, each with a public fallback.
+
+Imported by the TF1 and Keras backends only (it imports TensorFlow). Each
+wrapper below is the private form where, when this module is imported, the
+private API exists and behaves, and else its public fallback; with
+``HOSTAVG_PUBLIC_API_ONLY=1`` set before hostavg is imported, every wrapper is
+its public fallback (see :mod:`hostavg.compat`). Detection runs no session and
+no eager op, so it initialises no device: probes use signatures, dtypes and a
+small graph.
+
+The wrappers, each with its private API and its public fallback:
+
+* :func:`session_call`: ``Session._make_callable_from_options``; ``sess.run``,
+  given the same ``RunOptions``.
+* :func:`input_types`: ``Operation._input_types``; the op's ``op_def`` and
+  ``get_attr``.
+* :func:`is_ref_dtype`: ``DType._is_ref_dtype``; ``dtype != dtype.base_dtype``.
+* :func:`learning_rate`: a TF1 optimizer's ``_learning_rate_tensor`` or
+  ``_lr_t``; the ``lr`` (or ``alpha``) input of the apply kernels the train
+  op runs.
+* :func:`eager_tensor`: the ``EagerTensor`` constructor; ``tf.convert_to_tensor``.
+* :func:`concrete_call`: ``ConcreteFunction._call_flat``; the
+  ConcreteFunction's own ``__call__``.
+
+Every fallback gives the same values, bit for bit (the same kernels run on
+the same inputs); what differs is the time per call (and a copy of each
+array, for :func:`eager_tensor`), and, for
+:func:`learning_rate`, which optimizers expose their rate (the fallback finds
+it only where an apply kernel takes it as an input).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.compat import choose
+
+__all__ = ["concrete_call", "eager_tensor", "input_types", "is_ref_dtype", "learning_rate",
+           "session_call"]
+
+v1 = tf.compat.v1
+
+
+def _parameters(function) -> list:
+    return list(inspect.signature(function).parameters)
+
+
+# --- Compiled session calls ------------------------------------------------------------------
+
+try:
+    from tensorflow.core.protobuf.config_pb2 import CallableOptions
+    from tensorflow.python.client.session import BaseSession
+except ImportError:  # detection fails, and the public fallback serves
+    CallableOptions = BaseSession = None
+
+
+def _session_call_private(sess, tensors: list, targets: list, feed_keys: tuple,
+                          run_options=None) -> Callable:
+    """A callable that feeds its arguments to ``feed_keys``, runs ``targets`` and returns ``tensors``' values.
+
+    Made by ``Session._make_callable_from_options``: ``sess.run`` spends
+    about as long in Python parsing fetches and the feed dict as a small
+    model computes, and public ``make_callable`` falls back to ``run``
+    whenever there are feeds; a callable made from ``CallableOptions`` skips
+    that. A session without it (a wrapper such as ``MonitoredSession``) gets
+    the public fallback. Arguments must be arrays of the keys' dtypes.
+    """
+    make = getattr(sess, "_make_callable_from_options", None)
+    if make is None:
+        return _session_call_public(sess, tensors, targets, feed_keys, run_options)
+    options = CallableOptions(feed=[k.name for k in feed_keys], fetch=[t.name for t in tensors],
+                              target=[op.name for op in targets])
+    if run_options is not None:
+        options.run_options.CopyFrom(run_options)
+    return make(options)
+
+
+def _session_call_public(sess, tensors: list, targets: list, feed_keys: tuple,
+                         run_options=None) -> Callable:
+    """A callable that feeds its arguments to ``feed_keys``, runs ``targets`` and returns ``tensors``' values.
+
+    By ``sess.run``, given ``run_options`` (a ``tf.compat.v1.RunOptions``)
+    on each call.
+    """
+    fetches, n = list(tensors) + list(targets), len(tensors)
+    options = {} if run_options is None else {"options": run_options}  # a wrapper's run may lack it
+
+    def run(*values):
+        return sess.run(fetches, dict(zip(feed_keys, values)), **options)[:n]
+    return run
+
+
+def _session_call_works() -> bool:
+    return _parameters(BaseSession._make_callable_from_options) == ["self", "callable_options"] \
+        and {"feed", "fetch", "target", "run_options"} <= set(CallableOptions.DESCRIPTOR.fields_by_name)
+
+
+session_call = choose("tensorflow.compat.v1.Session._make_callable_from_options",
+                      _session_call_private, _session_call_public, _session_call_works)
+
+
+# --- Operations and dtypes -------------------------------------------------------------------
+
+
+def _input_types_private(op) -> list:
+    """The dtypes ``op`` takes its inputs as (a reference dtype where it takes a variable by
+    reference), by ``Operation._input_types``."""
+    return op._input_types  # pylint: disable=protected-access
+
+
+def _input_types_public(op) -> list:
+    """The dtypes ``op`` takes its inputs as (a reference dtype where it takes a variable by
+    reference), from its ``op_def``'s input arguments and its attributes.
+
+    Not the inputs' own dtypes: an op that reads a reference variable
+    (``Identity`` of ``w``) is given ``float32_ref`` and takes ``float32``.
+    """
+    out = []
+    for arg in op.op_def.input_arg:
+        if arg.type_list_attr:
+            types = list(op.get_attr(arg.type_list_attr))
+        else:
+            one = arg.type if arg.type else op.get_attr(arg.type_attr)
+            types = [one] * (op.get_attr(arg.number_attr) if arg.number_attr else 1)
+        # A reference dtype's enum is its base dtype's + 100 (types.proto: DT_FLOAT_REF = 101).
+        out += [tf.as_dtype(tf.as_dtype(t).as_datatype_enum + (100 if arg.is_ref else 0))
+                for t in types]
+    return out
+
+
+def _is_ref_dtype_private(dtype) -> bool:
+    """Whether ``dtype`` is a reference dtype (``float32_ref``: a TF1 ``Variable(use_resource=False)``),
+    by ``DType._is_ref_dtype``."""
+    return dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _is_ref_dtype_public(dtype) -> bool:
+    """Whether ``dtype`` is a reference dtype (``float32_ref``: a TF1 ``Variable(use_resource=False)``):
+    one that is not its own ``base_dtype``."""
+    return dtype != dtype.base_dtype
+
+
+@functools.cache
+def _probe_graph():
+    """A small graph with every kind of input the probes compare: reference and resource
+    variables, list inputs (AddN), an optimizer of each learning-rate attribute."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ref = v1.Variable(np.ones(2, np.float32), use_resource=False, name="ref")
+        resource = v1.Variable(np.ones(2, np.float32), use_resource=True, name="resource")
+        grad = tf.add_n([tf.ones(2), tf.ones(2)])
+        descent = v1.train.GradientDescentOptimizer(0.5)
+        adam = v1.train.AdamOptimizer(0.5)
+        for optimizer in (descent, adam):
+            optimizer.apply_gradients([(grad, ref), (grad, resource)])
+    return graph, (descent, adam)
+
+
+def _input_types_works() -> bool:
+    graph, _ = _probe_graph()
+    ops = graph.get_operations()
+    return all(_input_types_private(op) == _input_types_public(op) for op in ops) \
+        and any(map(_is_ref_dtype_public, (t for op in ops for t in _input_types_private(op))))
+
+
+def _is_ref_dtype_works() -> bool:
+    ref = tf.as_dtype(tf.float32.as_datatype_enum + 100)
+    return _is_ref_dtype_private(ref) is True and _is_ref_dtype_private(tf.float32) is False \
+        and _is_ref_dtype_private(tf.resource) is False
+
+
+input_types = choose("tensorflow.Operation._input_types", _input_types_private,
+                     _input_types_public, _input_types_works)
+is_ref_dtype = choose("tensorflow.DType._is_ref_dtype", _is_ref_dtype_private,
+                      _is_ref_dtype_public, _is_ref_dtype_works)
+
+
+# --- The learning rate of a TF1 optimizer -----------------------------------------------------
+
+#: Where TF1 optimizers keep the learning-rate tensor their apply reads (GradientDescent,
+#: Momentum, RMSProp, Adagrad, Ftrl: the first; Adam, Adadelta: the second). The probe
+#: checks one optimizer of each, in this order.
+LEARNING_RATE_ATTRIBUTES = ("_learning_rate_tensor", "_lr_t")
+
+#: The input of an apply kernel (``ApplyAdam``, ``ResourceApplyGradientDescent``, ...) that
+#: takes the learning rate.
+_RATE_ARGUMENTS = ("lr", "alpha")
+
+
+def _rate(tensor, graph):
+    """``tensor`` if it can be a learning rate of ``graph`` (a floating scalar in it), else None."""
+    if isinstance(tensor, tf.Tensor) and tensor.graph is graph and tensor.shape.rank == 0 \
+            and tensor.dtype.base_dtype.is_floating:
+        return tensor
+    return None
+
+
+def _learning_rate_public(optimizer, graph, ops: Iterable):
+    """The learning-rate tensor that the apply kernels among ``ops`` read, or None.
+
+    ``ops``: the ops a train op runs (``optimizer`` is not read: the private
+    form's signature). The rate is the ``lr`` (or ``alpha``)
+    input of every apply kernel among them (``ApplyAdam``,
+    ``ResourceApplyGradientDescent``, ...; a cast looked through), where they
+    all read one tensor. An update made of plain ops (GradientDescent's sparse
+    update: a scatter-add of ``-lr * rows``) has none.
+    """
+    found = set()
+    for op in ops:
+        if "Apply" in op.type:
+            names = [arg.name for arg in op.op_def.input_arg]
+            for name in set(names) & set(_RATE_ARGUMENTS):
+                tensor = op.inputs[names.index(name)]  # apply kernels take no lists: one input each
+                while tensor.op.type == "Cast":
+                    tensor = tensor.op.inputs[0]
+                found.add(tensor)
+    return _rate(found.pop(), graph) if len(found) == 1 else None
+
+
+def _learning_rate_private(optimizer, graph, ops: Iterable):
+    """The learning-rate tensor the optimizer's apply reads, or None: a TF1 optimizer's
+    ``_learning_rate_tensor`` or ``_lr_t``, else what the public fallback finds in ``ops``."""
+    for attr in LEARNING_RATE_ATTRIBUTES:
+        tensor = _rate(getattr(optimizer, attr, None), graph)
+        if tensor is not None:
+            return tensor
+    return _learning_rate_public(optimizer, graph, ops)
+
+
+def _learning_rate_works() -> bool:
+    graph, optimizers = _probe_graph()
+    return all(_rate(getattr(optimizer, attr, None), graph) is not None
+               and _learning_rate_private(optimizer, graph, ()) is _learning_rate_public(
+                   optimizer, graph, [op for op in graph.get_operations()
+                                      if op.name.startswith(optimizer.get_name() + "/")])
+               for optimizer, attr in zip(optimizers, LEARNING_RATE_ATTRIBUTES))
+
+
+learning_rate = choose("tensorflow.compat.v1.train.Optimizer._learning_rate_tensor/_lr_t",
+                       _learning_rate_private, _learning_rate_public, _learning_rate_works)
+_probe_graph.cache_clear()
+
+
+# --- Eager tensors and compiled functions (Keras) ---------------------------------------------
+
+try:
+    from tensorflow.python.eager.context import ensure_initialized
+    from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+    from tensorflow.python.framework.ops import EagerTensor
+except ImportError:  # detection fails, and the public fallbacks serve
+    ensure_initialized = ConcreteFunction = EagerTensor = None
+
+#: The host's CPU: an eager tensor built there from a NumPy array shares the array's memory.
+HOST = "/device:CPU:0"
+
+
+def _eager_tensor_private(array: np.ndarray, dtype=None):
+    """``array`` as an eager tensor of ``dtype`` (default its own), sharing its memory where TensorFlow can.
+
+    Built by the ``EagerTensor`` constructor on the host's CPU:
+    ``tf.convert_to_tensor`` copies every NumPy array first, in case the
+    caller changes it later (a page-faulting copy of each gradient per apply);
+    the constructor shares a 64-byte aligned array's memory, as a TF1
+    session's feed does. Only for arrays left unchanged while the tensor lives.
+    (The constructor needs TensorFlow's eager context, which
+    ``context.ensure_initialized`` makes on the first call, as any eager op would.)
+    """
+    ensure_initialized()
+    return EagerTensor(array, HOST, tf.as_dtype(array.dtype if dtype is None else dtype).as_datatype_enum)
+
+
+def _eager_tensor_public(array: np.ndarray, dtype=None):
+    """``array`` as an eager tensor of ``dtype`` (default its own), by ``tf.convert_to_tensor`` (a copy)."""
+    return tf.convert_to_tensor(array, tf.as_dtype(array.dtype if dtype is None else dtype))
+
+
+def _eager_tensor_works() -> bool:
+    return isinstance(EagerTensor, type) and issubclass(EagerTensor, tf.Tensor) \
+        and callable(ensure_initialized)
+
+
+def _concrete_call_private(concrete) -> Callable:
+    """``concrete`` (a ConcreteFunction) as a callable of tensors in its signature's order, with its ``graph``.
+
+    By ``ConcreteFunction._call_flat``: the public ``__call__`` binds and
+    casts its arguments in Python on every call; ``_call_flat`` takes the
+    tensors as they are. Callers pass exactly the signature's dtypes.
+    """
+    call_flat, captured = concrete._call_flat, concrete.captured_inputs  # pylint: disable=protected-access
+
+    def call(*tensors):
+        return call_flat(list(tensors), captured)
+    call.graph = concrete.graph
+    return call
+
+
+def _concrete_call_public(concrete) -> Callable:
+    """``concrete`` (a ConcreteFunction) as a callable of tensors in its signature's order, with its ``graph``: itself."""
+    return concrete
+
+
+def _concrete_call_works() -> bool:
+    return _parameters(ConcreteFunction._call_flat) == ["self", "tensor_inputs", "captured_inputs"]
+
+
+eager_tensor = choose("tensorflow.python.framework.ops.EagerTensor", _eager_tensor_private,
+                      _eager_tensor_public, _eager_tensor_works)
+concrete_call = choose(
+    "tensorflow.python.eager.polymorphic_function.concrete_function.ConcreteFunction._call_flat",
+    _concrete_call_private, _concrete_call_public, _concrete_call_works)

@@ -1,0 +1,390 @@
+"""hostavg.keras on Keras's TensorFlow backend: :class:`KerasBackend`, the engine's backend for a Keras model.
+
+Per micro-batch, one compiled function (``tf.function``, traced once per
+input structure with the batch dimension left open, so micro-batches of any
+size share it) runs the forward pass with ``training=True``, the loss (plus
+``model.losses``), the backward pass and the squared norm of every gradient,
+and reads the optimizer's step. Its outputs cross to NumPy without a copy
+(``np.asarray`` of a CPU tensor; from a GPU, one copy to the host) and are
+frozen. A sparse gradient
+(``IndexedSlices``, as an ``Embedding`` gives) has its duplicate rows summed
+in the same function and stays sparse on the host.
+
+The mean goes back through a second compiled function that takes the
+gradients as inputs and calls ``optimizer.apply_gradients`` once, so
+``optimizer.iterations`` grows by one per step; when no gradient is sparse it
+is compiled with XLA, which fuses the optimizer's elementwise update into one
+pass per variable. Sparse means go back as
+``tf.IndexedSlices`` with unique indices: Keras 3's sparse update on
+TensorFlow squares each row it is given, so rows repeated within one
+IndexedSlices would make it differ from the dense step; with unique rows it
+equals the dense full-batch step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import contextmanager
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.compat.tensorflow import concrete_call, eager_tensor
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, freeze
+from hostavg.core.split import feed_size
+from hostavg.core.stats import update_ratio
+from hostavg.engine.protocols import Applied, Computed
+from hostavg.keras.common import leaves as _leaves
+from hostavg.keras.common import rebuild as _rebuild
+from hostavg.tf1.session import first_line
+from hostavg.tf1.variables import READ_OPS
+
+__all__ = ["KerasBackend"]
+
+
+class KerasBackend:
+    """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.Backend`).
+
+    Attributes:
+      spec: name -> VariableSpec of every trained variable (None until the
+        first batch is prepared).
+      assigned: index in ``model.variables`` -> variable, for every
+        non-trainable variable the traced gradient functions may assign (the
+        rollback set).
+      target: the model.
+    """
+
+    framework = "keras"
+
+    def __init__(self, model, loss, optimizer):
+        self.model, self.optimizer, self._loss = model, optimizer, loss
+        self.target = model
+        self.increment = 1  # every apply moves optimizer.iterations by one
+        self.spec = None
+        self.assigned = {}
+        self._trained = None  # the variables of spec, in order
+        self._computes, self._evaluates = {}, {}  # input signature -> compiled function
+        # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
+        self._applies, self._jit_tried, self._apply_jit = {}, {}, False
+        self._snapshot = {}
+
+    # --- The engine's protocol ------------------------------------------------------------
+
+    def prepare(self, batch, size, what: str) -> tuple:
+        batch, leaves, signature = _leaves(batch, what)
+        if size is None:
+            n = feed_size(batch, what)
+            if n < 1:
+                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
+        else:
+            n = positive_int(f"{what}: size", size)
+        function = self._computes.get(signature)
+        if function is None:
+            function = self._computes[signature] = self._trace_compute(leaves, signature, what)
+        return (function, leaves), n
+
+    def compute(self, feed) -> Computed:
+        function, leaves = feed
+        with _tensorflow_errors("compute"):
+            loss, step, sq_norms, *got = function(*map(eager_tensor, leaves))
+        got = iter(got)
+        grads = {}
+        for name, s in self.spec.items():
+            if s.sparse:
+                indices = freeze(np.asarray(next(got)))
+                grads[name] = SparseGradient(indices, freeze(np.asarray(next(got))), s.shape)
+            else:
+                grads[name] = freeze(np.asarray(next(got)))
+        return Computed(float(loss), grads, int(step),
+                        dict(zip(self.spec, np.asarray(sq_norms).tolist())))
+
+    def apply_feed(self, feeds, what: str) -> dict:
+        """Nothing: a Keras optimizer reads no input besides the gradients."""
+        return {}
+
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+        """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
+        the apply used and, with ``measure``, the update-to-weight ratios, all from that one
+        compiled call (measuring keeps each weight's value from before the update while the
+        optimizer runs, and reduces two norms per variable)."""
+        step, lr, squares = self._apply_mean(mean, measure)
+        ratios = None
+        if measure:
+            squares, k = squares.tolist(), len(self.spec)
+            ratios = {name: update_ratio(u, w)
+                      for name, u, w in zip(self.spec, squares[:k], squares[k:])}
+        return Applied(step, ratios, lr)
+
+    def _apply_mean(self, mean: Mapping, measure: bool) -> tuple:
+        """(iterations after, learning rate, squared norms of the updates then of the weights
+        before, or an empty array) of one apply of ``mean``."""
+        args = []
+        for name, s in self.spec.items():
+            value = mean[name]
+            if s.sparse:  # Keras squares the rows it is given: they must be unique
+                indices, values = value.indices, value.values
+                if len(indices) > 1 and not np.all(indices[1:] > indices[:-1]):
+                    indices, values = coalesce_rows(indices, values)
+                args += [eager_tensor(indices, np.int64), eager_tensor(values, s.dtype)]
+            else:
+                args.append(eager_tensor(value, s.dtype))
+        if measure not in self._applies:
+            self._applies[measure] = self._trace(self._application(measure), self._apply_specs(),
+                                                 "apply", jit_compile=self._apply_jit)
+            self._jit_tried[measure] = not self._apply_jit
+        if not self._jit_tried[measure]:
+            self._jit_tried[measure] = True
+            try:  # the first call compiles: an optimizer XLA cannot compile runs without it
+                return _applied(self._applies[measure](*args))
+            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+                self._applies[measure] = self._trace(self._application(measure),
+                                                     self._apply_specs(), "apply")
+        with _tensorflow_errors("apply"):
+            return _applied(self._applies[measure](*args))
+
+    def global_step(self) -> int:
+        return int(self.optimizer.iterations.numpy())
+
+    def snapshot(self) -> dict:
+        """The values of :attr:`assigned`; a function traced while the step prepares adds what it assigns."""
+        self._snapshot = {i: v.numpy() for i, v in self.assigned.items()}
+        return self._snapshot
+
+    def restore(self, snapshot: dict) -> None:
+        for i, value in snapshot.items():
+            self.assigned[i].assign(value)
+
+    def named_variables(self) -> dict:
+        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
+        ``optimizer/<i>``: names that agree between processes that built the same model."""
+        if not self.model.built:
+            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
+                               "first, or give the model an Input")
+        self.build_optimizer()
+        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
+                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
+
+    def variables(self) -> dict:
+        return {name: v.numpy() for name, v in self.named_variables().items()}
+
+    def assign(self, values: Mapping) -> None:
+        for name, v in self.named_variables().items():
+            v.assign(values[name])
+
+    # --- Evaluation and building -------------------------------------------------------------
+
+    def evaluate(self, chunks: list, metrics=None) -> dict:
+        """The sample-weighted mean loss over ``chunks`` (batches), and the compiled metrics'
+        results (``metrics`` is TF1's: a Keras model's metrics are those it was compiled with)."""
+        compiled = self.model.compiled
+        if compiled:
+            self.model.reset_metrics()
+        total, count = 0.0, 0
+        for i, chunk in enumerate(chunks):
+            what = f"evaluate, chunk {i} of {len(chunks)}"
+            chunk, leaves, signature = _leaves(chunk, what)
+            function = self._evaluates.get(signature)
+            if function is None:
+                function = self._evaluates[signature] = self._trace(
+                    self._evaluation(signature, compiled), leaves, what)
+            n = feed_size(chunk, what)
+            with _tensorflow_errors("evaluate"):
+                total += n * float(function(*map(eager_tensor, leaves)))
+            count += n
+        out = {"loss": total / count}
+        if compiled:
+            out.update((name, float(value)) for name, value in self.model.get_metrics_result().items()
+                       if name != "loss" and np.ndim(value) == 0)
+        return out
+
+    def build_optimizer(self) -> None:
+        """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+
+    # --- Tracing --------------------------------------------------------------------------
+
+    def _trace_compute(self, leaves, signature, what: str):
+        """The gradient function for one input signature; the first one also fixes spec and apply."""
+        x, _, w = _rebuild(signature, leaves)
+        if w is not None and not self._loss.weighs_samples:
+            raise HostavgError(
+                f"{what}: the batch has sample weights, but the loss is a plain callable(y_true, "
+                f"y_pred); pass a keras.losses.Loss, which weights samples")
+        if not self.model.built:
+            with _model_errors(what):
+                self.model(x, training=False)  # creates the variables; assigns nothing
+        self.build_optimizer()
+        trainable = list(self.model.trainable_variables)
+        if not trainable:
+            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        seen = {}  # filled while tracing
+
+        def gradients(*flat):
+            x, y, w = _rebuild(signature, flat)
+            with tf.GradientTape() as tape:
+                loss = self._total_loss(y, self.model(x, training=True), w)
+            seen["loss_shape"], seen["kept"] = loss.shape, []
+            out, norms = [], []
+            for i, g in enumerate(tape.gradient(loss, trainable)):
+                if g is None:
+                    continue
+                seen["kept"].append((i, isinstance(g, tf.IndexedSlices)))
+                if isinstance(g, tf.IndexedSlices):  # duplicate rows summed: unique rows
+                    unique, rows = tf.unique(g.indices)
+                    g = tf.math.unsorted_segment_sum(g.values, rows, tf.size(unique))
+                    out.append(unique)
+                out.append(g)
+                norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
+            return [loss, tf.convert_to_tensor(self.optimizer.iterations),
+                    tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out]
+
+        function = self._trace(gradients, leaves, what)
+        if seen["loss_shape"].rank != 0:
+            raise HostavgError(
+                f"{what}: the loss has shape {tuple(seen['loss_shape'])}, not a scalar; give the "
+                f"micro-batch MEAN (a keras.losses.Loss reduces it)")
+        if not seen["kept"]:
+            raise HostavgError(f"{what}: nothing to train: no trainable variable of the model has "
+                               f"a gradient with respect to the loss")
+        spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
+                                                np.dtype(trainable[i].dtype), sparse)
+                for i, sparse in seen["kept"]}
+        if self.spec is None:
+            paths = [trainable[i].path for i, _ in seen["kept"]]
+            shared = sorted({p for p in paths if paths.count(p) > 1})
+            if shared:
+                raise HostavgError(
+                    f"trained variables share the paths {shared}; gradients are keyed by "
+                    f"variable.path: give their layers distinct names")
+            self.spec, self._trained = spec, [trainable[i] for i, _ in seen["kept"]]
+            # XLA fuses the optimizer's elementwise update into one pass over each variable
+            # (Adam on the 2M-parameter MLP: 3.8 ms against 9.6 ms); it needs fixed shapes,
+            # so a model with sparse gradients (rows that vary in number) applies without it.
+            self._apply_jit = not any(s.sparse for s in spec.values())
+        elif spec != self.spec:
+            raise HostavgError(
+                f"{what}: with this batch's inputs the loss has gradients for other variables "
+                f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
+                f"batch the same structure")
+        self._note_assignments(function)
+        return function
+
+    def _trace(self, python_function, leaves, what: str, jit_compile: bool = False):
+        """``python_function`` compiled for ``leaves``' dtypes and shapes, the batch dimension open.
+
+        ``leaves`` are arrays (their axis 0 left open) or ready TensorSpecs.
+        """
+        specs = [a if isinstance(a, tf.TensorSpec) else
+                 tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in leaves]
+        with _model_errors(what):
+            return concrete_call(tf.function(python_function, input_signature=specs,
+                                     jit_compile=jit_compile).get_concrete_function())
+
+    def _apply_specs(self) -> list:
+        specs = []
+        for s in self.spec.values():
+            dtype = tf.as_dtype(s.dtype)
+            specs += [tf.TensorSpec((None,), tf.int64), tf.TensorSpec((None,) + s.shape[1:], dtype)] \
+                if s.sparse else [tf.TensorSpec(s.shape, dtype)]
+        return specs
+
+    def _application(self, measure: bool):
+        spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
+
+        def apply(*flat):
+            flat, grads = iter(flat), []
+            for s in spec:
+                if s.sparse:
+                    indices = next(flat)
+                    grads.append(tf.IndexedSlices(next(flat), indices, tf.constant(s.shape, tf.int64)))
+                else:
+                    grads.append(next(flat))
+            lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
+            before = [tf.identity(v.value) for v in variables] if measure else []
+            optimizer.apply_gradients(zip(grads, variables))
+            squares = tf.zeros(0, tf.float64)
+            if measure:  # the reads of ``before`` precede the update: it waits for them
+                squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
+                                   + [_sum_squares(b) for b in before])
+            return tf.convert_to_tensor(optimizer.iterations), lr, squares
+        return apply
+
+    def _evaluation(self, signature, compiled: bool):
+        def evaluation(*flat):
+            x, y, w = _rebuild(signature, flat)
+            y_pred = self.model(x, training=False)
+            if compiled:
+                self.model.compute_metrics(x, y, y_pred, sample_weight=w)
+            return self._total_loss(y, y_pred, w)
+        return evaluation
+
+    def _total_loss(self, y, y_pred, w):
+        loss = self._loss(y, y_pred, w)
+        extra = self.model.losses
+        if extra:
+            loss = loss + tf.add_n([tf.cast(tf.reduce_sum(e), loss.dtype) for e in extra])
+        return loss
+
+    def _note_assignments(self, function) -> None:
+        """Adds the non-trainable variables ``function`` may assign to :attr:`assigned` (and to the step's snapshot)."""
+        inner = {t.ref() for op in function.graph.get_operations() if op.type not in READ_OPS
+                 for t in op.inputs if t.dtype == tf.resource}
+        handles = {id(outer) for outer, captured in function.graph.captures
+                   if captured.ref() in inner}
+        for i, v in enumerate(self.model.variables):
+            if not v.trainable and i not in self.assigned and id(v.value.handle) in handles:
+                self.assigned[i] = v
+                self._snapshot[i] = v.numpy()  # the step being prepared has not computed yet
+
+
+def _applied(out) -> tuple:
+    """(iterations, learning rate, squares) of a compiled apply's outputs, on the host."""
+    step, lr, squares = out
+    return int(step), float(lr), np.asarray(squares)
+
+
+def _sum_squares(x, minus=None):
+    """sum((x - minus)^2), or sum(x^2), in float64 (TF1's backend reduces in the variable's
+    dtype, float32 at least; Keras variables are few and this runs only when measuring)."""
+    x = tf.cast(x, tf.float64)
+    if minus is None:
+        return tf.reduce_sum(tf.square(x))
+    return tf.reduce_sum(tf.math.squared_difference(x, tf.cast(minus, tf.float64)))
+
+
+@contextmanager
+def _tensorflow_errors(call: str):
+    """Turns what a compiled call raises into a HostavgError saying what to do."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        said = f"{type(error).__name__}: {first_line(error)}"
+        if isinstance(error, tf.errors.InvalidArgumentError):
+            raise HostavgError(f"TensorFlow refused the {call} ({said}); check that "
+                               f"micro-batch's x and y") from error
+        raise HostavgError(f"TensorFlow failed in the {call} ({said})") from error
+
+
+@contextmanager
+def _model_errors(what: str):
+    """Turns an error building or tracing the model on a batch into a HostavgError naming the batch."""
+    try:
+        yield
+    except HostavgError:
+        raise
+    except Exception as error:
+        raise HostavgError(
+            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
+            f"{_message(error)}); check its x and y against the model's inputs and the loss") \
+            from error
+
+
+def _message(error) -> str:
+    """What went wrong, from an error raised while tracing (autograph wraps it in a traceback)."""
+    text = str(error).strip()
+    if not text.startswith("in user code:"):
+        return first_line(error)
+    last = text.splitlines()[-1].strip()  # "ValueError: what went wrong"
+    return last.removeprefix(f"{type(error).__name__}: ")

@@ -1,0 +1,83 @@
+"""average="graph": the mean of a step's micro-batch gradients computed by a small graph in the trainer's session."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.core.accumulator import Reduction
+from hostavg.engine.protocols import HostAverage
+from hostavg.tf1.session import Callables
+
+__all__ = ["GraphAverage", "GraphReducer"]
+
+v1 = tf.compat.v1
+
+
+class GraphAverage(HostAverage):
+    """average="graph": the mean computed by the trainer's small averaging graph, in the step's session."""
+
+    def __init__(self, wiring):
+        self._reducer = wiring.reducer
+
+    def reducer(self, backend, total: float):
+        return self._reducer.bind(backend.session)
+
+
+class GraphReducer:
+    """average="graph": the mean of a :class:`Reduction`, computed by a small graph in the session.
+
+    "sum" mode feeds each variable's running sum and scales it by
+    ``scale / total`` in the graph; "stack" mode feeds the stacked micro-batch gradients
+    (k, *shape) and their weights and reduces over axis 0 in the graph; sparse
+    rows are summed by ``unsorted_segment_sum``. The host only stacks, numbers
+    the unique rows, feeds and fetches.
+    """
+
+    def __init__(self, spec, accum_dtype, accumulate, threads: str):
+        self._dense_inputs, self._row_inputs, self._outputs = {}, {}, {}
+        with tf.name_scope("hostavg_average"):
+            self._total = v1.placeholder(tf.float64, (), name="total")
+            self._weights = v1.placeholder(tf.float64, (None,), name="weights")
+            self._factor = v1.placeholder(tf.float64, (), name="scale_over_total")
+            for name, s in spec.items():
+                dtype = tf.as_dtype(accum_dtype or s.dtype)
+                total = tf.cast(self._total, dtype)
+                if s.sparse:
+                    ph = (v1.placeholder(tf.int64, (None,)), v1.placeholder(tf.int64, ()),
+                          v1.placeholder(dtype, (None,) + s.shape[1:]),
+                          v1.placeholder(dtype, (None,)))
+                    segments, num_rows, values, row_weights = ph
+                    weighted = values * tf.reshape(row_weights, [-1] + [1] * (len(s.shape) - 1))
+                    self._outputs[name] = tf.math.unsorted_segment_sum(
+                        weighted, segments, num_rows) / total
+                    self._row_inputs[name] = ph
+                elif accumulate == "sum":
+                    summed = self._dense_inputs[name] = v1.placeholder(dtype, s.shape)
+                    self._outputs[name] = summed * tf.cast(self._factor, dtype)
+                else:
+                    stack = self._dense_inputs[name] = v1.placeholder(dtype, (None,) + s.shape)
+                    self._outputs[name] = tf.tensordot(
+                        tf.cast(self._weights, dtype), stack, 1) / total
+        self._fetches = list(self._outputs.values())
+        self._callables = Callables(threads)
+
+    def bind(self, sess):
+        """A reducer (Reduction -> name -> mean) that runs in ``sess``."""
+        def reduce(r: Reduction) -> dict:
+            feed = {self._total: r.total, self._weights: r.weights,
+                    self._factor: r.scale / r.total}
+            for name, s in r.sums.items():
+                feed[self._dense_inputs[name]] = s
+            for name, gs in r.stacks.items():
+                feed[self._dense_inputs[name]] = np.stack(gs)
+            uniques = {}
+            for name, (indices, values, row_weights) in r.rows.items():
+                uniques[name], segments = np.unique(indices, return_inverse=True)
+                feed.update(zip(self._row_inputs[name],
+                                (segments, len(uniques[name]), values, row_weights)))
+            out = dict(zip(self._outputs,
+                           self._callables.get(sess, self._fetches, tuple(feed))(*feed.values())))
+            return {name: (uniques[name], value) if name in uniques else value
+                    for name, value in out.items()}
+        return reduce

@@ -1,0 +1,243 @@
+"""A TF1 trainer's session side: compiled session calls, and the engine's backend bound to one session.
+
+:class:`SessionBackend` is the step engine's TF1 backend (a trainer's
+:class:`~hostavg.tf1.wiring.Wiring` and a session); :class:`Callables` makes
+and keeps the compiled calls every session call of hostavg goes through.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.compat.tensorflow import session_call
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.split import feed_size
+from hostavg.engine.protocols import Applied, Computed
+from hostavg.tf1.feeds import brief, resolve_feed
+from hostavg.tf1.variables import load_variables
+from hostavg.tf1.walk import reaches
+
+__all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend", "first_line"]
+
+v1 = tf.compat.v1
+
+#: Where a trainer's session calls run their ops. "pool" (the default): the session's
+#: inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
+#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
+#: which costs 50-100 us a call on 2 cores, as much as a small model's whole compute. Two
+#: differences make it opt-in: the calling thread does not flush denormal floats to zero as
+#: TensorFlow's pool threads do, so values below ~1.2e-38 (float32) can differ from
+#: ``sess.run``'s in kernels small enough to run inline; and a kernel that blocks its
+#: thread until another op of the same call runs (a StagingArea's get before its put) would
+#: wait forever, so calls that reach one of :data:`BLOCKING_OPS` use the pool anyway. A
+#: graph placed on several devices (CPU and GPU) uses the pool either way.
+SESSION_THREADS = ("pool", "caller")
+
+#: Op types whose kernels block their thread until another op runs (StagingArea and
+#: MapStagingArea gets, peeks and full puts): a call reaching one runs in the pool.
+BLOCKING_OPS = frozenset({"Stage", "Unstage", "StagePeek", "MapStage", "MapUnstage",
+                          "MapUnstageNoKey", "MapPeek", "OrderedMapStage", "OrderedMapUnstage",
+                          "OrderedMapUnstageNoKey", "OrderedMapPeek"})
+
+
+class SessionBackend:
+    """A trainer's :class:`~hostavg.tf1.wiring.Wiring` bound to one session: the engine's TF1 backend.
+
+    Session errors come out as :class:`HostavgError` saying what to do: an
+    uninitialized variable asks for the initializer to be run after the
+    Trainer is built; a feed the session refused points at the feed; any other
+    failure is reported as the session's, with its first line.
+    """
+
+    framework = "tf1"
+
+    def __init__(self, wiring, sess):
+        graph = getattr(sess, "graph", None)
+        if graph is not wiring.graph:
+            raise HostavgError(
+                f"the session runs another graph than the trainer's (got {sess!r}); "
+                f"create it with tf.compat.v1.Session(graph=loss.graph)")
+        self.wiring, self.session = wiring, sess
+        self.spec = wiring.spec
+        self.increment = wiring.increment
+
+    @property
+    def target(self):
+        return self.session
+
+    def conform(self, feed_dict, what: str) -> dict:
+        """``feed_dict`` keyed by tensors, each value checked and converted (:attr:`Wiring.conform_feed`)."""
+        return self.wiring.conform_feed(resolve_feed(self.wiring.graph, feed_dict, what), what)
+
+    def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
+        feed = self.conform(feed_dict, what)
+        if size is None:
+            # Every value is an array now: one length along axis 0 is the size (feed_size
+            # walks any structure, and says what is wrong when the lengths differ).
+            lengths = {len(a) for a in feed.values() if a.ndim}
+            n = lengths.pop() if len(lengths) == 1 else feed_size(feed, what)
+            if n < 1:
+                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
+            return feed, n
+        return feed, positive_int(f"{what}: size", size)
+
+    def compute(self, feed: dict) -> Computed:
+        with _session_errors("compute"):
+            return self.wiring.compute(self.session, feed)
+
+    def apply_feed(self, feeds, what: str) -> dict:
+        """The value every feed gives each of the train op's :attr:`~Wiring.apply_inputs`, by name.
+
+        A placeholder with a default may go unfed (by every feed); any other
+        must be fed the same value by each.
+        """
+        out = {}
+        whose = "micro-batch" if what == "step" else "feed_dict"
+        for name, key in self.wiring.apply_inputs.items():
+            given = [f.get(key) for f in feeds]
+            if all(v is None for v in given) and key.op.type == "PlaceholderWithDefault":
+                continue
+            first = given[0]
+            for i, value in enumerate(given):
+                if value is None:
+                    raise HostavgError(
+                        f"{what}: the train op reads {name!r}, which {whose} {i} does not feed; "
+                        + ("feed it, the same value, to every micro-batch" if what == "step" else
+                           "pass it: trainer.apply(sess, grads, feed_dict={placeholder: value})"))
+                if value is not first and not (value.shape == first.shape
+                                               and np.array_equal(value, first)):
+                    raise HostavgError(
+                        f"{what}: micro-batches 0 and {i} feed different values to {name!r} "
+                        f"({brief(first)} and {brief(value)}), which the train op reads; the "
+                        f"train op runs once per step, so feed every micro-batch the same value")
+            out[name] = first
+        return out
+
+    def apply(self, mean, feed, measure: bool = True) -> Applied:
+        with _session_errors("apply"):
+            return self.wiring.apply(self.session, mean, feed, measure)
+
+    def global_step(self) -> int:
+        return int(self.session.run(self.wiring.global_step))
+
+    def evaluate(self, chunks, metrics=None) -> dict:
+        """The loss and ``metrics`` (name -> scalar tensor, each a mean over its chunk) over
+        ``chunks`` (feed dicts), sample-weighted; runs no gradient and no UPDATE_OPS."""
+        fetches = {"loss": self.wiring.loss, **(metrics or {})}
+        totals, count = dict.fromkeys(fetches, 0.0), 0
+        for chunk in chunks:
+            n = feed_size(chunk)
+            with _session_errors("evaluate"):
+                got = self.session.run(fetches, chunk)
+            for name, value in got.items():
+                if np.ndim(value) != 0:
+                    raise HostavgError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
+                                       f"not a scalar; give the mean over the batch")
+                totals[name] += n * float(value)
+            count += n
+        return {name: total / count for name, total in totals.items()}
+
+    def snapshot(self):
+        return self.wiring.snapshot(self.session)
+
+    def restore(self, snapshot) -> None:
+        self.wiring.restore(self.session, snapshot)
+
+    def variables(self) -> dict:
+        variables = self._globals()
+        return dict(zip([v.op.name for v in variables], self.session.run(variables)))
+
+    def assign(self, values) -> None:
+        variables = self._globals()
+        load_variables(self.session, variables, [values[v.op.name] for v in variables])
+
+    def _globals(self) -> list:
+        return self.wiring.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+
+
+class _session_errors:
+    """Turns what a session call raises into a HostavgError saying what to do."""
+
+    def __init__(self, call: str):
+        self.call = call
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None or isinstance(error, HostavgError) or not isinstance(error, Exception):
+            return False
+        said = f"{type(error).__name__}: {first_line(error)}"
+        if isinstance(error, tf.errors.FailedPreconditionError) and "initializ" in str(error):
+            raise HostavgError(
+                f"a variable is not initialized ({said}); run "
+                f"tf.compat.v1.global_variables_initializer() after building the Trainer, "
+                f"which creates the optimizer's slots and the global step") from error
+        if isinstance(error, (tf.errors.InvalidArgumentError, ValueError, TypeError,
+                              OverflowError)):
+            raise HostavgError(f"the session refused the {self.call} ({said}); check that "
+                               f"micro-batch's feed") from error
+        if isinstance(error, (tf.errors.OpError, RuntimeError)):
+            raise HostavgError(f"the session failed in {self.call} ({said})") from error
+        return False
+
+
+def first_line(error) -> str:
+    """The line of a TensorFlow error message that says what went wrong."""
+    for line in str(getattr(error, "message", error)).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ",
+                                         "Node: ")):
+            return line
+    return str(error)
+
+
+class Callables:
+    """Compiled session calls, made once per (session, fetches, feed keys) and reused.
+
+    ``sess.run`` spends about 0.4 ms per call in Python, parsing fetches and
+    the feed dict, which is half a step of a small model (and public
+    ``make_callable`` falls back to ``run`` whenever there are feeds). A
+    callable made by :func:`hostavg.compat.tensorflow.session_call` skips
+    that where TensorFlow's private ``_make_callable_from_options`` serves
+    (else it is ``sess.run``, given the same RunOptions). Sessions are held
+    weakly, so a dropped session takes its callables with it.
+
+    ``threads`` (one of :data:`SESSION_THREADS`): "pool" hands each call's ops to
+    the session's inter-op thread pool, as ``sess.run`` does; "caller" runs them
+    in the calling thread (``RunOptions.inter_op_thread_pool = -1``), except in
+    calls that reach one of :data:`BLOCKING_OPS`.
+    """
+
+    def __init__(self, threads: str = "pool"):
+        self._by_session = weakref.WeakKeyDictionary()
+        self.threads = threads
+
+    def get(self, sess, fetches: list, feed_keys: tuple):
+        """The callable for ``fetches`` (a flat list of tensors and operations) fed ``feed_keys``.
+
+        It takes the feed values in that order and returns the tensors' values
+        in order; operations are run, not returned.
+        """
+        made = self._by_session.setdefault(sess, {})
+        key = (id(fetches), feed_keys)
+        if key not in made:
+            made[key] = _compile(sess, fetches, feed_keys, self.threads)
+        return made[key]
+
+
+def _compile(sess, fetches, feed_keys, threads: str):
+    tensors = [f for f in fetches if isinstance(f, tf.Tensor)]
+    targets = [f for f in fetches if isinstance(f, tf.Operation)]
+    options = None
+    if threads == "caller" and not reaches(fetches, feed_keys, BLOCKING_OPS):
+        options = v1.RunOptions(inter_op_thread_pool=-1)
+    run = session_call(sess, tensors, targets, feed_keys, options)
+    dtypes = [k.dtype.base_dtype.as_numpy_dtype for k in feed_keys]
+
+    def call(*values):
+        return run(*[np.asarray(v, d) for v, d in zip(values, dtypes)])
+    return call

@@ -1,0 +1,249 @@
+"""The TensorFlow ops of one TF1 trainer: gradient tensors, norms, the apply ops.
+
+Everything here is built once, when a :class:`~hostavg.Trainer` is made, in the
+loss's graph, with no device pinned: TensorFlow places every op where it
+normally would (a GPU when there is one) and only gradient values cross to the
+host. Nothing here does host arithmetic; that lives in the NumPy layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from hostavg.compat.tensorflow import learning_rate
+from hostavg.core.errors import HostavgError
+from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
+from hostavg.engine.protocols import Applied, Computed
+from hostavg.tf1.average import GraphReducer
+from hostavg.tf1.feeds import FeedConformer
+from hostavg.tf1.session import Callables
+from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
+                                   select_update_ops, value_now)
+from hostavg.tf1.walk import ops_run, placeholders_read
+
+__all__ = ["Wiring"]
+
+v1 = tf.compat.v1
+
+
+class Wiring:
+    """The ops of one trainer.
+
+    Attributes:
+      graph: the loss's graph.
+      names: the trained variables' names (``var.op.name``), in order.
+      spec: name -> :class:`VariableSpec`.
+      global_step: the global step variable.
+      apply_inputs: name -> placeholder, each placeholder the train op reads
+        (not through the fed gradients): a learning rate, a schedule's input.
+        The apply is fed them (see :meth:`~hostavg.tf1.session.SessionBackend.apply_feed`).
+      learning_rate: the optimizer's learning-rate tensor (fetched with each
+        apply), or None where none is found
+        (:func:`hostavg.compat.tensorflow.learning_rate`).
+      conform_feed: ``conform_feed(feed, what)``: a feed keyed by tensors,
+        each value an array of its key's dtype, checked against its key's
+        shape (:meth:`~hostavg.tf1.feeds.FeedConformer.conform`).
+    """
+
+    def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
+                 average: str, accum_dtype, update_ops=None, increment_global_step=True,
+                 session_threads: str = "pool"):
+        self.graph, self.loss = loss.graph, loss
+        with self.graph.as_default():
+            self.global_step = find_global_step(self.graph, global_step)
+            self.increment = 1 if increment_global_step else 0
+            self.update_ops = select_update_ops(self.graph, loss, update_ops)
+            pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
+                     if g is not None]
+            if not pairs:
+                raise HostavgError(
+                    "nothing to train: no variable in var_list has a gradient with respect "
+                    "to the loss (check var_list, and that the loss depends on trainable "
+                    "variables)")
+            self.names = [v.op.name for _, v in pairs]
+            self.spec = {v.op.name: VariableSpec(
+                tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
+                isinstance(g, tf.IndexedSlices)) for g, v in pairs}
+            self._grads = [g for g, _ in pairs]
+            # Sparse rows leave the session coalesced: sorted, unique, duplicates summed there,
+            # by the same ops whatever the micro-batch, so that a gradient depends only on its
+            # feed and weights. (NumPy coalesces 512 rows in ~50 us in a loop of its own, but
+            # within a step, on rows fresh from the session, whole steps measured alike up to
+            # 512 rows, NumPy up to 30% faster at 2k-8k rows, the session up to 34% faster at
+            # 32k; the session also fetches only the unique rows.) Squared norms are reduced
+            # in the session where the values are fresh in cache and the work is spread over
+            # its threads (Eigen's tree reduction: ~1e-7 relative error in float32): the host
+            # then makes one pass per micro-batch (the add) instead of two. Half precision is
+            # summed in float32; a float32 sum that overflows (entries above ~1e19) is redone
+            # on the host in float64 (see compute).
+            with tf.name_scope("hostavg_coalesce"):
+                fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
+                           for g in self._grads]
+            self._fetches = [loss, self.global_step.read_value()] + _flat(fetched)
+            with tf.name_scope("hostavg_norms"):
+                self._fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
+                                  for g in fetched]
+            if self.update_ops:
+                self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
+            # What a failed step must restore: every variable the compute call may assign.
+            self.assigned = assigned_variables(self.graph, self._fetches)
+            self._assigned_values = [v.read_value() for v in self.assigned]
+            variables = [v for _, v in pairs]
+            step = self.global_step if increment_global_step else None
+            # TF1's AdamOptimizer updates every row of its slots and variable on a sparse step
+            # too (m = beta1 * m, then a scatter-add of the rows; the same for v; then the whole
+            # variable), in about eight passes over the table; its dense kernel does the same
+            # arithmetic in one fused pass. The mean's rows (unique: coalesced) are therefore
+            # scattered into a dense gradient in the graph, where the table lives, and applied
+            # densely: 6.5 instead of 13.9 ms for a 50,000 x 64 table on 2 cores. Any other
+            # optimizer gets the rows as they are: its sparse update is its own semantics.
+            densify = type(optimizer) is v1.train.AdamOptimizer
+            self.train_op = optimizer.apply_gradients(_applied(pairs, densify), global_step=step)
+            # The update-to-weight ratios, measured in the apply's own session call by a
+            # second apply op of the same optimizer (same slots): the weights are read before
+            # it runs (its ops wait for the reads), and the norms of (after - before) and of
+            # before are reduced where the values live. Holding the reads makes the optimizer
+            # copy what it updates in place (a whole embedding table), so the plain train op
+            # above, which reads nothing first, serves the applies that do not measure.
+            with tf.name_scope("hostavg_update_ratios"):
+                before = [value_now(v) for v in variables]
+            with tf.control_dependencies(before):
+                fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                       if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in self._grads]
+            measured_train_op = optimizer.apply_gradients(_applied(zip(fed, variables), densify),
+                                                          global_step=step)
+            self._apply_feeds = tuple(
+                t for g in self._grads for t in
+                ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
+                 if isinstance(g, tf.IndexedSlices) else (g,)))
+            self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
+                                                                      self._apply_feeds)}
+            self._callables = Callables(session_threads)
+            self.conform_feed = FeedConformer().conform
+            with tf.control_dependencies([self.train_op]):
+                step_after = self.global_step.read_value()
+            with tf.control_dependencies([measured_train_op]):
+                measured_step_after = self.global_step.read_value()
+                with tf.name_scope("hostavg_update_ratios"):
+                    after = [value_now(v) for v in variables]
+                    # One fetched vector: |after - before|^2 per variable, then |before|^2.
+                    sums = [_sum_squares(a, b) for a, b in zip(after, before)] + [
+                        _sum_squares(b) for b in before]
+                    if len({t.dtype for t in sums}) > 1:
+                        sums = [tf.cast(t, tf.float64) for t in sums]
+                    squares = [tf.stack(sums)]
+            self.learning_rate = learning_rate(optimizer, self.graph,
+                                               ops_run([self.train_op], self._apply_feeds))
+            # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
+            # cannot be fetched.)
+            lr = [] if self.learning_rate is None else [tf.identity(self.learning_rate)]
+            # What an apply fetches: the global step after it and the learning rate, and
+            # when measuring, the squared norms of each update and of each weight before it.
+            self._apply_fetches = {False: [step_after] + lr,
+                                   True: [measured_step_after] + lr + squares}
+            self.reducer = GraphReducer(self.spec, accum_dtype, accumulate, session_threads) \
+                if average == "graph" else None
+
+    def compute(self, sess, feed: dict) -> Computed:
+        """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen
+        (sparse ones coalesced)."""
+        out = self._callables.get(sess, self._fetches, tuple(feed))(*feed.values())
+        got = iter(out[2:])
+        values = {}
+        for name, g in zip(self.names, self._grads):
+            if isinstance(g, tf.IndexedSlices):
+                values[name] = SparseGradient(freeze(next(got)), freeze(next(got)),
+                                              self.spec[name].shape)
+            else:
+                values[name] = freeze(next(got))
+        sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
+                    for name, q in zip(self.names, map(float, got))}
+        return Computed(out[0], values, int(out[1]), sq_norms)
+
+    def snapshot(self, sess) -> list | None:
+        """The values of :attr:`assigned` (None when there are none)."""
+        if not self.assigned:
+            return None
+        return self._callables.get(sess, self._assigned_values, ())()
+
+    def restore(self, sess, values) -> None:
+        if values is not None:
+            load_variables(sess, self.assigned, values)
+
+    def apply(self, sess, values: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+        """Feeds ``values`` through the gradient tensors (and ``feed``, name -> value, to
+        :attr:`apply_inputs`), runs the train op once.
+
+        Returns the new global step, the learning rate and, with ``measure``,
+        the update-to-weight ratios, all from that one session call.
+        Measuring keeps each weight's value from before the update alive
+        while the optimizer runs (a copy of the weights) and reduces two norms
+        per variable: about the cost of the apply itself again.
+        """
+        args = list(feed.values())
+        for name, g in zip(self.names, self._grads):
+            value = values[name]
+            if isinstance(g, tf.IndexedSlices):
+                args += [value.indices, value.values]
+                if g.dense_shape is not None:
+                    args.append(np.asarray(self.spec[name].shape))
+            else:
+                args.append(value)
+        keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
+        out = self._callables.get(sess, self._apply_fetches[measure], keys)(*args)
+        lr = None if self.learning_rate is None else float(out[1])
+        ratios = None
+        if measure:
+            squares, k = out[-1].tolist(), len(self.names)
+            ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
+        return Applied(int(out[0]), ratios, lr)
+
+
+def _squared_norm(g):
+    """The sum of squares of ``g``'s entries, in float32 at least."""
+    if g.dtype.size < 4:
+        g = tf.cast(g, tf.float32)
+    return tf.reduce_sum(tf.square(g))
+
+
+def _applied(pairs, densify: bool) -> list:
+    """(gradient, variable) pairs to apply, sparse gradients made dense if ``densify``
+    (a segment sum scatters the rows, adding any that repeat) where the variable's rows
+    are counted."""
+    with tf.name_scope("hostavg_densify"):
+        return [(tf.math.unsorted_segment_sum(g.values, g.indices, v.shape[0])
+                 if densify and isinstance(g, tf.IndexedSlices) and v.shape[0] is not None
+                 else g, v) for g, v in pairs]
+
+
+def _flat(grads) -> list:
+    """The tensors of ``grads`` in order: each dense gradient, and a sparse one's indices and values."""
+    return [t for g in grads
+            for t in ((g.indices, g.values) if isinstance(g, tf.IndexedSlices) else (g,))]
+
+
+def _coalesced(g: tf.IndexedSlices) -> tf.IndexedSlices:
+    """``g`` with sorted unique indices, the rows of each index summed."""
+    unique, segments = tf.unique(g.indices)
+    summed = tf.math.unsorted_segment_sum(g.values, segments, tf.size(unique))
+    order = tf.argsort(unique)
+    return tf.IndexedSlices(tf.gather(summed, order), tf.gather(unique, order), g.dense_shape)
+
+
+def _sum_squares(x, minus=None):
+    """sum((x - minus)^2), or sum(x^2), in the variable's dtype (float32 for narrower floats)."""
+    if x.dtype.base_dtype not in (tf.float32, tf.float64):
+        x = tf.cast(x, tf.float32)
+        minus = None if minus is None else tf.cast(minus, tf.float32)
+    return tf.reduce_sum(tf.square(x) if minus is None else tf.math.squared_difference(x, minus))
+
+
+def _ratio(update_sq: float, weight_sq: float) -> float:
+    """|update| / |weights| from their squares: 0 where nothing moved, inf where weights of 0 did."""
+    if update_sq == 0:
+        return 0.0
+    return math.sqrt(update_sq / weight_sq) if weight_sq > 0 else math.inf
