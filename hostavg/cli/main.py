@@ -17,11 +17,8 @@ __all__ = ["main"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop", "adagrad")
 
-#: What ``hostavg train --json`` writes, by key; with ``--accumulate stack`` also "last_step".
-SUMMARY = {"dataset": "the data set", "test_accuracy": "accuracy on the held-out test split",
-           "test_loss": "the loss there", "steps": "optimizer steps taken",
-           "samples": "samples trained on", "self_check": "whether the self-check passed",
-           "seconds": "wall time from the start of the command"}
+#: The keys ``hostavg train --json`` writes; with ``--accumulate stack`` also "last_step".
+SUMMARY = ("dataset", "test_accuracy", "test_loss", "steps", "samples", "self_check", "seconds")
 #: The statistics that only ``--accumulate stack`` has (every micro-batch's gradients), by name.
 STACK_STATS = ("inner_product_test", "orthogonality_test", "gsnr")
 
@@ -277,7 +274,7 @@ class _EpochPrinter:
     def __init__(self, epochs):
         self.epochs, self.first, self.last = epochs, None, None
 
-    def on_step_end(self, step, result):
+    def on_applied(self, result):
         if self.first is None:
             self.first = self.last = time.perf_counter()
 
@@ -329,12 +326,9 @@ class _Report:
                   f"size); GSNR {stats.gsnr:.3g}", flush=True)
 
 
-def _latest_checkpoint(folder: str | None):
-    """The newest checkpoint in ``folder``, or None (also when fit never started to write one)."""
-    checkpoint = sys.modules.get("hostavg.train.checkpoint")  # imported by fit; TensorFlow with it
-    if folder is None or checkpoint is None:
-        return None
-    return checkpoint.CheckpointDir(folder).latest()
+def _latest_checkpoint(folder: str):
+    """The newest checkpoint in ``folder`` (or None), once fit has imported the checkpoints."""
+    return sys.modules["hostavg.train.checkpoint"].CheckpointDir(folder).latest()
 
 
 def _train(args) -> int:
@@ -492,6 +486,8 @@ def _where_saved(args) -> str:
         return ""
     if args.checkpoint_dir is None:
         return "; nothing was saved (with --checkpoint-dir, the same command resumes a run)"
+    if "hostavg.train.checkpoint" not in sys.modules:  # with TensorFlow: not imported so early
+        return "; before training began, so no checkpoint was written"
     latest = _latest_checkpoint(args.checkpoint_dir)
     if latest is None:
         return f"; no checkpoint in {args.checkpoint_dir} yet"
