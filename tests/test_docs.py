@@ -136,6 +136,15 @@ def test_the_readmes_links_into_docs_arrive(site):
     assert not broken, f"README links to what docs/ lacks: {broken}"
 
 
+def test_the_files_the_documentation_names_exist():
+    # The code moves; pages that point into it must move with it.
+    named = {(page, path) for page in PAGES for path in re.findall(
+        r"\b((?:hostavg|tests|notebooks|docs)/(?:[\w-]+/)*(?:[\w-]+\.(?:py|md|ipynb|png|json))?)",
+        (ROOT / page).read_text())}
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
+    assert not missing, missing
+
+
 def test_the_performance_tables_are_those_of_the_runs_kept():
     run = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_performance.py"), "--check"],
                          capture_output=True, text=True)
