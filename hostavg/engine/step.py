@@ -28,7 +28,7 @@ propagates after the step was applied (its note says so).
 Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
 at once (it is rolled back); one that arrives from the apply on waits until
 the step has returned (or, in fit, until the step is counted), so a step is
-applied completely or not at all (:mod:`hostavg.signals`).
+applied completely or not at all (:mod:`hostavg.engine.signals`).
 
 The engine knows no framework. What it needs of one is a
 :class:`~hostavg.engine.protocols.Backend` (the TF1 session wiring,
@@ -82,9 +82,9 @@ class Engine:
 
     Args:
       spec: name -> :class:`VariableSpec` of every trained variable.
-      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
+      accumulate: one of :data:`~hostavg.core.accumulator.ACCUMULATE_MODES`.
       accum_dtype: the host accumulation dtype, or None (each variable's).
-      hooks: see :class:`~hostavg.results.Hook`.
+      hooks: see :class:`~hostavg.core.results.Hook`.
       average: an :class:`Average`; default :class:`HostAverage`.
       update_ratios_every: measure the update-to-weight ratios in the applies
         of steps whose global step (after the apply) is a multiple of this;
@@ -155,7 +155,7 @@ class Engine:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
 
         Changes nothing: no apply runs, and the rollback variables (moving
-        statistics) are restored afterwards. See :mod:`hostavg.check`.
+        statistics) are restored afterwards. See :mod:`hostavg.core.check`.
         """
         with self.leaving_no_trace(backend, "check"):
             whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
