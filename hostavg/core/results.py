@@ -3,7 +3,7 @@
 A hook is any object with some of ``on_micro_batch(micro)``,
 ``on_step(mean, result)`` and ``on_applied(result)`` (see :class:`Hook`).
 Every array reachable from these objects is read-only (see
-:mod:`hostavg.gradients`): to change a gradient, return a new mapping from
+:mod:`hostavg.core.gradients`): to change a gradient, return a new mapping from
 the hook.
 """
 

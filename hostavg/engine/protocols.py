@@ -25,7 +25,7 @@ class Computed(NamedTuple):
     Attributes:
       loss: its mean loss (a float, or a 0-d array).
       grads: name -> frozen array or SparseGradient of frozen arrays
-        (:func:`~hostavg.gradients.freeze`), exactly the spec's names.
+        (:func:`~hostavg.core.gradients.freeze`), exactly the spec's names.
       global_step: the global step before this step's apply.
       sq_norms: name -> squared L2 norm of each gradient (sparse rows
         coalesced), reduced where the values were made.

@@ -28,7 +28,7 @@ propagates after the step was applied (its note says so).
 Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
 at once (it is rolled back); one that arrives from the apply on waits until
 the step has returned (or, in fit, until the step is counted), so a step is
-applied completely or not at all (:mod:`hostavg.signals`).
+applied completely or not at all (:mod:`hostavg.engine.signals`).
 
 The engine knows no framework. What it needs of one is a
 :class:`~hostavg.engine.protocols.Backend` (the TF1 session wiring,
@@ -63,7 +63,7 @@ from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine.batches import prepare
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
-from hostavg.engine.overlap import overlapped, worker
+from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
@@ -82,9 +82,9 @@ class Engine:
 
     Args:
       spec: name -> :class:`VariableSpec` of every trained variable.
-      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
+      accumulate: one of :data:`~hostavg.core.accumulator.ACCUMULATE_MODES`.
       accum_dtype: the host accumulation dtype, or None (each variable's).
-      hooks: see :class:`~hostavg.results.Hook`.
+      hooks: see :class:`~hostavg.core.results.Hook`.
       average: an :class:`Average`; default :class:`HostAverage`.
       update_ratios_every: measure the update-to-weight ratios in the applies
         of steps whose global step (after the apply) is a multiple of this;
@@ -155,7 +155,7 @@ class Engine:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
 
         Changes nothing: no apply runs, and the rollback variables (moving
-        statistics) are restored afterwards. See :mod:`hostavg.check`.
+        statistics) are restored afterwards. See :mod:`hostavg.core.check`.
         """
         with self.leaving_no_trace(backend, "check"):
             whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
@@ -303,20 +303,33 @@ class Engine:
 
     def _micro_batches(self, backend, batches, log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
-        returns the global step."""
-        global_step = None
+        returns the global step.
+
+        A micro-batch a hook drops takes what its forward pass assigned with it (moving
+        statistics): with ``on_micro_batch`` hooks, each compute is preceded by a snapshot of
+        the rollback variables, restored when its micro-batch is dropped (a computation in
+        flight, which ran after it, is then computed again).
+        """
+        keep = bool(self._micro_hooks)
+
+        def run(i):
+            feed, n, _, where, _ = batches[i]
+            before = backend.snapshot() if keep else None
+            return before, self._compute(backend, feed, n, f"step, {where}")
+
+        pool = None
         if self.overlap and len(batches) > 1:
             if self._worker is None:
                 self._worker = worker()
-            computed = overlapped(self._worker, lambda batch: self._compute(
-                backend, batch[0], batch[1], f"step, {batch[3]}"), batches)
-        else:
-            computed = (self._compute(backend, feed, n, f"step, {where}")
-                        for feed, n, _, where, _ in batches)
-        with contextlib.closing(computed):
+            pool = self._worker
+        global_step = None
+        with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
             for i, batch in enumerate(batches):
                 try:
-                    global_step = self._micro_batch(i, batch, next(computed), backend, log)
+                    before, computed = ahead.take(i)
+                    global_step = self._micro_batch(i, batch, computed, backend, log)
+                    if log.micro[-1].dropped is not None and before is not None:
+                        ahead.redo(lambda: backend.restore(before))
                 except Exception as e:
                     if batch[4] is not None:
                         with contextlib.suppress(AttributeError):  # a type with __slots__

@@ -44,7 +44,7 @@ __all__ = ["KerasBackend"]
 
 
 class KerasBackend:
-    """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.Backend`).
+    """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the

@@ -46,10 +46,8 @@ class Trainer(BaseTrainer):
       optimizer: a ``tf.compat.v1.train.Optimizer``.
       var_list: the variables to train; default the trainable variables the
         loss reaches. Variables whose gradient is None are left out and untouched.
-      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
-      average: one of :data:`AVERAGE_MODES`.
-      accum_dtype: host accumulation dtype (e.g. "float64"); None keeps each
-        variable's dtype.
+      average: one of :data:`AVERAGE_MODES`: "host" (NumPy) or "graph" (a
+        small reduce graph in the session, fed the sums; TF1's face alone).
       global_step: the variable the train op increments (a scalar integer
         variable). Default: the graph's own (the GLOBAL_STEP collection, or a
         variable named "global_step" as TF1 programs make it), created if
@@ -61,26 +59,11 @@ class Trainer(BaseTrainer):
         the graph's UPDATE_OPS that the loss's own feeds can run (one that needs a
         placeholder the loss does not, such as the other network's batch norm
         in a GAN, is left out); a list: exactly those; ``[]``: none.
-      hooks: objects with ``on_micro_batch(micro)`` and/or
-        ``on_step(mean, result)``, called in order (see
-        :class:`~hostavg.results.Hook` and :mod:`hostavg.hooks`).
-        ``on_micro_batch`` gets each :class:`MicroBatch` (with its gradients)
-        before it is accumulated and returns None (keep it), a mapping of
-        replacement gradients, or a :class:`Drop`. ``on_step`` gets the mean
-        and the :class:`StepResult` before the apply and returns None or a
-        replacement mean. ``on_applied`` gets the final StepResult once the
-        apply succeeded.
-      comm: an mpi4py communicator, to train over several processes
-        (:mod:`hostavg.mpi`).
-      update_ratios_every: measure ``StepResult.update_ratios``
-        (|w_after - w_before| / |w_before| per variable) in the apply of
-        every step whose global step is a multiple of this (1: every step);
-        None: never (``update_ratios`` is None). Measuring keeps the weights'
-        values from before the update while the optimizer runs and reduces
-        two norms per variable, in the apply's own session call: about the
-        cost of the apply again, which is 0.5% of a step of 8 micro-batches
-        for a 50k-parameter MLP and 5 to 10% for 0.3M to 2M parameters (see
-        the README's performance section).
+      accumulate, accum_dtype, hooks, comm, update_ratios_every, overlap: as
+        for every trainer (:class:`~hostavg.train.trainer.BaseTrainer`; the
+        hooks' protocol is :class:`~hostavg.core.results.Hook`). Measuring
+        update ratios runs in the apply's own session call, at about the cost
+        of the apply again (see the documentation's performance page).
       session_threads: one of :data:`~hostavg.tf1.session.SESSION_THREADS`: where the
         trainer's session calls run their ops. "pool" (default): in the
         session's inter-op thread pool, as ``sess.run`` does. "caller": in the
@@ -88,13 +71,8 @@ class Trainer(BaseTrainer):
         (50-100 us a call on 2 cores: a fifth of a small model's step), but
         keeps denormal floats that the pool's threads flush to zero (values
         below ~1.2e-38 in float32 may then differ from ``sess.run``'s); calls
-        that reach a blocking kernel (``graph.BLOCKING_OPS``) use the pool anyway.
-      overlap: compute micro-batch i + 1 in a worker thread while the host
-        shows micro-batch i to the hooks, checks it and adds it. The same
-        results, bit for bit; pays where a micro-batch's add is long and the
-        device would idle meanwhile (large gradients on a GPU); see the
-        README's performance section for when it pays on a CPU. Hooks then run
-        while the next micro-batch computes.
+        that reach a blocking kernel (:data:`~hostavg.tf1.session.BLOCKING_OPS`) use the pool
+        anyway.
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
@@ -215,7 +193,7 @@ class Trainer(BaseTrainer):
         No forward or backward pass runs. ``grads`` is a :class:`Gradients` or
         any mapping with exactly the keys of :attr:`spec` (say, a dict a user
         edited); values are cast to each variable's dtype, and copied unless
-        hostavg made them (see :mod:`hostavg.gradients`). ``feed_dict`` feeds
+        hostavg made them (see :mod:`hostavg.core.gradients`). ``feed_dict`` feeds
         the placeholders the train op reads (:attr:`apply_inputs`, such as a
         learning rate); others in it are ignored.
 
@@ -241,7 +219,7 @@ class Trainer(BaseTrainer):
         applied, and every variable that computing a micro-batch assigns
         (UPDATE_OPS' moving statistics) is restored, so the model, the
         optimizer's slots and the global step are as they were. See
-        :mod:`hostavg.engine` for the order of things and the threading model.
+        :mod:`hostavg.engine.step` for the order of things and the threading model.
 
         Args:
           sess: a session running the trainer's graph.
@@ -269,7 +247,7 @@ class Trainer(BaseTrainer):
         variable. No apply runs, and what UPDATE_OPS moved is restored.
 
         Returns:
-          a :class:`~hostavg.check.CheckReport`: ``.ok``, the largest relative
+          a :class:`~hostavg.core.check.CheckReport`: ``.ok``, the largest relative
           difference per variable, and when not ok, the likely cause in words
           (a loss that is a sum rather than a mean, random ops such as dropout
           in training mode, batch norm in training mode). ``str(report)`` is

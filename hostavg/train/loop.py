@@ -27,7 +27,7 @@ same batch size bit for bit like a run that was never stopped, with another
 at the same sample all the same (an iterable's batches are its own: it
 continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
 or SIGTERM that arrives once the step's apply has begun waits until fit has
-counted the step (see :mod:`hostavg.signals`), so the position saved on the way
+counted the step (see :mod:`hostavg.engine.signals`), so the position saved on the way
 out always matches the global step.
 
 With a trainer made with ``comm=`` (several MPI processes), every rank runs
@@ -83,7 +83,7 @@ class Run(Protocol):
         """The global step now."""
 
     def save(self, path, fit: dict) -> None:
-        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.checkpoint`)."""
+        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.train.checkpoint`)."""
 
     def restore(self, path) -> dict | None:
         """Loads a checkpoint; returns the fit state it holds, or None."""
@@ -103,7 +103,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     ``source`` is a callable that returns the batch source (called after
     the arguments are checked), with ``num_batches(drop_remainder)`` and
     ``batches(epoch, seed, batch, samples)``. ``blocks``: {key: b} for arrays of b
-    blocks of the samples (see :mod:`hostavg.split`).
+    blocks of the samples (see :mod:`hostavg.core.split`).
     """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
     if progress not in (True, False, "always"):
@@ -363,7 +363,7 @@ class _Progress:
         self._samples += result.size
         rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
         self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
-                         "samples_s": f"{rate:.0f}"}
+                         "samples/s": f"{rate:.0f}"}
         if self._bar is not None:
             self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.update(1)
