@@ -428,6 +428,65 @@ def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
     assert_close(trained(True), trained(False), atol=0)
 
 
+# --- Graphs fed by a tf.data iterator --------------------------------------------------------
+
+
+def dataset_program(X, Y, batch_size, seed=0):
+    """A classifier whose batches come from a tf.data iterator: no placeholder, and every
+    session run takes the next batch of ``batch_size`` (the data repeated: every batch full)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        dataset = tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(batch_size)
+        images, labels = v1.data.make_one_shot_iterator(dataset).get_next()
+        w = tf.Variable(np.random.default_rng(seed).normal(0, 0.3, (X.shape[1], 3)).astype(np.float32),
+                        name="w")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=tf.matmul(images, w)))
+    return graph, (images, labels), loss
+
+
+def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_samples():
+    # check had no blocks= (a discriminator's labels of tf.concat([real, fake])), and on a feed
+    # of scalars or a graph fed by tf.data it said "split: the batch holds no samples".
+    graph, t, d, g, init = gan_trainers()
+    sess = session(graph, init)
+    feed = gan_batch(np.random.default_rng(9), 12)
+    fake = sess.run(t["samples"], {t["z"]: feed["z"]})
+    before = values(graph, sess)
+    report = d.check(sess, {"real:0": feed["real"], t["fake"]: fake, "labels": feed["labels"]}, 4,
+                     blocks={"labels": 2})
+    assert report.micro_batches == 3 and not report.ok and "batch norm" in report.cause
+    assert_close(values(graph, sess), before, atol=0)
+
+    X, Y = linear_data()
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^check: the feed holds no array of samples to cut into micro-batches "
+                             r"\(only scalars: 'x:0', 'y:0'\)\. check runs one batch whole and in "
+                             r"micro-batches: feed it that batch's arrays, such as "
+                             r"\{x: X\[:256\], y: Y\[:256\]\}"):
+        trainer.check(session(graph, init), {x: 1.0, y: 2.0}, 1)
+
+    rng = np.random.default_rng(10)
+    X, Y = rng.normal(size=(64, 5)).astype(np.float32), rng.integers(0, 3, 64)
+    graph, (images, labels), loss = dataset_program(X, Y, 16)
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^check: the feed holds no array of samples .* \(an empty feed\).*"
+                             r"a graph that reads its batch from a tf\.data iterator or a queue: "
+                             r"feed the tensors it reads"):
+        trainer.check(sess, {}, 4)
+    # Fed the iterator's outputs, the check runs on that batch and takes nothing from the iterator.
+    assert trainer.check(sess, {images: X[:16], labels: Y[:16]}, 4).ok
+    np.testing.assert_array_equal(sess.run(images), X[:16])
+
+
 # --- Reference variables: TF1's variables before resource variables ---------------------------
 
 

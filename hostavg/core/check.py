@@ -46,6 +46,11 @@ ADVICE = {
         "scale": "Use the mean over the micro-batch's samples, tf.reduce_mean",
         "batch": "such as batch norm in training mode (tf.compat.v1.layers.batch_normalization "
                  "with training=True)",
+        "no_samples": "check runs one batch whole and in micro-batches: feed it that batch's "
+                      "arrays, such as {x: X[:256], y: Y[:256]}. A feed of scalars is one "
+                      "sample; for a graph that reads its batch from a tf.data iterator or a "
+                      "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
+                      "dequeued tensors) that batch's arrays, which leaves the iterator alone",
     },
     "keras": {
         "random": "hostavg computes with training=True, so keras.layers.Dropout (and other "
@@ -55,6 +60,8 @@ ADVICE = {
                  "or a loss function that returns the mean over the batch",
         "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
                  "micro-batch by its own statistics",
+        "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
+                      "least one sample each, such as x[:256], y[:256]",
     },
 }
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 
-__all__ = ["blocks_of", "feed_size", "split", "take"]
+__all__ = ["blocks_of", "feed_size", "sample_count", "split", "take"]
 
 
 class _BlockedFeed(dict):
@@ -109,6 +109,11 @@ def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | Non
     return int(lengths.popitem()[1]) if lengths else None
 
 
+def sample_count(batch, what: str = "feed", blocks: Mapping | None = None) -> int | None:
+    """The number of samples in a batch (see :func:`feed_size`), or None where it holds no array."""
+    return _length(_arrays(batch), what, blocks_of(batch) if blocks is None else blocks)
+
+
 def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
     """The number of samples in a batch: the common length of its arrays along axis 0.
 
@@ -119,7 +124,7 @@ def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
       HostavgError: when the arrays disagree, or the batch holds no array (then
         the caller must say the size).
     """
-    n = _length(_arrays(batch), what, blocks_of(batch) if blocks is None else blocks)
+    n = sample_count(batch, what, blocks)
     if n is None:
         raise HostavgError(
             f"{what}: no array in the batch (only scalars), so its number of samples is "

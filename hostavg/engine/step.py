@@ -151,14 +151,17 @@ class Engine:
         return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
                              feed, False).global_step
 
-    def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
+    def check(self, backend: Backend, feed, micro_feeds: Sequence,
+              size: int | None = None) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
 
-        Changes nothing: no apply runs, and the rollback variables (moving
-        statistics) are restored afterwards. See :mod:`hostavg.core.check`.
+        ``size``: the whole feed's number of samples, where its arrays can't
+        tell (blocks). Changes nothing: no apply runs, and the rollback
+        variables (moving statistics) are restored afterwards. See
+        :mod:`hostavg.core.check`.
         """
         with self.leaving_no_trace(backend, "check"):
-            whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
+            whole_feed, n = backend.prepare(feed, size, "check, the whole feed")
             whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)

@@ -238,7 +238,8 @@ class Trainer(BaseTrainer):
         """
         return self._step(self._backend(sess), feeds, sizes, rows)
 
-    def check(self, sess, feed_dict: Mapping, micro_batch_size: int) -> CheckReport:
+    def check(self, sess, feed_dict: Mapping, micro_batch_size: int, *,
+              blocks: Mapping | None = None) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
 
         Runs ``feed_dict`` whole (twice) and cut into micro-batches of
@@ -253,11 +254,24 @@ class Trainer(BaseTrainer):
           in training mode, batch norm in training mode). ``str(report)`` is
           a one-line verdict.
 
+        Args:
+          feed_dict: one batch, {placeholder: array}. For a graph that reads
+            its batch from a tf.data iterator or a queue, feed the tensors it
+            reads (the iterator's ``get_next()`` outputs): the check then
+            takes nothing from the iterator.
+          blocks: {placeholder: b} for arrays of b blocks of the samples, as
+            :meth:`fit` takes it (see :func:`hostavg.split`).
+
+        Raises:
+          HostavgError: for a feed with no array of samples (only scalars, or
+            empty), saying what check needs.
+
         Example::
 
             print(trainer.check(sess, {x: X[:256], y: Y[:256]}, 32))
         """
-        return self._check(self._backend(sess), feed_dict, micro_batch_size)
+        feed = resolve_feed(self.graph, feed_dict, "check")
+        return self._check(self._backend(sess), feed, micro_batch_size, self._blocks(blocks))
 
     def per_sample(self, sess, feed_dict: Mapping):
         """One row per sample of ``feed_dict``: its loss, gradient norm, and cosine with the feed's mean gradient.
@@ -372,8 +386,7 @@ class Trainer(BaseTrainer):
         """
         from hostavg.tf1.sources import feed_source
         backend = self._backend(sess)
-        blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
-                  for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
+        blocks = self._blocks(blocks)
 
         def validate():
             if validation_data is None:
@@ -402,6 +415,11 @@ class Trainer(BaseTrainer):
           HostavgError: if it was written by a different model; nothing changes then.
         """
         return self._restore(self._backend(sess), path)
+
+    def _blocks(self, blocks: Mapping | None) -> dict:
+        """``blocks`` keyed by the graph's tensors, each a number >= 1."""
+        return {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
+                for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
 
     def _backend(self, sess) -> SessionBackend:
         return SessionBackend(self._wiring, sess)
