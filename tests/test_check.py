@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hostavg.core.check import ADVICE, FLOOR, TOLERANCE, diagnose
+from hostavg.core.check import ADVICE, FLOOR, TOLERANCE, diagnose, shows_fixed_batch
 
 
 def grads(**arrays):
@@ -88,3 +88,15 @@ def test_flags_that_are_not_bools_are_refused_before_anything_happens(tmp_path):
     with pytest.raises(hostavg.HostavgError, match=r"^micro must be True or False, got 1"):
         hostavg.hooks.Record(tmp_path / "rec", micro=1)
     assert not (tmp_path / "rec").exists()
+
+
+@pytest.mark.parametrize("message,n,whole,fixed", [
+    ("Incompatible shapes: [3,3] vs. [12,3]", 3, 12, True),
+    ("Input to reshape is a tensor with 9 values, but the requested shape has 36", 3, 12, True),
+    ("Input to reshape is a tensor with 42 values, but the requested shape has 170", 42, 170, True),
+    ("Incompatible shapes: [3,3] vs. [5,3]", 3, 12, False),
+    ("Incompatible shapes: [12,3] vs. [12,4]", 12, 12, False),  # the whole batch: not this
+])
+def test_a_shape_error_in_the_ratio_of_micro_batch_to_batch_shows_a_fixed_batch_size(
+        message, n, whole, fixed):
+    assert shows_fixed_batch(message, n, whole) is fixed

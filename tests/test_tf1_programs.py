@@ -428,6 +428,68 @@ def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
     assert_close(trained(True), trained(False), atol=0)
 
 
+# --- A graph that fixes the batch size ---------------------------------------------------------
+
+
+def fixed_batch_program(kind, batch_size=12):
+    """A classifier written for batches of exactly ``batch_size``: a reshape or a constant of
+    that many rows, or two towers that each slice their half of the batch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = tf.Variable(np.random.default_rng(0).normal(0, 0.3, (4, 3)).astype(np.float32), name="w")
+
+        def xent(x, y):
+            logits = tf.matmul(x, w)
+            if kind == "reshape":
+                logits = tf.reshape(logits, [batch_size, 3])
+            elif kind == "ones":
+                logits += tf.ones([batch_size, 3])
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                                 logits=logits))
+        if kind == "towers":
+            half = batch_size // 2
+            loss = tf.add_n([xent(x[i * half:(i + 1) * half], y[i * half:(i + 1) * half])
+                             for i in range(2)]) / 2
+        else:
+            loss = xent(x, y)
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    rng = np.random.default_rng(1)
+    feed = {x: rng.normal(size=(batch_size, 4)).astype(np.float32), y: rng.integers(0, 3, batch_size)}
+    return graph, trainer, session(graph, init), feed
+
+
+FIXED = (r"The graph likely builds a shape from the full batch \(12 rows\) where the micro-batch "
+         r"has 3 \(tf\.reshape\(x, \[batch_size, \.\.\.\]\), tf\.ones\(\[batch_size, \.\.\.\]\), "
+         r"slices such as x\[i \* batch_size:\(i \+ 1\) \* batch_size\]\); use tf\.shape\(x\)\[0\], "
+         r"the rows the feed has, instead of batch_size\.$")
+
+
+@pytest.mark.parametrize("kind,said", [
+    ("reshape", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
+                r"\[12,1\]\); check that micro-batch's feed\. "),
+    ("ones", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. \[12,3\]\); "
+             r"check that micro-batch's feed\. "),
+    # The second tower's slice is empty: its mean is NaN, its gradient 0.
+    ("towers", r"finite gradients but the loss is nan\. Nothing was applied\. "),
+])
+def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
+    # The session's shape error blamed the feed, and a NaN loss with finite gradients
+    # suggested SkipNonFinite(), which would skip every micro-batch.
+    graph, trainer, sess, feed = fixed_batch_program(kind)
+    before = values(graph, sess)
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^step, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+        trainer.step(sess, hostavg.split(feed, 3))
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+        trainer.check(sess, feed, 3)
+    assert_close(values(graph, sess), before, atol=0)
+    assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
+
+
 # --- Graphs fed by a tf.data iterator --------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ feed is run whole and in micro-batches from the same weights:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from hostavg.core.gradients import SparseGradient
 
-__all__ = ["ADVICE", "CheckReport", "diagnose"]
+__all__ = ["ADVICE", "CheckReport", "diagnose", "fixed_batch_hint", "shows_fixed_batch"]
 
 #: Relative difference under which two gradients count as equal, by dtype:
 #: room for summation order (float32: ~1e-6 seen), far below any real cause.
@@ -46,6 +47,9 @@ ADVICE = {
         "scale": "Use the mean over the micro-batch's samples, tf.reduce_mean",
         "batch": "such as batch norm in training mode (tf.compat.v1.layers.batch_normalization "
                  "with training=True)",
+        "fixed": "(tf.reshape(x, [batch_size, ...]), tf.ones([batch_size, ...]), slices such as "
+                 "x[i * batch_size:(i + 1) * batch_size]); use tf.shape(x)[0], the rows the feed "
+                 "has, instead of batch_size",
         "no_samples": "check runs one batch whole and in micro-batches: feed it that batch's "
                       "arrays, such as {x: X[:256], y: Y[:256]}. A feed of scalars is one "
                       "sample; for a graph that reads its batch from a tf.data iterator or a "
@@ -60,6 +64,9 @@ ADVICE = {
                  "or a loss function that returns the mean over the batch",
         "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
                  "micro-batch by its own statistics",
+        "fixed": "(keras.ops.reshape(x, (batch_size, ...)), keras.ops.ones((batch_size, ...)), "
+                 "an Input with batch_size=); use keras.ops.shape(x)[0], the rows the batch has, "
+                 "instead of batch_size",
         "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
                       "least one sample each, such as x[:256], y[:256]",
     },
@@ -157,3 +164,20 @@ def _dense(value) -> np.ndarray:
     if isinstance(value, SparseGradient):
         value = value.to_dense()
     return np.ravel(np.asarray(value, np.float64))
+
+
+def shows_fixed_batch(message: str, n: int, whole: int) -> bool:
+    """Whether ``message`` (a framework's error on a micro-batch of ``n`` rows of a batch of
+    ``whole``) holds two numbers in the ratio n : whole, as a shape built from the whole batch
+    leaves them: ``[3,3] vs. [12,3]``, or ``9 values`` against ``36`` (rows of 3 numbers)."""
+    if n == whole:
+        return False
+    numbers = {int(d) for d in re.findall(r"\d+", message)}
+    return any(a % n == 0 and a // n * whole in numbers for a in numbers if a)
+
+
+def fixed_batch_hint(n: int, whole: int, framework: str) -> str:
+    """What to say of a micro-batch of ``n`` rows that fails where its batch of ``whole``
+    would not (:func:`shows_fixed_batch`, or a loss alone not finite): a size fixed in the graph."""
+    return (f"The graph likely builds a shape from the full batch ({whole} rows) where the "
+            f"micro-batch has {n} {ADVICE[framework]['fixed']}.")

@@ -56,7 +56,7 @@ from dataclasses import replace
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
-from hostavg.core.check import CheckReport, diagnose
+from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
@@ -166,9 +166,10 @@ class Engine:
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)
             for micro_feed, size, _, where, _ in prepare(backend, micro_feeds, None, "check"):
-                g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
-                acc.add_checked(dict(g), float(size), g.loss,
-                            check_finite(g, f"check, {where}", g.loss, g.sq_norms))
+                g = self._compute(backend, micro_feed, size, f"check, {where}", n)[0]
+                acc.add_checked(dict(g), float(size), g.loss, check_finite(
+                    g, f"check, {where}", g.loss, g.sq_norms,
+                    loss_hint=_loss_hint(g.loss, size, n, backend.framework)))
             mean = acc.mean()
         return diagnose(whole, again, mean, len(micro_feeds), backend.framework)
 
@@ -314,11 +315,12 @@ class Engine:
         flight, which ran after it, is then computed again).
         """
         keep = bool(self._micro_hooks)
+        whole = sum(batch[1] for batch in batches)
 
         def run(i):
             feed, n, _, where, _ = batches[i]
             before = backend.snapshot() if keep else None
-            return before, self._compute(backend, feed, n, f"step, {where}")
+            return before, self._compute(backend, feed, n, f"step, {where}", whole)
 
         pool = None
         if self.overlap and len(batches) > 1:
@@ -330,7 +332,7 @@ class Engine:
             for i, batch in enumerate(batches):
                 try:
                     before, computed = ahead.take(i)
-                    global_step = self._micro_batch(i, batch, computed, backend, log)
+                    global_step = self._micro_batch(i, batch, computed, backend, log, whole)
                     if log.micro[-1].dropped is not None and before is not None:
                         ahead.redo(lambda: backend.restore(before))
                 except Exception as e:
@@ -340,8 +342,9 @@ class Engine:
                     raise
         return global_step
 
-    def _micro_batch(self, i, batch, computed, backend, log: _StepLog) -> int:
-        """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
+    def _micro_batch(self, i, batch, computed, backend, log: _StepLog, whole: int) -> int:
+        """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
+        (``whole``: the step's samples); returns the global step."""
         _, n, start, where, rows = batch
         g, global_step = computed
         step = global_step + backend.increment
@@ -366,7 +369,8 @@ class Engine:
                 f"They were finite before on_micro_batch hook {name_of(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
-            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
+            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint,
+                                   _loss_hint(g.loss, n, whole, backend.framework))
             self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
             log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
@@ -378,11 +382,17 @@ class Engine:
                                 dropped=dropped, rows=rows))
         return global_step
 
-    def _compute(self, backend, feed, n: int, where: str) -> tuple[Gradients, int]:
+    def _compute(self, backend, feed, n: int, where: str,
+                 whole: int | None = None) -> tuple[Gradients, int]:
+        """Micro-batch ``where``'s gradients and the global step. ``whole``: the samples of the
+        batch it was cut from; an error that shows a shape built from them says so."""
         try:
             out = backend.compute(feed)
         except HostavgError as e:
-            raise HostavgError(f"{where}: {e}") from e.__cause__
+            said = f"{where}: {e}"
+            if whole is not None and shows_fixed_batch(str(e), n, whole):
+                said = f"{said.rstrip('.')}. {fixed_batch_hint(n, whole, backend.framework)}"
+            raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
                                f"reduce it with tf.reduce_mean")
@@ -473,6 +483,14 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                       applied=True)
     return results
+
+
+def _loss_hint(loss: float, n: int, whole: int, framework: str) -> str | None:
+    """What a loss that alone is not finite, on a micro-batch of ``n`` of ``whole`` samples,
+    points at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0)."""
+    if n == whole or math.isfinite(loss):
+        return None
+    return fixed_batch_hint(n, whole, framework)
 
 
 def _sq_norms(grads: Gradients) -> dict:
