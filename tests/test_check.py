@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from hostavg.core.check import ADVICE, FLOOR, TOLERANCE, diagnose, shows_fixed_batch
+from hostavg.core.check import (ADVICE, FLOOR, TOLERANCE, RandomOp, diagnose,
+                                shows_fixed_batch)
 
 
 def grads(**arrays):
@@ -52,6 +53,19 @@ def test_the_advice_speaks_the_framework_of_the_user(framework):
         assert "keep_prob" in random and "Dropout" not in random
         assert "tf.reduce_mean" in scaled
         assert "batch_normalization" in batch
+
+
+def test_the_random_ops_a_backend_found_are_named_with_the_advice_for_their_kind():
+    whole, noisy = grads(w=[3.0, 4.0]), grads(w=[3.5, 4.0])
+    found = [RandomOp("tf.nn.dropout", "dropout/random_uniform/RandomUniform:0", "random"),
+             RandomOp("tf.random.normal", "z/RandomStandardNormal:0", "draw")]
+    cause = diagnose(whole, noisy, noisy, 2, "tf1", found).cause
+    assert ("random ops in training mode: tf.nn.dropout ('dropout/random_uniform/RandomUniform:0'), "
+            "tf.random.normal ('z/RandomStandardNormal:0'). Turn them off") in cause
+    assert "keep_prob" in cause and "feed 'z/RandomStandardNormal:0' a fixed array" in cause
+    many = diagnose(whole, noisy, noisy, 2, "tf1", [found[1]._replace(tensor=f"z{i}:0")
+                                                    for i in range(5)]).cause
+    assert "('z2:0') and 2 more. No feed turns them off" in many and "keep_prob" not in many
 
 
 def test_a_deterministic_keras_transformer_block_passes_the_check():

@@ -205,7 +205,8 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     sess = session(graph, init)
     report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, 8)
     assert not report.ok and report.noise > 0.01
-    assert "random ops in training mode, such as dropout" in report.cause
+    assert "random ops in training mode: tf.nn.dropout ('dropout/random_uniform/" in report.cause
+    assert "keep_prob or dropout-rate placeholder fed 1.0" in report.cause
     assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, 8).ok
     for _ in range(4):
         trainer.step(sess, hostavg.split({x: X, y: Y, keep: 1.0}, 8))
@@ -219,6 +220,33 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     for _ in range(4):
         osess.run(train, {ox: X, oy: Y, okeep: 1.0})
     assert_close(values(graph, sess), values(oracle, osess), atol=1e-5)
+
+
+def test_the_check_names_the_random_op_it_finds_and_what_turns_it_off():
+    # A VAE draws its noise in the graph: the advice "a keep_prob placeholder fed 1.0, a
+    # training placeholder fed False" named neither.
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(24, 6)).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        stats = tf.matmul(x, tf.Variable(rng.normal(0, 0.3, (6, 4)).astype(np.float32)))
+        mu, log_var = stats[:, :2], stats[:, 2:]
+        with tf.name_scope("sample"):
+            z = mu + tf.exp(log_var / 2) * tf.random.normal(tf.shape(mu))
+        decoded = tf.matmul(z, tf.Variable(rng.normal(0, 0.3, (2, 6)).astype(np.float32)))
+        kl = -0.5 * tf.reduce_sum(1 + log_var - tf.square(mu) - tf.exp(log_var), 1)
+        loss = tf.reduce_mean(tf.reduce_sum(tf.square(decoded - x), 1) + kl)
+        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(1e-3))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    report = trainer.check(sess, {x: X}, 8)
+    noise = "sample/random_normal/RandomStandardNormal:0"
+    assert not report.ok and (f"random ops in training mode: tf.random.normal ('{noise}'). No "
+                              f"feed turns them off") in report.cause
+    assert "keep_prob" not in report.cause and "fed False" not in report.cause
+    assert f"feed {noise!r} a fixed array" in report.cause
+    assert trainer.check(sess, {x: X, noise: np.zeros((24, 2), np.float32)}, 8).ok  # as it says
 
 
 # --- A GAN with batch norm in both networks -------------------------------------------------
@@ -620,7 +648,9 @@ def test_word2vec_nce_trains_with_sparse_gradients_and_the_check_names_the_sampl
     words = rng.integers(0, vocab, 64).astype(np.int32)
     feed = {inputs: words, context: ((words + 1) % vocab).astype(np.int64)[:, None]}
     report = trainer.check(sess, feed, 16)
-    assert not report.ok and "random ops in training mode" in report.cause
+    assert not report.ok and ("random ops in training mode: a sampled loss "
+                              "('nce_loss/LogUniformCandidateSampler:0')") in report.cause
+    assert "check with the full loss" in report.cause
     first = trainer.step(sess, hostavg.split(feed, 16))
     assert isinstance(first.grads["embeddings"], hostavg.SparseGradient)
     losses = [trainer.step(sess, hostavg.split(feed, 16)).loss for _ in range(30)]

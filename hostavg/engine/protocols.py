@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from hostavg.core.accumulator import Reducer
+from hostavg.core.check import RandomOp
 from hostavg.core.gradients import VariableSpec
 
 __all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "HostAverage", "SampleStats",
@@ -96,6 +97,10 @@ class Backend(Protocol):
 
     def compute(self, feed) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
+
+    def random_ops(self) -> Sequence[RandomOp]:
+        """The random ops :meth:`compute` runs, for the check's advice; () where the backend
+        cannot tell."""
 
     def apply_feed(self, feeds: Sequence, what: str) -> dict:
         """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).

@@ -171,7 +171,8 @@ class Engine:
                     g, f"check, {where}", g.loss, g.sq_norms,
                     loss_hint=_loss_hint(g.loss, size, n, backend.framework)))
             mean = acc.mean()
-        return diagnose(whole, again, mean, len(micro_feeds), backend.framework)
+        return diagnose(whole, again, mean, len(micro_feeds), backend.framework,
+                        backend.random_ops())
 
     @contextlib.contextmanager
     def leaving_no_trace(self, backend: Backend, call: str):

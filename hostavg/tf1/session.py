@@ -94,6 +94,9 @@ class SessionBackend:
             return feed, n
         return feed, positive_int(f"{what}: size", size)
 
+    def random_ops(self) -> tuple:
+        return self.wiring.random_ops
+
     def compute(self, feed: dict) -> Computed:
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed)

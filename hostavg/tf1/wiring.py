@@ -8,6 +8,7 @@ host. Nothing here does host arithmetic; that lives in the NumPy layer.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -23,7 +24,7 @@ from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, value_now)
-from hostavg.tf1.walk import ops_run, placeholders_read
+from hostavg.tf1.walk import ops_run, placeholders_read, random_ops
 
 __all__ = ["Wiring"]
 
@@ -166,6 +167,11 @@ class Wiring:
         sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
                     for name, q in zip(self.names, map(float, got))}
         return Computed(out[0], values, int(out[1]), sq_norms)
+
+    @functools.cached_property
+    def random_ops(self) -> tuple:
+        """The random ops :meth:`compute` runs (:func:`~hostavg.tf1.walk.random_ops`), found once."""
+        return tuple(random_ops(self._fetches))
 
     def unfed(self, feed_keys: tuple) -> tuple:
         """The placeholders (without a default) that :meth:`compute` reads and ``feed_keys``
