@@ -249,6 +249,77 @@ def test_the_check_names_the_random_op_it_finds_and_what_turns_it_off():
     assert trainer.check(sess, {x: X, noise: np.zeros((24, 2), np.float32)}, 8).ok  # as it says
 
 
+# --- Tensors fetched with the train op: summaries, accuracy -----------------------------------
+
+
+def summarized_classifier():
+    """A classifier whose program ran sess.run([train_op, summary, accuracy], feed); its weights
+    a reference variable."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 10], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.Variable(np.random.default_rng(0).normal(0, 0.3, (10, 3)).astype(np.float32),
+                        name="w", use_resource=False)
+        logits = tf.matmul(x, w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        summary = v1.summary.merge([v1.summary.scalar("loss", loss),
+                                    v1.summary.scalar("accuracy", accuracy)])
+        weights = tf.identity(w, name="weights")  # the variable's buffer, as a session returns it
+    return graph, (x, y), loss, accuracy, summary, weights
+
+
+def test_tensors_fetched_with_a_step_are_each_micro_batch_s_own_before_the_update():
+    # Programs that ran sess.run([train_op, summary, accuracy], feed) had to fetch them in a
+    # second full-batch run after the update: another forward pass, post-update values.
+    rng = np.random.default_rng(12)
+    X, Y = rng.normal(size=(24, 10)).astype(np.float32), rng.integers(0, 3, 24)
+    graph, (x, y), loss, accuracy, summary, weights = summarized_classifier()
+    seen = []
+
+    class Seen:
+        def on_micro_batch(self, micro):
+            seen.append(micro.fetched)
+
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.5), hooks=[Seen()])
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    feeds = hostavg.split({x: X, y: Y}, 8)
+    want = [sess.run([accuracy, loss], f) for f in feeds]
+    w_before = sess.run(weights)
+    res = trainer.step(sess, feeds, fetches=[accuracy, summary, "weights:0", accuracy.op])
+    assert len(res.fetched) == 3 and seen == [m.fetched for m in res.micro] == list(res.fetched)
+    for (acc, proto, w, none), m, (want_acc, want_loss) in zip(res.fetched, res.micro, want):
+        assert acc == want_acc and m.loss == want_loss and none is None
+        tags = {v.tag: v.simple_value for v in v1.Summary.FromString(proto).value}
+        assert tags == pytest.approx({"loss": want_loss, "accuracy": want_acc})
+        np.testing.assert_array_equal(w, w_before)  # copied: the update changed the buffer
+        assert not w.flags.writeable
+    assert not np.array_equal(sess.run(weights), w_before)
+
+    seen.clear()
+    history = trainer.fit(sess, {x: X, y: Y}, batch_size=12, micro_batch_size=4, shuffle=False,
+                          progress=False, fetches=[accuracy])
+    assert len(history.steps) == 2 and len(seen) == 6 and all(len(f) == 1 for f in seen)
+
+    with tf.Graph().as_default():
+        stranger = tf.constant(1.0)
+    for bad, match in [(accuracy, r"^fetches must be a list or tuple of tensors or operations, "
+                                  r"got 'Mean_\d:0'; such as fetches=\[accuracy, summary\]"),
+                       ([trainer.global_step], r"^fetches\[0\]: 'global_step:0' is a variable"),
+                       (["nope:0"], r"^fetches\[0\]: 'nope:0' names nothing in the trainer's graph"),
+                       ([stranger], r"^fetches\[0\]: 'Const:0' is not in the trainer's graph")]:
+        with pytest.raises(hostavg.HostavgError, match=match):
+            trainer.step(sess, feeds, fetches=bad)
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 3: 'x:0' is fed and "
+                                                   r"fetched"):
+        trainer.step(sess, feeds, fetches=[x])
+    assert sess.run(trainer.global_step) == 3
+
+
 # --- A GAN with batch norm in both networks -------------------------------------------------
 
 

@@ -30,12 +30,15 @@ class Computed(NamedTuple):
       global_step: the global step before this step's apply.
       sq_norms: name -> squared L2 norm of each gradient (sparse rows
         coalesced), reduced where the values were made.
+      fetched: the values of the extra tensors the backend was asked to
+        fetch (:attr:`~hostavg.core.results.MicroBatch.fetched`), read-only.
     """
 
     loss: Any
     grads: dict
     global_step: int
     sq_norms: dict
+    fetched: tuple = ()
 
 
 class Applied(NamedTuple):

@@ -272,7 +272,8 @@ class Engine:
             return StepResult(None, None, tuple(micro), global_step, 0,
                               StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                      f"nothing was applied"), None, None
+                                      f"nothing was applied",
+                              fetched=tuple(m.fetched for m in micro)), None, None
 
         reducer = self.average.reducer(backend, tally.total)
         mean = acc.mean(reducer)
@@ -293,7 +294,8 @@ class Engine:
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
         after = global_step + backend.increment
-        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
+        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats,
+                            fetched=tuple(m.fetched for m in micro))
         what, hint, mine = "step, the mean", self._overflow_hint, True
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
@@ -347,11 +349,11 @@ class Engine:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
         (``whole``: the step's samples); returns the global step."""
         _, n, start, where, rows = batch
-        g, global_step = computed
+        g, global_step, fetched = computed
         step = global_step + backend.increment
         grads, dropped, changed_by = g, None, None
         if self._micro_hooks:
-            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows)
+            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows, fetched=fetched)
             for hook, on_micro_batch in self._micro_hooks:
                 out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
                 if isinstance(out, Drop):
@@ -380,13 +382,14 @@ class Engine:
         else:
             log.norms.append(math.sqrt(math.fsum(sq.values())))
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
-                                dropped=dropped, rows=rows))
+                                    dropped=dropped, rows=rows, fetched=fetched))
         return global_step
 
     def _compute(self, backend, feed, n: int, where: str,
-                 whole: int | None = None) -> tuple[Gradients, int]:
-        """Micro-batch ``where``'s gradients and the global step. ``whole``: the samples of the
-        batch it was cut from; an error that shows a shape built from them says so."""
+                 whole: int | None = None) -> tuple[Gradients, int, tuple]:
+        """Micro-batch ``where``'s gradients, the global step and what else it fetched.
+        ``whole``: the samples of the batch it was cut from; an error that shows a shape built
+        from them says so."""
         try:
             out = backend.compute(feed)
         except HostavgError as e:
@@ -398,7 +401,7 @@ class Engine:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
                                f"reduce it with tf.reduce_mean")
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
-            out.global_step
+            out.global_step, out.fetched
 
 
 class _StepLog:

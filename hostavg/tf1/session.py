@@ -50,17 +50,20 @@ class SessionBackend:
     uninitialized variable asks for the initializer to be run after the
     Trainer is built; a feed the session refused points at the feed; any other
     failure is reported as the session's, with its first line.
+
+    ``fetches``: tensors and operations (checked by the face) that every
+    compute runs too, their values returned as ``Computed.fetched``.
     """
 
     framework = "tf1"
 
-    def __init__(self, wiring, sess):
+    def __init__(self, wiring, sess, fetches: tuple = ()):
         graph = getattr(sess, "graph", None)
         if graph is not wiring.graph:
             raise HostavgError(
                 f"the session runs another graph than the trainer's (got {sess!r}); "
                 f"create it with tf.compat.v1.Session(graph=loss.graph)")
-        self.wiring, self.session = wiring, sess
+        self.wiring, self.session, self.fetches = wiring, sess, fetches
         self.spec = wiring.spec
         self.increment = wiring.increment
 
@@ -74,7 +77,11 @@ class SessionBackend:
 
     def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
         feed = self.conform(feed_dict, what)
-        unfed = self.wiring.unfed(tuple(feed))
+        for fetch in self.fetches:
+            if fetch in feed:
+                raise HostavgError(f"{what}: {fetch.name!r} is fed and fetched; a tensor this "
+                                   f"micro-batch feeds cannot be fetched (its value is the feed's)")
+        unfed = self.wiring.unfed(tuple(feed), self.fetches)
         if unfed:
             names = ", ".join(repr(t.name) for t in unfed)
             raise HostavgError(
@@ -99,7 +106,7 @@ class SessionBackend:
 
     def compute(self, feed: dict) -> Computed:
         with _session_errors("compute"):
-            return self.wiring.compute(self.session, feed)
+            return self.wiring.compute(self.session, feed, self.fetches)
 
     def apply_feed(self, feeds, what: str) -> dict:
         """The value every feed gives each of the train op's :attr:`~Wiring.apply_inputs`, by name.
