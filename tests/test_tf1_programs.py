@@ -648,6 +648,32 @@ def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_sampl
     np.testing.assert_array_equal(sess.run(images), X[:16])
 
 
+def test_a_graph_fed_by_tf_data_steps_over_k_micro_batches_of_its_iterator_as_one_batch():
+    # The porting guide's recipe: the dataset re-batched to the micro-batch size, and step given
+    # k feeds that feed nothing, with their sizes: k session runs take the k batches in turn.
+    rng = np.random.default_rng(13)
+    X, Y = rng.normal(size=(96, 5)).astype(np.float32), rng.integers(0, 3, 96)
+    k, m = 4, 8
+    graph, _, loss = dataset_program(X, Y, m)
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.MomentumOptimizer(0.1, 0.9))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    for _ in range(5):  # 160 samples: the data repeats, as the program's own does
+        res = trainer.step(sess, [{}] * k, sizes=[m] * k)
+    assert res.size == k * m and res.step == 5
+
+    oracle, _, oloss = dataset_program(X, Y, k * m)
+    with oracle.as_default():
+        train = v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            oloss, global_step=v1.train.get_or_create_global_step())
+        init = v1.global_variables_initializer()
+    osess = session(oracle, init)
+    for _ in range(5):
+        osess.run(train)
+    assert_close(values(graph, sess), values(oracle, osess), atol=1e-6)
+
+
 # --- Reference variables: TF1's variables before resource variables ---------------------------
 
 
