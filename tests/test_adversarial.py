@@ -691,7 +691,8 @@ def test_a_session_closed_mid_step_is_the_error_reported_not_the_failed_rollback
     case = Case(update_op=True, hooks=[closer])
     closer.sess = case.sess
     with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 2 of 4 \(samples 20:30\): "
-                       r"the session failed in compute \(\w+Error: Session has been closed") as raised:
+                       r"the session failed in the snapshot of the rollback variables "
+                       r"\(\w+Error: Session has been closed") as raised:
         case.trainer.step(case.sess, case.feeds)
     assert "hostavg: restoring the variables the micro-batches assign failed too" in \
         raised.value.__notes__[0]

@@ -322,7 +322,10 @@ class Engine:
 
         def run(i):
             feed, n, _, where, _ = batches[i]
-            before = backend.snapshot() if keep else None
+            try:
+                before = backend.snapshot() if keep else None
+            except HostavgError as e:
+                raise HostavgError(f"step, {where}: {e}") from e.__cause__
             return before, self._compute(backend, feed, n, f"step, {where}", whole)
 
         pool = None

@@ -161,7 +161,8 @@ class SessionBackend:
         return {name: total / count for name, total in totals.items()}
 
     def snapshot(self):
-        return self.wiring.snapshot(self.session)
+        with _session_errors("the snapshot of the rollback variables"):
+            return self.wiring.snapshot(self.session)
 
     def restore(self, snapshot) -> None:
         self.wiring.restore(self.session, snapshot)
