@@ -64,7 +64,7 @@ __all__ = ["KerasBackend", "refuse_strategies"]
 
 
 class KerasBackend:
-    """A compiled Keras model and its optimizer: the engine's Keras backend (:class:`hostavg.engine.Backend`).
+    """A compiled Keras model and its optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Args:
       model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them;
@@ -121,6 +121,9 @@ class KerasBackend:
         if function is None:
             function = self._computes[signature] = self._trace_compute(leaves, signature, what)
         return (function, leaves), n
+
+    def random_ops(self) -> tuple:
+        return ()  # the check names Keras's random layers in its advice
 
     def compute(self, feed) -> Computed:
         function, leaves = feed

@@ -27,7 +27,7 @@ same batch size bit for bit like a run that was never stopped, with another
 at the same sample all the same (an iterable's batches are its own: it
 continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
 or SIGTERM that arrives once the step's apply has begun waits until fit has
-counted the step (see :mod:`hostavg.signals`), so the position saved on the way
+counted the step (see :mod:`hostavg.engine.signals`), so the position saved on the way
 out always matches the global step.
 
 With a trainer made with ``comm=`` (several MPI processes), every rank runs
@@ -84,7 +84,7 @@ class Run(Protocol):
         """The global step now."""
 
     def save(self, path, fit: dict) -> None:
-        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.checkpoint`)."""
+        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.train.checkpoint`)."""
 
     def restore(self, path) -> dict | None:
         """Loads a checkpoint; returns the fit state it holds, or None."""
@@ -123,7 +123,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     gives its own batches), ``num_batches(drop_remainder)`` and
     ``batches(data_pass, seed, batch, samples)``. ``batch_size`` is None for
     a source that gives its own batches. ``blocks``: {key: b} for arrays of b
-    blocks of the samples (see :mod:`hostavg.split`).
+    blocks of the samples (see :mod:`hostavg.core.split`).
 
     Epochs: fit trains epochs ``initial_epoch`` to ``epochs - 1`` (as Keras
     counts them). An epoch is one pass over the data, or, with
@@ -464,7 +464,7 @@ class _Progress:
         self._samples += result.size
         rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
         self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
-                         "samples_s": f"{rate:.0f}"}
+                         "samples/s": f"{rate:.0f}"}
         if self._bar is not None:
             self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.update(1)
