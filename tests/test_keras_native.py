@@ -694,3 +694,30 @@ def test_evaluation_reports_what_a_models_own_test_step_updates_and_nothing_else
     assert want["unused"] == 0.0  # Keras reports a metric nothing updated
     assert got == pytest.approx({"loss": want["loss"], "mae": want["mae"]}, rel=1e-6)
     assert got["mae"] > 0.1
+
+
+def test_steps_per_epoch_resumes_from_a_checkpoint_mid_pass_bit_for_bit(tmp_path):
+    """The checkpoint holds the pass over the data besides the epoch: a run stopped in epoch 1
+    (which continues epoch 0's pass) resumes at the same batch of the same pass."""
+    x, y = data(23)
+
+    class FailAt:
+        def on_step_end(self, step, result):
+            if step == 5:
+                raise RuntimeError("stopped on purpose")
+
+    def fit(trainer, callbacks=(), ckpt=None):
+        return trainer.fit(x, y, batch_size=32, micro_batch_size=MICRO, epochs=3,
+                           steps_per_epoch=4, seed=2, verbose=0, callbacks=list(callbacks),
+                           checkpoint_dir=ckpt, checkpoint_every=1)
+    straight = hostavg.keras.Trainer(compiled(build(names=False)))
+    want = fit(straight)
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        fit(hostavg.keras.Trainer(compiled(build(names=False))), [FailAt()], tmp_path)
+    resumed = hostavg.keras.Trainer(compiled(build(names=False)))
+    got = fit(resumed, ckpt=tmp_path)
+    assert [s.loss for s in got.steps] == [s.loss for s in want.steps]
+    assert_close(weights(resumed.model), weights(straight.model), atol=0)
+    assert got.history["loss"] == want.history["loss"]  # the steps' own, checkpointed
+    # The metrics' state is not checkpointed: the resumed epoch's covers its steps after resuming.
+    assert got.history["accuracy"][0::2] == want.history["accuracy"][0::2]

@@ -317,7 +317,10 @@ class Trainer(BaseTrainer):
             where this one stopped (an epoch ends early where the data does).
             Needed for an endless dataset.
           seed, drop_remainder, checkpoint_dir, checkpoint_every,
-            keep_checkpoints: hostavg's, as :meth:`hostavg.Trainer.fit`.
+            keep_checkpoints: hostavg's, as :meth:`hostavg.Trainer.fit`. A
+            checkpoint holds the steps' losses, not the compiled metrics'
+            state: an epoch resumed midway reports its metrics over the steps
+            after resuming.
 
         Returns:
           the :class:`~hostavg.History`: ``history.history`` (name -> one value
