@@ -26,6 +26,18 @@ class Calls:
     def on_applied(self, result):
         self.calls.append(("on_applied", result.step))
 
+    def on_train_begin(self):
+        self.calls.append(("on_train_begin", None))
+
+    def on_epoch_begin(self, epoch):
+        self.calls.append(("on_epoch_begin", epoch))
+
+    def on_batch_begin(self, batch):
+        self.calls.append(("on_batch_begin", batch))
+
+    def on_batch_end(self, batch, logs):
+        self.calls.append(("on_batch_end", (batch, sorted(logs))))
+
     def on_epoch_end(self, epoch, logs):
         self.calls.append(("on_epoch_end", epoch))
 
@@ -73,6 +85,23 @@ def test_hooks_and_fit_callbacks_get_every_hook_method(backend):
         assert heard.of("on_applied") == STEPS
         assert len(heard.of("on_step")) == len(STEPS)
         assert len(heard.of("on_micro_batch")) == MICRO_BATCHES
-        assert heard.of("on_epoch_end") == [0, 1]
+        assert heard.of("on_train_begin") == [None]
+        assert heard.of("on_epoch_begin") == heard.of("on_epoch_end") == [0, 1]
+        assert heard.of("on_batch_begin") == [0, 1, 2] * 2
+        assert [b for b, _ in heard.of("on_batch_end")] == [0, 1, 2] * 2
         assert heard.of("on_train_end") == [None]
         assert heard.of("close") == [None]
+        names = [name for name, _ in heard.calls if not name.startswith("on_micro") and
+                 name not in ("on_step", "on_applied")]
+        assert names[:4] == ["on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end"]
+        assert names[-2:] == ["on_train_end", "close"]
+
+
+def test_the_history_reads_as_keras_history(backend):
+    """history.history: name -> one value per epoch, without fit's bookkeeping; history.epoch."""
+    face = backend.make()
+    history = face.fit(fit_data(), **FIT)
+    assert history.epoch == [0, 1]
+    assert "loss" in history.history and not {"epoch", "samples", "steps"} & set(history.history)
+    for name, values in history.history.items():
+        assert values == [e[name] for e in history.epochs]
