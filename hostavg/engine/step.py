@@ -11,8 +11,9 @@ A step runs, in this order (:meth:`Engine.step`):
 4. the averaging agrees on the step (alone: nothing to agree on; over MPI:
    every rank's bookkeeping, or one error on every rank) and turns the sums
    into the sample-weighted mean;
-5. the step's statistics and :class:`~hostavg.StepResult` are made and the
-   ``on_step`` hooks run;
+5. the step's statistics and :class:`~hostavg.StepResult` are made, the mean
+   is checked finite (finite micro-batches whose sum overflowed are named as
+   such, before any hook sees them) and the ``on_step`` hooks run;
 6. the mean is applied: the optimizer's train op runs once, fed the values
    the micro-batches share that it reads (a learning-rate placeholder; see
    :meth:`Backend.apply_feed`);
@@ -57,6 +58,7 @@ import numpy as np
 
 from hostavg.core.accumulator import Accumulator
 from hostavg.core.check import CheckReport, diagnose
+from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
@@ -114,7 +116,7 @@ class Engine:
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
         # Sums already in float64 (a wider accumulation, or float64 variables) cannot be
         # widened further: the mean itself is beyond the variables' range.
-        widest = all(np.dtype(self._acc.accum_dtype or s.dtype).itemsize >= 8
+        widest = all(accumulation_dtype(s.dtype, self._acc.accum_dtype).itemsize >= 8
                      for s in spec.values())
         self._overflow_hint = CAST_HINT if widest else OVERFLOW_HINT
         self._busy = threading.Lock()
@@ -290,6 +292,9 @@ class Engine:
         after = global_step + backend.increment
         result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
         what, hint, mine = "step, the mean", self._overflow_hint, True
+        # The micro-batches were finite: a non-finite mean overflowed the sum. Said so here,
+        # before an on_step hook (a clip) turns it into something else and takes the blame.
+        check_finite(mean, what, known=mean.sq_norms, hint=hint)
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:
