@@ -22,9 +22,34 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["fsync_dir", "read_array", "remove_stale", "temporary"]
+from hostavg.core.errors import HostavgError
+
+__all__ = ["folder", "fsync_dir", "read_array", "remove_stale", "temporary"]
 
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]*\.tmp$")
+
+
+def folder(path, name: str, holds: str) -> Path:
+    """``path`` as a folder that exists and can be written, made with its parents if missing.
+
+    Raises HostavgError naming the argument ``name`` (such as "checkpoint_dir")
+    when ``path`` is not a path, is a file, cannot be made, or is not writable;
+    ``holds`` says what the folder is for ("the checkpoints").
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise HostavgError(f"{name} must be a folder name (str or os.PathLike), got {path!r}")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise HostavgError(f"{name} {str(path)!r} is a file, not a folder; name a folder for "
+                           f"{holds}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HostavgError(f"{name} {str(path)!r} cannot be made ({e.strerror}); name a folder "
+                           f"that can") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise HostavgError(f"{name} {str(path)!r} is not writable; name a folder that is")
+    return path
 
 
 def temporary(final: Path) -> Path:

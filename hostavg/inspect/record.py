@@ -49,7 +49,7 @@ import numpy as np
 
 from hostavg.core.dtypes import decode, encode
 from hostavg.core.errors import HostavgError, flag, positive_int
-from hostavg.core.files import read_array, remove_stale, temporary
+from hostavg.core.files import folder, read_array, remove_stale, temporary
 from hostavg.core.gradients import Gradients, SparseGradient
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
@@ -66,8 +66,7 @@ class RecordWriter:
     """Writes one step at a time into a record folder (used by :class:`hostavg.hooks.Record`)."""
 
     def __init__(self, path):
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path = folder(path, "Record: path", "the record")
         remove_stale(self.path, _NAME)
         self._zip = self._tmp = None
 
@@ -233,6 +232,9 @@ class RecordReader:
     """The steps of a record folder, oldest first; see :func:`load_record`."""
 
     def __init__(self, path):
+        if not isinstance(path, (str, os.PathLike)):
+            raise HostavgError(f"load_record takes a record's folder (str or os.PathLike), got "
+                               f"{path!r}")
         self.path = Path(path)
         if not self.path.is_dir():
             raise HostavgError(f"no record at {self.path}: not a folder")
@@ -355,8 +357,8 @@ class Record:
     def __init__(self, path, every: int = 1, micro: bool = True, overwrite: bool = False):
         positive_int("every", every)
         self.micro, self.overwrite = flag("micro", micro), flag("overwrite", overwrite)
-        self.path, self.every = Path(path), every
-        self._writer = RecordWriter(self.path)
+        self._writer = RecordWriter(path)
+        self.path, self.every = self._writer.path, every
         self._open = None  # (step, last micro-batch index) of the step being written
         self._recorded = []
         self._last = None  # the last step committed (or resumed from)

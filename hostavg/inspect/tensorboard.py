@@ -10,6 +10,7 @@ import importlib.util
 import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.files import folder
 from hostavg.core.gradients import SparseGradient
 from hostavg.core.stats import NoiseScale, NoiseScaleEstimate
 from hostavg.inspect.record import SCALARS
@@ -49,7 +50,8 @@ class TensorBoard:
             raise HostavgError("the TensorBoard hook writes for TensorBoard, which is not "
                                "installed: pip install tensorboard (or pip install "
                                "'hostavg[inspect]')")
-        self.logdir, self.histograms_every = str(logdir), histograms_every
+        self.logdir = str(folder(logdir, "TensorBoard: logdir", "the event files"))
+        self.histograms_every = histograms_every
         self.noise_scale = NoiseScale(beta)
         self._graph = None
         self._last_step = 0

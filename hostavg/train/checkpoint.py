@@ -42,7 +42,7 @@ import numpy as np
 
 from hostavg.core.dtypes import EXTENDED, decode, encode, name_of
 from hostavg.core.errors import HostavgError, positive_int
-from hostavg.core.files import fsync_dir, read_array, remove_stale, temporary
+from hostavg.core.files import folder, fsync_dir, read_array, remove_stale, temporary
 from hostavg.train.history import History
 
 __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
@@ -70,6 +70,10 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
         arrays[f"var/{name}"] = encode(array)[0]
         forms[name] = [list(array.shape), name_of(array.dtype)]
     arrays["meta"] = np.array(json.dumps({"format": FORMAT, "variables": forms, "fit": fit}))
+    above = next(p for p in path.parents if p.exists())
+    if not above.is_dir():
+        raise HostavgError(f"cannot write the checkpoint {str(path)!r}: {str(above)!r} is a file, "
+                           f"not a folder")
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,18 +234,7 @@ class CheckpointDir:
 
     def __init__(self, path, keep: int = 3):
         self.keep = positive_int("keep", keep)
-        self.path = Path(path)
-        if self.path.exists() and not self.path.is_dir():
-            raise HostavgError(f"checkpoint_dir {str(path)!r} is a file, not a folder; name a "
-                               f"folder for the checkpoints")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise HostavgError(f"checkpoint_dir {str(path)!r} cannot be made ({e.strerror}); "
-                               f"name a folder that can") from None
-        if not os.access(self.path, os.W_OK | os.X_OK):
-            raise HostavgError(f"checkpoint_dir {str(path)!r} is not writable; name a folder "
-                               f"that is")
+        self.path = folder(path, "checkpoint_dir", "the checkpoints")
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints, oldest first."""
