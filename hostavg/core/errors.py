@@ -6,8 +6,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["HostavgError", "flag", "non_negative_int", "object_list", "positive_int",
-           "positive_number"]
+__all__ = ["HostavgError", "flag", "non_negative_int", "non_negative_number", "object_list",
+           "positive_int", "positive_number"]
 
 
 class HostavgError(ValueError):
@@ -36,13 +36,22 @@ def non_negative_int(name: str, value) -> int:
 def positive_number(name: str, value) -> float:
     """``value`` as a float if it is a real number (NumPy's too; not a bool, not complex) that is
     finite and > 0 as a float64; else HostavgError naming ``name``."""
+    return _real(name, value, "> 0", lambda x: x > 0)
+
+
+def non_negative_number(name: str, value) -> float:
+    """``value`` as a float if it is a real number that is finite and >= 0 (see :func:`positive_number`)."""
+    return _real(name, value, ">= 0", lambda x: x >= 0)
+
+
+def _real(name: str, value, rule: str, holds) -> float:
     try:
         number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) \
             else math.nan
     except OverflowError:  # an int beyond float64's range
         number = math.inf
-    if not (math.isfinite(number) and number > 0):
-        raise HostavgError(f"{name} must be a finite number > 0, got {value!r}")
+    if not (math.isfinite(number) and holds(number)):
+        raise HostavgError(f"{name} must be a finite number {rule}, got {value!r}")
     return number
 
 

@@ -57,12 +57,16 @@ def _rebuild(batch, values: dict):
                  for i, part in enumerate(batch))
 
 
-def _arrays(batch) -> dict:
+def _arrays(batch, what: str = "a batch") -> dict:
     """The sample-carrying values of a batch, by path, as NumPy arrays."""
     out = {}
     for path, value in _leaves(batch).items():
         if isinstance(value, (list, tuple)):
-            value = np.asarray(value)
+            try:
+                value = np.asarray(value)
+            except ValueError as e:  # ragged nested lists
+                raise HostavgError(f"{what}: {_key_name(path)} cannot be made an array "
+                                   f"({e})") from None
         if isinstance(value, np.ndarray) and value.ndim >= 1:
             out[path] = value
     return out
@@ -91,7 +95,7 @@ def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
       HostavgError: when the arrays disagree, or the batch holds no array (then
         the caller must say the size).
     """
-    n = _length(_arrays(batch), what, blocks)
+    n = _length(_arrays(batch, what), what, blocks)
     if n is None:
         raise HostavgError(
             f"{what}: no array in the batch (only scalars), so its number of samples is "
@@ -138,7 +142,7 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
     if not isinstance(batch, (Mapping, tuple)):
         raise HostavgError(f"split takes a feed dict {{placeholder: array}} or a tuple (x, y), got "
                            f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
-    n = _length(_arrays(batch), "split", blocks)
+    n = _length(_arrays(batch, "split"), "split", blocks)
     if not n:
         raise HostavgError(
             "split: the batch holds no samples (no array, or arrays of length 0)")

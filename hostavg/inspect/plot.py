@@ -84,8 +84,12 @@ def _described(source) -> str:
     return type(source).__name__
 
 
-def _axes(ax):
+def _axes(ax, plot: str):
+    """``ax``, checked to be matplotlib Axes, or a new figure's axes for None."""
     if ax is not None:
+        if not all(callable(getattr(ax, m, None)) for m in ("plot", "scatter", "set", "legend")):
+            raise HostavgError(f"hostavg.plot.{plot}: ax must be matplotlib Axes (or None for a new "
+                               f"figure), got {ax!r}")
         return ax
     try:
         import matplotlib.pyplot as plt
@@ -101,7 +105,7 @@ def micro_norms(steps, ax=None):
     are drawn too (hollow), beside the clipped ones that were accumulated.
     """
     rows = _steps(steps, "micro_norms")
-    ax = _axes(ax)
+    ax = _axes(ax, "micro_norms")
     clipped = any(s.micro_norms_before_clip is not None for s in rows)
     xs = [s.step for s in rows for _ in s.micro_norms]
     ax.scatter(xs, [n for s in rows for n in s.micro_norms], s=8, alpha=0.5,
@@ -128,7 +132,7 @@ def noise_scale(steps, ax=None, beta: float = 0.9):
     rows = [s for s in _steps(steps, "noise_scale") if s.trace_sigma is not None]
     if not rows:
         raise HostavgError("no step has a noise-scale estimate: they need 2 or more micro-batches")
-    ax = _axes(ax)
+    ax = _axes(ax, "noise_scale")
     tracker = NoiseScale(beta)
     running = [tracker.update(NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple), s.step)
                for s in rows]
@@ -164,7 +168,7 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
                "update_ratios_every=N (then every N-th step has them)"
                if quantity == "update_ratio" else "the steps hold no variables")
         raise HostavgError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
-    ax = _axes(ax)
+    ax = _axes(ax, "variable_norms")
     x = np.array([s.step for s in rows])
     values = np.array([[getattr(s, field).get(n, np.nan) for n in names] for s in rows], float)
     positive = values[np.isfinite(values) & (values > 0)]
@@ -211,7 +215,7 @@ def cosine_heatmap(step, ax=None):
     if len(grads) < 2:
         raise HostavgError("cosine_heatmap needs the gradients of 2 or more micro-batches: "
                            "train with accumulate='stack', or record with Record(..., micro=True)")
-    ax = _axes(ax)
+    ax = _axes(ax, "cosine_heatmap")
     image = ax.imshow(pairwise_cosines(flatten(grads)[0]), vmin=-1, vmax=1, cmap="RdBu_r")
     ax.figure.colorbar(image, ax=ax, label="cosine")
     ax.set(xlabel="micro-batch", ylabel="micro-batch",

@@ -301,6 +301,7 @@ class RecordReader:
         """
         pd = pandas("this table")
         check_quantity(quantity)
+        micro = flag("micro", micro)
         if micro and quantity != "grad_norm":
             raise HostavgError(f"micro=True tabulates each micro-batch's gradient norms, "
                                f"quantity='grad_norm'; got quantity={quantity!r}")

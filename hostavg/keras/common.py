@@ -45,7 +45,13 @@ def leaves(batch, what: str) -> tuple:
             keys, named = None, [(name, part)]
         layout.append(keys)
         for label, value in named:
-            array = np.asarray(value)
+            try:
+                array = np.asarray(value)
+            except ValueError as e:  # ragged nested lists
+                raise HostavgError(f"{what}: {label} cannot be made an array ({e})") from None
+            if array.dtype.kind == "c":  # the TF1 face refuses them too
+                raise HostavgError(f"{what}: {label} holds complex values ({array.dtype}), whose "
+                                   f"imaginary part the model would drop; pass real arrays")
             if array.ndim < 1:
                 raise HostavgError(f"{what}: {label} is not an array of samples (got "
                                    f"{type(value).__name__} of shape {array.shape}); axis 0 of "
@@ -69,6 +75,7 @@ class Loss:
     Attributes:
       weighs_samples: whether it takes sample weights (a ``keras.losses.Loss``
         does; a plain callable(y_true, y_pred) does not).
+      name: what messages call it (its class, or the callable's name).
     """
 
     def __init__(self, loss):
@@ -84,6 +91,8 @@ class Loss:
             raise HostavgError(f"loss must be a keras.losses.Loss or a callable(y_true, y_pred) "
                                f"giving the micro-batch mean, got {loss!r}")
         self._loss = loss
+        self.name = type(loss).__name__ if self.weighs_samples else getattr(loss, "__name__",
+                                                                           repr(loss))
 
     def __call__(self, y, y_pred, sample_weight):
         if self.weighs_samples:

@@ -215,6 +215,12 @@ class KerasBackend:
         if not self.model.built:
             with _model_errors(what):
                 self.model(x, training=False)  # creates the variables; assigns nothing
+        outputs = len(getattr(self.model, "outputs", None) or ())
+        if outputs > 1 and self._loss.weighs_samples:
+            raise HostavgError(
+                f"{what}: the model has {outputs} outputs, but the loss "
+                f"{self._loss.name} takes one; give the model one output, or pass a "
+                f"callable(y_true, y_pred) that takes them all")
         self.build_optimizer()
         trainable = list(self.model.trainable_variables)
         if not trainable:

@@ -53,7 +53,7 @@ import numpy as np
 
 from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
-from hostavg.core.errors import HostavgError, object_list, positive_int
+from hostavg.core.errors import HostavgError, flag, non_negative_int, object_list, positive_int
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS
 from hostavg.train.history import History
 from hostavg.core.results import StepResult
@@ -101,14 +101,30 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     """Trains ``run`` over the batches of ``source``; see :meth:`hostavg.Trainer.fit`.
 
     ``source`` is a callable that returns the batch source (called after
-    the arguments are checked), with ``num_batches(drop_remainder)`` and
+    the arguments are checked), with ``n`` (its samples, None where unknown),
+    ``one_shot`` (it serves one epoch only), ``num_batches(drop_remainder)`` and
     ``batches(epoch, seed, batch, samples)``. ``blocks``: {key: b} for arrays of b
     blocks of the samples (see :mod:`hostavg.split`).
+
+    Every argument is checked before anything trains: a seed that is no
+    integer >= 0, flags that are not bools, ``checkpoint_every`` without
+    ``checkpoint_dir``, a one-shot iterator for more than one epoch.
     """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
-    if progress not in (True, False, "always"):
+    if not (isinstance(progress, (bool, np.bool_)) or (isinstance(progress, str)
+                                                        and progress == "always")):
         raise HostavgError(f"progress must be True, False or 'always', got {progress!r}")
+    drop_remainder = flag("drop_remainder", drop_remainder)
+    seed = None if seed is None else non_negative_int("seed", seed)
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise HostavgError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
+                           f"to write the checkpoints to")
     source = source()
+    if source.one_shot and epochs > 1:
+        raise HostavgError(
+            f"data is a one-shot iterator, which serves one epoch, but fit was asked for "
+            f"epochs={epochs}; pass a list, or a callable that returns a new iterable for every "
+            f"epoch")
     n = source.n  # None where the source cannot tell (an iterable of batches)
     if n == 0 or (drop_remainder and n is not None and n < batch_size):
         raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
@@ -284,10 +300,13 @@ class ArraySource:
     The order depends only on (seed, epoch).
     """
 
+    one_shot = False
+
     def __init__(self, data, batch_size, shuffle, blocks=None):
+        self.shuffle = flag("shuffle", shuffle)
         self.data = data
         self.n = feed_size(data, "data", blocks)
-        self.batch_size, self.shuffle, self.blocks = batch_size, shuffle, blocks
+        self.batch_size, self.blocks = batch_size, blocks
 
     def num_batches(self, drop_remainder):
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
@@ -311,21 +330,18 @@ class IterableSource:
 
     def __init__(self, data, conform):
         self.data, self.conform = data, conform
-        self._used = False
+
+    @property
+    def one_shot(self) -> bool:
+        """Whether ``data`` is an iterator (a generator), which serves one epoch only."""
+        return not callable(self.data) and iter(self.data) is self.data
 
     def num_batches(self, drop_remainder):
         return len(self.data) if hasattr(self.data, "__len__") else None
 
     def batches(self, epoch, seed, batch, samples):
         """The epoch's batches from batch ``batch`` on: the iterable's own, so samples are not counted."""
-        it = self.data() if callable(self.data) else self.data
-        it = iter(it)
-        if it is self.data:
-            if self._used:
-                raise HostavgError(
-                    "data is a one-shot iterator and was used up by the first epoch; pass a "
-                    "list, or a callable that returns a new iterable for every epoch")
-            self._used = True
+        it = iter(self.data() if callable(self.data) else self.data)
         for i, feed in enumerate(it):
             if i >= batch:  # which rows of the user's data a batch holds, fit can't tell
                 yield self.conform(feed, f"batch {i} of epoch {epoch}"), None

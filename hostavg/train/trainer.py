@@ -206,7 +206,7 @@ def entries(steps, kind: type, call: str) -> list[tuple]:
     ``(trainer, batches, sizes)`` each."""
     if isinstance(steps, Mapping) or not isinstance(steps, Sequence) or not steps:
         raise HostavgError(f"{call} takes a non-empty list of (trainer, batches) pairs, got "
-                           f"{type(steps).__name__}")
+                           f"{steps!r}")
     out = []
     for entry in steps:
         if not isinstance(entry, tuple) or len(entry) not in (2, 3) or not isinstance(entry[0], kind):
