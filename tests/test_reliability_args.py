@@ -332,3 +332,19 @@ def test_fit_refuses_what_would_fail_later_before_training(tf1, case, match):
     with pytest.raises(hostavg.HostavgError, match=match):
         trainer.fit(sess, data, **kw)
     assert sess.run(trainer.global_step) == before
+
+
+def test_keras_input_of_the_wrong_width_names_the_layer_not_keras_arguments():
+    # "(ValueError: • kwargs=<class 'inspect._empty'>)": the last line of Keras's arguments.
+    import keras
+    import hostavg.keras
+    model = keras.Sequential([keras.layers.Dense(8, name="first"), keras.layers.Dense(3)])
+    trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), keras.optimizers.SGD(0.1))
+    y = np.zeros(8, np.int32)
+    trainer.compute((np.ones((8, 6), np.float32), y))
+    with pytest.raises(hostavg.HostavgError, match=r"^compute: the model cannot run on this batch "
+                       r"\(ValueError: Input 0 with name 'None' of layer 'first' is incompatible "
+                       r"with the layer: expected axis -1 of input shape to have value 6, but "
+                       r"received input with shape \(None, 4\)\); check its x and y"):
+        trainer.compute((np.ones((8, 4), np.float32), y))

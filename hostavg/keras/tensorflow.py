@@ -23,6 +23,7 @@ equals the dense full-batch step.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from contextlib import contextmanager
 
@@ -388,9 +389,19 @@ def _model_errors(what: str):
 
 
 def _message(error) -> str:
-    """What went wrong, from an error raised while tracing (autograph wraps it in a traceback)."""
+    """What went wrong, from an error raised while tracing: autograph wraps it in a traceback
+    ("in user code: ... ValueError: what went wrong"), and Keras adds which call it was and the
+    arguments it received (left out: they would hide the cause)."""
     text = str(error).strip()
     if not text.startswith("in user code:"):
         return first_line(error)
-    last = text.splitlines()[-1].strip()  # "ValueError: what went wrong"
-    return last.removeprefix(f"{type(error).__name__}: ")
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    said = f"{type(error).__name__}: "
+    start = max((i for i, line in enumerate(lines) if line.startswith(said)), default=len(lines) - 1)
+    body = []
+    for line in [lines[start].removeprefix(said)] + lines[start + 1:]:
+        if line.startswith("Arguments received by"):
+            break
+        if line and not line.startswith("Exception encountered when calling"):
+            body.append(line)
+    return " ".join(body) or lines[start].removeprefix(said)
