@@ -143,3 +143,28 @@ def test_the_tensorflow_import_prints_nothing_unless_asked():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120, cwd=Path(__file__).parents[1])
     assert run.returncode == 0 and run.stdout == "2.0\n" and run.stderr == "", run.stderr
+
+
+def test_a_json_path_that_refuses_a_new_file_is_refused_before_training(capsys):
+    # /proc passes the folder checks (it exists, root may write it) but takes no new file: the
+    # run trained, then ended with a FileNotFoundError traceback and the summary lost.
+    one_line_error(capsys, ["train", "--dataset", "digits", "--json", "/proc/x.json"],
+                   "hostavg train: error: argument --json: '/proc/x.json' cannot be written (No "
+                   "such file or directory)")
+
+
+def test_a_json_summary_that_cannot_be_written_after_all_is_printed(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "summary.json"
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    argv = ["train", "--dataset", "digits", "--epochs", "1", "--quiet", "--json", str(out)]
+    monkeypatch.setattr(Path, "write_text", full)  # the disk fills up while training
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("{"):])
+    assert printed["steps"] == 6 and 0 <= printed["test_accuracy"] <= 1
+    assert captured.err.strip().splitlines()[-1] == (
+        f"hostavg train: error: cannot write --json {out} (No space left on device); the results "
+        f"are printed above")
+    assert not out.exists()

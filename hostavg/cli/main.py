@@ -52,7 +52,9 @@ def _seed(text: str) -> int:
 
 
 def _output(text: str) -> str:
-    """An argparse type: a file that can be written, checked before the run that fills it."""
+    """An argparse type: a file that can be written, checked before the run that fills it by
+    opening it for appending (a file that did not exist is removed again): a folder that
+    looks writable can still refuse a new file (/proc)."""
     path = Path(text)
     folder = path.parent
     if path.is_dir():
@@ -61,7 +63,29 @@ def _output(text: str) -> str:
         raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} is not writable")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({e.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return text
+
+
+def _write_json(args, what) -> int:
+    """Writes ``what`` to ``--json``; if that fails after all, prints it on stdout instead (a
+    run's results are never lost) and says why on stderr. Returns the exit status."""
+    text = json.dumps(what, indent=2)
+    try:
+        Path(args.json).write_text(text)
+    except OSError as e:
+        print(text, flush=True)
+        print(f"hostavg {args.command}: error: cannot write --json {args.json} "
+              f"({e.strerror or e}); the results are printed above", file=sys.stderr)
+        return 1
+    return 0
 
 
 #: Bytes a trained float32 parameter costs: initial value, variable, two Adam slots,
@@ -215,10 +239,7 @@ def _bench(args) -> int:
     if unprobed and not args.no_memory:
         print(f"(memory not measured with --grid {args.grid}: each probe starts TensorFlow in a "
               f"fresh process; see --grid quick)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return _write_json(args, results) if args.json else 0
 
 
 def _learning_rate(name: str, lr: float | None) -> float:
@@ -297,10 +318,7 @@ def _train(args) -> int:
         print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
               f"after {summary['steps']} steps, {summary['samples']} samples, "
               f"{summary['seconds']:.1f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0
+    return _write_json(args, summary) if args.json else 0
 
 
 def _header(args, data, comm, parameters: int) -> None:
