@@ -33,6 +33,7 @@ from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
+from hostavg.train.loop import ResumeWarning
 from hostavg.core.logs import import_tensorflow
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
@@ -59,6 +60,7 @@ __all__ = [
     "HostavgError",
     "MicroBatch",
     "NoiseScale",
+    "ResumeWarning",
     "SparseGradient",
     "StepLog",
     "StepResult",

@@ -356,7 +356,7 @@ def test_fit_resumes_from_its_checkpoints_bit_for_bit(tmp_path):
     straight = run(3)
     run(1, tmp_path / "ck")
     resumed = run(3, tmp_path / "ck")
-    assert len(list((tmp_path / "ck").iterdir())) == 2  # after epoch 1, and at the end
+    assert len(list((tmp_path / "ck").iterdir())) == 3  # the start, after epoch 1, the end
     assert_close(values(resumed.model, resumed.optimizer),
                  values(straight.model, straight.optimizer), atol=0)
 

@@ -141,7 +141,8 @@ class Distributed:
             raise HostavgError(
                 f"the ranks are out of step: "
                 f"{', '.join(f'rank {r} is at {w}' for r, (w, _) in enumerate(reports))}; every "
-                f"rank must make the same calls, with sessions made alike")
+                f"rank must make the same calls (fit: on the same data, with the same "
+                f"arguments), with sessions made alike")
         return [o for _, o in reports]
 
     def broadcast(self, arrays: list) -> list:

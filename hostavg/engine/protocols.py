@@ -90,6 +90,11 @@ class Backend(Protocol):
     #: Whose words errors and the check's advice use: a key of
     #: :data:`hostavg.core.check.ADVICE` ("tf1", "keras").
     framework: str
+    #: The names of the random ops a compute runs whose state lives outside the variables
+    #: (TF1's RandomUniform under ``tf.nn.dropout``, kept per session), so that no checkpoint
+    #: holds it: a resumed run draws other random numbers than one never stopped. Empty where
+    #: the random state is a variable (Keras 3's SeedGenerator) or there is none.
+    random_ops: tuple
 
     def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
         """The feed made ready to compute, and its number of samples (``size`` if given)."""
@@ -176,6 +181,11 @@ class Average(Protocol):
         """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
         other ranks did not raise it too, the job must end, or they would wait forever)."""
 
+    def gather(self, what: str, obj) -> list:
+        """Every process's ``obj`` (small, picklable), in rank order, once every one is at
+        ``what`` (such as "the end of epoch 2 of fit"); over MPI a HostavgError on every rank
+        when some rank is elsewhere (such as in a step)."""
+
 
 class HostAverage:
     """One process; the mean is computed on the host with NumPy."""
@@ -195,3 +205,6 @@ class HostAverage:
 
     def abandon(self, error: BaseException) -> None:
         pass
+
+    def gather(self, what: str, obj) -> list:
+        return [obj]

@@ -62,6 +62,7 @@ class KerasBackend:
         self.model, self.optimizer, self._loss = model, optimizer, loss
         self.target = model
         self.increment = 1  # every apply moves optimizer.iterations by one
+        self.random_ops = ()  # Keras 3 keeps random state in variables (SeedGenerator): saved
         self.spec = None
         self.assigned = {}
         self._trained = None  # the variables of spec, in order

@@ -63,6 +63,7 @@ class SessionBackend:
         self.wiring, self.session = wiring, sess
         self.spec = wiring.spec
         self.increment = wiring.increment
+        self.random_ops = wiring.random_ops
 
     @property
     def target(self):

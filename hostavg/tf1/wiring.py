@@ -25,9 +25,20 @@ from hostavg.tf1.variables import (assigned_variables, find_global_step, load_va
                                    select_update_ops, value_now)
 from hostavg.tf1.walk import ops_run, placeholders_read
 
-__all__ = ["Wiring"]
+__all__ = ["RANDOM_OPS", "Wiring"]
 
 v1 = tf.compat.v1
+
+#: Op types that draw random numbers from a state kept in their kernel (per session), not in
+#: a variable: dropout, noise, sampled softmax's candidate samplers. A run resumed in a new
+#: session draws from the start of their streams again. (Stateless ops are functions of their
+#: seed input, and tf.random.Generator keeps its state in a variable: neither is listed.)
+RANDOM_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+    "RandomShuffle", "Multinomial", "RandomCrop", "UniformCandidateSampler",
+    "LogUniformCandidateSampler", "LearnedUnigramCandidateSampler", "FixedUnigramCandidateSampler",
+    "AllCandidateSampler", "ThreadUnsafeUnigramCandidateSampler"})
 
 
 class Wiring:
@@ -35,6 +46,10 @@ class Wiring:
 
     Attributes:
       graph: the loss's graph.
+      random_ops: the names of the stateful random ops (:data:`RANDOM_OPS`) that
+        computing a micro-batch runs, such as the RandomUniform of
+        ``tf.nn.dropout``: their state lives in the session's kernels, which no
+        checkpoint can hold.
       names: the trained variables' names (``var.op.name``), in order.
       spec: name -> :class:`VariableSpec`.
       global_step: the global step variable.
@@ -98,6 +113,9 @@ class Wiring:
             # What a failed step must restore: every variable the compute call may assign.
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [v.read_value() for v in self.assigned]
+            self.random_ops = tuple(sorted(
+                op.name for op in ops_run(f.op if isinstance(f, tf.Tensor) else f
+                                          for f in self._fetches) if op.type in RANDOM_OPS))
             variables = [v for _, v in pairs]
             step = self.global_step if increment_global_step else None
             # TF1's AdamOptimizer updates every row of its slots and variable on a sparse step

@@ -28,7 +28,18 @@ at the same sample all the same (an iterable's batches are its own: it
 continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
 or SIGTERM that arrives once the step's apply has begun waits until fit has
 counted the step (see :mod:`hostavg.signals`), so the position saved on the way
-out always matches the global step.
+out always matches the global step. A checkpoint folder that holds no
+checkpoint gets one of the start (weights, seed, position) before the first
+step, so a run killed before its first checkpoint resumes as itself too (and
+a :class:`~hostavg.hooks.Record` continues its record).
+
+Which programs resume bit for bit: those whose random state is in their
+variables or their seed. Stateful random ops of a TF1 graph
+(``tf.nn.dropout``'s RandomUniform, noise, candidate samplers) keep their
+state in the session's kernels, which no checkpoint can hold: a resumed run
+draws other numbers from them than an uninterrupted one, and fit warns
+(:class:`ResumeWarning`) when it resumes such a model. Keras 3 keeps its
+random state in variables (SeedGenerator), which checkpoints hold.
 
 With a trainer made with ``comm=`` (several MPI processes), every rank runs
 fit on the same data: each batch is split into contiguous shares, one per
@@ -36,7 +47,11 @@ rank, so each sample is seen once per epoch overall and one step averages
 over the whole batch. The seed is rank 0's; only rank 0 shows progress and
 writes checkpoints, and every rank resumes from them (the checkpoint folder
 must be one that every rank reads, such as a shared file system).
-Validation runs on every rank over all of the validation data.
+Validation runs on every rank over all of the validation data. No rank waits
+for another forever: before training the ranks compare their data's size,
+arguments and position, and at every epoch's end they meet; a rank that
+differs (data of another size, an iterable with fewer batches, a checkpoint
+another rank does not see) makes every rank raise the same HostavgError.
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Protocol
 
 import numpy as np
@@ -60,7 +76,7 @@ from hostavg.core.results import StepResult
 from hostavg.engine.signals import hold, region, release
 from hostavg.core.split import feed_size, split, take
 
-__all__ = ["ArraySource", "IterableSource", "Run", "check_sizes", "fit"]
+__all__ = ["ArraySource", "IterableSource", "ResumeWarning", "Run", "check_sizes", "fit"]
 
 
 class Run(Protocol):
@@ -70,6 +86,13 @@ class Run(Protocol):
     comm: Any
     #: The trainer's hooks (fit calls their fit-level methods too).
     hooks: tuple
+    #: The stateful random ops whose state no checkpoint holds
+    #: (:attr:`hostavg.engine.protocols.Backend.random_ops`).
+    random_ops: tuple
+
+    def gather(self, what: str, obj) -> list:
+        """Every process's ``obj`` (one alone), when every one is at ``what``; over MPI a
+        HostavgError on every rank when some rank is elsewhere."""
 
     def hooked(self, extra: tuple):
         """A context within which the trainer's steps call ``extra``'s step-level hook methods too."""
@@ -135,20 +158,33 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
 
     history, epoch, batch, samples = History(), 0, 0, 0
-    if ckpt is not None and ckpt.latest() is not None:
-        state = run.restore(ckpt.latest())
+    latest = None if ckpt is None else ckpt.latest()
+    if latest is not None:
+        state = run.restore(latest)
         if state is not None:
             epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
             history = History.from_json(state["history"])
         resumed = run.global_step()
         for on_resume in hooks["on_resume"]:
             on_resume(resumed)
+        if run.random_ops:
+            warnings.warn(
+                f"fit resumed from {latest}, but the model runs stateful random ops "
+                f"({_names(run.random_ops)}) whose state lives in the session, which no "
+                f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
+                f"than a run never stopped would, so this run will not end with its weights bit "
+                f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
+                f"resume exactly", ResumeWarning, stacklevel=2)
     comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)
-    if comm is not None:
-        seed = comm.bcast(seed, root=0)  # one order of samples for every rank
+    if comm is not None:  # before any rank trains, or returns: no rank may wait for another
+        seed = _agree(run, seed, {
+            "samples": n, "batches per epoch": source.num_batches(drop_remainder),
+            "batch_size": batch_size, "micro_batch_size": micro_batch_size, "epochs": epochs,
+            "drop_remainder": drop_remainder, "position (epoch, batch, samples)":
+                (epoch, batch, samples), "stopped": history.stopped is not None})
     if rank != 0:
         ckpt = None  # rank 0 writes the checkpoints; every rank reads them when resuming
     if history.stopped is not None or epoch >= epochs:
@@ -162,7 +198,10 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         return step
 
     global_step = run.global_step()
-    saved_step = global_step if ckpt is not None else None
+    saved_step = None
+    if ckpt is not None:  # a folder without a checkpoint gets the start, seed and all: a run
+        # killed before its first checkpoint then resumes as itself, as a run killed later does
+        saved_step = global_step if latest is not None else checkpoint()
     num_batches = source.num_batches(drop_remainder)
     bar = _Progress(progress if rank == 0 else False)
     # A signal that arrives from a step's apply on waits until the step is counted (release).
@@ -189,6 +228,8 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                         saved_step = checkpoint()
                     for hook in hooks["on_step_end"]:
                         hook(result.step, result)
+                # Over MPI every rank ends the epoch here, or all raise: none waits for another.
+                run.gather(f"the end of epoch {epoch + 1} of fit", batch)
                 logs = _epoch_logs(history, epoch)
                 if not logs["steps"]:
                     raise HostavgError(
@@ -225,6 +266,30 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     finally:
         _close(hooks)
     return history
+
+
+class ResumeWarning(UserWarning):
+    """fit resumed a model whose random state no checkpoint holds: it will not end bit for bit
+    like a run never stopped."""
+
+
+def _names(names, shown: int = 3) -> str:
+    return ", ".join(map(repr, names[:shown])) + (f" and {len(names) - shown} more"
+                                                  if len(names) > shown else "")
+
+
+def _agree(run: Run, seed: int, settings: dict) -> int:
+    """Rank 0's ``seed``, once every rank's fit ``settings`` (its data's size, arguments and
+    position) are the same; else a HostavgError on every rank, before anything trains."""
+    everyone = run.gather("the start of fit", (seed, settings))
+    differ = [f"{key} " + ", ".join(f"{s[key]!r} on rank {r}" for r, (_, s) in enumerate(everyone))
+              for key in settings if len({repr(s[key]) for _, s in everyone}) > 1]
+    if differ:
+        raise HostavgError(
+            f"the ranks run fit with different data or arguments, so nothing was trained on any: "
+            f"{'; '.join(differ)}. fit splits each batch between the ranks: give every rank the "
+            f"same data, arguments and checkpoint_dir")
+    return everyone[0][0]
 
 
 def _close(hooks: dict) -> None:

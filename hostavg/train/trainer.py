@@ -179,6 +179,10 @@ class Bound:
     def __init__(self, trainer: BaseTrainer, backend: Backend, validate):
         self.trainer, self.backend, self.validate = trainer, backend, validate
         self.comm, self.hooks = trainer.comm, trainer.hooks
+        self.random_ops = backend.random_ops
+
+    def gather(self, what: str, obj) -> list:
+        return self.trainer._average.gather(what, obj)
 
     def hooked(self, extra: tuple):
         return self.trainer._ready("fit").hooked(extra)
