@@ -350,7 +350,9 @@ class Trainer(BaseTrainer):
             order on every run. None draws a seed (kept in checkpoints).
           validation_data: {placeholder: array}, evaluated at each epoch's end
             (:meth:`evaluate`, in chunks of micro_batch_size) into the epoch's
-            "val_loss" and "val_<metric>" for each of ``metrics``.
+            "val_loss" and "val_<metric>" for each of ``metrics``; its keys,
+            shapes and dtypes, and the metrics' shapes, are checked before
+            the first epoch.
           callbacks: hooks for this fit only (:class:`~hostavg.core.results.Hook`):
             objects with any of the hook methods, step-level ones
             (``on_micro_batch``, ``on_step``, ``on_applied``) called in every
@@ -360,13 +362,16 @@ class Trainer(BaseTrainer):
             raising :class:`~hostavg.StopTraining` ends training cleanly.
           progress: True shows a tqdm bar on a terminal or in Jupyter,
             "always" shows it anywhere, False never.
-          checkpoint_dir: where to write checkpoints (:meth:`save`) every
-            ``checkpoint_every`` steps, at the end, and when an exception,
-            KeyboardInterrupt or SIGTERM stops fit (at the last completed
-            step); the newest ``keep_checkpoints`` are kept. If it already holds
-            one, fit resumes from the newest: weights, optimizer, global step,
-            position, seed and history, so an interrupted and resumed run ends
-            with the weights of an uninterrupted one, bit for bit; resumed with
+          checkpoint_dir: where to write checkpoints (:meth:`save`): of the
+            start when it holds none, every ``checkpoint_every`` steps, at the
+            end, and when an exception, KeyboardInterrupt or SIGTERM stops fit
+            (at the last completed step); the newest ``keep_checkpoints`` are
+            kept. If it already holds one, fit resumes from the newest:
+            weights, optimizer, global step, position, seed and history, so an
+            interrupted and resumed run ends with the weights of an
+            uninterrupted one, bit for bit, unless the graph runs stateful
+            random ops such as ``tf.nn.dropout``'s, whose state no checkpoint
+            holds (fit warns: :class:`~hostavg.ResumeWarning`); resumed with
             another ``batch_size``, it continues at the sample where it stopped.
             A run that finished or was stopped by a callback does not train
             further.
