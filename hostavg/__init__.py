@@ -9,9 +9,9 @@ One trainer contract, two faces that differ only in how data is given:
 ``hostavg.keras.Trainer`` for Keras 3 models (``(x, y[, sample_weight])``),
 after ``import hostavg.keras``. Both are thin bindings of
 :class:`hostavg.train.trainer.BaseTrainer` over the framework-free step engine
-(:mod:`hostavg.engine`).
+(:mod:`hostavg.engine.step`).
 
-The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine`,
+The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine.step`,
 :mod:`hostavg.train` and :mod:`hostavg.inspect` import no framework;
 :mod:`hostavg.tf1` and :mod:`hostavg.keras` are the backends; TensorFlow is
 imported the first time a name that needs it (such as :class:`Trainer`) is

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from hostavg.cli import main
+from hostavg.cli.main import SUMMARY
 
 
 def test_train_on_digits_writes_a_json_summary_above_the_accuracy_bar(tmp_path, capsys):
     out = tmp_path / "summary.json"
     assert main(["train", "--dataset", "digits", "--epochs", "6", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
-    assert set(summary) == {"dataset", "test_accuracy", "test_loss", "steps", "samples",
-                            "self_check", "seconds"}
+    assert list(summary) == list(SUMMARY)  # what --json's help lists
     assert summary["test_accuracy"] > 0.85, summary
     assert summary["steps"] == 6 * 6 and summary["samples"] == 6 * 1438
     assert summary["self_check"] is True
@@ -96,15 +97,19 @@ def test_a_path_that_cannot_be_written_is_refused_before_training(tmp_path, caps
     one_line_error(capsys, ["train", "--checkpoint-dir", str(tmp_path / "file" / "ck")],
                    "is not a writable folder")
     one_line_error(capsys, ["bench", "--json", "/nonexistent/b.json"], "does not exist")
+    one_line_error(capsys, ["train", "--checkpoint-every", "5"],
+                   "hostavg train: error: --checkpoint-every 5 needs --checkpoint-dir, the folder "
+                   "to write the checkpoints to")
     assert time.perf_counter() - t0 < 5  # refused before TensorFlow and the data load
 
 
 def test_version_and_help_for_every_option(capsys):
     from hostavg import __version__
     from hostavg.cli.main import _parser
-    with pytest.raises(SystemExit) as exit_:
-        main(["--version"])
-    assert exit_.value.code == 0 and capsys.readouterr().out == f"hostavg {__version__}\n"
+    for argv in (["--version"], ["train", "--version"], ["bench", "--version"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0 and capsys.readouterr().out == f"hostavg {__version__}\n"
     parser = _parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     for name, sub in [("hostavg", parser), *commands.items()]:
@@ -113,8 +118,10 @@ def test_version_and_help_for_every_option(capsys):
                 assert action.help, f"{name} {action.option_strings[0]} has no help"
         text = sub.format_help()
         assert "%%" not in text and "%(" not in text, name
-    assert "20% test split" in " ".join(commands["train"].format_help().split())
-    assert "smallest (about 15 s, a smoke test)" in " ".join(commands["bench"].format_help().split())
+    train_help = " ".join(commands["train"].format_help().split())
+    assert "20% test split" in train_help
+    assert all(key in train_help for key in SUMMARY), train_help  # --json names every key
+    assert "smallest (a smoke test" in " ".join(commands["bench"].format_help().split())
 
 
 def test_one_display_per_epoch_under_the_historys_names(tmp_path, capsys, monkeypatch):
@@ -123,6 +130,7 @@ def test_one_display_per_epoch_under_the_historys_names(tmp_path, capsys, monkey
     out = capsys.readouterr()
     lines = [line for line in out.out.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2 and "val_loss" in lines[0] and "val_accuracy" in lines[0], lines
+    assert all(re.search(r"\(took \d+\.\d\d s; \d+\.\d\d s in all\)$", line) for line in lines), lines
     assert "test loss" not in lines[0] and out.err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar alone
     assert main(argv) == 0
@@ -143,6 +151,59 @@ def test_the_tensorflow_import_prints_nothing_unless_asked():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120, cwd=Path(__file__).parents[1])
     assert run.returncode == 0 and run.stdout == "2.0\n" and run.stderr == "", run.stderr
+
+
+def test_resuming_says_from_where_and_a_finished_run_says_so(tmp_path, capsys):
+    ckpt = tmp_path / "ck"
+    argv = ["train", "--dataset", "digits", "--hidden", "16", "--checkpoint-dir", str(ckpt)]
+    assert main([*argv, "--epochs", "1"]) == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert main([*argv, "--epochs", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resumed from {ckpt / 'ckpt-0000000006.npz'} at global step 6\n" in printed, printed
+    assert "epoch 2/2: loss" in printed and "nothing left" not in printed
+    assert main([*argv, "--epochs", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "after 12 steps" in printed
+    assert "nothing left to train: the checkpoint's run had finished 2 epochs (--epochs 2)" in printed
+    assert main([*argv, "--epochs", "1"]) == 0
+    assert "the checkpoint's run had finished 2 epochs (--epochs 1)" in capsys.readouterr().out
+
+
+def test_ctrl_c_says_where_the_checkpoint_is(tmp_path, capsys, monkeypatch):
+    from hostavg.cli.main import _EpochPrinter
+
+    def interrupt(self, epoch, logs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_EpochPrinter, "on_epoch_end", interrupt)  # Ctrl-C after epoch 1's steps
+    ckpt = tmp_path / "ck"
+    argv = ["train", "--dataset", "digits", "--hidden", "16", "--epochs", "2"]
+    assert main([*argv, "--checkpoint-dir", str(ckpt)]) == 130
+    err = capsys.readouterr().err
+    assert err == (f"hostavg train: interrupted; {ckpt / 'ckpt-0000000006.npz'} holds the last "
+                   f"completed step: run the same command to resume from it\n"), err
+    assert main(argv) == 130
+    assert capsys.readouterr().err == ("hostavg train: interrupted; nothing was saved (with "
+                                       "--checkpoint-dir, the same command resumes a run)\n")
+    monkeypatch.undo()
+    assert main([*argv, "--checkpoint-dir", str(ckpt)]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_stack_mode_shows_the_statistics_it_enables(tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    assert main(["train", "--dataset", "digits", "--hidden", "16", "--epochs", "1",
+                 "--accumulate", "stack", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"last step \(6\), from every micro-batch's gradients: cosine with the mean "
+                    r"-?\d\.\d\d to -?\d\.\d\d over its 5 micro-batches; inner-product test "
+                    r"\S+, orthogonality test \S+ \(above 1: too noisy to trust at this batch "
+                    r"size\); GSNR \S+$", lines[-2]), lines[-2]
+    assert lines[-1].startswith("test accuracy")
+    last = json.loads(out.read_text())["last_step"]
+    assert last.keys() == {"step", "cosines", "inner_product_test", "orthogonality_test", "gsnr"}
+    # 1,438 samples: the epoch's last batch holds 158, 5 micro-batches of up to 32
+    assert last["step"] == 6 and len(last["cosines"]) == 5
 
 
 def test_a_json_path_that_refuses_a_new_file_is_refused_before_training(capsys):

@@ -27,7 +27,7 @@ step time. Implementations:
   accumulation: the compute floor, where memory allows. At k = 1 it is the
   program's own train op run on the same feed, what hostavg replaces;
 * ``hostavg-keras``: the same model as a Keras 3 model (same layers and
-  initial weights, :mod:`hostavg.models`), trained by ``hostavg.keras.Trainer``
+  initial weights, :mod:`hostavg.cli.models`), trained by ``hostavg.keras.Trainer``
   with its defaults;
 * ``keras-accum``: that Keras model compiled with Keras 3's own accumulation,
   ``Adam(..., gradient_accumulation_steps=k)``, one ``train_on_batch`` per

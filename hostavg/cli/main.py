@@ -17,6 +17,11 @@ __all__ = ["main"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop", "adagrad")
 
+#: The keys ``hostavg train --json`` writes; with ``--accumulate stack`` also "last_step".
+SUMMARY = ("dataset", "test_accuracy", "test_loss", "steps", "samples", "self_check", "seconds")
+#: The statistics that only ``--accumulate stack`` has (every micro-batch's gradients), by name.
+STACK_STATS = ("inner_product_test", "orthogonality_test", "gsnr")
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit status 2."""
@@ -106,11 +111,15 @@ def _check_memory(parameters: int, hidden) -> None:
                            f"to train; this machine has {memory / 2**30:,.0f} GiB")
 
 
-def _parser() -> _Parser:
-    parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
+def _version(parser: argparse.ArgumentParser) -> None:
     from hostavg import __version__
     parser.add_argument("--version", action="version", version=f"hostavg {__version__}",
                         help="print hostavg's version and exit")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
+    _version(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train", help="train an MLP on a data set shipped inside an installed package",
@@ -133,7 +142,10 @@ def _parser() -> _Parser:
     train.add_argument("--epochs", type=int, default=10, help="passes over the training data (default 10)")
     train.add_argument("--accumulate", choices=("sum", "stack"), default="sum",
                        help="sum: one running sum on the host (default); stack: keep every "
-                            "micro-batch's gradients, for the statistics that need them")
+                            "micro-batch's gradients, for the statistics that need them: the "
+                            "last step's cosine of each micro-batch with the mean, the "
+                            "inner-product and orthogonality tests and the GSNR are printed "
+                            "after training (and written as last_step by --json)")
     train.add_argument("--average", choices=("host", "graph"), default="host",
                        help="where the mean is computed: host (NumPy, default) or graph (a small "
                             "graph in the session)")
@@ -145,10 +157,13 @@ def _parser() -> _Parser:
     train.add_argument("--checkpoint-dir", default=None,
                        help="write checkpoints here and resume from the newest one")
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
-                       help="also write a checkpoint every STEPS optimizer steps (with --checkpoint-dir)")
+                       help="also write a checkpoint every STEPS optimizer steps (needs "
+                            "--checkpoint-dir)")
     train.add_argument("--json", type=_output, default=None, metavar="PATH",
-                       help="write a JSON summary: test_accuracy, test_loss, steps, samples, seconds")
+                       help=f"write a JSON summary: {', '.join(SUMMARY)} (and last_step with "
+                            f"--accumulate stack)")
     train.add_argument("--quiet", action="store_true", help="print only the final line")
+    _version(train)
     train.set_defaults(run=_train)
 
     bench = commands.add_parser(
@@ -159,11 +174,11 @@ def _parser() -> _Parser:
                     "each configuration's baseline (in-graph accumulation; with one micro-batch, "
                     "the program's own train op), and peak host memory per implementation.")
     bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead"), default="quick",
-                       help="quick (default, about 4 minutes on 2 cores): mlp-50k, mlp-300k, "
-                            "mlp-2m, conv and embedding at micro-batch size 32 with k = 4 and 8; "
-                            "full: micro-batch sizes 32 and 128, k = 4, 8, 32; smallest (about "
-                            "15 s, a smoke test): mlp-50k at micro-batch size 32 with k = 4, no "
-                            "memory probes; overhead (about 25 s on 2 cores): what hostavg adds "
+                       help="times measured on a 2-core AMD EPYC. quick (default, 2 to 3 minutes): "
+                            "mlp-50k, mlp-300k, mlp-2m, conv and embedding at micro-batch size 32 "
+                            "with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32; "
+                            "smallest (a smoke test, 10 s): mlp-50k at micro-batch size 32 with "
+                            "k = 4, no memory probes; overhead (35 s): what hostavg adds "
                             "to a step of one micro-batch (k = 1) against the program's own train "
                             "op (full-batch) on logreg, mlp-50k and embedding-50k with Adam and "
                             "embedding-50k with SGD, then embedding-50k at k = 8 with SGD and Adam "
@@ -194,6 +209,7 @@ def _parser() -> _Parser:
                        help="skip the memory measurements (each starts a fresh process)")
     bench.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help="write every number as JSON")
+    _version(bench)
     bench.set_defaults(run=_bench)
     return parser
 
@@ -272,21 +288,77 @@ def _keras_optimizer(name: str, lr: float):
 
 
 class _EpochPrinter:
-    """One line per epoch, under the History's names, where no progress bar shows it."""
+    """One line per epoch, under the History's names, where no progress bar shows it: the time the
+    epoch took and the time since training began, both counted from the end of this run's first
+    step (so that building the model and the self-check before it are not counted)."""
 
     def __init__(self, epochs):
-        self.epochs, self.t0 = epochs, time.perf_counter()
+        self.epochs, self.first, self.last = epochs, None, None
+
+    def on_applied(self, result):
+        if self.first is None:
+            self.first = self.last = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs):
+        now = time.perf_counter()
         print(f"epoch {epoch + 1}/{self.epochs}: loss {logs['loss']:.4f}, "
               f"val_loss {logs['val_loss']:.4f}, val_accuracy {logs['val_accuracy']:.4f} "
-              f"({time.perf_counter() - self.t0:.1f} s)", flush=True)
+              f"(took {now - self.last:.2f} s; {now - self.first:.2f} s in all)", flush=True)
+        self.last = now
+
+
+class _Report:
+    """The trainer hook of ``hostavg train``: says where a resumed run starts, counts the steps
+    this run applies, and keeps the last step's result for the statistics of "stack" mode."""
+
+    def __init__(self, args):
+        self.args, self.applied, self.last, self.resumed = args, 0, None, None
+
+    def on_applied(self, result):
+        self.applied += 1
+        if self.args.accumulate == "stack":
+            self.last = result
+
+    def on_resume(self, step):
+        self.resumed = step
+        if not self.args.quiet:
+            print(f"resumed from {_latest_checkpoint(self.args.checkpoint_dir)} at global step "
+                  f"{step}", flush=True)
+
+    def finish(self, history, summary: dict) -> None:
+        """Prints why a resumed run trained nothing and the stack statistics; adds those to
+        ``summary``."""
+        if self.resumed is not None and not self.applied and not self.args.quiet:
+            print(f"nothing left to train: the checkpoint's run had finished "
+                  f"{len(history.epochs)} epochs (--epochs {self.args.epochs})"
+                  + (f" and was stopped: {history.stopped}" if history.stopped else ""),
+                  flush=True)
+        stats = self.last.stats if self.last is not None else None
+        if stats is None or stats.cosines is None:  # sum mode, or over MPI
+            return
+        summary["last_step"] = {"step": self.last.step, "cosines": list(stats.cosines),
+                                **{name: getattr(stats, name) for name in STACK_STATS}}
+        if not self.args.quiet:
+            cos = stats.cosines
+            print(f"last step ({self.last.step}), from every micro-batch's gradients: cosine with "
+                  f"the mean {min(cos):.2f} to {max(cos):.2f} over its {len(cos)} micro-batches; "
+                  f"inner-product test {stats.inner_product_test:.3g}, orthogonality test "
+                  f"{stats.orthogonality_test:.3g} (above 1: too noisy to trust at this batch "
+                  f"size); GSNR {stats.gsnr:.3g}", flush=True)
+
+
+def _latest_checkpoint(folder: str):
+    """The newest checkpoint in ``folder`` (or None), once fit has imported the checkpoints."""
+    return sys.modules["hostavg.train.checkpoint"].CheckpointDir(folder).latest()
 
 
 def _train(args) -> int:
     t0 = time.perf_counter()
     if args.checkpoint_dir:
         _check_folder(args.checkpoint_dir, "--checkpoint-dir")
+    elif args.checkpoint_every is not None:
+        raise HostavgError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir, "
+                           f"the folder to write the checkpoints to")
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
     from hostavg.train.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
@@ -309,11 +381,13 @@ def _train(args) -> int:
            "callbacks": [] if args.quiet or bar else [_EpochPrinter(args.epochs)],
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
     run = _train_keras if args.engine == "keras" else _train_tf1
-    history, result, check = run(args, data, comm, lr, fit)
+    report = _Report(args)
+    history, result, check = run(args, data, comm, lr, fit, report)
     summary = {"dataset": args.dataset, "test_accuracy": result["accuracy"],
                "test_loss": result["loss"], "steps": len(history.steps),
                "samples": history.samples, "self_check": check.ok,
                "seconds": round(time.perf_counter() - t0, 3)}
+    report.finish(history, summary)
     if comm is None or comm.Get_rank() == 0:
         print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
               f"after {summary['steps']} steps, {summary['samples']} samples, "
@@ -339,7 +413,7 @@ def _self_check(args, check):
     return check
 
 
-def _train_tf1(args, data, comm, lr, fit) -> tuple:
+def _train_tf1(args, data, comm, lr, fit, report) -> tuple:
     """The MLP as a tf.compat.v1 graph, trained by hostavg.Trainer: (history, test results)."""
     import tensorflow as tf
 
@@ -348,8 +422,8 @@ def _train_tf1(args, data, comm, lr, fit) -> tuple:
     v1 = tf.compat.v1
     model = models.mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
     with model.graph.as_default():
-        trainer = Trainer(model.loss, _optimizer(args.optimizer, lr),
-                          accumulate=args.accumulate, average=args.average, comm=comm)
+        trainer = Trainer(model.loss, _optimizer(args.optimizer, lr), accumulate=args.accumulate,
+                          average=args.average, comm=comm, hooks=[report])
         init = v1.global_variables_initializer()
     test = {model.x: data.x_test, model.y: data.y_test}
     with v1.Session(graph=model.graph) as sess:
@@ -365,7 +439,7 @@ def _train_tf1(args, data, comm, lr, fit) -> tuple:
                                          metrics={"accuracy": model.accuracy}), check
 
 
-def _train_keras(args, data, comm, lr, fit) -> tuple:
+def _train_keras(args, data, comm, lr, fit, report) -> tuple:
     """The same MLP (same initial weights) as a Keras 3 model, trained by hostavg.keras.Trainer."""
     import keras
 
@@ -374,7 +448,7 @@ def _train_keras(args, data, comm, lr, fit) -> tuple:
     model = models.keras_mlp(data.x_train.shape[1], args.hidden, data.classes, seed=args.seed)
     model.compile(metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
     trainer = Trainer(model, models.keras_loss(), _keras_optimizer(args.optimizer, lr),
-                      accumulate=args.accumulate, comm=comm)
+                      accumulate=args.accumulate, comm=comm, hooks=[report])
     _header(args, data, comm, model.count_params())
     first = slice(0, args.batch_size)
     check = _self_check(args, trainer.check(data.x_train[first], data.y_train[first],
@@ -420,5 +494,19 @@ def main(argv=None) -> int:
         print(f"hostavg {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"hostavg {args.command}: interrupted", file=sys.stderr)
+        print(f"hostavg {args.command}: interrupted{_where_saved(args)}", file=sys.stderr)
         return 130
+
+
+def _where_saved(args) -> str:
+    """What an interrupted command leaves behind to resume from, in words."""
+    if args.command != "train":
+        return ""
+    if args.checkpoint_dir is None:
+        return "; nothing was saved (with --checkpoint-dir, the same command resumes a run)"
+    if "hostavg.train.checkpoint" not in sys.modules:  # with TensorFlow: not imported so early
+        return "; before training began, so no checkpoint was written"
+    latest = _latest_checkpoint(args.checkpoint_dir)
+    if latest is None:
+        return f"; no checkpoint in {args.checkpoint_dir} yet"
+    return f"; {latest} holds the last completed step: run the same command to resume from it"

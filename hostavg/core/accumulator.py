@@ -217,7 +217,7 @@ class Accumulator:
 
     What is added is owned by the accumulator from then on: arrays hostavg
     froze are kept as they are, any other array is copied (see
-    :mod:`hostavg.gradients`), so changing or reusing it later changes nothing
+    :mod:`hostavg.core.gradients`), so changing or reusing it later changes nothing
     here.
 
     Attributes:

@@ -53,7 +53,7 @@ __all__ = ["Distributed"]
 
 
 class Distributed:
-    """The engine's :class:`~hostavg.engine.Average` across MPI ranks: a trainer's communicator.
+    """The engine's :class:`~hostavg.engine.protocols.Average` across MPI ranks: a trainer's communicator.
 
     Attributes:
       comm: the mpi4py communicator.
@@ -153,7 +153,7 @@ class Distributed:
         return out
 
     def reducer(self, backend, total: float):
-        """A reducer (see :class:`~hostavg.accumulator.Reduction`) for the global mean over ``total`` weight."""
+        """A reducer (see :class:`~hostavg.core.accumulator.Reduction`) for the global mean over ``total`` weight."""
         spec = backend.spec
 
         def reduce(r: Reduction) -> dict:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from hostavg.core.accumulator import Reducer
+from hostavg.core.check import RandomOp
 from hostavg.core.gradients import VariableSpec
 
 __all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "HostAverage", "SampleStats",
@@ -25,16 +26,19 @@ class Computed(NamedTuple):
     Attributes:
       loss: its mean loss (a float, or a 0-d array).
       grads: name -> frozen array or SparseGradient of frozen arrays
-        (:func:`~hostavg.gradients.freeze`), exactly the spec's names.
+        (:func:`~hostavg.core.gradients.freeze`), exactly the spec's names.
       global_step: the global step before this step's apply.
       sq_norms: name -> squared L2 norm of each gradient (sparse rows
         coalesced), reduced where the values were made.
+      fetched: the values of the extra tensors the backend was asked to
+        fetch (:attr:`~hostavg.core.results.MicroBatch.fetched`), read-only.
     """
 
     loss: Any
     grads: dict
     global_step: int
     sq_norms: dict
+    fetched: tuple = ()
 
 
 class Applied(NamedTuple):
@@ -90,17 +94,16 @@ class Backend(Protocol):
     #: Whose words errors and the check's advice use: a key of
     #: :data:`hostavg.core.check.ADVICE` ("tf1", "keras").
     framework: str
-    #: The names of the random ops a compute runs whose state lives outside the variables
-    #: (TF1's RandomUniform under ``tf.nn.dropout``, kept per session), so that no checkpoint
-    #: holds it: a resumed run draws other random numbers than one never stopped. Empty where
-    #: the random state is a variable (Keras 3's SeedGenerator) or there is none.
-    random_ops: tuple
 
     def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
         """The feed made ready to compute, and its number of samples (``size`` if given)."""
 
     def compute(self, feed) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
+
+    def random_ops(self) -> Sequence[RandomOp]:
+        """The random ops :meth:`compute` runs, for the check's advice; () where the backend
+        cannot tell."""
 
     def apply_feed(self, feeds: Sequence, what: str) -> dict:
         """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).

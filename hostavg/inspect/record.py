@@ -27,7 +27,7 @@ A step's file is written under a hidden temporary name, micro-batch by
 micro-batch (so memory stays O(parameters)), and renamed into place only once
 complete and flushed to disk: a crash mid-write leaves every earlier step
 readable, and a reader never sees a partial step. Temporaries of killed writers
-are deleted when the next writer starts (:mod:`hostavg.files`). A step's file
+are deleted when the next writer starts (:mod:`hostavg.core.files`). A step's file
 damaged on disk raises HostavgError naming it when read, whatever the damage:
 every array is read whole, so that its CRC-32 is checked
 (:func:`hostavg.core.files.read_array`), and checked against the step's
@@ -329,7 +329,7 @@ def load_record(path) -> RecordReader:
 
 
 class Record:
-    """Appends every ``every``-th applied step to an on-disk record (see :mod:`hostavg.record`).
+    """Appends every ``every``-th applied step to an on-disk record (see :mod:`hostavg.inspect.record`).
 
     Records the applied mean, the step's statistics (per variable and per
     micro-batch too), the update-to-weight ratios and the learning rate, each
@@ -376,7 +376,8 @@ class Record:
         if later and not self.overwrite:
             shown = ", ".join(map(str, later[:3])) + (", ..." if len(later) > 3 else "")
             raise HostavgError(
-                f"Record: the folder {str(self.path)!r} already holds {len(later)} steps at or after "
+                f"Record: the folder {str(self.path)!r} already holds {len(later)} "
+                f"step{'s' if len(later) != 1 else ''} at or after "
                 f"step {step}, the first this run writes ({shown}): another run's, such as a cell "
                 f"run twice. Pick another folder, or pass Record(..., overwrite=True) to delete "
                 f"them")

@@ -45,7 +45,7 @@ __all__ = ["KerasBackend"]
 
 
 class KerasBackend:
-    """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.Backend`).
+    """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the
@@ -62,7 +62,6 @@ class KerasBackend:
         self.model, self.optimizer, self._loss = model, optimizer, loss
         self.target = model
         self.increment = 1  # every apply moves optimizer.iterations by one
-        self.random_ops = ()  # Keras 3 keeps random state in variables (SeedGenerator): saved
         self.spec = None
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
@@ -85,6 +84,9 @@ class KerasBackend:
         if function is None:
             function = self._computes[signature] = self._trace_compute(leaves, signature, what)
         return (function, leaves), n
+
+    def random_ops(self) -> tuple:
+        return ()  # the check names Keras's random layers in its advice
 
     def compute(self, feed) -> Computed:
         function, leaves = feed

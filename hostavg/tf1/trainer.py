@@ -47,10 +47,8 @@ class Trainer(BaseTrainer):
       optimizer: a ``tf.compat.v1.train.Optimizer``.
       var_list: the variables to train; default the trainable variables the
         loss reaches. Variables whose gradient is None are left out and untouched.
-      accumulate: one of :data:`~hostavg.accumulator.ACCUMULATE_MODES`.
-      average: one of :data:`AVERAGE_MODES`.
-      accum_dtype: host accumulation dtype (e.g. "float64"); None keeps each
-        variable's dtype.
+      average: one of :data:`AVERAGE_MODES`: "host" (NumPy) or "graph" (a
+        small reduce graph in the session, fed the sums; TF1's face alone).
       global_step: the variable the train op increments (a scalar integer
         variable). Default: the graph's own (the GLOBAL_STEP collection, or a
         variable named "global_step" as TF1 programs make it), created if
@@ -62,26 +60,11 @@ class Trainer(BaseTrainer):
         the graph's UPDATE_OPS that the loss's own feeds can run (one that needs a
         placeholder the loss does not, such as the other network's batch norm
         in a GAN, is left out); a list: exactly those; ``[]``: none.
-      hooks: objects with ``on_micro_batch(micro)`` and/or
-        ``on_step(mean, result)``, called in order (see
-        :class:`~hostavg.results.Hook` and :mod:`hostavg.hooks`).
-        ``on_micro_batch`` gets each :class:`MicroBatch` (with its gradients)
-        before it is accumulated and returns None (keep it), a mapping of
-        replacement gradients, or a :class:`Drop`. ``on_step`` gets the mean
-        and the :class:`StepResult` before the apply and returns None or a
-        replacement mean. ``on_applied`` gets the final StepResult once the
-        apply succeeded.
-      comm: an mpi4py communicator, to train over several processes
-        (:mod:`hostavg.mpi`).
-      update_ratios_every: measure ``StepResult.update_ratios``
-        (|w_after - w_before| / |w_before| per variable) in the apply of
-        every step whose global step is a multiple of this (1: every step);
-        None: never (``update_ratios`` is None). Measuring keeps the weights'
-        values from before the update while the optimizer runs and reduces
-        two norms per variable, in the apply's own session call: about the
-        cost of the apply again, which is 0.5% of a step of 8 micro-batches
-        for a 50k-parameter MLP and 5 to 10% for 0.3M to 2M parameters (see
-        the README's performance section).
+      accumulate, accum_dtype, hooks, comm, update_ratios_every, overlap: as
+        for every trainer (:class:`~hostavg.train.trainer.BaseTrainer`; the
+        hooks' protocol is :class:`~hostavg.core.results.Hook`). Measuring
+        update ratios runs in the apply's own session call, at about the cost
+        of the apply again (see the documentation's performance page).
       session_threads: one of :data:`~hostavg.tf1.session.SESSION_THREADS`: where the
         trainer's session calls run their ops. "pool" (default): in the
         session's inter-op thread pool, as ``sess.run`` does. "caller": in the
@@ -89,13 +72,8 @@ class Trainer(BaseTrainer):
         (50-100 us a call on 2 cores: a fifth of a small model's step), but
         keeps denormal floats that the pool's threads flush to zero (values
         below ~1.2e-38 in float32 may then differ from ``sess.run``'s); calls
-        that reach a blocking kernel (``graph.BLOCKING_OPS``) use the pool anyway.
-      overlap: compute micro-batch i + 1 in a worker thread while the host
-        shows micro-batch i to the hooks, checks it and adds it. The same
-        results, bit for bit; pays where a micro-batch's add is long and the
-        device would idle meanwhile (large gradients on a GPU); see the
-        README's performance section for when it pays on a CPU. Hooks then run
-        while the next micro-batch computes.
+        that reach a blocking kernel (:data:`~hostavg.tf1.session.BLOCKING_OPS`) use the pool
+        anyway.
 
     Attributes:
       graph: the loss's graph; sessions passed in must run it.
@@ -217,7 +195,7 @@ class Trainer(BaseTrainer):
         No forward or backward pass runs. ``grads`` is a :class:`Gradients` or
         any mapping with exactly the keys of :attr:`spec` (say, a dict a user
         edited); values are cast to each variable's dtype, and copied unless
-        hostavg made them (see :mod:`hostavg.gradients`). ``feed_dict`` feeds
+        hostavg made them (see :mod:`hostavg.core.gradients`). ``feed_dict`` feeds
         the placeholders the train op reads (:attr:`apply_inputs`, such as a
         learning rate); others in it are ignored.
 
@@ -235,7 +213,7 @@ class Trainer(BaseTrainer):
         return self._apply(backend, grads, feed)
 
     def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None,
-             rows: Sequence | None = None) -> StepResult:
+             rows: Sequence | None = None, *, fetches: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``feeds``: compute, add, apply.
 
         The step is atomic: if any micro-batch fails (bad feed, non-finite
@@ -243,7 +221,7 @@ class Trainer(BaseTrainer):
         applied, and every variable that computing a micro-batch assigns
         (UPDATE_OPS' moving statistics) is restored, so the model, the
         optimizer's slots and the global step are as they were. See
-        :mod:`hostavg.engine` for the order of things and the threading model.
+        :mod:`hostavg.engine.step` for the order of things and the threading model.
 
         Args:
           sess: a session running the trainer's graph.
@@ -259,10 +237,23 @@ class Trainer(BaseTrainer):
           rows: one array per feed of the row indices, in your data set, of
             its samples: kept as ``MicroBatch.rows`` and named in errors
             (``fit`` passes them). Default None.
-        """
-        return self._step(self._backend(sess), feeds, sizes, rows)
+          fetches: more tensors (or their names, or operations) to run in
+            each micro-batch's own session call, as a program's
+            ``sess.run([train_op, summary, accuracy], feed)`` ran them with its
+            train op: each micro-batch's values, from before the step's
+            update, are its ``MicroBatch.fetched`` (hooks see them) and
+            ``res.fetched[i]``, in the order asked (None for an operation).
 
-    def check(self, sess, feed_dict: Mapping, micro_batch_size: int) -> CheckReport:
+        Example::
+
+            res = trainer.step(sess, hostavg.split(feed, 32), fetches=[accuracy])
+            accuracy_now = np.average([a for a, in res.fetched],
+                                      weights=[m.size for m in res.micro])
+        """
+        return self._step(self._backend(sess, fetches), feeds, sizes, rows)
+
+    def check(self, sess, feed_dict: Mapping, micro_batch_size: int, *,
+              blocks: Mapping | None = None) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
 
         Runs ``feed_dict`` whole (twice) and cut into micro-batches of
@@ -271,17 +262,30 @@ class Trainer(BaseTrainer):
         variable. No apply runs, and what UPDATE_OPS moved is restored.
 
         Returns:
-          a :class:`~hostavg.check.CheckReport`: ``.ok``, the largest relative
+          a :class:`~hostavg.core.check.CheckReport`: ``.ok``, the largest relative
           difference per variable, and when not ok, the likely cause in words
           (a loss that is a sum rather than a mean, random ops such as dropout
           in training mode, batch norm in training mode). ``str(report)`` is
           a one-line verdict.
 
+        Args:
+          feed_dict: one batch, {placeholder: array}. For a graph that reads
+            its batch from a tf.data iterator or a queue, feed the tensors it
+            reads (the iterator's ``get_next()`` outputs): the check then
+            takes nothing from the iterator.
+          blocks: {placeholder: b} for arrays of b blocks of the samples, as
+            :meth:`fit` takes it (see :func:`hostavg.split`).
+
+        Raises:
+          HostavgError: for a feed with no array of samples (only scalars, or
+            empty), saying what check needs.
+
         Example::
 
             print(trainer.check(sess, {x: X[:256], y: Y[:256]}, 32))
         """
-        return self._check(self._backend(sess), feed_dict, micro_batch_size)
+        feed = resolve_feed(self.graph, feed_dict, "check")
+        return self._check(self._backend(sess), feed, micro_batch_size, self._blocks(blocks))
 
     def per_sample(self, sess, feed_dict: Mapping):
         """One row per sample of ``feed_dict``: its loss, gradient norm, and cosine with the feed's mean gradient.
@@ -333,7 +337,7 @@ class Trainer(BaseTrainer):
             validation_data: Mapping | None = None, metrics: Mapping | None = None,
             inputs=None, callbacks=(), progress=True, checkpoint_dir=None,
             checkpoint_every: int | None = None, keep_checkpoints: int = 3,
-            blocks: Mapping | None = None):
+            blocks: Mapping | None = None, fetches: Sequence | None = None):
         """Trains over ``data`` for ``epochs``: batches of ``batch_size`` samples, each one step.
 
         Each batch is cut into micro-batches of ``micro_batch_size`` samples and
@@ -381,6 +385,10 @@ class Trainer(BaseTrainer):
             ``tf.concat([real, fake], 0)``: 2 N labels for N samples); every
             batch and micro-batch gets the matching rows of each block (see
             :func:`hostavg.split`).
+          fetches: tensors every micro-batch runs too, as :meth:`step` takes
+            them; hooks and callbacks see their values (``micro.fetched`` in
+            ``on_micro_batch``, ``result.fetched`` in ``on_step`` and
+            ``on_applied``).
 
         Each micro-batch knows the rows of ``data`` it holds (``MicroBatch.rows``;
         None for an iterable of feed dicts, whose rows fit can't tell). The
@@ -398,10 +406,9 @@ class Trainer(BaseTrainer):
             exception leaving fit carries ``.history``, the History up to it.
         """
         from hostavg.tf1.sources import feed_source
-        backend = self._backend(sess)
+        backend = self._backend(sess, fetches)
         shuffle = flag("shuffle", shuffle)
-        blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
-                  for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
+        blocks = self._blocks(blocks)
         metrics = self._metrics(metrics, "fit")
         if validation_data is not None:  # its keys, shapes and dtypes, before an epoch trains
             feed_size(backend.conform(validation_data, "validation_data"), "validation_data")
@@ -456,8 +463,45 @@ class Trainer(BaseTrainer):
         """
         return self._restore(self._backend(sess), path)
 
-    def _backend(self, sess) -> SessionBackend:
-        return SessionBackend(self._wiring, sess)
+    def _blocks(self, blocks: Mapping | None) -> dict:
+        """``blocks`` keyed by the graph's tensors, each a number >= 1."""
+        return {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
+                for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
+
+    def _backend(self, sess, fetches: Sequence | None = None) -> SessionBackend:
+        return SessionBackend(self._wiring, sess, self._fetch_list(fetches))
+
+    def _fetch_list(self, fetches: Sequence | None) -> tuple:
+        """``fetches`` checked: a tuple of tensors and operations of the graph (names looked up)."""
+        if fetches is None:
+            return ()
+        if not isinstance(fetches, (list, tuple)):
+            got = getattr(fetches, "name", None)
+            raise HostavgError(f"fetches must be a list or tuple of tensors or operations, got "
+                               f"{repr(got) if got else type(fetches).__name__}; such as "
+                               f"fetches=[accuracy, summary]")
+        out = []
+        for i, fetch in enumerate(fetches):
+            what = f"fetches[{i}]"
+            if isinstance(fetch, str):
+                try:
+                    fetch = self.graph.as_graph_element(fetch)
+                except (KeyError, ValueError, TypeError) as e:
+                    raise HostavgError(f"{what}: {fetch!r} names nothing in the trainer's graph "
+                                       f"({e})") from None
+            name = getattr(fetch, "name", None)
+            if isinstance(fetch, tf.Variable):
+                raise HostavgError(f"{what}: {name!r} is a variable; fetch a tensor that reads it "
+                                   f"(made with the graph, such as tf.identity(v)), or read it "
+                                   f"with sess.run after the step")
+            if not isinstance(fetch, (tf.Tensor, tf.Operation)):
+                raise HostavgError(f"{what}: {fetch!r} is not a tensor or an operation")
+            if getattr(fetch, "graph", None) is not self.graph:
+                raise HostavgError(f"{what}: {name or 'an eager tensor'!r} is not in the "
+                                   f"trainer's graph; fetch tensors of the graph the loss was "
+                                   f"built in")
+            out.append(fetch)
+        return tuple(out)
 
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "

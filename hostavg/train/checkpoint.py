@@ -16,7 +16,7 @@ in that epoch), the ``batch_size`` and ``seed`` it ran with, and its History
 Atomic: the file is written under a temporary name in the same folder,
 flushed to disk, then renamed into place, so a crash while saving never leaves
 a file under a checkpoint's name; temporaries left by killed processes are
-deleted by the folder's next save (:mod:`hostavg.files`). Only names
+deleted by the folder's next save (:mod:`hostavg.core.files`). Only names
 ``ckpt-<global step>.npz`` count as checkpoints of a folder.
 
 Restoring reads and checks everything first (the metadata, every array

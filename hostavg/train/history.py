@@ -116,7 +116,7 @@ class History:
 
         ``quantity``: ``"grad_norm"`` (the applied mean gradient's norm) or
         ``"update_ratio"`` (|update| / |weights|), as in
-        :meth:`hostavg.record.RecordReader.variable_norms`.
+        :meth:`hostavg.inspect.record.RecordReader.variable_norms`.
         """
         check_quantity(quantity)
         pd = pandas("History.variable_norms")

@@ -6,7 +6,7 @@ and :class:`~hostavg.inspect.tensorboard.TensorBoard`, live in
 
 A hook is any object with some of ``on_micro_batch(micro)``,
 ``on_step(mean, result)`` and ``on_applied(result)``
-(:class:`hostavg.results.Hook`); pass them as ``hostavg.Trainer(...,
+(:class:`hostavg.core.results.Hook`); pass them as ``hostavg.Trainer(...,
 hooks=[...])``. Everything a hook is given is read-only: to change
 gradients, return new ones. Pure NumPy: TensorFlow is imported only when a
 :class:`TensorBoard` hook writes its first step. They run in the order given;

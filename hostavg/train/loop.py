@@ -27,7 +27,7 @@ same batch size bit for bit like a run that was never stopped, with another
 at the same sample all the same (an iterable's batches are its own: it
 continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
 or SIGTERM that arrives once the step's apply has begun waits until fit has
-counted the step (see :mod:`hostavg.signals`), so the position saved on the way
+counted the step (see :mod:`hostavg.engine.signals`), so the position saved on the way
 out always matches the global step. A checkpoint folder that holds no
 checkpoint gets one of the start (weights, seed, position) before the first
 step, so a run killed before its first checkpoint resumes as itself too (and
@@ -38,8 +38,10 @@ variables or their seed. Stateful random ops of a TF1 graph
 (``tf.nn.dropout``'s RandomUniform, noise, candidate samplers) keep their
 state in the session's kernels, which no checkpoint can hold: a resumed run
 draws other numbers from them than an uninterrupted one, and fit warns
-(:class:`ResumeWarning`) when it resumes such a model. Keras 3 keeps its
-random state in variables (SeedGenerator), which checkpoints hold.
+(:class:`ResumeWarning`) when it resumes such a model
+(:attr:`hostavg.core.check.RandomOp.saved`). Keras 3 keeps its random state
+in variables (SeedGenerator), which checkpoints hold, as does
+``tf.random.Generator``.
 
 With a trainer made with ``comm=`` (several MPI processes), every rank runs
 fit on the same data: each batch is split into contiguous shares, one per
@@ -63,12 +65,14 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
+from hostavg.core.check import RandomOp
 from hostavg.core.errors import HostavgError, flag, non_negative_int, object_list, positive_int
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS
 from hostavg.train.history import History
@@ -86,13 +90,13 @@ class Run(Protocol):
     comm: Any
     #: The trainer's hooks (fit calls their fit-level methods too).
     hooks: tuple
-    #: The stateful random ops whose state no checkpoint holds
-    #: (:attr:`hostavg.engine.protocols.Backend.random_ops`).
-    random_ops: tuple
-
     def gather(self, what: str, obj) -> list:
         """Every process's ``obj`` (one alone), when every one is at ``what``; over MPI a
         HostavgError on every rank when some rank is elsewhere."""
+
+    def random_ops(self) -> Sequence[RandomOp]:
+        """The random ops a micro-batch's compute runs (:meth:`Backend.random_ops
+        <hostavg.engine.protocols.Backend.random_ops>`)."""
 
     def hooked(self, extra: tuple):
         """A context within which the trainer's steps call ``extra``'s step-level hook methods too."""
@@ -106,7 +110,7 @@ class Run(Protocol):
         """The global step now."""
 
     def save(self, path, fit: dict) -> None:
-        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.checkpoint`)."""
+        """Writes a checkpoint holding ``fit``'s state (see :mod:`hostavg.train.checkpoint`)."""
 
     def restore(self, path) -> dict | None:
         """Loads a checkpoint; returns the fit state it holds, or None."""
@@ -127,7 +131,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     the arguments are checked), with ``n`` (its samples, None where unknown),
     ``one_shot`` (it serves one epoch only), ``num_batches(drop_remainder)`` and
     ``batches(epoch, seed, batch, samples)``. ``blocks``: {key: b} for arrays of b
-    blocks of the samples (see :mod:`hostavg.split`).
+    blocks of the samples (see :mod:`hostavg.core.split`).
 
     Every argument is checked before anything trains: a seed that is no
     integer >= 0, flags that are not bools, ``checkpoint_every`` without
@@ -167,10 +171,11 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         resumed = run.global_step()
         for on_resume in hooks["on_resume"]:
             on_resume(resumed)
-        if run.random_ops:
+        unsaved = [f"{op.api} ({op.tensor!r})" for op in run.random_ops() if not op.saved]
+        if unsaved:
             warnings.warn(
                 f"fit resumed from {latest}, but the model runs stateful random ops "
-                f"({_names(run.random_ops)}) whose state lives in the session, which no "
+                f"({_few(unsaved)}) whose state lives in the session, which no "
                 f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
                 f"than a run never stopped would, so this run will not end with its weights bit "
                 f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
@@ -273,9 +278,9 @@ class ResumeWarning(UserWarning):
     like a run never stopped."""
 
 
-def _names(names, shown: int = 3) -> str:
-    return ", ".join(map(repr, names[:shown])) + (f" and {len(names) - shown} more"
-                                                  if len(names) > shown else "")
+def _few(items: list, shown: int = 3) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more"
+                                       if len(items) > shown else "")
 
 
 def _agree(run: Run, seed: int, settings: dict) -> int:
@@ -444,7 +449,7 @@ class _Progress:
         self._samples += result.size
         rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
         self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
-                         "samples_s": f"{rate:.0f}"}
+                         "samples/s": f"{rate:.0f}"}
         if self._bar is not None:
             self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.update(1)
