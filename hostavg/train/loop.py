@@ -90,6 +90,7 @@ class Run(Protocol):
     comm: Any
     #: The trainer's hooks (fit calls their fit-level methods too).
     hooks: tuple
+
     def gather(self, what: str, obj) -> list:
         """Every process's ``obj`` (one alone), when every one is at ``what``; over MPI a
         HostavgError on every rank when some rank is elsewhere."""
@@ -179,7 +180,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                 f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
                 f"than a run never stopped would, so this run will not end with its weights bit "
                 f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
-                f"resume exactly", ResumeWarning, stacklevel=2)
+                f"resume exactly", ResumeWarning, stacklevel=4)  # the face's fit's caller
     comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
