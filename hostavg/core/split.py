@@ -30,7 +30,7 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 
-__all__ = ["feed_size", "split", "take"]
+__all__ = ["arrays", "feed_size", "split", "take"]
 
 
 def _leaves(batch) -> dict:
@@ -57,7 +57,7 @@ def _rebuild(batch, values: dict):
                  for i, part in enumerate(batch))
 
 
-def _arrays(batch) -> dict:
+def arrays(batch) -> dict:
     """The sample-carrying values of a batch, by path, as NumPy arrays."""
     out = {}
     for path, value in _leaves(batch).items():
@@ -91,7 +91,7 @@ def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
       HostavgError: when the arrays disagree, or the batch holds no array (then
         the caller must say the size).
     """
-    n = _length(_arrays(batch), what, blocks)
+    n = _length(arrays(batch), what, blocks)
     if n is None:
         raise HostavgError(
             f"{what}: no array in the batch (only scalars), so its number of samples is "
@@ -109,7 +109,7 @@ def take(batch, rows, n: int | None = None, blocks: Mapping | None = None):
     blocks = blocks or {}
     return _rebuild(batch, {
         path: np.concatenate([array[b * n:(b + 1) * n][rows] for b in range(blocks[path])])
-        if path in blocks else array[rows] for path, array in _arrays(batch).items()})
+        if path in blocks else array[rows] for path, array in arrays(batch).items()})
 
 
 def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> list:
@@ -138,7 +138,7 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
     if not isinstance(batch, (Mapping, tuple)):
         raise HostavgError(f"split takes a feed dict {{placeholder: array}} or a tuple (x, y), got "
                            f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
-    n = _length(_arrays(batch), "split", blocks)
+    n = _length(arrays(batch), "split", blocks)
     if not n:
         raise HostavgError(
             "split: the batch holds no samples (no array, or arrays of length 0)")
