@@ -58,7 +58,9 @@ def test_step_stats_in_sum_and_stack_agree_with_the_stats_functions(sparse):
     assert st.inner_product_test == pytest.approx(stats.inner_product_test(G, b), rel=1e-6)
     assert st.orthogonality_test == pytest.approx(stats.orthogonality_test(G, b), rel=1e-6)
     np.testing.assert_allclose(st.cosines, stats.cosines(G, b), rtol=1e-6)
+    np.testing.assert_allclose(st.pairwise_cosines, stats.pairwise_cosines(G), rtol=1e-5)
     assert summed.stats.cosines is None and summed.stats.gsnr is None
+    assert summed.stats.pairwise_cosines is None
     if not sparse:
         assert st.gsnr == pytest.approx(stats.gsnr(G, b), rel=1e-6)
     one = t.trainer.step(t.sess, t.feeds[:1]).stats
