@@ -272,7 +272,10 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
     _finish(ax, f"Per variable: {what}", "global step",
             ("gradient norm" if quantity == "grad_norm" else "update ratio") + " (log scale)",
             legend=False)
-    ax.legend(fontsize="small", ncol=max(1, len(names) * len(runs) // 12))
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("exactly 0"))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small",
+              ncol=max(1, len(names) * len(runs) // 12))
     return ax
 
 
