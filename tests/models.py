@@ -20,14 +20,17 @@ v1 = tf.compat.v1
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(
     [str(Path(__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
 
-#: The optimizers every exactness test runs, with learning rates that move the
+#: The learning rates of the optimizers every exactness test runs: they move the
 #: weights visibly in 20 steps.
+LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01, "rmsprop": 0.01, "adagrad": 0.1}
+
+#: Those optimizers in TF1.
 OPTIMIZERS = {
-    "sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
-    "momentum": lambda: v1.train.MomentumOptimizer(0.05, momentum=0.9),
-    "adam": lambda: v1.train.AdamOptimizer(0.01),
-    "rmsprop": lambda: v1.train.RMSPropOptimizer(0.01),
-    "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
+    "sgd": lambda: v1.train.GradientDescentOptimizer(LEARNING_RATES["sgd"]),
+    "momentum": lambda: v1.train.MomentumOptimizer(LEARNING_RATES["momentum"], momentum=0.9),
+    "adam": lambda: v1.train.AdamOptimizer(LEARNING_RATES["adam"]),
+    "rmsprop": lambda: v1.train.RMSPropOptimizer(LEARNING_RATES["rmsprop"]),
+    "adagrad": lambda: v1.train.AdagradOptimizer(LEARNING_RATES["adagrad"]),
 }
 
 FEATURES, HIDDEN, CLASSES, VOCAB = 6, 8, 3, 50
@@ -83,10 +86,11 @@ def initial_weights(seed: int, dtype, sparse: bool = False) -> dict:
 
 
 def build(seed: int = 0, dtype=np.float32, sparse: bool = False, unused: bool = False,
-          update_op: bool = False, scalar: bool = False) -> Model:
+          update_op: bool = False, scalar: bool = False, dropout: float = 0.0) -> Model:
     """An MLP with softmax cross-entropy; with ``sparse`` its input is the mean of
     embedding rows looked up by integer ids (an IndexedSlices gradient); with
-    ``scalar`` its logits are scaled by a trained 0-d variable."""
+    ``scalar`` its logits are scaled by a trained 0-d variable; with ``dropout``
+    the hidden activations are dropped at that rate (always: a training graph)."""
     graph = tf.Graph()
     tf_dtype = tf.as_dtype(dtype)
     with graph.as_default():
@@ -103,6 +107,8 @@ def build(seed: int = 0, dtype=np.float32, sparse: bool = False, unused: bool = 
             inputs = {"x": x, "y": y}
         with tf.control_dependencies([counter.assign_add(1)]):
             h = tf.tanh(tf.matmul(x, weights["hidden/kernel"]) + weights["hidden/bias"])
+        if dropout:
+            h = tf.nn.dropout(h, rate=dropout)
         logits = tf.matmul(h, weights["out/kernel"]) + weights["out/bias"]
         if scalar:
             logits = logits * tf.Variable(np.asarray(1.5, dtype), name="temperature")
@@ -176,6 +182,18 @@ def cuts(n: int, sizes) -> list:
     bounds = np.cumsum([0] + list(sizes))
     assert bounds[-1] == n
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def keras_optimizer(name: str, **kw):
+    """The Keras 3 optimizer of the kind and learning rate of ``OPTIMIZERS[name]`` (each
+    framework keeps its own defaults, such as epsilon); ``kw``: more arguments."""
+    import keras
+    lr, kinds = LEARNING_RATES[name], keras.optimizers
+    return {"sgd": lambda: kinds.SGD(lr, **kw),
+            "momentum": lambda: kinds.SGD(lr, momentum=0.9, **kw),
+            "adam": lambda: kinds.Adam(lr, **kw),
+            "rmsprop": lambda: kinds.RMSprop(lr, **kw),
+            "adagrad": lambda: kinds.Adagrad(lr, **kw)}[name]()
 
 
 def keras_model(seed=0, sparse=False, batch_norm=False, dropout=False, regularizer=None,

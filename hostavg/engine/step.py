@@ -67,7 +67,7 @@ from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
 from hostavg.engine.batches import prepare
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
-from hostavg.engine.overlap import overlapped, worker
+from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
@@ -309,25 +309,37 @@ class Engine:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
         returns the global step.
 
+        A micro-batch a hook drops takes what its forward pass assigned with it (moving
+        statistics): with ``on_micro_batch`` hooks, each compute is preceded by a snapshot of
+        the rollback variables, restored when its micro-batch is dropped (a computation in
+        flight, which ran after it, is then computed again).
+
         Once every micro-batch has run (none is computing any more), the culprit samples
         of each one whose own loss or gradients were non-finite are looked for
         (:mod:`hostavg.engine.culprits`): named in the error of the one that failed the
         step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
-        global_step = None
+        keep = bool(self._micro_hooks)
+
+        def run(i):
+            feed, n, _, where, _ = batches[i]
+            before = backend.snapshot() if keep else None
+            return before, self._compute(backend, feed, n, f"step, {where}")
+
+        pool = None
         if self.overlap and len(batches) > 1:
             if self._worker is None:
                 self._worker = worker()
-            computed = overlapped(self._worker, lambda batch: self._compute(
-                backend, batch[0], batch[1], f"step, {batch[3]}"), batches)
-        else:
-            computed = (self._compute(backend, feed, n, f"step, {where}")
-                        for feed, n, _, where, _ in batches)
+            pool = self._worker
+        global_step = None
         try:
-            with contextlib.closing(computed):
+            with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
                 for i, batch in enumerate(batches):
                     try:
-                        global_step = self._micro_batch(i, batch, next(computed), backend, log)
+                        before, computed = ahead.take(i)
+                        global_step = self._micro_batch(i, batch, computed, backend, log)
+                        if log.micro[-1].dropped is not None and before is not None:
+                            ahead.redo(lambda: backend.restore(before))
                     except Exception as e:
                         if batch[4] is not None:
                             with contextlib.suppress(AttributeError):  # a type with __slots__

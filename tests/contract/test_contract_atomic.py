@@ -1,0 +1,105 @@
+"""A step that fails changes nothing, and its error says which micro-batch (and data rows) failed.
+
+The model is the batch-norm one: besides weights, optimizer state and the
+step, its forward pass assigns moving statistics and a counter, which a
+failed step must put back. Everything is compared bit for bit.
+"""
+
+import numpy as np
+import pytest
+from backends import BATCH, SIZES, same, said
+from models import FEATURES, batches, cuts
+
+import hostavg
+from hostavg.hooks import SkipNonFinite
+
+
+class RaiseAt:
+    """A hook whose ``on_micro_batch`` raises RuntimeError at micro-batch 1, once armed."""
+
+    armed = False
+
+    def on_micro_batch(self, micro):
+        if self.armed and micro.index == 1:
+            raise RuntimeError("hook failed on purpose")
+
+
+#: How micro-batch 1 of 3 fails: what is raised, and a word of its message.
+FAILURES = {
+    "nan-input": (hostavg.HostavgError, "non-finite gradients"),
+    "hook-raises": (RuntimeError, "hook failed on purpose"),
+    "wrong-shape": (hostavg.HostavgError, "shape"),
+}
+
+
+def failing(face, hook, failure: str, data: dict) -> list:
+    """``data`` cut into SIZES, micro-batch 1 of them made to fail as ``failure`` says."""
+    if failure == "nan-input":
+        data = dict(data, x=data["x"].copy())
+        data["x"][SIZES[0] + 3, 2] = np.nan
+    micro = face.cut(data, SIZES)
+    if failure == "hook-raises":
+        hook.armed = True
+    if failure == "wrong-shape":
+        second = cuts(BATCH, SIZES)[1]
+        micro[1] = face.cut({"x": np.ones((SIZES[1], FEATURES - 1), np.float32),
+                             "y": data["y"][second]}, SIZES[1:2])[0]
+    return micro
+
+
+#: The data rows of the step's micro-batches, as fit passes them.
+ROWS = [np.random.default_rng(5).permutation(1000)[:BATCH][s] for s in cuts(BATCH, SIZES)]
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failed_step_changes_nothing_and_names_its_micro_batch_and_rows(backend, failure):
+    hook = RaiseAt()
+    face = backend.make("batchnorm", hooks=[hook])
+    data = batches(4, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))  # slots, step, moving statistics: all non-trivial
+    micro = failing(face, hook, failure, data[1])
+    before = face.values()
+    kind, word = FAILURES[failure]
+    with pytest.raises(kind) as raised:
+        face.step(micro, rows=ROWS)
+    same(face.values(), before)
+    text = said(raised.value)
+    assert word in text and "micro-batch 1 of 3" in text, text
+    assert f"data rows [{ROWS[1][0]}, {ROWS[1][1]}, " in text, text
+    np.testing.assert_array_equal(raised.value.rows, ROWS[1])
+    hook.armed = False
+    assert face.step(face.cut(data[1], SIZES)).step == 2  # and the trainer steps on
+
+
+def test_an_error_found_while_preparing_names_rows(backend):
+    face = backend.make()
+    with pytest.raises(hostavg.HostavgError) as raised:
+        face.step(failing(face, None, "wrong-shape", batches(5, 1, BATCH)[0]), rows=ROWS)
+    assert f"data rows [{ROWS[1][0]}, {ROWS[1][1]}, " in str(raised.value), str(raised.value)
+    np.testing.assert_array_equal(getattr(raised.value, "rows", None), ROWS[1])
+
+
+def test_a_step_whose_every_micro_batch_is_dropped_is_skipped_and_changes_nothing(backend):
+    face = backend.make("batchnorm", hooks=[SkipNonFinite()])
+    data = batches(6, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))
+    before = face.values()
+    poisoned = dict(data[1], x=np.full_like(data[1]["x"], np.nan))
+    res = face.step(face.cut(poisoned, SIZES))
+    assert res.skipped and res.dropped == (0, 1, 2) and res.step == 1
+    same(face.values(), before)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_dropped_micro_batch_leaves_nothing_behind(backend, overlap):
+    """What a micro-batch's forward pass assigned (moving statistics, the counter) goes with it
+    when a hook drops it: the model is as after the step over the other micro-batches (with
+    overlap, micro-batch 2 computed meanwhile from micro-batch 1's statistics is redone)."""
+    data = batches(11, 1, BATCH)[0]
+    data["x"][SIZES[0] + 2, 0] = np.nan  # in micro-batch 1
+    face = backend.make("batchnorm", hooks=[SkipNonFinite()], overlap=overlap)
+    assert face.step(face.cut(data, SIZES)).dropped == (1,)
+    others = backend.make("batchnorm")
+    micro = others.cut(data, SIZES)
+    others.step([micro[0], micro[2]])
+    same(face.values(), others.values())

@@ -1,0 +1,78 @@
+"""Trainers stepped together, and who hears of a step: hooks and fit callbacks."""
+
+import numpy as np
+import pytest
+from backends import BATCH, SIZES, same
+from models import batches
+
+#: fit over 40 samples in batches of 16 cut into micro-batches of 8, twice:
+#: micro-batches 2, 2 and 1 an epoch, 6 steps in all.
+FIT = {"batch_size": 16, "micro_batch_size": 8, "epochs": 2, "seed": 0, "progress": False}
+STEPS, MICRO_BATCHES = list(range(1, 7)), 10
+
+
+class Calls:
+    """Notes every hook method called on it, with the step or epoch it was called for."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_micro_batch(self, micro):
+        self.calls.append(("on_micro_batch", micro.step))
+
+    def on_step(self, mean, result):
+        self.calls.append(("on_step", result.step))
+
+    def on_applied(self, result):
+        self.calls.append(("on_applied", result.step))
+
+    def on_epoch_end(self, epoch, logs):
+        self.calls.append(("on_epoch_end", epoch))
+
+    def on_train_end(self, *args):
+        self.calls.append(("on_train_end", None))
+
+    def close(self):
+        self.calls.append(("close", None))
+
+    def of(self, method: str) -> list:
+        return [at for name, at in self.calls if name == method]
+
+
+@pytest.mark.needs("step_together")
+def test_stepping_together_equals_computing_both_then_applying_both(backend):
+    data = batches(12, 1, BATCH)[0]
+    a, b = backend.pair()
+    results = backend.step_together([(a, a.cut(data, SIZES)), (b, b.cut(data, SIZES))])
+    c, d = backend.pair()
+    means = [face.mean(face.cut(data, SIZES)) for face in (c, d)]  # both from the same weights
+    for face, mean in zip((c, d), means):
+        face.apply(mean)
+    same(a.values(), c.values())
+    same(b.values(), d.values())
+    for result, mean in zip(results, means):
+        assert result.size == BATCH
+        for name in mean:
+            np.testing.assert_array_equal(result.grads[name], mean[name])
+    assert results[0].step == 1
+
+
+def fit_data():
+    return batches(13, 1, 40)[0]
+
+
+@pytest.mark.needs("fit_callbacks_get_hook_methods", "trainer_hooks_get_on_train_end")
+def test_hooks_and_fit_callbacks_get_every_hook_method(backend):
+    """An object's hook methods are called wherever it is registered: in the trainer's hooks
+    or in fit's callbacks."""
+    hook, callback = Calls(), Calls()
+    face = backend.make(hooks=[hook])
+    assert face.trainer.hooks == (hook,)
+    face.fit(fit_data(), callbacks=[callback], **FIT)
+    for heard in (hook, callback):
+        assert heard.of("on_applied") == STEPS
+        assert len(heard.of("on_step")) == len(STEPS)
+        assert len(heard.of("on_micro_batch")) == MICRO_BATCHES
+        assert heard.of("on_epoch_end") == [0, 1]
+        assert heard.of("on_train_end") == [None]
+        assert heard.of("close") == [None]
