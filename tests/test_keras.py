@@ -353,6 +353,11 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
                                                    r"the compute \(InvalidArgumentError: .*\); "
                                                    r"check that micro-batch's x and y"):
         trainer.step([(x, np.full(BATCH, 7))])  # a label past the 3 classes
+    with pytest.raises(hostavg.HostavgError, match=r"^check: the feed holds no array of samples to "
+                                                   r"cut into micro-batches \(arrays of 0 samples\)\. "
+                                                   r"check runs one batch whole and in micro-batches: "
+                                                   r"give it x and y of at least one sample each"):
+        trainer.check(x[:0], y[:0], 10)
     g = {name: np.array(v) for name, v in trainer.compute((x, y)).items()}
     del g["out/bias"]
     with pytest.raises(hostavg.HostavgError, match=re.escape("missing ['out/bias']")):

@@ -85,6 +85,10 @@ class MicroBatch:
         sample is non-finite alone); None for every other micro-batch, and
         in what ``on_micro_batch`` hooks see (the samples are looked at once
         every micro-batch of the step has run).
+      fetched: the values of the tensors the step was asked to fetch
+        (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
+        own session call, before the step's update, in the order asked (None
+        for an operation); read-only. () where nothing was asked.
     """
 
     index: int
@@ -96,6 +100,7 @@ class MicroBatch:
     dropped: str | None = None
     rows: np.ndarray | None = field(default=None, repr=False, compare=False)
     culprits: tuple | None = field(default=None, repr=False, compare=False)
+    fetched: tuple = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ class StepResult:
       learning_rate: the optimizer's learning rate at this apply (a
         schedule's value), or None where the optimizer exposes none, or
         before the apply.
+      fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
+        rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
     """
 
     loss: float | None
@@ -134,6 +141,7 @@ class StepResult:
     info: dict = field(default_factory=dict)
     update_ratios: dict | None = None
     learning_rate: float | None = None
+    fetched: tuple = ()
 
     @property
     def dropped(self) -> tuple:

@@ -59,7 +59,7 @@ from dataclasses import replace
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
-from hostavg.core.check import CheckReport, diagnose
+from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
@@ -155,23 +155,28 @@ class Engine:
         return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
                              feed, False).global_step
 
-    def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
+    def check(self, backend: Backend, feed, micro_feeds: Sequence,
+              size: int | None = None) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
 
-        Changes nothing: no apply runs, and the rollback variables (moving
-        statistics) are restored afterwards. See :mod:`hostavg.core.check`.
+        ``size``: the whole feed's number of samples, where its arrays can't
+        tell (blocks). Changes nothing: no apply runs, and the rollback
+        variables (moving statistics) are restored afterwards. See
+        :mod:`hostavg.core.check`.
         """
         with self.leaving_no_trace(backend, "check"):
-            whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
+            whole_feed, n = backend.prepare(feed, size, "check, the whole feed")
             whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)
             for micro_feed, size, _, where, _ in prepare(backend, micro_feeds, None, "check"):
-                g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
-                acc.add_checked(dict(g), float(size), g.loss,
-                            check_finite(g, f"check, {where}", g.loss, g.sq_norms))
+                g = self._compute(backend, micro_feed, size, f"check, {where}", n)[0]
+                acc.add_checked(dict(g), float(size), g.loss, check_finite(
+                    g, f"check, {where}", g.loss, g.sq_norms,
+                    loss_hint=_loss_hint(g.loss, size, n, backend.framework)))
             mean = acc.mean()
-        return diagnose(whole, again, mean, len(micro_feeds), backend.framework)
+        return diagnose(whole, again, mean, len(micro_feeds), backend.framework,
+                        backend.random_ops())
 
     @contextlib.contextmanager
     def leaving_no_trace(self, backend: Backend, call: str):
@@ -271,7 +276,8 @@ class Engine:
             return StepResult(None, None, tuple(micro), global_step, 0,
                               StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                      f"nothing was applied"), None, None
+                                      f"nothing was applied",
+                              fetched=tuple(m.fetched for m in micro)), None, None
 
         reducer = self.average.reducer(backend, tally.total)
         mean = acc.mean(reducer)
@@ -292,7 +298,8 @@ class Engine:
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
         after = global_step + backend.increment
-        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
+        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats,
+                            fetched=tuple(m.fetched for m in micro))
         what, hint, mine = "step, the mean", self._overflow_hint, True
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
@@ -320,11 +327,15 @@ class Engine:
         step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
         keep = bool(self._micro_hooks)
+        whole = sum(batch[1] for batch in batches)
 
         def run(i):
             feed, n, _, where, _ = batches[i]
-            before = backend.snapshot() if keep else None
-            return before, self._compute(backend, feed, n, f"step, {where}")
+            try:
+                before = backend.snapshot() if keep else None
+            except HostavgError as e:
+                raise HostavgError(f"step, {where}: {e}") from e.__cause__
+            return before, self._compute(backend, feed, n, f"step, {where}", whole)
 
         pool = None
         if self.overlap and len(batches) > 1:
@@ -337,7 +348,7 @@ class Engine:
                 for i, batch in enumerate(batches):
                     try:
                         before, computed = ahead.take(i)
-                        global_step = self._micro_batch(i, batch, computed, backend, log)
+                        global_step = self._micro_batch(i, batch, computed, backend, log, whole)
                         if log.micro[-1].dropped is not None and before is not None:
                             ahead.redo(lambda: backend.restore(before))
                     except Exception as e:
@@ -392,14 +403,15 @@ class Engine:
         error.culprits, error.culprit_rows = found, culprits.rows_of(found, batch[4])
         error.args = (f"{error.args[0]}{culprits.describe(found, how)}", *error.args[1:])
 
-    def _micro_batch(self, i, batch, computed, backend, log: _StepLog) -> int:
-        """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
+    def _micro_batch(self, i, batch, computed, backend, log: _StepLog, whole: int) -> int:
+        """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
+        (``whole``: the step's samples); returns the global step."""
         _, n, start, where, rows = batch
-        g, global_step = computed
+        g, global_step, fetched = computed
         step = global_step + backend.increment
         grads, dropped, changed_by = g, None, None
         if self._micro_hooks:
-            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows)
+            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows, fetched=fetched)
             for hook, on_micro_batch in self._micro_hooks:
                 out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
                 if isinstance(out, Drop):
@@ -414,9 +426,14 @@ class Engine:
         sq = _sq_norms(grads)
         log.var_sq.append(sq)
 
-        def nonfinite() -> bool:  # its own values, as computed (before any hook)
-            return not (math.isfinite(g.loss) and math.isfinite(math.fsum(
-                (sq if grads is g else _sq_norms(g)).values())))
+        def nonfinite() -> bool:
+            """Whether its own values, as computed (before any hook), are non-finite in a way
+            its samples may explain: not a loss alone on a micro-batch smaller than the batch,
+            which points at a batch size fixed in the graph (each sample alone would be too)."""
+            grads_ok = math.isfinite(math.fsum((sq if grads is g else _sq_norms(g)).values()))
+            if grads_ok and _loss_hint(g.loss, n, whole, backend.framework) is not None:
+                return False
+            return not (grads_ok and math.isfinite(g.loss))
 
         if dropped is None:
             hint = INPUTS_HINT if changed_by is None else (
@@ -424,7 +441,8 @@ class Engine:
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
             try:
-                sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
+                sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint,
+                                       _loss_hint(g.loss, n, whole, backend.framework))
             except HostavgError:
                 if nonfinite():
                     log.failed = i
@@ -439,19 +457,26 @@ class Engine:
             if nonfinite():
                 log.search.append(i)
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
-                                dropped=dropped, rows=rows))
+                                    dropped=dropped, rows=rows, fetched=fetched))
         return global_step
 
-    def _compute(self, backend, feed, n: int, where: str) -> tuple[Gradients, int]:
+    def _compute(self, backend, feed, n: int, where: str,
+                 whole: int | None = None) -> tuple[Gradients, int, tuple]:
+        """Micro-batch ``where``'s gradients, the global step and what else it fetched.
+        ``whole``: the samples of the batch it was cut from; an error that shows a shape built
+        from them says so."""
         try:
             out = backend.compute(feed)
         except HostavgError as e:
-            raise HostavgError(f"{where}: {e}") from e.__cause__
+            said = f"{where}: {e}"
+            if whole is not None and shows_fixed_batch(str(e), n, whole):
+                said = f"{said.rstrip('.')}. {fixed_batch_hint(n, whole, backend.framework)}"
+            raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
                                f"reduce it with tf.reduce_mean")
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
-            out.global_step
+            out.global_step, out.fetched
 
 
 class _StepLog:
@@ -541,6 +566,14 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                       applied=True)
     return results
+
+
+def _loss_hint(loss: float, n: int, whole: int, framework: str) -> str | None:
+    """What a loss that alone is not finite, on a micro-batch of ``n`` of ``whole`` samples,
+    points at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0)."""
+    if n == whole or math.isfinite(loss):
+        return None
+    return fixed_batch_hint(n, whole, framework)
 
 
 def _sq_norms(grads: Gradients) -> dict:
