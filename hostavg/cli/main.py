@@ -159,6 +159,18 @@ def _parser() -> _Parser:
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                        help="also write a checkpoint every STEPS optimizer steps (needs "
                             "--checkpoint-dir)")
+    train.add_argument("--record", default=None, metavar="DIR",
+                       help="record every applied step in DIR (hostavg.hooks.Record: the mean "
+                            "gradient, the statistics, each micro-batch's loss, norm and data "
+                            "rows; read it with hostavg.load_record(DIR)); with --checkpoint-dir "
+                            "a resumed run continues it")
+    train.add_argument("--record-micro", action="store_true",
+                       help="also record each micro-batch's gradients (needs --record; a "
+                            "record then holds k + 1 gradients per step)")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="write TensorBoard scalars every step and gradient histograms every "
+                            "100 steps to DIR (hostavg.hooks.TensorBoard): tensorboard --logdir "
+                            "DIR")
     train.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help=f"write a JSON summary: {', '.join(SUMMARY)} (and last_step with "
                             f"--accumulate stack)")
@@ -359,6 +371,7 @@ def _train(args) -> int:
     elif args.checkpoint_every is not None:
         raise HostavgError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir, "
                            f"the folder to write the checkpoints to")
+    watchers = _watchers(args)
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
     from hostavg.train.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
@@ -371,6 +384,7 @@ def _train(args) -> int:
     comm = _world()
     if comm is not None and comm.Get_rank() != 0:
         args.quiet, args.json = True, None  # rank 0 speaks for the job
+        watchers = []  # and writes the record and TensorBoard's files
     data = datasets.load(args.dataset, seed=args.seed)
     widths = [data.x_train.shape[1], *args.hidden, data.classes]
     _check_memory(sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])), args.hidden)
@@ -378,7 +392,7 @@ def _train(args) -> int:
     fit = {"batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size,
            "epochs": args.epochs, "seed": args.seed, "progress": bar,
            # One display per epoch: the progress bar on a terminal, else a line.
-           "callbacks": [] if args.quiet or bar else [_EpochPrinter(args.epochs)],
+           "callbacks": watchers + ([] if args.quiet or bar else [_EpochPrinter(args.epochs)]),
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
     run = _train_keras if args.engine == "keras" else _train_tf1
     report = _Report(args)
@@ -403,6 +417,11 @@ def _header(args, data, comm, parameters: int) -> None:
               f"{len(data.x_test)} test samples; MLP {args.hidden} with {parameters:,} "
               f"parameters; batch {args.batch_size} = micro-batches of {args.micro_batch_size}; "
               f"{args.optimizer}", flush=True)
+        if args.record is not None:
+            print(f"recording every step in {args.record} (read it with "
+                  f"hostavg.load_record)", flush=True)
+        if args.tensorboard is not None:
+            print(f"TensorBoard: tensorboard --logdir {args.tensorboard}", flush=True)
 
 
 def _self_check(args, check):
@@ -457,6 +476,29 @@ def _train_keras(args, data, comm, lr, fit, report) -> tuple:
                           validation_data=(data.x_test, data.y_test), **fit)
     return history, trainer.evaluate(data.x_test, data.y_test,
                                      batch_size=args.micro_batch_size), check
+
+
+def _watchers(args) -> list:
+    """The hooks that write what happened (:class:`~hostavg.hooks.Record` for ``--record``,
+    :class:`~hostavg.hooks.TensorBoard` for ``--tensorboard``), their folders checked first."""
+    from hostavg.inspect.record import Record, load_record
+    from hostavg.inspect.tensorboard import TensorBoard
+    if args.record_micro and args.record is None:
+        raise HostavgError("--record-micro records each micro-batch's gradients into the record: "
+                           "it needs --record DIR")
+    out = []
+    if args.record is not None:
+        _check_folder(args.record, "--record")
+        held = load_record(args.record).steps if Path(args.record).is_dir() else []
+        if held and not (args.checkpoint_dir and any(Path(args.checkpoint_dir).glob("ckpt-*.npz"))):
+            raise HostavgError(f"--record {args.record!r} already holds {len(held)} steps of "
+                               f"another run; pick another folder, or delete it (with "
+                               f"--checkpoint-dir, a resumed run continues its record)")
+        out.append(Record(args.record, micro=args.record_micro))
+    if args.tensorboard is not None:
+        _check_folder(args.tensorboard, "--tensorboard")
+        out.append(TensorBoard(args.tensorboard))
+    return out
 
 
 def _check_folder(path: str, option: str) -> None:

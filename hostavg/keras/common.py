@@ -14,10 +14,17 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError
 
-__all__ = ["MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer", "leaves", "rebuild"]
+__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer",
+           "leaves", "rebuild"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+#: How BatchNormalization layers' moving statistics move. "micro": once per micro-batch, by
+#: its moments (Keras's own behaviour, with its gradient accumulation too). "step": once per
+#: optimizer step, by the whole batch's moments of each layer's inputs, as a full-batch
+#: step moves them.
+BATCH_NORM_MODES = ("micro", "step")
 
 
 def as_batch(x, y, sample_weight) -> tuple:

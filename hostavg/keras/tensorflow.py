@@ -19,6 +19,26 @@ pass per variable. Sparse means go back as
 TensorFlow squares each row it is given, so rows repeated within one
 IndexedSlices would make it differ from the dense step; with unique rows it
 equals the dense full-batch step.
+
+Batch norm (``batch_norm``, one of :data:`~hostavg.keras.common.BATCH_NORM_MODES`):
+in "micro", Keras's own behaviour, each BatchNormalization layer's moving mean
+and variance move once per micro-batch, by its moments. In "step" the gradient function leaves
+them as they were (it reads what the forward pass assigned, then assigns the
+old values back) and hands the micro-batch's updated values to the host; the
+apply moves them once, from where they were, by the whole batch's moments. With
+momentum a, micro-batch i of n_i samples (of N) moving the mean to
+``mm_i = a mm + (1 - a) m_i`` and the variance to ``mv_i = a mv + (1 - a) v_i``,
+the whole batch's mean M = sum_i n_i m_i / N and variance
+V = sum_i n_i (v_i + (m_i - M)^2) / N give, in float64::
+
+    mm' = a mm + (1 - a) M = sum_i (n_i / N) mm_i
+    mv' = a mv + (1 - a) V = sum_i (n_i / N) mv_i + sum_i (n_i / N) (mm_i - mm')^2 / (1 - a)
+
+for the layer's inputs as the micro-batches' forward passes made them: for a
+layer whose inputs no earlier batch norm normalised, what one full-batch
+``train_on_batch`` assigns (to float32 round-off). The forward pass still
+normalises each micro-batch by its own moments (so a later layer's inputs are
+not a full-batch pass's).
 """
 
 from __future__ import annotations
@@ -54,11 +74,13 @@ class KerasBackend:
         non-trainable variable the traced gradient functions may assign (the
         rollback set).
       target: the model.
+      batch_norm: one of :data:`~hostavg.keras.common.BATCH_NORM_MODES` (see the module
+        docstring).
     """
 
     framework = "keras"
 
-    def __init__(self, model, loss, optimizer):
+    def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
         self.model, self.optimizer, self._loss = model, optimizer, loss
         self.target = model
         self.increment = 1  # every apply moves optimizer.iterations by one
@@ -68,7 +90,12 @@ class KerasBackend:
         self._computes, self._evaluates = {}, {}  # input signature -> compiled function
         # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
-        self._snapshot = {}
+        self._snapshot = _Snapshot()
+        self.batch_norm = batch_norm
+        # "step": (moving mean, moving variance, momentum) per BatchNormalization layer, found
+        # when the first gradient function is traced; and per micro-batch computed since the
+        # last apply, (its rows, the moving values it would have assigned, in that order).
+        self._norms, self._moved = [], []
 
     # --- The engine's protocol ------------------------------------------------------------
 
@@ -100,6 +127,8 @@ class KerasBackend:
                 grads[name] = SparseGradient(indices, freeze(np.asarray(next(got))), s.shape)
             else:
                 grads[name] = freeze(np.asarray(next(got)))
+        if self._norms:  # "step": the moving values it would have assigned, for the apply
+            self._moved.append((len(leaves[0]), [np.asarray(v, np.float64) for v in got]))
         return Computed(float(loss), grads, int(step),
                         dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
@@ -113,6 +142,7 @@ class KerasBackend:
         compiled call (measuring keeps each weight's value from before the update while the
         optimizer runs, and reduces two norms per variable)."""
         step, lr, squares = self._apply_mean(mean, measure)
+        self._move_norms()
         ratios = None
         if measure:
             squares, k = squares.tolist(), len(self.spec)
@@ -147,17 +177,38 @@ class KerasBackend:
         with _tensorflow_errors("apply"):
             return _applied(self._applies[measure](*args))
 
+    def _move_norms(self) -> None:
+        """"step": moves every BatchNormalization layer's moving mean and variance once, by the
+        whole batch's moments, from the micro-batches computed since the last apply."""
+        moved, self._moved = self._moved, []
+        if not moved:
+            return
+        rows = np.array([n for n, _ in moved], np.float64)
+        weights = rows / rows.sum()
+        for j, (mean, variance, momentum) in enumerate(self._norms):
+            if momentum == 1:  # moving statistics that never move
+                continue
+            means = np.stack([values[2 * j] for _, values in moved])
+            variances = np.stack([values[2 * j + 1] for _, values in moved])
+            new_mean = np.tensordot(weights, means, 1)
+            spread = np.tensordot(weights, (means - new_mean) ** 2, 1) / (1 - momentum)
+            mean.assign(new_mean.astype(mean.dtype))
+            variance.assign((np.tensordot(weights, variances, 1) + spread).astype(variance.dtype))
+
     def global_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
 
     def snapshot(self) -> dict:
-        """The values of :attr:`assigned`; a function traced while the step prepares adds what it assigns."""
-        self._snapshot = {i: v.numpy() for i, v in self.assigned.items()}
+        """The values of :attr:`assigned` (and, in "step", how many micro-batches' moments wait
+        for the apply); a function traced while the step prepares adds what it assigns."""
+        self._snapshot = _Snapshot({i: v.numpy() for i, v in self.assigned.items()})
+        self._snapshot.moved = len(self._moved)
         return self._snapshot
 
     def restore(self, snapshot: dict) -> None:
         for i, value in snapshot.items():
             self.assigned[i].assign(value)
+        del self._moved[snapshot.moved:]  # "step": micro-batches computed since, forgotten
 
     def named_variables(self) -> dict:
         """Every variable of the model and the optimizer by its position, ``model/<i>`` and
@@ -229,12 +280,19 @@ class KerasBackend:
         trainable = list(self.model.trainable_variables)
         if not trainable:
             raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        if self.batch_norm == "step" and self.spec is None:
+            self._norms = _batch_norms(self.model)
+        moving = [v for mean, variance, _ in self._norms for v in (mean, variance)]
         seen = {}  # filled while tracing
 
         def gradients(*flat):
             x, y, w = _rebuild(signature, flat)
+            before = [tf.identity(v.value) for v in moving]
             with tf.GradientTape() as tape:
                 loss = self._total_loss(y, self.model(x, training=True), w)
+            after = [tf.identity(v.value) for v in moving]  # what the forward pass assigned
+            for v, value in zip(moving, before):  # "step": the apply moves them, once
+                v.assign(value)
             seen["loss_shape"], seen["kept"] = loss.shape, []
             out, norms = [], []
             for i, g in enumerate(tape.gradient(loss, trainable)):
@@ -248,7 +306,7 @@ class KerasBackend:
                 out.append(g)
                 norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
             return [loss, tf.convert_to_tensor(self.optimizer.iterations),
-                    tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out]
+                    tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out, *after]
 
         function = self._trace(gradients, leaves, what)
         if seen["loss_shape"].rank != 0:
@@ -347,6 +405,31 @@ class KerasBackend:
             if not v.trainable and i not in self.assigned and id(v.value.handle) in handles:
                 self.assigned[i] = v
                 self._snapshot[i] = v.numpy()  # the step being prepared has not computed yet
+
+
+class _Snapshot(dict):
+    """A backend's snapshot: index in ``model.variables`` -> value of each assigned variable;
+    ``moved``: how many micro-batches' moving statistics waited for the apply ("step")."""
+
+    moved = 0
+
+
+def _batch_norms(model) -> list:
+    """(moving mean, moving variance, momentum) of every BatchNormalization layer of ``model``
+    that moves its statistics in training (trainable), found through ``model.layers`` (nested
+    models too); HostavgError for one with renorm, whose statistics move otherwise."""
+    import keras
+    out, todo = [], list(model.layers)
+    while todo:
+        layer = todo.pop(0)
+        todo[:0] = getattr(layer, "layers", [])
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            if getattr(layer, "renorm", False):
+                raise HostavgError(f"batch_norm='step' combines plain batch norm's moments; "
+                                   f"layer {layer.name!r} has renorm=True, whose statistics move "
+                                   f"otherwise: use batch_norm='micro'")
+            out.append((layer.moving_mean, layer.moving_variance, float(layer.momentum)))
+    return out
 
 
 def _applied(out) -> tuple:

@@ -19,7 +19,7 @@ from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
 from hostavg.core.split import take
 from hostavg.engine.step import step_together as engine_step_together
-from hostavg.keras.common import Loss, as_batch, checked_optimizer
+from hostavg.keras.common import BATCH_NORM_MODES, Loss, as_batch, checked_optimizer
 from hostavg.train.history import History
 from hostavg.train.loop import ArraySource
 from hostavg.train.trainer import BaseTrainer, entries
@@ -64,13 +64,28 @@ class Trainer(BaseTrainer):
       optimizer: a ``keras.optimizers.Optimizer`` without
         ``gradient_accumulation_steps`` (hostavg accumulates). It is built
         with the model's trainable variables, as Keras's fit builds it.
+      batch_norm: how BatchNormalization layers' moving mean and variance
+        move, one of :data:`~hostavg.keras.common.BATCH_NORM_MODES`.
+        "micro" (default; Keras's own behaviour, its gradient accumulation's
+        too): once per micro-batch, by that micro-batch's moments, k times
+        per step. "step": once per optimizer step, by the whole batch's
+        moments of the layer's inputs (the sample-weighted combination of the
+        micro-batches' means and variances, the spread between micro-batches
+        included): for a layer whose inputs no earlier batch norm normalised
+        (the first), what a full-batch ``train_on_batch`` assigns. ``compute``
+        then leaves them alone and the next ``apply`` (a step's own) moves
+        them by every micro-batch computed since the last. Either way the
+        forward pass normalises each micro-batch by its own moments, so the
+        gradients are the same in both modes (and a later batch-norm layer
+        sees inputs a full-batch pass would not). Not with ``comm`` (each rank
+        sees only its micro-batches), nor with ``renorm``.
       accumulate, accum_dtype, hooks, comm, update_ratios_every, overlap: as
         for every trainer (:class:`~hostavg.train.trainer.BaseTrainer`).
         ``average="graph"`` is TF1's alone: a Keras model's mean is computed
         by NumPy (or, with ``comm``, by MPI).
 
     Attributes:
-      model, loss, optimizer: as given.
+      model, loss, optimizer, batch_norm: as given.
       spec: name (``variable.path``) -> :class:`~hostavg.VariableSpec` of every
         trained variable: the trainable variables that have a gradient.
       hooks: the hooks, in the order they run.
@@ -89,18 +104,25 @@ class Trainer(BaseTrainer):
 
     def __init__(self, model, loss, optimizer, *, accumulate: str = "sum", accum_dtype=None,
                  hooks=(), comm=None, update_ratios_every: int | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, batch_norm: str = "micro"):
         if keras.backend.backend() != "tensorflow":
             raise HostavgError(f"hostavg.keras needs Keras's TensorFlow backend, got "
                                f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before "
                                f"importing keras")
         if not isinstance(model, keras.Model):
             raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
+        if batch_norm not in BATCH_NORM_MODES:
+            raise HostavgError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
+        if batch_norm == "step" and comm is not None:
+            raise HostavgError("batch_norm='step' combines the moments of every micro-batch of a "
+                               "step, but with comm= each rank sees only its own: use "
+                               "batch_norm='micro'")
         super().__init__(accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap)
         self.model, self.loss, self.optimizer = model, loss, checked_optimizer(optimizer)
+        self.batch_norm = batch_norm
         from hostavg.keras.tensorflow import KerasBackend
-        self._backend = KerasBackend(model, Loss(loss), self.optimizer)
+        self._backend = KerasBackend(model, Loss(loss), self.optimizer, batch_norm)
 
     @property
     def rollback_variables(self) -> tuple:
@@ -271,7 +293,8 @@ class Trainer(BaseTrainer):
     def __repr__(self) -> str:
         known = "unknown until the first batch" if self._engine is None else len(self.spec)
         return (f"hostavg.keras.Trainer(model={self.model.name!r}, variables={known}, "
-                f"accumulate={self.accumulate!r}, accum_dtype={self.accum_dtype})")
+                f"accumulate={self.accumulate!r}, accum_dtype={self.accum_dtype}, "
+                f"batch_norm={self.batch_norm!r})")
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
