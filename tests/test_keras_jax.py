@@ -136,3 +136,21 @@ def test_a_variable_the_loss_does_not_depend_on_is_not_trained():
     assert sorted(t.spec) == sorted(v.path for v in model.out.weights)
     for a, b in zip(before, model.unused.weights):  # AdamW would decay them on a zero gradient
         np.testing.assert_array_equal(a, b.numpy())
+
+
+@jax_only
+def test_bench_runs_the_keras_implementations_on_jax_against_keras_accumulation(tmp_path, capsys):
+    import json
+
+    from hostavg.cli.main import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--grid", "smallest", "--no-memory", "--repeats", "2",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["keras_backend"] == "jax"
+    (config,) = result["configs"]
+    assert set(config["median_s"]) == {"hostavg-keras", "keras-accum"}
+    assert config["baseline"] == "keras-accum" and config["ratio_to_baseline"]["keras-accum"] == 1
+    assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
+    assert main(["bench", "--grid", "smallest", "--implementations", "hostavg-keras,in-graph"]) != 0
+    assert "implementations ['in-graph'] are TF1 graphs" in capsys.readouterr().err
