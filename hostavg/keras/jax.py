@@ -47,6 +47,8 @@ reduces them.
 from __future__ import annotations
 
 import inspect
+import threading
+import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
 
@@ -84,8 +86,13 @@ class KerasJaxBackend:
         rollback set).
       target: the model.
       host_memory: where the compiled gradients are placed for the host to
-        read: None for the device's default memory (the CPU's is the host's),
-        or "pinned_host".
+        read: "host" (the CPU's own memory) or "pinned_host" (an accelerator's
+        pinned host memory), both viewed by NumPy without a copy; or "device"
+        (an accelerator where JAX cannot: each gradient is copied to new host
+        memory).
+      reuses_buffers: whether computes donate earlier gradient buffers to
+        XLA to write the next gradients into (where the host views them
+        without a copy and JAX donates such buffers).
     """
 
     framework = "keras"
@@ -101,9 +108,10 @@ class KerasJaxBackend:
         self._applies = {}  # measure (bool) -> jitted apply
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
+        self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
         self._training = {"training": True} if _takes_training(model) else {}
         self._inference = {"training": False} if self._training else {}
-        self.host_memory, self._outputs = _host_outputs()
+        self.host_memory, self._outputs, self.reuses_buffers = _host_outputs()
 
     # --- The engine's protocol ------------------------------------------------------------
 
@@ -124,13 +132,15 @@ class KerasJaxBackend:
         function, assigns, leaves = feed
         trainable = [v.value for v in self.model.trainable_variables]
         untrained = [v.value for v in self.model.non_trainable_variables]
-        landing = self._ring.pop(0) if len(self._ring) == _RING else self._landing()
+        landing = self._landing()
         with _jax_errors("compute"):
             loss, sq_norms, grads, assigned = function(trainable, untrained, landing, leaves)
             jax.block_until_ready(grads)
         for v, value in zip(assigns, assigned):
             v.assign(value)
-        self._ring.append(grads)
+        if self.reuses_buffers:
+            with self._ring_lock:
+                self._ring.append(grads)
         return Computed(float(loss), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
                         self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
@@ -320,8 +330,14 @@ class KerasJaxBackend:
         return jax.jit(compute, donate_argnums=2, keep_unused=True,
                        out_shardings=(None, None, self._outputs, None))
 
-    def _landing(self) -> list:
-        """Gradient-shaped buffers for a compute to donate, where none of its own is free yet."""
+    def _landing(self):
+        """What a compute donates for its gradients: the buffers of the compute two before (or
+        new ones while there are none yet), or nothing where buffers are not reused."""
+        if not self.reuses_buffers:
+            return ()
+        with self._ring_lock:
+            if len(self._ring) >= _RING:
+                return self._ring.pop(0)
         return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._outputs)
                 for s in self.spec.values()]
 
@@ -374,21 +390,30 @@ def _takes_training(model) -> bool:
 
 
 def _host_outputs() -> tuple:
-    """(memory kind, sharding) the compiled gradients are placed in for the host: none on the
-    CPU (its memory is the host's); pinned host memory on an accelerator where JAX places
-    outputs there and NumPy can view them without a copy; else none (each is copied)."""
+    """(:attr:`~KerasJaxBackend.host_memory`, the sharding gradients are placed in, whether a
+    donated buffer there is written again), found by a probe on the default device.
+
+    On the CPU its own memory; on an accelerator its pinned host memory where a
+    compiled function can place outputs there that NumPy views without a copy
+    (``np.from_dlpack``); else the device's ("device").
+    """
     device = jax.devices()[0]
-    if device.platform == "cpu":
-        return None, None
-    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    sharding = None if device.platform == "cpu" else \
+        jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     try:
-        out = jax.jit(lambda a: a + 1, out_shardings=pinned)(jnp.zeros(4, jnp.float32))
-        view = np.from_dlpack(out)
-        if view.ctypes.data == out.unsafe_buffer_pointer() and view[0] == 1:
-            return "pinned_host", pinned
-    except Exception:  # noqa: BLE001 - any failure means outputs stay in device memory
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unusable donation is a warning
+            land = jax.device_put(jnp.zeros(4, jnp.float32), sharding)
+            where = land.unsafe_buffer_pointer()
+            out = jax.jit(lambda a, land: a + 1, donate_argnums=1, keep_unused=True,
+                          out_shardings=sharding)(jnp.zeros(4, jnp.float32), land)
+            view = np.from_dlpack(out)
+            if view.ctypes.data == out.unsafe_buffer_pointer() and view[0] == 1:
+                return ("host" if sharding is None else "pinned_host", sharding,
+                        out.unsafe_buffer_pointer() == where)
+    except Exception:  # noqa: BLE001 - whatever fails, the gradients stay in device memory
         pass
-    return None, None
+    return "device", None, False
 
 
 def _host(array) -> np.ndarray:
