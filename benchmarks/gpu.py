@@ -255,18 +255,27 @@ def main(argv=None) -> int:
                "sizes": args.sizes, "repeats": args.repeats}
     print(f"# {device.device_kind} ({device.platform}), JAX {jax.__version__}, Keras "
           f"{keras.__version__}, {os.cpu_count()} CPUs", flush=True)
+
+    def keep():  # after each stage: a run cut short keeps what it measured
+        results["tensorflow_imported"] = "tensorflow" in sys.modules
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
     results["bus"] = bus(bus_bytes, args.repeats)
+    print(f"# bus: {results['bus']}", flush=True)
     results["parts"], results["steps"] = [], []
+    keep()
     for config in configs:
         print(f"# {config}: parts", flush=True)
         results["parts"].append(parts(config, args.repeats))
+        keep()
         print(f"# {config}: whole steps", flush=True)
         step = bench.time_config(config, bench.GPU_IMPLEMENTATIONS, repeats=args.repeats)
         results["steps"].append({"config": str(config), "k": config.k, **step})
-    results["tensorflow_imported"] = "tensorflow" in sys.modules
+        keep()
     print(tables(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"TensorFlow imported: {results['tensorflow_imported']}")
     return 0
 
 

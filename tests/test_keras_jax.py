@@ -3,12 +3,14 @@
 Keras's backend is fixed per process. Under the test run's TensorFlow, the
 slow tests start processes with ``KERAS_BACKEND=jax``: one runs the contract
 suite and this file's JAX tests (the keras-jax backend of tests/contract), one
-steps a model in a fresh process and finds TensorFlow never imported. Under
+steps a model in a fresh process and finds TensorFlow never imported, one runs
+benchmarks/gpu.py with tiny sizes. Under
 JAX (``KERAS_BACKEND=jax pytest tests/test_keras_jax.py``) the rest run:
 dense embedding gradients, host buffers reused without overwriting what is
 still held, and variables the loss does not depend on left untrained.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +74,22 @@ def test_a_step_on_jax_imports_no_tensorflow():
     out = run_on_jax(["-c", NO_TENSORFLOW], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+@pytest.mark.slow  # a fresh process; about 40 s
+@pytest.mark.skipif(ON_JAX, reason="the process on TensorFlow runs it")
+def test_the_gpu_benchmark_runs_on_the_cpu_with_tiny_sizes(tmp_path):
+    out = run_on_jax(["benchmarks/gpu.py", "--sizes", "tiny", "--repeats", "1", "--json",
+                      str(tmp_path / "gpu.json")], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert not result["tensorflow_imported"]
+    assert [p["host_memory"] for p in result["parts"]] == ["host", "host"]
+    assert all(p["reuses_buffers"] for p in result["parts"])
+    for step in result["steps"]:
+        assert set(step["median_s"]) == {"hostavg-keras", "hostavg-keras-overlap", "keras-accum"}
+        assert max(step["max_weight_diff"].values()) < 1e-5, step["max_weight_diff"]
+    assert "| mlp-300k micro=32 k=4 | 4 |" in out.stdout
 
 
 def trainer(model, **kw):
@@ -140,8 +158,6 @@ def test_a_variable_the_loss_does_not_depend_on_is_not_trained():
 
 @jax_only
 def test_bench_runs_the_keras_implementations_on_jax_against_keras_accumulation(tmp_path, capsys):
-    import json
-
     from hostavg.cli.main import main
     out = tmp_path / "bench.json"
     assert main(["bench", "--grid", "smallest", "--no-memory", "--repeats", "2",
