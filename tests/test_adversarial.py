@@ -101,6 +101,25 @@ def test_feeds_that_convert_without_changing_a_value_are_taken():
         np.testing.assert_allclose(got.grads[name], want.grads[name], rtol=1e-6, err_msg=name)
 
 
+def test_a_placeholder_missing_from_a_later_micro_batch_is_refused_before_any_runs():
+    # Micro-batch 0 ran (its UPDATE_OPS moved the moving mean, its hook was called) before the
+    # session refused micro-batch 1 for the label it lacked.
+    seen = []
+
+    class Seen:
+        def on_micro_batch(self, micro):
+            seen.append(micro.index)
+
+    case = Case(update_op=True, hooks=[Seen()])
+    y = case.model.inputs["y"]
+    feeds = [dict(f) for f in case.feeds]
+    del feeds[1][y]
+    unchanged(case, lambda: case.trainer.step(case.sess, feeds),
+              r"^step, micro-batch 1 of 4: the graph reads placeholder 'y:0', which this feed "
+              r"does not give; feed it to every micro-batch")
+    assert case.sess.run(case.model.counter) == 0 and seen == []  # refused before any ran
+
+
 # --- The train op's other inputs (a learning-rate placeholder) reach the apply ----------------
 
 
@@ -422,6 +441,44 @@ def test_a_resume_with_another_batch_size_continues_at_the_next_sample(tmp_path)
     assert_bitwise(variables(trainer, sess), variables(want, want_sess))
 
 
+# --- Variables made from one initial-value tensor are set each to its own value ---------------
+
+
+def test_variables_made_from_one_initial_value_are_restored_each_to_its_own(tmp_path):
+    # load_variables fed each variable's initial value: {t: a's value, t: b's value} is one
+    # dict key, so restore and a failed step's rollback gave both variables b's value.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        t = tf.zeros([3])
+        w = tf.Variable(np.ones(3, np.float32), name="w")
+        low, high = tf.Variable(t, trainable=False, name="low"), tf.Variable(t, trainable=False,
+                                                                            name="high")
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, low.assign_sub(tf.reduce_mean(x, 0)))
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, high.assign_add(tf.reduce_mean(x, 0)))
+        trainer = hostavg.Trainer(tf.reduce_mean(tf.reduce_sum(x * w, 1)),
+                                  v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    assert {v.op.name for v in trainer.rollback_variables} == {"low", "high"}
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    data = np.arange(12, dtype=np.float32).reshape(4, 3)
+    trainer.step(sess, hostavg.split({x: data}, 2))
+    before = sess.run({"low": low, "high": high, "w": w})
+    assert not np.array_equal(before["low"], before["high"])
+    bad = data.copy()
+    bad[3, 0] = np.nan
+    with pytest.raises(hostavg.HostavgError, match="micro-batch 1 of 2 .*non-finite"):
+        trainer.step(sess, hostavg.split({x: bad}, 2))
+    for name, value in sess.run({"low": low, "high": high, "w": w}).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    trainer.save(sess, tmp_path / "ckpt.npz")
+    trainer.step(sess, hostavg.split({x: data}, 2))
+    trainer.restore(sess, tmp_path / "ckpt.npz")
+    for name, value in sess.run({"low": low, "high": high, "w": w}).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
 # --- Restore checks everything before changing anything ----------------------------------------
 
 
@@ -634,7 +691,8 @@ def test_a_session_closed_mid_step_is_the_error_reported_not_the_failed_rollback
     case = Case(update_op=True, hooks=[closer])
     closer.sess = case.sess
     with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 2 of 4 \(samples 20:30\): "
-                       r"the session failed in compute \(\w+Error: Session has been closed") as raised:
+                       r"the session failed in the snapshot of the rollback variables "
+                       r"\(\w+Error: Session has been closed") as raised:
         case.trainer.step(case.sess, case.feeds)
     assert "hostavg: restoring the variables the micro-batches assign failed too" in \
         raised.value.__notes__[0]

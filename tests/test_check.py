@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from hostavg.core.check import ADVICE, FLOOR, TOLERANCE, diagnose
+from hostavg.core.check import (ADVICE, FLOOR, TOLERANCE, RandomOp, diagnose,
+                                shows_fixed_batch)
 
 
 def grads(**arrays):
@@ -54,6 +55,19 @@ def test_the_advice_speaks_the_framework_of_the_user(framework):
         assert "batch_normalization" in batch
 
 
+def test_the_random_ops_a_backend_found_are_named_with_the_advice_for_their_kind():
+    whole, noisy = grads(w=[3.0, 4.0]), grads(w=[3.5, 4.0])
+    found = [RandomOp("tf.nn.dropout", "dropout/random_uniform/RandomUniform:0", "random"),
+             RandomOp("tf.random.normal", "z/RandomStandardNormal:0", "draw")]
+    cause = diagnose(whole, noisy, noisy, 2, "tf1", found).cause
+    assert ("random ops in training mode: tf.nn.dropout ('dropout/random_uniform/RandomUniform:0'), "
+            "tf.random.normal ('z/RandomStandardNormal:0'). Turn them off") in cause
+    assert "keep_prob" in cause and "feed 'z/RandomStandardNormal:0' a fixed array" in cause
+    many = diagnose(whole, noisy, noisy, 2, "tf1", [found[1]._replace(tensor=f"z{i}:0")
+                                                    for i in range(5)]).cause
+    assert "('z2:0') and 2 more. No feed turns them off" in many and "keep_prob" not in many
+
+
 def test_a_deterministic_keras_transformer_block_passes_the_check():
     """An attention key's bias has a true gradient of zero (the softmax cancels it): its
     difference is round-off, which the floor lets pass; a dropout twin fails naming Dropout."""
@@ -88,3 +102,15 @@ def test_flags_that_are_not_bools_are_refused_before_anything_happens(tmp_path):
     with pytest.raises(hostavg.HostavgError, match=r"^micro must be True or False, got 1"):
         hostavg.hooks.Record(tmp_path / "rec", micro=1)
     assert not (tmp_path / "rec").exists()
+
+
+@pytest.mark.parametrize("message,n,whole,fixed", [
+    ("Incompatible shapes: [3,3] vs. [12,3]", 3, 12, True),
+    ("Input to reshape is a tensor with 9 values, but the requested shape has 36", 3, 12, True),
+    ("Input to reshape is a tensor with 42 values, but the requested shape has 170", 42, 170, True),
+    ("Incompatible shapes: [3,3] vs. [5,3]", 3, 12, False),
+    ("Incompatible shapes: [12,3] vs. [12,4]", 12, 12, False),  # the whole batch: not this
+])
+def test_a_shape_error_in_the_ratio_of_micro_batch_to_batch_shows_a_fixed_batch_size(
+        message, n, whole, fixed):
+    assert shows_fixed_batch(message, n, whole) is fixed

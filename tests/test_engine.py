@@ -196,18 +196,6 @@ def test_a_large_frozen_variable_is_not_in_the_rollback_snapshot():
     assert len(sess.fetched) == 3  # two computes, one apply
 
 
-def test_a_failed_step_restores_what_update_ops_assigned():
-    case = Case(update_op=True)
-    case.trainer.step(case.sess, case.feeds)
-    x = case.model.inputs["x"]
-    feeds = [dict(f) for f in case.feeds]
-    feeds[3][x] = np.full_like(feeds[3][x], np.nan)
-    unchanged(case, lambda: case.trainer.step(case.sess, feeds), "micro-batch 3 of 4")
-
-
-# --- Errors name the real culprit ---------------------------------------------------------
-
-
 def test_a_nan_after_a_dropped_micro_batch_is_named_by_its_own_index():
     class DropFirst:
         def on_micro_batch(self, micro):

@@ -12,7 +12,6 @@ from models import keras_model as build
 
 import hostavg
 import hostavg.keras
-from hostavg.hooks import Record, SkipNonFinite, TensorBoard
 
 STEPS, BATCH = 8, 40
 EQUAL, UNEQUAL = (10, 10, 10, 10), (5, 12, 3, 20)
@@ -77,18 +76,6 @@ def hostavg_steps(optimizer, data, sizes, **model_kw):
 # --- Exactness ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sizes", [EQUAL, UNEQUAL], ids=["equal", "unequal"])
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_a_step_equals_keras_full_batch_train_on_batch(optimizer, sizes):
-    data = batches(0, STEPS, BATCH)
-    want = keras_steps(optimizer, data)
-    model, trainer, results = hostavg_steps(optimizer, data, sizes)
-    assert_close(values(model, trainer.optimizer), values(want, want.optimizer), atol=1e-5)
-    assert [r.step for r in results] == list(range(1, STEPS + 1))
-    assert int(trainer.optimizer.iterations.numpy()) == STEPS
-    assert [m.size for m in results[-1].micro] == list(sizes) and results[-1].size == BATCH
-
-
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_equal_micro_batches_equal_keras_gradient_accumulation(optimizer):
     data = batches(1, STEPS, BATCH)
@@ -112,18 +99,6 @@ def dense_full_batch(optimizer, data):
         grads = tape.gradient(value, model.trainable_variables)
         opt.apply_gradients(zip([tf.convert_to_tensor(g) for g in grads], model.trainable_variables))
     return model, opt
-
-
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_embedding_steps_stay_sparse_and_equal_the_dense_full_batch_step(optimizer):
-    data = batches(2, STEPS, BATCH, sparse=True)  # 120 ids from 50 per batch: rows repeat
-    want, want_opt = dense_full_batch(optimizer, data)
-    model, trainer, results = hostavg_steps(optimizer, data, UNEQUAL, sparse=True)
-    assert trainer.spec["embedding/embeddings"].sparse
-    mean = results[-1].grads["embedding/embeddings"]
-    assert isinstance(mean, hostavg.SparseGradient)
-    np.testing.assert_array_equal(mean.indices, np.unique(data[-1]["ids"]))
-    assert_close(values(model, trainer.optimizer), values(want, want_opt), atol=1e-5)
 
 
 def test_keras_train_on_batch_differs_from_the_dense_step_when_ids_repeat():
@@ -170,35 +145,6 @@ def test_a_multi_input_model_takes_a_dict_of_arrays():
     assert_close([v.numpy() for v in model.variables], [v.numpy() for v in want.variables], 1e-5)
 
 
-def test_interactive_compute_add_mean_apply_equals_step():
-    data = batches(4, 1, BATCH)[0]
-    micro = hostavg.split(xy(data), 10)
-    a, b = build(), build()
-    ta = hostavg.keras.Trainer(a, loss(), keras.optimizers.Adam(0.01))
-    tb = hostavg.keras.Trainer(b, loss(), keras.optimizers.Adam(0.01))
-    grads = [ta.compute(m) for m in micro]
-    assert set(grads[0]) == {"hidden/kernel", "hidden/bias", "out/kernel", "out/bias"}
-    assert grads[0].size == 10 and grads[0].loss > 0
-    assert grads[0].sq_norms.keys() == grads[0].keys()
-    for g in grads[0].values():
-        assert not g.flags.writeable
-    acc = ta.accumulator()
-    for g in grads:
-        acc.add(g)
-    assert ta.apply(acc.mean()) == 1
-    res = tb.step(micro)
-    assert res.step == 1 and res.loss == pytest.approx(acc.mean().loss, rel=1e-12)
-    for u, v in zip(a.variables, b.variables):
-        np.testing.assert_array_equal(u.numpy(), v.numpy())
-    edited = {name: np.array(value) * 0.5 for name, value in res.grads.items()}
-    before = [v.numpy() for v in a.variables]
-    assert ta.apply(edited) == 2  # an edited copy, checked and applied; no forward pass
-    assert not np.array_equal(a.variables[0].numpy(), before[0])
-
-
-# --- Batch norm, dropout and atomic steps ---------------------------------------------------
-
-
 def test_batch_norm_statistics_update_per_micro_batch_and_a_failed_step_restores_them():
     data = batches(5, 2, BATCH)
     model = build(batch_norm=True, dropout=True, frozen=True)
@@ -243,24 +189,6 @@ def test_the_first_step_restores_what_it_assigned_too():
         trainer.step(hostavg.split((x, y), 10))
     for u, v in zip(before, model.variables):
         np.testing.assert_array_equal(u, v.numpy())
-
-
-def test_skip_non_finite_drops_the_bad_micro_batch_and_record_and_tensorboard_see_the_step(tmp_path):
-    model = build()
-    trainer = hostavg.keras.Trainer(model, loss(), keras.optimizers.Adam(0.01),
-                                    hooks=[SkipNonFinite(), Record(tmp_path / "rec"),
-                                           TensorBoard(tmp_path / "tb", histograms_every=1)])
-    x, y = xy(batches(7, 1, BATCH)[0])
-    x = x.copy()
-    x[12, 0] = np.nan
-    res = trainer.step(hostavg.split((x, y), 10))
-    assert res.dropped == (1,) and res.size == 30
-    assert res.micro[1].dropped.startswith("non-finite gradients in 'hidden/kernel'")
-    assert res.stats.micro_losses[1] != res.stats.micro_losses[1]  # NaN, reported
-    step = hostavg.load_record(tmp_path / "rec")[1]
-    for name, value in res.grads.items():
-        np.testing.assert_array_equal(step.mean[name], value)
-    assert any((tmp_path / "tb").iterdir())
 
 
 def test_stack_mode_keeps_each_micro_batch_and_stats_use_them():
@@ -425,6 +353,11 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
                                                    r"the compute \(InvalidArgumentError: .*\); "
                                                    r"check that micro-batch's x and y"):
         trainer.step([(x, np.full(BATCH, 7))])  # a label past the 3 classes
+    with pytest.raises(hostavg.HostavgError, match=r"^check: the feed holds no array of samples to "
+                                                   r"cut into micro-batches \(arrays of 0 samples\)\. "
+                                                   r"check runs one batch whole and in micro-batches: "
+                                                   r"give it x and y of at least one sample each"):
+        trainer.check(x[:0], y[:0], 10)
     g = {name: np.array(v) for name, v in trainer.compute((x, y)).items()}
     del g["out/bias"]
     with pytest.raises(hostavg.HostavgError, match=re.escape("missing ['out/bias']")):

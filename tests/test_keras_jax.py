@@ -170,3 +170,12 @@ def test_bench_runs_the_keras_implementations_on_jax_against_keras_accumulation(
     assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
     assert main(["bench", "--grid", "smallest", "--implementations", "hostavg-keras,in-graph"]) != 0
     assert "implementations ['in-graph'] are TF1 graphs" in capsys.readouterr().err
+
+
+def test_a_keras_backend_without_a_hostavg_backend_is_refused_by_name(monkeypatch):
+    model = keras_model()
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    with pytest.raises(hostavg.HostavgError, match=r"^hostavg.keras runs on Keras's tensorflow or "
+                                                   r"jax backend, got 'torch'; set KERAS_BACKEND "
+                                                   r"to one of them before importing keras$"):
+        trainer(model)

@@ -148,21 +148,6 @@ def test_a_failing_hook_waits_for_the_micro_batch_in_flight_before_restoring():
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
 
-def test_the_keras_engine_overlaps_too_with_the_same_results():
-    data = batches(4, 3, BATCH)
-
-    def run(overlap):
-        model = keras_model(seed=1, batch_norm=True)
-        trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True), keras.optimizers.Adam(0.01), overlap=overlap)
-        for d in data:
-            trainer.step([(d["x"][s], d["y"][s]) for s in cuts(BATCH, UNEQUAL)])
-        return [v.numpy() for v in model.variables]
-
-    for a, b in zip(run(False), run(True)):
-        np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize("make", [
     lambda loss: hostavg.Trainer(loss, v1.train.AdamOptimizer(0.01), overlap="yes"),
     lambda loss: hostavg.keras.Trainer(keras_model(), "mse", keras.optimizers.Adam(),

@@ -56,3 +56,14 @@ def test_take_and_feed_size_read_tuples_like_feed_dicts():
     np.testing.assert_array_equal(x["a"], [5, 0])
     np.testing.assert_array_equal(y, [10, 0])
     assert scalar == 0.5
+
+
+def test_micro_batches_cut_with_blocks_keep_them_and_know_their_size():
+    from hostavg.core.split import blocks_of, feed_size
+    parts = split({"x": np.zeros((5, 2)), "labels": np.arange(10)}, 2, blocks={"labels": 2})
+    assert [feed_size(p) for p in parts] == [2, 2, 1]
+    assert blocks_of(parts[0]) == {"labels": 2} and blocks_of(dict(parts[0])) == {}
+    np.testing.assert_array_equal(parts[2]["labels"], [4, 9])
+    pairs = split((np.zeros(3), np.arange(6)), 2, blocks={(1,): 2})
+    assert [feed_size(p) for p in pairs] == [2, 1] and isinstance(pairs[0], tuple)
+    np.testing.assert_array_equal(pairs[1][1], [2, 5])

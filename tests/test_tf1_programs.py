@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import cuts, v1
+from models import ENV, cuts, v1
 
 import hostavg
 from hostavg.hooks import Record
@@ -205,7 +205,8 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     sess = session(graph, init)
     report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, 8)
     assert not report.ok and report.noise > 0.01
-    assert "random ops in training mode, such as dropout" in report.cause
+    assert "random ops in training mode: tf.nn.dropout ('dropout/random_uniform/" in report.cause
+    assert "keep_prob or dropout-rate placeholder fed 1.0" in report.cause
     assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, 8).ok
     for _ in range(4):
         trainer.step(sess, hostavg.split({x: X, y: Y, keep: 1.0}, 8))
@@ -219,6 +220,104 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     for _ in range(4):
         osess.run(train, {ox: X, oy: Y, okeep: 1.0})
     assert_close(values(graph, sess), values(oracle, osess), atol=1e-5)
+
+
+def test_the_check_names_the_random_op_it_finds_and_what_turns_it_off():
+    # A VAE draws its noise in the graph: the advice "a keep_prob placeholder fed 1.0, a
+    # training placeholder fed False" named neither.
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(24, 6)).astype(np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        stats = tf.matmul(x, tf.Variable(rng.normal(0, 0.3, (6, 4)).astype(np.float32)))
+        mu, log_var = stats[:, :2], stats[:, 2:]
+        with tf.name_scope("sample"):
+            z = mu + tf.exp(log_var / 2) * tf.random.normal(tf.shape(mu))
+        decoded = tf.matmul(z, tf.Variable(rng.normal(0, 0.3, (2, 6)).astype(np.float32)))
+        kl = -0.5 * tf.reduce_sum(1 + log_var - tf.square(mu) - tf.exp(log_var), 1)
+        loss = tf.reduce_mean(tf.reduce_sum(tf.square(decoded - x), 1) + kl)
+        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(1e-3))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    report = trainer.check(sess, {x: X}, 8)
+    noise = "sample/random_normal/RandomStandardNormal:0"
+    assert not report.ok and (f"random ops in training mode: tf.random.normal ('{noise}'). No "
+                              f"feed turns them off") in report.cause
+    assert "keep_prob" not in report.cause and "fed False" not in report.cause
+    assert f"feed {noise!r} a fixed array" in report.cause
+    assert trainer.check(sess, {x: X, noise: np.zeros((24, 2), np.float32)}, 8).ok  # as it says
+
+
+# --- Tensors fetched with the train op: summaries, accuracy -----------------------------------
+
+
+def summarized_classifier():
+    """A classifier whose program ran sess.run([train_op, summary, accuracy], feed); its weights
+    a reference variable."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 10], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.Variable(np.random.default_rng(0).normal(0, 0.3, (10, 3)).astype(np.float32),
+                        name="w", use_resource=False)
+        logits = tf.matmul(x, w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        summary = v1.summary.merge([v1.summary.scalar("loss", loss),
+                                    v1.summary.scalar("accuracy", accuracy)])
+        weights = tf.identity(w, name="weights")  # the variable's buffer, as a session returns it
+    return graph, (x, y), loss, accuracy, summary, weights
+
+
+def test_tensors_fetched_with_a_step_are_each_micro_batch_s_own_before_the_update():
+    # Programs that ran sess.run([train_op, summary, accuracy], feed) had to fetch them in a
+    # second full-batch run after the update: another forward pass, post-update values.
+    rng = np.random.default_rng(12)
+    X, Y = rng.normal(size=(24, 10)).astype(np.float32), rng.integers(0, 3, 24)
+    graph, (x, y), loss, accuracy, summary, weights = summarized_classifier()
+    seen = []
+
+    class Seen:
+        def on_micro_batch(self, micro):
+            seen.append(micro.fetched)
+
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.5), hooks=[Seen()])
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    feeds = hostavg.split({x: X, y: Y}, 8)
+    want = [sess.run([accuracy, loss], f) for f in feeds]
+    w_before = sess.run(weights)
+    res = trainer.step(sess, feeds, fetches=[accuracy, summary, "weights:0", accuracy.op])
+    assert len(res.fetched) == 3 and seen == [m.fetched for m in res.micro] == list(res.fetched)
+    for (acc, proto, w, none), m, (want_acc, want_loss) in zip(res.fetched, res.micro, want):
+        assert acc == want_acc and m.loss == want_loss and none is None
+        tags = {v.tag: v.simple_value for v in v1.Summary.FromString(proto).value}
+        assert tags == pytest.approx({"loss": want_loss, "accuracy": want_acc})
+        np.testing.assert_array_equal(w, w_before)  # copied: the update changed the buffer
+        assert not w.flags.writeable
+    assert not np.array_equal(sess.run(weights), w_before)
+
+    seen.clear()
+    history = trainer.fit(sess, {x: X, y: Y}, batch_size=12, micro_batch_size=4, shuffle=False,
+                          progress=False, fetches=[accuracy])
+    assert len(history.steps) == 2 and len(seen) == 6 and all(len(f) == 1 for f in seen)
+
+    with tf.Graph().as_default():
+        stranger = tf.constant(1.0)
+    for bad, match in [(accuracy, r"^fetches must be a list or tuple of tensors or operations, "
+                                  r"got 'Mean_\d:0'; such as fetches=\[accuracy, summary\]"),
+                       ([trainer.global_step], r"^fetches\[0\]: 'global_step:0' is a variable"),
+                       (["nope:0"], r"^fetches\[0\]: 'nope:0' names nothing in the trainer's graph"),
+                       ([stranger], r"^fetches\[0\]: 'Const:0' is not in the trainer's graph")]:
+        with pytest.raises(hostavg.HostavgError, match=match):
+            trainer.step(sess, feeds, fetches=bad)
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 3: 'x:0' is fed and "
+                                                   r"fetched"):
+        trainer.step(sess, feeds, fetches=[x])
+    assert sess.run(trainer.global_step) == 3
 
 
 # --- A GAN with batch norm in both networks -------------------------------------------------
@@ -374,6 +473,32 @@ def test_step_together_is_atomic_across_trainers():
     assert_close(values(graph, sess), before, atol=0)
 
 
+def test_micro_batches_split_with_blocks_know_their_sizes_in_step_and_step_together():
+    # step_together refused split(..., blocks=)'s micro-batches unless given sizes, and its
+    # error suggested blocks=, which neither step nor step_together takes.
+    def run(given_sizes):
+        graph, t, d, g, init = gan_trainers()
+        sess = session(graph, init)
+        feed = gan_batch(np.random.default_rng(8), 10)
+        fake = sess.run(t["samples"], {t["z"]: feed["z"]})
+        d_feeds = hostavg.split({t["real"]: feed["real"], t["fake"]: fake,
+                                 t["labels"]: feed["labels"]}, 4, blocks={t["labels"]: 2})
+        g_feeds = hostavg.split({t["z"]: feed["z"]}, 4)
+        entry = (d, d_feeds, [4, 4, 2]) if given_sizes else (d, d_feeds)
+        res_d, _ = hostavg.step_together(sess, [entry, (g, g_feeds)])
+        assert [m.size for m in res_d.micro] == [4, 4, 2] and res_d.size == 10
+        res = d.step(sess, d_feeds)
+        assert [m.size for m in res.micro] == [4, 4, 2]
+        with pytest.raises(hostavg.HostavgError,
+                           match=r"^step, micro-batch 0 of 3: arrays have different lengths along "
+                                 r"axis 0 .*labels:0: 8\).*blocks=.* hostavg\.split.*sizes=.*"
+                                 r"\(trainer, feeds, sizes\) to step_together"):
+            hostavg.step_together(sess, [(d, [dict(f) for f in d_feeds])])  # plain dicts
+        return values(graph, sess)
+
+    assert_close(run(False), run(True), atol=0)
+
+
 def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
     graph, t, d_loss, g_loss, d_vars, g_vars = gan()
     rng = np.random.default_rng(4)
@@ -402,6 +527,201 @@ def test_fit_with_blocks_equals_steps_over_hand_cut_micro_batches():
     assert_close(trained(True), trained(False), atol=0)
 
 
+# --- A graph that fixes the batch size ---------------------------------------------------------
+
+
+def fixed_batch_program(kind, batch_size=12):
+    """A classifier written for batches of exactly ``batch_size``: a reshape or a constant of
+    that many rows, or two towers that each slice their half of the batch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = tf.Variable(np.random.default_rng(0).normal(0, 0.3, (4, 3)).astype(np.float32), name="w")
+
+        def xent(x, y):
+            logits = tf.matmul(x, w)
+            if kind == "reshape":
+                logits = tf.reshape(logits, [batch_size, 3])
+            elif kind == "ones":
+                logits += tf.ones([batch_size, 3])
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                                 logits=logits))
+        if kind == "towers":
+            half = batch_size // 2
+            loss = tf.add_n([xent(x[i * half:(i + 1) * half], y[i * half:(i + 1) * half])
+                             for i in range(2)]) / 2
+        else:
+            loss = xent(x, y)
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    rng = np.random.default_rng(1)
+    feed = {x: rng.normal(size=(batch_size, 4)).astype(np.float32), y: rng.integers(0, 3, batch_size)}
+    return graph, trainer, session(graph, init), feed
+
+
+FIXED = (r"The graph likely builds a shape from the full batch \(12 rows\) where the micro-batch "
+         r"has 3 \(tf\.reshape\(x, \[batch_size, \.\.\.\]\), tf\.ones\(\[batch_size, \.\.\.\]\), "
+         r"slices such as x\[i \* batch_size:\(i \+ 1\) \* batch_size\]\); use tf\.shape\(x\)\[0\], "
+         r"the rows the feed has, instead of batch_size\.$")
+
+
+@pytest.mark.parametrize("kind,said", [
+    ("reshape", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
+                r"\[12,1\]\); check that micro-batch's feed\. "),
+    ("ones", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. \[12,3\]\); "
+             r"check that micro-batch's feed\. "),
+    # The second tower's slice is empty: its mean is NaN, its gradient 0.
+    ("towers", r"finite gradients but the loss is nan\. Nothing was applied\. "),
+])
+def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
+    # The session's shape error blamed the feed, and a NaN loss with finite gradients
+    # suggested SkipNonFinite(), which would skip every micro-batch.
+    graph, trainer, sess, feed = fixed_batch_program(kind)
+    before = values(graph, sess)
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^step, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+        trainer.step(sess, hostavg.split(feed, 3))
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+        trainer.check(sess, feed, 3)
+    assert_close(values(graph, sess), before, atol=0)
+    assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
+
+
+# --- Graphs fed by a tf.data iterator --------------------------------------------------------
+
+
+def dataset_program(X, Y, batch_size, seed=0):
+    """A classifier whose batches come from a tf.data iterator: no placeholder, and every
+    session run takes the next batch of ``batch_size`` (the data repeated: every batch full)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        dataset = tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(batch_size)
+        images, labels = v1.data.make_one_shot_iterator(dataset).get_next()
+        w = tf.Variable(np.random.default_rng(seed).normal(0, 0.3, (X.shape[1], 3)).astype(np.float32),
+                        name="w")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=tf.matmul(images, w)))
+    return graph, (images, labels), loss
+
+
+def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_samples():
+    # check had no blocks= (a discriminator's labels of tf.concat([real, fake])), and on a feed
+    # of scalars or a graph fed by tf.data it said "split: the batch holds no samples".
+    graph, t, d, g, init = gan_trainers()
+    sess = session(graph, init)
+    feed = gan_batch(np.random.default_rng(9), 12)
+    fake = sess.run(t["samples"], {t["z"]: feed["z"]})
+    before = values(graph, sess)
+    report = d.check(sess, {"real:0": feed["real"], t["fake"]: fake, "labels": feed["labels"]}, 4,
+                     blocks={"labels": 2})
+    assert report.micro_batches == 3 and not report.ok and "batch norm" in report.cause
+    assert_close(values(graph, sess), before, atol=0)
+
+    X, Y = linear_data()
+    graph, x, y, loss = regression()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^check: the feed holds no array of samples to cut into micro-batches "
+                             r"\(only scalars: 'x:0', 'y:0'\)\. check runs one batch whole and in "
+                             r"micro-batches: feed it that batch's arrays, such as "
+                             r"\{x: X\[:256\], y: Y\[:256\]\}"):
+        trainer.check(session(graph, init), {x: 1.0, y: 2.0}, 1)
+
+    rng = np.random.default_rng(10)
+    X, Y = rng.normal(size=(64, 5)).astype(np.float32), rng.integers(0, 3, 64)
+    graph, (images, labels), loss = dataset_program(X, Y, 16)
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    with pytest.raises(hostavg.HostavgError,
+                       match=r"^check: the feed holds no array of samples .* \(an empty feed\).*"
+                             r"a graph that reads its batch from a tf\.data iterator or a queue: "
+                             r"feed the tensors it reads"):
+        trainer.check(sess, {}, 4)
+    # Fed the iterator's outputs, the check runs on that batch and takes nothing from the iterator.
+    assert trainer.check(sess, {images: X[:16], labels: Y[:16]}, 4).ok
+    np.testing.assert_array_equal(sess.run(images), X[:16])
+
+
+def test_a_graph_fed_by_tf_data_steps_over_k_micro_batches_of_its_iterator_as_one_batch():
+    # The porting guide's recipe: the dataset re-batched to the micro-batch size, and step given
+    # k feeds that feed nothing, with their sizes: k session runs take the k batches in turn.
+    rng = np.random.default_rng(13)
+    X, Y = rng.normal(size=(96, 5)).astype(np.float32), rng.integers(0, 3, 96)
+    k, m = 4, 8
+    graph, _, loss = dataset_program(X, Y, m)
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.MomentumOptimizer(0.1, 0.9))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    for _ in range(5):  # 160 samples: the data repeats, as the program's own does
+        res = trainer.step(sess, [{}] * k, sizes=[m] * k)
+    assert res.size == k * m and res.step == 5
+
+    oracle, _, oloss = dataset_program(X, Y, k * m)
+    with oracle.as_default():
+        train = v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+            oloss, global_step=v1.train.get_or_create_global_step())
+        init = v1.global_variables_initializer()
+    osess = session(oracle, init)
+    for _ in range(5):
+        osess.run(train)
+    assert_close(values(graph, sess), values(oracle, osess), atol=1e-6)
+
+
+# --- Reference variables: TF1's variables before resource variables ---------------------------
+
+
+def ref_batch_norm_mlp():
+    """An MLP with batch norm written by hand, every variable a reference variable, as
+    programs that call tf.compat.v1.disable_v2_behavior() make them."""
+    graph = tf.Graph()
+    with graph.as_default(), v1.variable_scope("", use_resource=False):
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = tf.nn.relu(batch_norm(dense(x, 8, "d1"), "bn"))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=dense(h, 3, "d2")))
+    return graph, (x, y), loss
+
+
+def test_reference_variables_are_restored_by_check_and_by_a_failed_step():
+    # The snapshot read each variable with read_value(), which for a reference variable is the
+    # variable's own buffer: the moving statistics kept what check and the failed step left.
+    graph, (x, y), loss = ref_batch_norm_mlp()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.MomentumOptimizer(0.1, 0.9))
+        init = v1.global_variables_initializer()
+    moving = [v for v in trainer.rollback_variables if "moving" in v.op.name]
+    assert len(moving) == 2 and all(v.dtype._is_ref_dtype for v in moving)
+    sess = session(graph, init)
+    rng = np.random.default_rng(7)
+    X, Y = rng.normal(2, 3, (16, 6)).astype(np.float32), rng.integers(0, 3, 16)
+    trainer.step(sess, hostavg.split({x: X, y: Y}, 4))  # slots and statistics non-trivial
+    before = values(graph, sess)
+    report = trainer.check(sess, {x: X, y: Y}, 4)
+    assert not report.ok and "batch norm" in report.cause
+    assert_close(values(graph, sess), before, atol=0)
+    bad = X.copy()
+    bad[9, 2] = np.nan
+    with pytest.raises(hostavg.HostavgError, match=r"micro-batch 2 of 4 .*non-finite"):
+        trainer.step(sess, hostavg.split({x: bad, y: Y}, 4))
+    assert_close(values(graph, sess), before, atol=0)
+
+
+@pytest.mark.slow
+def test_a_program_that_disables_v2_behavior_is_restored_by_check_and_by_a_failed_step():
+    run = subprocess.run([sys.executable, str(HERE / "v1_script.py")], capture_output=True,
+                         text=True, env=ENV, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ref", "check", "unchanged", "failed", "unchanged"]
+
+
 # --- word2vec with nce_loss: sampled, sparse --------------------------------------------------
 
 
@@ -425,7 +745,9 @@ def test_word2vec_nce_trains_with_sparse_gradients_and_the_check_names_the_sampl
     words = rng.integers(0, vocab, 64).astype(np.int32)
     feed = {inputs: words, context: ((words + 1) % vocab).astype(np.int64)[:, None]}
     report = trainer.check(sess, feed, 16)
-    assert not report.ok and "random ops in training mode" in report.cause
+    assert not report.ok and ("random ops in training mode: a sampled loss "
+                              "('nce_loss/LogUniformCandidateSampler:0')") in report.cause
+    assert "check with the full loss" in report.cause
     first = trainer.step(sess, hostavg.split(feed, 16))
     assert isinstance(first.grads["embeddings"], hostavg.SparseGradient)
     losses = [trainer.step(sess, hostavg.split(feed, 16)).loss for _ in range(30)]

@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from models import OPTIMIZERS, FetchSpy, batches, build, cuts, full_batch, make_optimizer, v1
+from models import FetchSpy, batches, build, cuts, full_batch, make_optimizer, v1
 
 import hostavg
 
@@ -35,19 +35,6 @@ def assert_same_weights(got: dict, want: dict, atol: float):
     assert got.keys() == want.keys()
     worst = max(np.max(np.abs(got[k] - want[k])) for k in want)
     assert worst <= atol, {k: float(np.max(np.abs(got[k] - want[k]))) for k in want}
-
-
-@pytest.mark.parametrize("sizes", [EQUAL, UNEQUAL], ids=["equal", "unequal"])
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_accumulated_step_equals_full_batch_step(optimizer, sizes, sparse):
-    data = batches(0, STEPS, BATCH, sparse=sparse)
-    want = full_batch(optimizer, data, sparse=sparse)
-    model, sess, trainer, results = train(optimizer, data, sizes, model_kw={"sparse": sparse})
-    assert_same_weights(model.values(sess), want, atol=1e-5)
-    assert [r.step for r in results] == list(range(1, STEPS + 1))
-    assert results[-1].size == BATCH
-    assert [m.size for m in results[-1].micro] == list(sizes)
 
 
 @pytest.mark.parametrize("accumulate,average", [("sum", "graph"), ("stack", "host"),
@@ -94,31 +81,6 @@ class Case:
         return self.model.values(self.sess)
 
 
-def test_stack_mode_keeps_each_micro_batch_as_compute_sees_it():
-    case = Case(accumulate="stack")
-    alone = [case.trainer.compute(case.sess, f) for f in case.feeds]
-    res = case.trainer.step(case.sess, case.feeds)
-    for g, m in zip(alone, res.micro):
-        assert m.grads.keys() == g.keys() and m.loss == g.loss and m.size == g.size == 10
-        for name in g:
-            np.testing.assert_array_equal(m.grads[name], g[name])
-    want = hostavg.Accumulator(case.trainer.spec)
-    for g in alone:
-        want.add(g)
-    for name, value in want.mean().items():
-        np.testing.assert_array_equal(res.grads[name], value)
-    assert res.loss == pytest.approx(np.mean([g.loss for g in alone]), rel=1e-12)
-
-
-def test_sum_mode_keeps_no_micro_batch_gradients_and_matches_stack():
-    sums, stacks = Case(accumulate="sum"), Case(accumulate="stack")
-    a = sums.trainer.step(sums.sess, sums.feeds)
-    b = stacks.trainer.step(stacks.sess, stacks.feeds)
-    assert all(m.grads is None for m in a.micro)
-    for name in a.grads:
-        np.testing.assert_array_equal(a.grads[name], b.grads[name])
-
-
 def test_graph_average_runs_its_reduce_in_the_session():
     def averaging(calls):
         return [f for f in calls if all(name.startswith("hostavg_average/") for name in f)]
@@ -141,30 +103,6 @@ def test_graph_average_runs_its_reduce_in_the_session():
         sess.fetched.clear()
         acc.mean()
         assert len(averaging(sess.fetched)) == 1 == len(sess.fetched)
-
-
-def test_interactive_compute_add_mean_apply_equals_step():
-    a, b = Case(), Case()
-    acc = a.trainer.accumulator()
-    for f in a.feeds:
-        acc.add(a.trainer.compute(a.sess, f))
-    assert acc.count == 4 and acc.total_weight == BATCH
-    assert a.trainer.apply(a.sess, acc.mean()) == 1
-    b.trainer.step(b.sess, b.feeds)
-    assert_same_weights(a.values(), b.values(), atol=0)
-
-
-def test_apply_takes_an_edited_dict_and_runs_no_forward_pass():
-    case = Case()
-    g = case.trainer.compute(case.sess, case.feeds[0])
-    assert case.sess.run(case.model.counter) == 1
-    edited = {name: np.asarray(value) * 0.5 for name, value in g.items()}
-    before = case.values()
-    assert case.trainer.apply(case.sess, edited) == 1
-    after = case.values()
-    assert after["forward_passes"] == 1, "apply ran the forward pass"
-    assert after["global_step"] == 1
-    assert not np.array_equal(after["hidden/kernel"], before["hidden/kernel"])
 
 
 def test_global_step_grows_by_one_per_step_whatever_the_micro_batches():
@@ -335,27 +273,6 @@ def test_constructor_errors():
 # --- What a step tells about the weights and the data -------------------------------------
 
 LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01, "rmsprop": 0.01, "adagrad": 0.1}
-
-
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_update_ratios_and_learning_rate_are_those_of_the_apply(optimizer, sparse):
-    model = build(sparse=sparse)
-    with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, OPTIMIZERS[optimizer](), update_ratios_every=1)
-        init = v1.global_variables_initializer()
-    sess = v1.Session(graph=model.graph)
-    sess.run(init)
-    for d in batches(0, 3, BATCH, sparse=sparse):
-        before = model.values(sess)
-        res = trainer.step(sess, hostavg.split(model.feed(d), 10))
-        after = model.values(sess)
-        assert res.update_ratios.keys() == trainer.spec.keys()
-        for name in trainer.spec:
-            moved, norm = np.linalg.norm(after[name] - before[name]), np.linalg.norm(before[name])
-            want = 0.0 if moved == 0 else moved / norm if norm else np.inf
-            assert res.update_ratios[name] == pytest.approx(want, rel=1e-4), name
-        assert res.learning_rate == pytest.approx(LEARNING_RATES[optimizer], rel=1e-6)
 
 
 def test_a_scheduled_learning_rate_is_read_at_its_apply_and_ref_variables_get_ratios():

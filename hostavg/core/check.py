@@ -17,14 +17,17 @@ feed is run whole and in micro-batches from the same weights:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from hostavg.core.gradients import SparseGradient
 
-__all__ = ["ADVICE", "CheckReport", "diagnose"]
+__all__ = ["ADVICE", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose", "fixed_batch_hint",
+           "shows_fixed_batch"]
 
 #: Relative difference under which two gradients count as equal, by dtype:
 #: room for summation order (float32: ~1e-6 seen), far below any real cause.
@@ -38,23 +41,68 @@ TOLERANCE = {np.dtype("float16"): 1e-2, np.dtype("float32"): 1e-4, np.dtype("flo
 #: far more.
 FLOOR = 1e-3
 
+#: The kinds of random op a backend finds (:class:`RandomOp`), each advised on by the ADVICE
+#: key of its name. "random": one that a feed turns off (dropout's keep_prob or rate, a
+#: training flag). "sampled": the classes of a sampled loss (nce_loss). "draw": noise drawn in
+#: the forward pass (a variational autoencoder's), which no feed turns off.
+RANDOM_KINDS = ("random", "sampled", "draw")
+
+
+class RandomOp(NamedTuple):
+    """A random op that computing a micro-batch runs, as a backend names it for check's advice.
+
+    Attributes:
+      api: what the program called to make it, such as "tf.random.normal" or "tf.nn.dropout".
+      tensor: the name of the tensor it draws.
+      kind: one of :data:`RANDOM_KINDS`.
+    """
+
+    api: str
+    tensor: str
+    kind: str
+
+
 #: What to do about each cause, in the words of the user's framework: cause -> advice.
+#: "draw" is formatted with the name of a tensor drawn (``{tensor}``).
 ADVICE = {
     "tf1": {
         "random": "Turn them off for the check (a keep_prob or dropout-rate placeholder fed "
                   "1.0 or 0.0, a training placeholder fed False) and check again",
+        "sampled": "A sampled loss draws its classes anew each run, which no feed turns off: "
+                   "check with the full loss (such as tf.nn.sparse_softmax_cross_entropy_with_"
+                   "logits over every class), or expect each micro-batch to draw its own",
+        "draw": "No feed turns them off: for the check, feed {tensor!r} a fixed array (one row "
+                "per sample, such as zeros), which the check cuts with the rest of the feed, "
+                "and check again; a step draws anew in each micro-batch",
         "scale": "Use the mean over the micro-batch's samples, tf.reduce_mean",
         "batch": "such as batch norm in training mode (tf.compat.v1.layers.batch_normalization "
                  "with training=True)",
+        "fixed": "(tf.reshape(x, [batch_size, ...]), tf.ones([batch_size, ...]), slices such as "
+                 "x[i * batch_size:(i + 1) * batch_size]); use tf.shape(x)[0], the rows the feed "
+                 "has, instead of batch_size",
+        "no_samples": "check runs one batch whole and in micro-batches: feed it that batch's "
+                      "arrays, such as {x: X[:256], y: Y[:256]}. A feed of scalars is one "
+                      "sample; for a graph that reads its batch from a tf.data iterator or a "
+                      "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
+                      "dequeued tensors) that batch's arrays, which leaves the iterator alone",
     },
     "keras": {
         "random": "hostavg computes with training=True, so keras.layers.Dropout (and other "
                   "random layers) draw anew each run: check a model built with their rate 0, "
                   "or expect each micro-batch to draw its own mask",
+        "sampled": "A sampled loss draws its classes anew each run: check with the full loss, "
+                   "or expect each micro-batch to draw its own",
+        "draw": "Noise drawn in the forward pass ({tensor!r}) differs each run: check a model "
+                "that draws none, or expect each micro-batch to draw its own",
         "scale": "Use a keras.losses.Loss with reduction='sum_over_batch_size' (the default), "
                  "or a loss function that returns the mean over the batch",
         "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
                  "micro-batch by its own statistics",
+        "fixed": "(keras.ops.reshape(x, (batch_size, ...)), keras.ops.ones((batch_size, ...)), "
+                 "an Input with batch_size=); use keras.ops.shape(x)[0], the rows the batch has, "
+                 "instead of batch_size",
+        "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
+                      "least one sample each, such as x[:256], y[:256]",
     },
 }
 
@@ -93,7 +141,7 @@ class CheckReport:
 
 
 def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
-             framework: str = "tf1") -> CheckReport:
+             framework: str = "tf1", random_ops: Sequence[RandomOp] = ()) -> CheckReport:
     """Compares the micro-batch mean with the whole feed's gradient, and says why they differ.
 
     Each variable's difference is ``|mean - whole| / max(|whole|, FLOOR * |W|)``
@@ -105,6 +153,9 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
       mean: the sample-weighted mean of its micro-batches' gradients.
       micro_batches: how many there were.
       framework: whose words the advice uses, a key of :data:`ADVICE`.
+      random_ops: the random ops the backend found in what a micro-batch
+        computes: named, with the advice for their kinds, when the feed's
+        gradient differs between runs.
     """
     advice = ADVICE[framework]
     dense = {name: [_dense(g[name]) for g in (whole, again, mean)] for name in whole}
@@ -127,8 +178,8 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
         tolerance = max(TOLERANCE.values())
         scaled = cosine > 0.9999 and abs(scale - 1) > 0.01
         if noise > tolerance:
-            cause = (f"the same feed gives another gradient each run (by {noise:.2g}): random ops "
-                     f"in training mode, such as dropout or a sampled loss. {advice['random']}")
+            cause = (f"the same feed gives another gradient each run (by {noise:.2g}): "
+                     f"{_random(random_ops, advice)}")
         elif scaled and micro_batches > 1 and abs(scale / micro_batches - 1) < 0.05:
             cause = (f"the whole gradient is {scale:.3g} times the micro-batch mean, about the "
                      f"number of micro-batches: the loss grows with the number of samples (a "
@@ -146,7 +197,36 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
     return CheckReport(bool(ok), rel, micro_batches, scale, noise, cause)
 
 
+def _random(found: Sequence[RandomOp], advice: Mapping) -> str:
+    """The random ops found (a few, named) and what to do about each kind; the usual suspects
+    where none was found."""
+    if not found:
+        return f"random ops in training mode, such as dropout or a sampled loss. {advice['random']}"
+    named = ", ".join(f"{op.api} ({op.tensor!r})" for op in found[:3])
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    todo = [advice[kind].format(tensor=next(op.tensor for op in found if op.kind == kind))
+            for kind in RANDOM_KINDS if any(op.kind == kind for op in found)]
+    return f"random ops in training mode: {named}{more}. {'. '.join(todo)}"
+
+
 def _dense(value) -> np.ndarray:
     if isinstance(value, SparseGradient):
         value = value.to_dense()
     return np.ravel(np.asarray(value, np.float64))
+
+
+def shows_fixed_batch(message: str, n: int, whole: int) -> bool:
+    """Whether ``message`` (a framework's error on a micro-batch of ``n`` rows of a batch of
+    ``whole``) holds two numbers in the ratio n : whole, as a shape built from the whole batch
+    leaves them: ``[3,3] vs. [12,3]``, or ``9 values`` against ``36`` (rows of 3 numbers)."""
+    if n == whole:
+        return False
+    numbers = {int(d) for d in re.findall(r"\d+", message)}
+    return any(a % n == 0 and a // n * whole in numbers for a in numbers if a)
+
+
+def fixed_batch_hint(n: int, whole: int, framework: str) -> str:
+    """What to say of a micro-batch of ``n`` rows that fails where its batch of ``whole``
+    would not (:func:`shows_fixed_batch`, or a loss alone not finite): a size fixed in the graph."""
+    return (f"The graph likely builds a shape from the full batch ({whole} rows) where the "
+            f"micro-batch has {n} {ADVICE[framework]['fixed']}.")

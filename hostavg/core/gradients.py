@@ -332,12 +332,15 @@ INPUTS_HINT = ("Look at that micro-batch's inputs or lower the learning rate; to
 
 
 def check_finite(values: Mapping, what: str, loss: float | None = None,
-                 known: Mapping[str, float] | None = None, hint: str = INPUTS_HINT) -> float:
+                 known: Mapping[str, float] | None = None, hint: str = INPUTS_HINT,
+                 loss_hint: str | None = None) -> float:
     """Raises HostavgError naming every variable with NaN or Inf (and the loss, if given); returns the squared norm.
 
     A squared norm is NaN or Inf whenever an entry is, so one is enough per
     variable: taken from ``known`` where given, else one pass over the values
-    (see :func:`nonfinite_entries`). ``hint`` ends the message: where to look.
+    (see :func:`nonfinite_entries`). ``hint`` ends the message: where to look;
+    ``loss_hint``, where given, ends it instead when the gradients are finite
+    and only the loss is not.
     """
     total, bad = 0.0, []
     known = known or {}
@@ -354,6 +357,8 @@ def check_finite(values: Mapping, what: str, loss: float | None = None,
         where = f"non-finite gradients in {', '.join(bad)}" if bad else "finite gradients"
         said = "" if loss is None else (f"; the loss was finite ({loss:.6g})" if loss_ok
                                         else f"{' and' if bad else ' but'} the loss is {loss}")
+        if not bad and loss_hint is not None:
+            hint = loss_hint
         raise HostavgError(f"{what}: {where}{said}. Nothing was applied. {hint}")
     return total
 

@@ -54,6 +54,10 @@ class MicroBatch:
       rows: the row indices, in the data set, of its samples (a read-only
         int64 array of ``size``), where the caller said them (``fit`` does
         for a dict of arrays and a ``tf.data.Dataset``); else None.
+      fetched: the values of the tensors the step was asked to fetch
+        (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
+        own session call, before the step's update, in the order asked (None
+        for an operation); read-only. () where nothing was asked.
     """
 
     index: int
@@ -64,6 +68,7 @@ class MicroBatch:
     step: int = 0
     dropped: str | None = None
     rows: np.ndarray | None = field(default=None, repr=False, compare=False)
+    fetched: tuple = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class StepResult:
       learning_rate: the optimizer's learning rate at this apply (a
         schedule's value), or None where the optimizer exposes none, or
         before the apply.
+      fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
+        rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
     """
 
     loss: float | None
@@ -102,6 +109,7 @@ class StepResult:
     info: dict = field(default_factory=dict)
     update_ratios: dict | None = None
     learning_rate: float | None = None
+    fetched: tuple = ()
 
     @property
     def dropped(self) -> tuple:

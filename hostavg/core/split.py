@@ -18,8 +18,10 @@ batch's samples one after another, such as the labels of a discriminator that
 sees ``tf.concat([real_images, generated_images], 0)``: 2 N labels for N
 samples. ``blocks={labels: 2}`` says so; every micro-batch then gets the
 matching rows of each block (real labels of its samples, then fake ones).
-Since such a feed's arrays have different lengths, give ``step`` its sizes
-(``sizes=``); ``fit`` does that itself.
+The micro-batches ``split(..., blocks=)`` returns keep their blocks (``.blocks``;
+see :func:`blocks_of`), so ``step``, ``step_together`` and ``check`` tell their
+sizes; micro-batches cut by hand, whose arrays have different lengths, take
+``sizes=``. ``fit`` does all of that itself.
 """
 
 from __future__ import annotations
@@ -30,7 +32,28 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 
-__all__ = ["feed_size", "split", "take"]
+__all__ = ["blocks_of", "feed_size", "sample_count", "split", "take"]
+
+
+class _BlockedFeed(dict):
+    """A feed dict that split cut with ``blocks``, which it keeps."""
+
+    __slots__ = ("blocks",)
+
+
+class _BlockedTuple(tuple):
+    """A tuple batch that split cut with ``blocks``, which it keeps."""
+
+
+def _blocked(batch, blocks: Mapping):
+    out = (_BlockedFeed if isinstance(batch, Mapping) else _BlockedTuple)(batch)
+    out.blocks = dict(blocks)
+    return out
+
+
+def blocks_of(batch) -> dict:
+    """The blocks ``batch`` was cut with (a micro-batch of ``split(..., blocks=)``), else {}."""
+    return batch.blocks if isinstance(batch, (_BlockedFeed, _BlockedTuple)) else {}
 
 
 def _leaves(batch) -> dict:
@@ -79,19 +102,29 @@ def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | Non
         raise HostavgError(
             f"{what}: arrays have different lengths along axis 0 ({listed}); every array in a "
             f"batch must hold the same samples. An array of several blocks of the samples (labels "
-            f"of tf.concat([real, fake])) is declared with blocks={{key: number_of_blocks}}; "
-            f"micro-batches made by hand take sizes= in step")
+            f"of tf.concat([real, fake])) is declared with blocks={{key: number_of_blocks}} to "
+            f"hostavg.split, whose micro-batches then know their sizes, or to fit and check; "
+            f"micro-batches cut by hand need their sizes: sizes= (one per micro-batch) to step, "
+            f"(trainer, feeds, sizes) to step_together")
     return int(lengths.popitem()[1]) if lengths else None
+
+
+def sample_count(batch, what: str = "feed", blocks: Mapping | None = None) -> int | None:
+    """The number of samples in a batch (see :func:`feed_size`), or None where it holds no array."""
+    return _length(_arrays(batch), what, blocks_of(batch) if blocks is None else blocks)
 
 
 def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
     """The number of samples in a batch: the common length of its arrays along axis 0.
 
+    ``blocks`` (see :func:`split`): default those the batch was cut with
+    (:func:`blocks_of`).
+
     Raises:
       HostavgError: when the arrays disagree, or the batch holds no array (then
         the caller must say the size).
     """
-    n = _length(_arrays(batch), what, blocks)
+    n = sample_count(batch, what, blocks)
     if n is None:
         raise HostavgError(
             f"{what}: no array in the batch (only scalars), so its number of samples is "
@@ -126,7 +159,9 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
 
     Returns:
       ceil(N / micro_batch_size) batches of the same form (feed dicts with
-      the same keys, or tuples); slices are views, scalars are shared.
+      the same keys, or tuples); slices are views, scalars are shared. Cut
+      with ``blocks``, each keeps them (:func:`blocks_of`), so that step
+      tells its size (a copy such as ``dict(batch)`` does not keep them).
 
     Example:
       >>> [len(f["x"]) for f in split({"x": np.zeros((10, 3)), "lr": 0.1}, 4)]
@@ -142,8 +177,9 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
     if not n:
         raise HostavgError(
             "split: the batch holds no samples (no array, or arrays of length 0)")
-    return [take(batch, slice(start, start + micro_batch_size), n, blocks)
-            for start in range(0, n, micro_batch_size)]
+    cut = [take(batch, slice(start, start + micro_batch_size), n, blocks)
+           for start in range(0, n, micro_batch_size)]
+    return [_blocked(b, blocks) for b in cut] if blocks else cut
 
 
 def _key_name(key) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -32,7 +33,17 @@ def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
     out, start = [], 0
     for i, feed in enumerate(feeds):
         what = f"micro-batch {i} of {len(feeds)}"
-        feed, n = backend.prepare(feed, None if sizes is None else sizes[i], f"{call}, {what}")
+        given = None if rows is None else np.asarray(rows[i])
+        known = given is not None and given.ndim == 1 and given.dtype.kind in "iu"
+        try:
+            feed, n = backend.prepare(feed, None if sizes is None else sizes[i],
+                                      f"{call}, {what}" + (f" (data {describe_rows(given)})"
+                                                           if known and len(given) else ""))
+        except Exception as e:
+            if known:
+                with contextlib.suppress(AttributeError):  # a type with __slots__
+                    e.rows = freeze(given.astype(np.int64))  # the data rows of the feed that failed
+            raise
         indices = None if rows is None else _rows(rows[i], n, f"{call}, {what}")
         said = "" if indices is None else f", data {describe_rows(indices)}"
         out.append((feed, n, start, f"{what} (samples {start}:{start + n}{said})", indices))

@@ -1,11 +1,12 @@
-"""The overlapped step's worker: micro-batch i + 1 computes in a thread while the host takes micro-batch i."""
+"""A step's computations one ahead: micro-batch i + 1 computes in a worker thread while the host
+takes micro-batch i (``overlap=True``), or each in turn in the caller's thread."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
-__all__ = ["overlapped", "worker"]
+__all__ = ["Ahead", "worker"]
 
 
 def worker() -> ThreadPoolExecutor:
@@ -13,26 +14,47 @@ def worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="hostavg-compute")
 
 
-def overlapped(pool: ThreadPoolExecutor, compute, batches):
-    """Yields ``compute(batch)`` of each of ``batches`` in order, computing the next one in
-    ``pool`` meanwhile.
+class Ahead:
+    """``run(i)`` for i = 0 .. n - 1, taken in order; given a pool, ``run(i + 1)`` computes in
+    it while the caller takes result i (one result ahead, no more).
 
-    Closing it early (the step failed) waits for the computation in flight.
+    Closing it (the step failed, or ended) waits for the computation in flight, so that
+    nothing is restored under a running computation.
     """
-    finished = False
-    try:
-        pending = pool.submit(compute, batches[0])
-        for i in range(len(batches)):
-            done = pending.result()
-            if i + 1 < len(batches):
-                pending = pool.submit(compute, batches[i + 1])
-            yield done
-        finished = True
-    finally:
-        if not finished:
+
+    def __init__(self, pool: ThreadPoolExecutor | None, run, n: int):
+        self.pool, self.run, self.n = pool, run, n
+        self._pending = None  # (index, future) of the computation in flight
+
+    def take(self, i: int):
+        """Result ``i`` (raising what ``run(i)`` raised); starts ``run(i + 1)`` in the pool."""
+        if self.pool is None:
+            return self.run(i)
+        if self._pending is None:
+            self._pending = (i, self.pool.submit(self.run, i))
+        _, future = self._pending
+        self._pending = None
+        result = future.result()
+        if i + 1 < self.n:
+            self._pending = (i + 1, self.pool.submit(self.run, i + 1))
+        return result
+
+    def redo(self, then) -> None:
+        """Calls ``then()`` once nothing computes; the result in flight (computed before
+        ``then`` ran) is thrown away and computed again after it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            _wait(pending[1])
+        then()
+        if pending is not None:
+            self._pending = (pending[0], self.pool.submit(self.run, pending[0]))
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending = None
             # The worker runs what it is given in order: once this no-op has run, nothing
             # submitted before it is running (whatever an interrupt left unassigned).
-            _wait(pool.submit(_nothing))
+            _wait(self.pool.submit(_nothing))
 
 
 def _nothing() -> None:

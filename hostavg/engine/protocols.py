@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from hostavg.core.accumulator import Reducer
+from hostavg.core.check import RandomOp
 from hostavg.core.gradients import VariableSpec
 
 __all__ = ["AVERAGE_MODES", "Applied", "Average", "Backend", "Computed", "HostAverage", "SampleStats",
@@ -29,12 +30,15 @@ class Computed(NamedTuple):
       global_step: the global step before this step's apply.
       sq_norms: name -> squared L2 norm of each gradient (sparse rows
         coalesced), reduced where the values were made.
+      fetched: the values of the extra tensors the backend was asked to
+        fetch (:attr:`~hostavg.core.results.MicroBatch.fetched`), read-only.
     """
 
     loss: Any
     grads: dict
     global_step: int
     sq_norms: dict
+    fetched: tuple = ()
 
 
 class Applied(NamedTuple):
@@ -96,6 +100,10 @@ class Backend(Protocol):
 
     def compute(self, feed) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
+
+    def random_ops(self) -> Sequence[RandomOp]:
+        """The random ops :meth:`compute` runs, for the check's advice; () where the backend
+        cannot tell."""
 
     def apply_feed(self, feeds: Sequence, what: str) -> dict:
         """What the apply must be fed besides the mean, taken from ``feeds`` (prepared feeds).

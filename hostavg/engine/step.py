@@ -56,14 +56,14 @@ from dataclasses import replace
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
-from hostavg.core.check import CheckReport, diagnose
+from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine.batches import prepare
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
-from hostavg.engine.overlap import overlapped, worker
+from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
@@ -151,23 +151,28 @@ class Engine:
         return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
                              feed, False).global_step
 
-    def check(self, backend: Backend, feed, micro_feeds: Sequence) -> CheckReport:
+    def check(self, backend: Backend, feed, micro_feeds: Sequence,
+              size: int | None = None) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
 
-        Changes nothing: no apply runs, and the rollback variables (moving
-        statistics) are restored afterwards. See :mod:`hostavg.core.check`.
+        ``size``: the whole feed's number of samples, where its arrays can't
+        tell (blocks). Changes nothing: no apply runs, and the rollback
+        variables (moving statistics) are restored afterwards. See
+        :mod:`hostavg.core.check`.
         """
         with self.leaving_no_trace(backend, "check"):
-            whole_feed, n = backend.prepare(feed, None, "check, the whole feed")
+            whole_feed, n = backend.prepare(feed, size, "check, the whole feed")
             whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)
             for micro_feed, size, _, where, _ in prepare(backend, micro_feeds, None, "check"):
-                g = self._compute(backend, micro_feed, size, f"check, {where}")[0]
-                acc.add_checked(dict(g), float(size), g.loss,
-                            check_finite(g, f"check, {where}", g.loss, g.sq_norms))
+                g = self._compute(backend, micro_feed, size, f"check, {where}", n)[0]
+                acc.add_checked(dict(g), float(size), g.loss, check_finite(
+                    g, f"check, {where}", g.loss, g.sq_norms,
+                    loss_hint=_loss_hint(g.loss, size, n, backend.framework)))
             mean = acc.mean()
-        return diagnose(whole, again, mean, len(micro_feeds), backend.framework)
+        return diagnose(whole, again, mean, len(micro_feeds), backend.framework,
+                        backend.random_ops())
 
     @contextlib.contextmanager
     def leaving_no_trace(self, backend: Backend, call: str):
@@ -267,7 +272,8 @@ class Engine:
             return StepResult(None, None, tuple(micro), global_step, 0,
                               StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                      f"nothing was applied"), None, None
+                                      f"nothing was applied",
+                              fetched=tuple(m.fetched for m in micro)), None, None
 
         reducer = self.average.reducer(backend, tally.total)
         mean = acc.mean(reducer)
@@ -288,7 +294,8 @@ class Engine:
                          size=tally.total,
                          sq_norms={n: v * v for n, v in stats.variable_norms.items()})
         after = global_step + backend.increment
-        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats)
+        result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats,
+                            fetched=tuple(m.fetched for m in micro))
         what, hint, mine = "step, the mean", self._overflow_hint, True
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
@@ -303,20 +310,37 @@ class Engine:
 
     def _micro_batches(self, backend, batches, log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
-        returns the global step."""
-        global_step = None
+        returns the global step.
+
+        A micro-batch a hook drops takes what its forward pass assigned with it (moving
+        statistics): with ``on_micro_batch`` hooks, each compute is preceded by a snapshot of
+        the rollback variables, restored when its micro-batch is dropped (a computation in
+        flight, which ran after it, is then computed again).
+        """
+        keep = bool(self._micro_hooks)
+        whole = sum(batch[1] for batch in batches)
+
+        def run(i):
+            feed, n, _, where, _ = batches[i]
+            try:
+                before = backend.snapshot() if keep else None
+            except HostavgError as e:
+                raise HostavgError(f"step, {where}: {e}") from e.__cause__
+            return before, self._compute(backend, feed, n, f"step, {where}", whole)
+
+        pool = None
         if self.overlap and len(batches) > 1:
             if self._worker is None:
                 self._worker = worker()
-            computed = overlapped(self._worker, lambda batch: self._compute(
-                backend, batch[0], batch[1], f"step, {batch[3]}"), batches)
-        else:
-            computed = (self._compute(backend, feed, n, f"step, {where}")
-                        for feed, n, _, where, _ in batches)
-        with contextlib.closing(computed):
+            pool = self._worker
+        global_step = None
+        with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
             for i, batch in enumerate(batches):
                 try:
-                    global_step = self._micro_batch(i, batch, next(computed), backend, log)
+                    before, computed = ahead.take(i)
+                    global_step = self._micro_batch(i, batch, computed, backend, log, whole)
+                    if log.micro[-1].dropped is not None and before is not None:
+                        ahead.redo(lambda: backend.restore(before))
                 except Exception as e:
                     if batch[4] is not None:
                         with contextlib.suppress(AttributeError):  # a type with __slots__
@@ -324,14 +348,15 @@ class Engine:
                     raise
         return global_step
 
-    def _micro_batch(self, i, batch, computed, backend, log: _StepLog) -> int:
-        """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it; returns the global step."""
+    def _micro_batch(self, i, batch, computed, backend, log: _StepLog, whole: int) -> int:
+        """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
+        (``whole``: the step's samples); returns the global step."""
         _, n, start, where, rows = batch
-        g, global_step = computed
+        g, global_step, fetched = computed
         step = global_step + backend.increment
         grads, dropped, changed_by = g, None, None
         if self._micro_hooks:
-            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows)
+            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows, fetched=fetched)
             for hook, on_micro_batch in self._micro_hooks:
                 out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
                 if isinstance(out, Drop):
@@ -350,7 +375,8 @@ class Engine:
                 f"They were finite before on_micro_batch hook {name_of(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
-            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint)
+            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint,
+                                   _loss_hint(g.loss, n, whole, backend.framework))
             self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
             log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
@@ -359,19 +385,26 @@ class Engine:
         else:
             log.norms.append(math.sqrt(math.fsum(sq.values())))
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
-                                dropped=dropped, rows=rows))
+                                    dropped=dropped, rows=rows, fetched=fetched))
         return global_step
 
-    def _compute(self, backend, feed, n: int, where: str) -> tuple[Gradients, int]:
+    def _compute(self, backend, feed, n: int, where: str,
+                 whole: int | None = None) -> tuple[Gradients, int, tuple]:
+        """Micro-batch ``where``'s gradients, the global step and what else it fetched.
+        ``whole``: the samples of the batch it was cut from; an error that shows a shape built
+        from them says so."""
         try:
             out = backend.compute(feed)
         except HostavgError as e:
-            raise HostavgError(f"{where}: {e}") from e.__cause__
+            said = f"{where}: {e}"
+            if whole is not None and shows_fixed_batch(str(e), n, whole):
+                said = f"{said.rstrip('.')}. {fixed_batch_hint(n, whole, backend.framework)}"
+            raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
                                f"reduce it with tf.reduce_mean")
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
-            out.global_step
+            out.global_step, out.fetched
 
 
 class _StepLog:
@@ -457,6 +490,14 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                       applied=True)
     return results
+
+
+def _loss_hint(loss: float, n: int, whole: int, framework: str) -> str | None:
+    """What a loss that alone is not finite, on a micro-batch of ``n`` of ``whole`` samples,
+    points at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0)."""
+    if n == whole or math.isfinite(loss):
+        return None
+    return fixed_batch_hint(n, whole, framework)
 
 
 def _sq_norms(grads: Gradients) -> dict:

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hostavg.compat.tensorflow import session_call
 from hostavg.core.errors import HostavgError, positive_int
-from hostavg.core.split import feed_size
+from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
@@ -50,17 +50,20 @@ class SessionBackend:
     uninitialized variable asks for the initializer to be run after the
     Trainer is built; a feed the session refused points at the feed; any other
     failure is reported as the session's, with its first line.
+
+    ``fetches``: tensors and operations (checked by the face) that every
+    compute runs too, their values returned as ``Computed.fetched``.
     """
 
     framework = "tf1"
 
-    def __init__(self, wiring, sess):
+    def __init__(self, wiring, sess, fetches: tuple = ()):
         graph = getattr(sess, "graph", None)
         if graph is not wiring.graph:
             raise HostavgError(
                 f"the session runs another graph than the trainer's (got {sess!r}); "
                 f"create it with tf.compat.v1.Session(graph=loss.graph)")
-        self.wiring, self.session = wiring, sess
+        self.wiring, self.session, self.fetches = wiring, sess, fetches
         self.spec = wiring.spec
         self.increment = wiring.increment
 
@@ -74,19 +77,36 @@ class SessionBackend:
 
     def prepare(self, feed_dict, size, what: str) -> tuple[dict, int]:
         feed = self.conform(feed_dict, what)
+        for fetch in self.fetches:
+            if fetch in feed:
+                raise HostavgError(f"{what}: {fetch.name!r} is fed and fetched; a tensor this "
+                                   f"micro-batch feeds cannot be fetched (its value is the feed's)")
+        unfed = self.wiring.unfed(tuple(feed), self.fetches)
+        if unfed:
+            names = ", ".join(repr(t.name) for t in unfed)
+            raise HostavgError(
+                f"{what}: the graph reads placeholder{'s' if len(unfed) > 1 else ''} {names}, "
+                f"which this feed does not give; feed {'them' if len(unfed) > 1 else 'it'} to "
+                f"every micro-batch")
         if size is None:
             # Every value is an array now: one length along axis 0 is the size (feed_size
-            # walks any structure, and says what is wrong when the lengths differ).
+            # walks any structure, counts a micro-batch of split(..., blocks=) by its blocks,
+            # and says what is wrong when the lengths differ).
+            blocks = blocks_of(feed_dict)
             lengths = {len(a) for a in feed.values() if a.ndim}
-            n = lengths.pop() if len(lengths) == 1 else feed_size(feed, what)
+            n = lengths.pop() if len(lengths) == 1 and not blocks else feed_size(
+                feed, what, resolve_feed(self.wiring.graph, blocks, what))
             if n < 1:
                 raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
             return feed, n
         return feed, positive_int(f"{what}: size", size)
 
+    def random_ops(self) -> tuple:
+        return self.wiring.random_ops
+
     def compute(self, feed: dict) -> Computed:
         with _session_errors("compute"):
-            return self.wiring.compute(self.session, feed)
+            return self.wiring.compute(self.session, feed, self.fetches)
 
     def apply_feed(self, feeds, what: str) -> dict:
         """The value every feed gives each of the train op's :attr:`~Wiring.apply_inputs`, by name.
@@ -141,7 +161,8 @@ class SessionBackend:
         return {name: total / count for name, total in totals.items()}
 
     def snapshot(self):
-        return self.wiring.snapshot(self.session)
+        with _session_errors("the snapshot of the rollback variables"):
+            return self.wiring.snapshot(self.session)
 
     def restore(self, snapshot) -> None:
         self.wiring.restore(self.session, snapshot)

@@ -211,7 +211,7 @@ class Trainer(BaseTrainer):
         return self._apply(backend, grads, feed)
 
     def step(self, sess, feeds: Sequence[Mapping], sizes: Sequence[int] | None = None,
-             rows: Sequence | None = None) -> StepResult:
+             rows: Sequence | None = None, *, fetches: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``feeds``: compute, add, apply.
 
         The step is atomic: if any micro-batch fails (bad feed, non-finite
@@ -235,10 +235,23 @@ class Trainer(BaseTrainer):
           rows: one array per feed of the row indices, in your data set, of
             its samples: kept as ``MicroBatch.rows`` and named in errors
             (``fit`` passes them). Default None.
-        """
-        return self._step(self._backend(sess), feeds, sizes, rows)
+          fetches: more tensors (or their names, or operations) to run in
+            each micro-batch's own session call, as a program's
+            ``sess.run([train_op, summary, accuracy], feed)`` ran them with its
+            train op: each micro-batch's values, from before the step's
+            update, are its ``MicroBatch.fetched`` (hooks see them) and
+            ``res.fetched[i]``, in the order asked (None for an operation).
 
-    def check(self, sess, feed_dict: Mapping, micro_batch_size: int) -> CheckReport:
+        Example::
+
+            res = trainer.step(sess, hostavg.split(feed, 32), fetches=[accuracy])
+            accuracy_now = np.average([a for a, in res.fetched],
+                                      weights=[m.size for m in res.micro])
+        """
+        return self._step(self._backend(sess, fetches), feeds, sizes, rows)
+
+    def check(self, sess, feed_dict: Mapping, micro_batch_size: int, *,
+              blocks: Mapping | None = None) -> CheckReport:
         """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
 
         Runs ``feed_dict`` whole (twice) and cut into micro-batches of
@@ -253,11 +266,24 @@ class Trainer(BaseTrainer):
           in training mode, batch norm in training mode). ``str(report)`` is
           a one-line verdict.
 
+        Args:
+          feed_dict: one batch, {placeholder: array}. For a graph that reads
+            its batch from a tf.data iterator or a queue, feed the tensors it
+            reads (the iterator's ``get_next()`` outputs): the check then
+            takes nothing from the iterator.
+          blocks: {placeholder: b} for arrays of b blocks of the samples, as
+            :meth:`fit` takes it (see :func:`hostavg.split`).
+
+        Raises:
+          HostavgError: for a feed with no array of samples (only scalars, or
+            empty), saying what check needs.
+
         Example::
 
             print(trainer.check(sess, {x: X[:256], y: Y[:256]}, 32))
         """
-        return self._check(self._backend(sess), feed_dict, micro_batch_size)
+        feed = resolve_feed(self.graph, feed_dict, "check")
+        return self._check(self._backend(sess), feed, micro_batch_size, self._blocks(blocks))
 
     def per_sample(self, sess, feed_dict: Mapping):
         """One row per sample of ``feed_dict``: its loss, gradient norm, and cosine with the feed's mean gradient.
@@ -311,7 +337,7 @@ class Trainer(BaseTrainer):
             validation_data: Mapping | None = None, metrics: Mapping | None = None,
             inputs=None, callbacks=(), progress=True, checkpoint_dir=None,
             checkpoint_every: int | None = None, keep_checkpoints: int = 3,
-            blocks: Mapping | None = None):
+            blocks: Mapping | None = None, fetches: Sequence | None = None):
         """Trains over ``data`` for ``epochs``: batches of ``batch_size`` samples, each one step.
 
         Each batch is cut into micro-batches of ``micro_batch_size`` samples and
@@ -354,6 +380,10 @@ class Trainer(BaseTrainer):
             ``tf.concat([real, fake], 0)``: 2 N labels for N samples); every
             batch and micro-batch gets the matching rows of each block (see
             :func:`hostavg.split`).
+          fetches: tensors every micro-batch runs too, as :meth:`step` takes
+            them; hooks and callbacks see their values (``micro.fetched`` in
+            ``on_micro_batch``, ``result.fetched`` in ``on_step`` and
+            ``on_applied``).
 
         Each micro-batch knows the rows of ``data`` it holds (``MicroBatch.rows``;
         None for an iterable of feed dicts, whose rows fit can't tell). The
@@ -371,9 +401,8 @@ class Trainer(BaseTrainer):
             exception leaving fit carries ``.history``, the History up to it.
         """
         from hostavg.tf1.sources import feed_source
-        backend = self._backend(sess)
-        blocks = {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
-                  for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
+        backend = self._backend(sess, fetches)
+        blocks = self._blocks(blocks)
 
         def validate():
             if validation_data is None:
@@ -403,8 +432,45 @@ class Trainer(BaseTrainer):
         """
         return self._restore(self._backend(sess), path)
 
-    def _backend(self, sess) -> SessionBackend:
-        return SessionBackend(self._wiring, sess)
+    def _blocks(self, blocks: Mapping | None) -> dict:
+        """``blocks`` keyed by the graph's tensors, each a number >= 1."""
+        return {k: positive_int(f"blocks[{getattr(k, 'name', k)!r}]", b)
+                for k, b in resolve_feed(self.graph, blocks or {}, "blocks").items()}
+
+    def _backend(self, sess, fetches: Sequence | None = None) -> SessionBackend:
+        return SessionBackend(self._wiring, sess, self._fetch_list(fetches))
+
+    def _fetch_list(self, fetches: Sequence | None) -> tuple:
+        """``fetches`` checked: a tuple of tensors and operations of the graph (names looked up)."""
+        if fetches is None:
+            return ()
+        if not isinstance(fetches, (list, tuple)):
+            got = getattr(fetches, "name", None)
+            raise HostavgError(f"fetches must be a list or tuple of tensors or operations, got "
+                               f"{repr(got) if got else type(fetches).__name__}; such as "
+                               f"fetches=[accuracy, summary]")
+        out = []
+        for i, fetch in enumerate(fetches):
+            what = f"fetches[{i}]"
+            if isinstance(fetch, str):
+                try:
+                    fetch = self.graph.as_graph_element(fetch)
+                except (KeyError, ValueError, TypeError) as e:
+                    raise HostavgError(f"{what}: {fetch!r} names nothing in the trainer's graph "
+                                       f"({e})") from None
+            name = getattr(fetch, "name", None)
+            if isinstance(fetch, tf.Variable):
+                raise HostavgError(f"{what}: {name!r} is a variable; fetch a tensor that reads it "
+                                   f"(made with the graph, such as tf.identity(v)), or read it "
+                                   f"with sess.run after the step")
+            if not isinstance(fetch, (tf.Tensor, tf.Operation)):
+                raise HostavgError(f"{what}: {fetch!r} is not a tensor or an operation")
+            if getattr(fetch, "graph", None) is not self.graph:
+                raise HostavgError(f"{what}: {name or 'an eager tensor'!r} is not in the "
+                                   f"trainer's graph; fetch tensors of the graph the loss was "
+                                   f"built in")
+            out.append(fetch)
+        return tuple(out)
 
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "

@@ -62,10 +62,9 @@ def select_update_ops(graph, loss, update_ops) -> list:
             raise HostavgError(f"update_ops must be ops or tensors of the loss's graph, got "
                                f"{stray[:3]}")
         return ops
-    needed = set(placeholders_read(loss.op, with_default=False))
+    needed = set(placeholders_read(loss, with_default=False))
     return [u for u in graph.get_collection(v1.GraphKeys.UPDATE_OPS)
-            if set(placeholders_read(u if isinstance(u, tf.Operation) else u.op,
-                                     with_default=False)) <= needed]
+            if set(placeholders_read(u, with_default=False)) <= needed]
 
 
 def assigned_variables(graph, fetches) -> list:
@@ -88,14 +87,25 @@ def assigned_variables(graph, fetches) -> list:
 
 
 def load_variables(sess, variables, values) -> None:
-    """Sets ``variables`` to ``values`` exactly, in one session run, adding no op to the graph.
+    """Sets ``variables`` to ``values`` exactly, adding no op to the graph.
 
     Runs each variable's initializer with its initial-value input fed, so it
-    works on a finalized graph too.
+    works on a finalized graph too. Variables made from one initial-value
+    tensor (``t = tf.zeros([3]); a = tf.Variable(t); b = tf.Variable(t)``)
+    share that input, which a run can feed only one value: the n-th variable
+    of a shared input is set in the n-th session run (one run where no input
+    is shared).
     """
-    if variables:
-        sess.run([v.initializer for v in variables],
-                 {v.initializer.inputs[1]: value for v, value in zip(variables, values)})
+    runs, count = [], {}  # runs: (initializers, feed) each
+    for v, value in zip(variables, values):
+        key = v.initializer.inputs[1]
+        n = count[key] = count.get(key, -1) + 1
+        if n == len(runs):
+            runs.append(([], {}))
+        runs[n][0].append(v.initializer)
+        runs[n][1][key] = value
+    for initializers, feed in runs:
+        sess.run(initializers, feed)
 
 
 def value_now(variable):

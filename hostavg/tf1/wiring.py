@@ -8,6 +8,7 @@ host. Nothing here does host arithmetic; that lives in the NumPy layer.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -23,7 +24,7 @@ from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, value_now)
-from hostavg.tf1.walk import ops_run, placeholders_read
+from hostavg.tf1.walk import ops_run, placeholders_read, random_ops
 
 __all__ = ["Wiring"]
 
@@ -89,9 +90,11 @@ class Wiring:
                                   for g in fetched]
             if self.update_ops:
                 self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
-            # What a failed step must restore: every variable the compute call may assign.
+            # What a failed step must restore: every variable the compute call may assign, read
+            # into values of their own (a reference variable's read_value() is its buffer,
+            # which the next compute's UPDATE_OPS assign in place).
             self.assigned = assigned_variables(self.graph, self._fetches)
-            self._assigned_values = [v.read_value() for v in self.assigned]
+            self._assigned_values = [value_now(v) for v in self.assigned]
             variables = [v for _, v in pairs]
             step = self.global_step if increment_global_step else None
             # TF1's AdamOptimizer updates every row of its slots and variable on a sparse step
@@ -123,6 +126,9 @@ class Wiring:
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
             self._callables = Callables(session_threads)
+            self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
+            self._extended = {}  # more fetches -> the compute's fetches and them
+            self._tensors = sum(isinstance(f, tf.Tensor) for f in self._fetches)
             self.conform_feed = FeedConformer().conform
             with tf.control_dependencies([self.train_op]):
                 step_after = self.global_step.read_value()
@@ -148,10 +154,16 @@ class Wiring:
             self.reducer = GraphReducer(self.spec, accum_dtype, accumulate, session_threads) \
                 if average == "graph" else None
 
-    def compute(self, sess, feed: dict) -> Computed:
+    def compute(self, sess, feed: dict, fetches: tuple = ()) -> Computed:
         """Runs forward, backward and the UPDATE_OPS once; the gradients come back frozen
-        (sparse ones coalesced)."""
-        out = self._callables.get(sess, self._fetches, tuple(feed))(*feed.values())
+        (sparse ones coalesced).
+
+        ``fetches``: more tensors and operations of the graph to run in the same
+        session call; their values come back as ``Computed.fetched``, copied (a
+        reference variable's read is its buffer, which the apply updates in
+        place) and read-only, None for an operation.
+        """
+        out = self._callables.get(sess, self._with(fetches), tuple(feed))(*feed.values())
         got = iter(out[2:])
         values = {}
         for name, g in zip(self.names, self._grads):
@@ -162,7 +174,36 @@ class Wiring:
                 values[name] = freeze(next(got))
         sq_norms = {name: q if math.isfinite(q) else squared_norm(values[name])
                     for name, q in zip(self.names, map(float, got))}
-        return Computed(out[0], values, int(out[1]), sq_norms)
+        return Computed(out[0], values, int(out[1]), sq_norms,
+                        _fetched(fetches, out[self._tensors:]) if fetches else ())
+
+    def _with(self, fetches: tuple) -> list:
+        """The compute's fetches followed by ``fetches``: one list per tuple of them, kept,
+        since compiled calls and :meth:`unfed` are found by the list."""
+        if not fetches:
+            return self._fetches
+        found = self._extended.get(fetches)
+        if found is None:
+            found = self._extended[fetches] = self._fetches + list(fetches)
+        return found
+
+    @functools.cached_property
+    def random_ops(self) -> tuple:
+        """The random ops :meth:`compute` runs (:func:`~hostavg.tf1.walk.random_ops`), found once."""
+        return tuple(random_ops(self._fetches))
+
+    def unfed(self, feed_keys: tuple, fetches: tuple = ()) -> tuple:
+        """The placeholders (without a default) that :meth:`compute` (with ``fetches``) reads
+        and ``feed_keys`` (tensors) do not feed, sorted by name; found once per set of keys.
+
+        A fed tensor cuts the walk: what only it reads needs no feed.
+        """
+        run = self._with(fetches)
+        key = (id(run), feed_keys)
+        found = self._unfed.get(key)
+        if found is None:
+            found = self._unfed[key] = tuple(placeholders_read(run, feed_keys, with_default=False))
+        return found
 
     def snapshot(self, sess) -> list | None:
         """The values of :attr:`assigned` (None when there are none)."""
@@ -201,6 +242,19 @@ class Wiring:
             squares, k = out[-1].tolist(), len(self.names)
             ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
         return Applied(int(out[0]), ratios, lr)
+
+
+def _fetched(fetches: tuple, values) -> tuple:
+    """The value of each of ``fetches`` from a call's outputs ``values`` (tensors only, in
+    order): arrays copied and read-only, None for an operation."""
+    values, out = iter(values), []
+    for f in fetches:
+        if isinstance(f, tf.Operation):
+            out.append(None)
+        else:
+            value = next(values)
+            out.append(freeze(np.array(value)) if isinstance(value, np.ndarray) else value)
+    return tuple(out)
 
 
 def _squared_norm(g):

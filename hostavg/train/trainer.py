@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
-from hostavg.core.check import CheckReport
+from hostavg.core.check import ADVICE, CheckReport
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
 from hostavg.core.results import StepResult
-from hostavg.core.split import split, take
+from hostavg.core.split import sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
 from hostavg.engine.protocols import Average, Backend, HostAverage
 from hostavg.engine.step import Engine
@@ -135,9 +135,18 @@ class BaseTrainer:
             return self._engine_for(backend, feeds[0], f"step, micro-batch 0 of {len(feeds)}")
         return self._engine
 
-    def _check(self, backend: Backend, data, micro_batch_size: int) -> CheckReport:
+    def _check(self, backend: Backend, data, micro_batch_size: int,
+               blocks: Mapping | None = None) -> CheckReport:
+        positive_int("micro_batch_size", micro_batch_size)
+        n = sample_count(data, "check", blocks)
+        if not n:
+            leaves = [getattr(k, "name", k) for k in data] if isinstance(data, Mapping) else []
+            said = ("arrays of 0 samples" if n == 0 else
+                    f"only scalars: {', '.join(map(repr, leaves))}" if leaves else "an empty feed")
+            raise HostavgError(f"check: the feed holds no array of samples to cut into "
+                               f"micro-batches ({said}). {ADVICE[backend.framework]['no_samples']}")
         engine = self._engine_for(backend, data, "check")
-        return engine.check(backend, data, split(data, micro_batch_size))
+        return engine.check(backend, data, split(data, micro_batch_size, blocks=blocks), n)
 
     def _per_sample(self, backend: Backend, data):
         pd = pandas("per_sample")

@@ -198,15 +198,6 @@ class TF1(Backend):
     #: models.build's options per model ("sum" rescales the mean loss, below).
     BUILD = {"mlp": {}, "embedding": {"sparse": True}, "batchnorm": {"update_op": True},
              "dropout": {"dropout": 0.25}, "sum": {}}
-    bugs = {
-        "rows_in_every_error": "BUG: an error found while a micro-batch is prepared (a feed of "
-                               "the wrong shape) names the micro-batch but not the data rows "
-                               "given with rows=, and sets no .rows",
-        "dropped_micro_batch_leaves_no_trace": "BUG: a micro-batch a hook drops (SkipNonFinite) "
-                                               "keeps what its forward pass assigned: NaN "
-                                               "moving statistics stay in the model",
-    }
-
     def _model(self, model):
         built = build(**self.BUILD[model])
         loss = built.loss
@@ -331,7 +322,6 @@ class Keras(Backend):
     twin model from the same weights."""
 
     id = "keras"
-    bugs = TF1.bugs
 
     def _model(self, model):
         if model == "batchnorm":

@@ -13,7 +13,7 @@ from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record, SkipNonFin
 @pytest.mark.parametrize("model,ok,verdict", [
     pytest.param("mlp", True, "self-check passed", id="mean"),
     pytest.param("sum", False, "a sum over samples", id="sum"),
-    pytest.param("dropout", False, "random ops in training mode, such as dropout", id="dropout"),
+    pytest.param("dropout", False, "random ops in training mode", id="dropout"),  # each names them
 ])
 def test_check_passes_a_mean_loss_and_names_a_sum_or_dropout(backend, model, ok, verdict):
     face = backend.make(model)
