@@ -17,7 +17,7 @@ The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine.step`,
 imported the first time a name that needs it (such as :class:`Trainer`) is
 used, so ``import hostavg`` stays fast.
 
-A few private APIs of CPython and TensorFlow serve the per-micro-batch path,
+A few private APIs of CPython, TensorFlow and JAX serve the per-micro-batch path,
 each detected when hostavg imports its framework and each with a public
 fallback giving the same results (:mod:`hostavg.compat`): :func:`private_apis`
 names those in use. Set ``HOSTAVG_PUBLIC_API_ONLY=1`` before importing hostavg

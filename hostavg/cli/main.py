@@ -185,7 +185,8 @@ def _parser() -> _Parser:
                     "interleaved in one process; prints median step times, their ratios to "
                     "each configuration's baseline (in-graph accumulation; with one micro-batch, "
                     "the program's own train op), and peak host memory per implementation.")
-    bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead"), default="quick",
+    bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead", "gpu"),
+                       default="quick",
                        help="times measured on a 2-core AMD EPYC. quick (default, 2 to 3 minutes): "
                             "mlp-50k, mlp-300k, mlp-2m, conv and embedding at micro-batch size 32 "
                             "with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32; "
@@ -197,7 +198,9 @@ def _parser() -> _Parser:
                             "against in-graph accumulation; hostavg, hostavg-caller, full-batch and "
                             "in-graph, "
                             "each sample as many steps as the slowest takes 0.1 s for, no memory "
-                            "probes")
+                            "probes; gpu (for a GPU): MLPs of 2M, 50M and 200M parameters at "
+                            "micro-batch size 64 with k = 8, hostavg-keras with and without "
+                            "overlap against keras-accum (benchmarks/gpu.py adds the transfers)")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
                        help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, "
                             "embedding, logreg, embedding-50k")
@@ -213,7 +216,10 @@ def _parser() -> _Parser:
     bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
-                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller")
+                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller, "
+                            "hostavg-keras-overlap. With KERAS_BACKEND=jax only hostavg-keras, "
+                            "hostavg-keras-overlap and keras-accum run (default the first and "
+                            "the last), and TensorFlow is not imported")
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
@@ -231,7 +237,8 @@ def _names(text: str) -> list[str]:
 
 
 def _bench(args) -> int:
-    import_tensorflow()
+    if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+        import_tensorflow()  # quietly, before Keras imports it
     from hostavg.cli import bench
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
                                ("implementation", args.implementations, bench.IMPLEMENTATIONS),
@@ -241,6 +248,13 @@ def _bench(args) -> int:
             raise HostavgError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
     if args.repeats < 1:
         raise HostavgError(f"--repeats must be >= 1, got {args.repeats}")
+    backend = bench.keras_backend()
+    named = [*(args.implementations or ()), *(["hostavg-stack+stats"] if args.stats else [])]
+    graphs = sorted(set(named) - set(bench.KERAS_IMPLEMENTATIONS))
+    if backend != "tensorflow" and graphs:
+        raise HostavgError(f"implementations {graphs} are TF1 graphs, which run with Keras on "
+                           f"TensorFlow; Keras runs on {backend!r} here (KERAS_BACKEND): choose "
+                           f"from {', '.join(bench.KERAS_IMPLEMENTATIONS)}")
     whole = bench.grid(args.grid)
     by_model = [c for c in whole if args.models is None or c.model in args.models]
     configs = [c for c in by_model if args.optimizers is None or c.optimizer in args.optimizers]
@@ -256,8 +270,7 @@ def _bench(args) -> int:
         configs = [bench.Config(m, b, k, o) for m in models for b in sizes for k in ks
                    for o in optimizers]
     overhead = args.grid == "overhead"
-    implementations = tuple(args.implementations or (bench.OVERHEAD_IMPLEMENTATIONS if overhead
-                                                     else bench.DEFAULT_IMPLEMENTATIONS))
+    implementations = tuple(args.implementations or bench.defaults(args.grid, backend))
     if args.stats and "hostavg-stack+stats" not in implementations:
         implementations += ("hostavg-stack+stats",)
     unprobed = args.grid in ("smallest", "overhead")
@@ -265,8 +278,8 @@ def _bench(args) -> int:
                         memory=not args.no_memory and not unprobed,
                         min_sample_s=bench.OVERHEAD_MIN_SAMPLE_S if overhead else 0.0)
     if unprobed and not args.no_memory:
-        print(f"(memory not measured with --grid {args.grid}: each probe starts TensorFlow in a "
-              f"fresh process; see --grid quick)")
+        print(f"(memory not measured with --grid {args.grid}: each probe starts a fresh "
+              f"process; see --grid quick)")
     return _write_json(args, results) if args.json else 0
 
 

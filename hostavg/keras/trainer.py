@@ -4,11 +4,12 @@
 contract is :class:`~hostavg.train.trainer.BaseTrainer`'s; this face checks
 Keras's arguments and gives batches as ``(x, y[, sample_weight])``; the
 backend is Keras's own backend's (:mod:`hostavg.keras.tensorflow` on
-TensorFlow).
+TensorFlow, :mod:`hostavg.keras.jax` on JAX).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 
 import keras
@@ -25,6 +26,10 @@ from hostavg.train.loop import ArraySource
 from hostavg.train.trainer import BaseTrainer, entries
 
 __all__ = ["Trainer", "step_together"]
+
+#: Keras's backend -> (module, class) of hostavg's backend for it, imported when a trainer is made.
+_BACKENDS = {"tensorflow": ("hostavg.keras.tensorflow", "KerasBackend"),
+             "jax": ("hostavg.keras.jax", "KerasJaxBackend")}
 
 
 class Trainer(BaseTrainer):
@@ -105,10 +110,11 @@ class Trainer(BaseTrainer):
     def __init__(self, model, loss, optimizer, *, accumulate: str = "sum", accum_dtype=None,
                  hooks=(), comm=None, update_ratios_every: int | None = None,
                  overlap: bool = False, batch_norm: str = "micro"):
-        if keras.backend.backend() != "tensorflow":
-            raise HostavgError(f"hostavg.keras needs Keras's TensorFlow backend, got "
-                               f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before "
-                               f"importing keras")
+        backend = _BACKENDS.get(keras.backend.backend())
+        if backend is None:
+            raise HostavgError(f"hostavg.keras runs on Keras's {' or '.join(_BACKENDS)} backend, "
+                               f"got {keras.backend.backend()!r}; set KERAS_BACKEND to one of "
+                               f"them before importing keras")
         if not isinstance(model, keras.Model):
             raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
         if batch_norm not in BATCH_NORM_MODES:
@@ -121,8 +127,15 @@ class Trainer(BaseTrainer):
                          update_ratios_every=update_ratios_every, overlap=overlap)
         self.model, self.loss, self.optimizer = model, loss, checked_optimizer(optimizer)
         self.batch_norm = batch_norm
-        from hostavg.keras.tensorflow import KerasBackend
-        self._backend = KerasBackend(model, Loss(loss), self.optimizer, batch_norm)
+        if keras.backend.backend() == "tensorflow":
+            self._backend = getattr(importlib.import_module(backend[0]), backend[1])(
+                model, Loss(loss), self.optimizer, batch_norm)
+        elif batch_norm != "micro":
+            raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
+                               f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
+        else:
+            self._backend = getattr(importlib.import_module(backend[0]), backend[1])(
+                model, Loss(loss), self.optimizer)
 
     @property
     def rollback_variables(self) -> tuple:
