@@ -388,3 +388,28 @@ def test_a_plain_callable_loss_works_and_refuses_sample_weights():
         t, p, from_logits=True), keras.optimizers.Adam())
     with pytest.raises(hostavg.HostavgError, match=r"the loss has shape \(None,\), not a scalar"):
         per_sample.compute((x, y))
+
+
+def test_a_model_that_overrides_train_step_is_refused_naming_compute_loss():
+    """Issue 24 item 15: a custom train_step was skipped silently."""
+    class Custom(keras.Model):
+        def train_step(self, data):
+            raise AssertionError("never called")
+
+    inputs = keras.Input((FEATURES,))
+    model = Custom(inputs, keras.layers.Dense(CLASSES)(inputs))
+    with pytest.raises(hostavg.HostavgError, match=r"overrides train_step, .* override compute_loss"):
+        hostavg.keras.Trainer(model, loss(), keras.optimizers.SGD(0.1))
+
+
+def test_validation_data_of_the_wrong_shape_is_refused_before_training():
+    """Issue 24 item 13: it was found after a whole epoch trained."""
+    model = build()
+    trainer = hostavg.keras.Trainer(model, loss(), keras.optimizers.SGD(0.1))
+    x, y = xy(batches(0, 1, BATCH)[0])
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(hostavg.HostavgError, match=r"^fit, validation_data: "):
+        trainer.fit(x, y, batch_size=20, micro_batch_size=10, progress=False,
+                    validation_data=(x[:, :2], y))
+    for u, v in zip(before, model.variables):
+        np.testing.assert_array_equal(u, v.numpy())

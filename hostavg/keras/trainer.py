@@ -117,6 +117,11 @@ class Trainer(BaseTrainer):
                                f"them before importing keras")
         if not isinstance(model, keras.Model):
             raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
+        if type(model).train_step is not keras.Model.train_step:
+            raise HostavgError(
+                f"model {model.name!r} overrides train_step, which hostavg cannot run: a step here "
+                f"is micro-batches computed one by one and one apply; override compute_loss "
+                f"instead (Keras 3's customisation point for the loss)")
         if batch_norm not in BATCH_NORM_MODES:
             raise HostavgError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
         if batch_norm == "step" and comm is not None:
@@ -270,6 +275,14 @@ class Trainer(BaseTrainer):
         def source():
             batches = ArraySource(data, batch_size, shuffle)
             self._engine_for(self._backend, take(data, slice(0, 1)), "fit, data")
+            if validation_data is not None:  # its first sample, before any epoch trains
+                first = take(as_batch(validation_data[0], validation_data[1],
+                                      validation_data[2] if len(validation_data) == 3 else None),
+                             slice(0, 1))
+                try:
+                    self._evaluate(self._backend, first, 1)
+                except HostavgError as e:
+                    raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
             return batches
 
         def validate():
