@@ -29,12 +29,12 @@ DOCS = ["mkdocs", "mkdocs-material", "mkdocstrings[python]"]
 setup(
     name="hostavg",
     version="0.1.0",
-    description="Large-batch training of TensorFlow graph-mode models with gradients averaged on the host",
+    description="Large-batch training of TF1 graphs and Keras 3 models with every micro-batch's gradient on the host",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hostavg", "hostavg.*"]),
     python_requires=">=3.10",
-    install_requires=[TENSORFLOW, KERAS, "numpy", "tqdm"],
+    install_requires=[TENSORFLOW, KERAS, "numpy", "ml_dtypes", "tqdm"],
     extras_require={
         # Data sets shipped inside these packages, for `hostavg train`.
         "demo": DEMO,
