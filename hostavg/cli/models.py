@@ -13,9 +13,12 @@ imported by the TF1 builders only, so the Keras ones run on any Keras backend.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # the TF1 builders import it when called
+    import tensorflow as tf
 
 __all__ = ["Model", "convnet", "convnet_weights", "embedding", "embedding_weights", "keras_convnet",
            "keras_embedding", "keras_loss", "keras_mlp", "mlp", "mlp_weights"]

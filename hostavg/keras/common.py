@@ -14,7 +14,7 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError
 
-__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer",
+__all__ = ["ModelVariables", "BATCH_NORM_MODES", "MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer",
            "leaves", "rebuild"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
@@ -124,3 +124,33 @@ def checked_optimizer(optimizer):
             f"but hostavg accumulates on the host: make the optimizer without it and pass the "
             f"micro-batches to step")
     return optimizer
+
+
+class ModelVariables:
+    """What every Keras backend does alike with a model's and its optimizer's variables
+    (Keras's own variable API): name them for checkpoints, read, assign, build the optimizer.
+
+    A backend sets ``model`` and ``optimizer``.
+    """
+
+    def named_variables(self) -> dict:
+        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
+        ``optimizer/<i>``: names that agree between processes that built the same model."""
+        if not self.model.built:
+            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
+                               "first, or give the model an Input")
+        self.build_optimizer()
+        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
+                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
+
+    def variables(self) -> dict:
+        return {name: v.numpy() for name, v in self.named_variables().items()}
+
+    def assign(self, values: Mapping) -> None:
+        for name, v in self.named_variables().items():
+            v.assign(values[name])
+
+    def build_optimizer(self) -> None:
+        """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)

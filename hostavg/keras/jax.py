@@ -63,6 +63,7 @@ from hostavg.core.gradients import VariableSpec, freeze
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
+from hostavg.keras.common import ModelVariables
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 
@@ -75,7 +76,7 @@ _WIDE = jax.dtypes.canonicalize_dtype(jnp.float64)
 _RING = 2
 
 
-class KerasJaxBackend:
+class KerasJaxBackend(ModelVariables):
     """A Keras model with its loss and optimizer on Keras's JAX backend (:class:`hostavg.engine.protocols.Backend`).
 
     Attributes:
@@ -188,23 +189,6 @@ class KerasJaxBackend:
         for i, value in snapshot.items():
             self.assigned[i].assign(value)
 
-    def named_variables(self) -> dict:
-        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
-        ``optimizer/<i>``: names that agree between processes that built the same model."""
-        if not self.model.built:
-            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
-                               "first, or give the model an Input")
-        self.build_optimizer()
-        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
-                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
-
-    def variables(self) -> dict:
-        return {name: v.numpy() for name, v in self.named_variables().items()}
-
-    def assign(self, values: Mapping) -> None:
-        for name, v in self.named_variables().items():
-            v.assign(values[name])
-
     # --- Evaluation and building -------------------------------------------------------------
 
     def evaluate(self, chunks: list, metrics=None) -> dict:
@@ -235,11 +219,6 @@ class KerasJaxBackend:
             out.update((name, float(value)) for name, value in self.model.get_metrics_result().items()
                        if name != "loss" and np.ndim(value) == 0)
         return out
-
-    def build_optimizer(self) -> None:
-        """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
 
     # --- Tracing --------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, 
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
+from hostavg.keras.common import ModelVariables
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.tf1.session import first_line
@@ -64,7 +65,7 @@ from hostavg.tf1.variables import READ_OPS
 __all__ = ["KerasBackend"]
 
 
-class KerasBackend:
+class KerasBackend(ModelVariables):
     """A Keras model with its loss and optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Attributes:
@@ -210,23 +211,6 @@ class KerasBackend:
             self.assigned[i].assign(value)
         del self._moved[snapshot.moved:]  # "step": micro-batches computed since, forgotten
 
-    def named_variables(self) -> dict:
-        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
-        ``optimizer/<i>``: names that agree between processes that built the same model."""
-        if not self.model.built:
-            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
-                               "first, or give the model an Input")
-        self.build_optimizer()
-        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
-                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
-
-    def variables(self) -> dict:
-        return {name: v.numpy() for name, v in self.named_variables().items()}
-
-    def assign(self, values: Mapping) -> None:
-        for name, v in self.named_variables().items():
-            v.assign(values[name])
-
     # --- Evaluation and building -------------------------------------------------------------
 
     def evaluate(self, chunks: list, metrics=None) -> dict:
@@ -252,11 +236,6 @@ class KerasBackend:
             out.update((name, float(value)) for name, value in self.model.get_metrics_result().items()
                        if name != "loss" and np.ndim(value) == 0)
         return out
-
-    def build_optimizer(self) -> None:
-        """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
 
     # --- Tracing --------------------------------------------------------------------------
 
