@@ -42,14 +42,6 @@ CASES = {"keras-jax": "jax", "keras-jax-fresh": "jax", "keras-tf": "tensorflow",
          "tf1": "tensorflow"}
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def measure(case: str, model: str, micro: int, k: int, steps: int) -> dict:
     """One case, in this process: see the module docstring."""
     from hostavg.cli import bench
@@ -63,14 +55,14 @@ def measure(case: str, model: str, micro: int, k: int, steps: int) -> dict:
     for micro_batches in data[1:]:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident set size starts again from the current one
-        before, faults = _status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before, faults = bench.status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         tracemalloc.start()
         t0 = time.perf_counter()
         impl.step(micro_batches)
         seconds = time.perf_counter() - t0
         numpy_peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        rows.append({"numpy_peak": numpy_peak, "rss_peak": (_status_kb("VmHWM") - before) * 1024,
+        rows.append({"numpy_peak": numpy_peak, "rss_peak": (bench.status_kb("VmHWM") - before) * 1024,
                      "faults_per_micro": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                                           - faults) / k, "step_s": seconds})
     return {"case": case, "model": model, "micro": micro, "k": k,

@@ -464,13 +464,14 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     impl.step(data[0][:1])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set size to the current one
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     for micro in data[1:]:
         impl.step(micro)
-    return (_status_kb("VmHWM") - before) * 1024
+    return (status_kb("VmHWM") - before) * 1024
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
+    """A field of this process's /proc/self/status in kB (VmRSS, VmHWM: Linux only)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):

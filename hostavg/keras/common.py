@@ -8,13 +8,14 @@ own loss and optimizer classes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import keras
 import numpy as np
 
 from hostavg.core.errors import HostavgError
 
-__all__ = ["ModelVariables", "BATCH_NORM_MODES", "MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer",
+__all__ = ["ModelVariables", "model_errors", "BATCH_NORM_MODES", "MEAN_REDUCTIONS", "Loss", "as_batch", "checked_optimizer",
            "leaves", "rebuild"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
@@ -154,3 +155,18 @@ class ModelVariables:
         """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)
+
+
+@contextmanager
+def model_errors(what: str, message):
+    """Turns an error building or tracing the model on a batch into a HostavgError naming the
+    batch; ``message(error)`` is what went wrong, in the backend's own way of telling."""
+    try:
+        yield
+    except HostavgError:
+        raise
+    except Exception as error:
+        raise HostavgError(
+            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
+            f"{message(error)}); check its x and y against the model's inputs and the loss") \
+            from error

@@ -63,7 +63,7 @@ from hostavg.core.gradients import VariableSpec, freeze
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import ModelVariables
+from hostavg.keras.common import ModelVariables, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 
@@ -425,18 +425,8 @@ def _jax_errors(call: str):
         raise HostavgError(f"JAX failed in the {call} ({_first_line(error)})") from error
 
 
-@contextmanager
 def _model_errors(what: str):
-    """Turns an error building or tracing the model on a batch into a HostavgError naming the batch."""
-    try:
-        yield
-    except HostavgError:
-        raise
-    except Exception as error:
-        raise HostavgError(
-            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
-            f"{_first_line(error)}); check its x and y against the model's inputs and the loss") \
-            from error
+    return model_errors(what, _first_line)
 
 
 def _first_line(error) -> str:

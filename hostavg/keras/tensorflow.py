@@ -56,7 +56,7 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, 
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import ModelVariables
+from hostavg.keras.common import ModelVariables, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.tf1.session import first_line
@@ -439,18 +439,8 @@ def _tensorflow_errors(call: str):
         raise HostavgError(f"TensorFlow failed in the {call} ({said})") from error
 
 
-@contextmanager
 def _model_errors(what: str):
-    """Turns an error building or tracing the model on a batch into a HostavgError naming the batch."""
-    try:
-        yield
-    except HostavgError:
-        raise
-    except Exception as error:
-        raise HostavgError(
-            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
-            f"{_message(error)}); check its x and y against the model's inputs and the loss") \
-            from error
+    return model_errors(what, _message)
 
 
 def _message(error) -> str:
