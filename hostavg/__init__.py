@@ -17,7 +17,7 @@ The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine.step`,
 imported the first time a name that needs it (such as :class:`Trainer`) is
 used, so ``import hostavg`` stays fast.
 
-A few private APIs of CPython and TensorFlow serve the per-micro-batch path,
+A few private APIs of CPython, TensorFlow and JAX serve the per-micro-batch path,
 each detected when hostavg imports its framework and each with a public
 fallback giving the same results (:mod:`hostavg.compat`): :func:`private_apis`
 names those in use. Set ``HOSTAVG_PUBLIC_API_ONLY=1`` before importing hostavg
@@ -33,6 +33,7 @@ from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
+from hostavg.train.loop import ResumeWarning
 from hostavg.core.logs import import_tensorflow
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
@@ -59,6 +60,7 @@ __all__ = [
     "HostavgError",
     "MicroBatch",
     "NoiseScale",
+    "ResumeWarning",
     "SparseGradient",
     "StepLog",
     "StepResult",

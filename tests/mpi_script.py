@@ -14,7 +14,10 @@ usage: python mpi_script.py MODES OUT
         is caught and printed as "rank R caught: MESSAGE", then both ranks train on
         and write OUT-misconfigured-rank<r>.npz),
         sigterm (fit, printing "rank R pid P step N" per step, slowly: the test sends
-        SIGTERM to rank 1), exit (rank 1 calls sys.exit(3) in a fit callback).
+        SIGTERM to rank 1), exit (rank 1 calls sys.exit(3) in a fit callback),
+        sizes, batches (fit on data of 64 samples on rank 0 and 32 on rank 1, as arrays or
+        as a callable giving batches: each rank prints "rank R caught: MESSAGE", then both
+        fit on 32 samples together and print "rank R global step N").
 The global batch of each step is six micro-batches of unequal sizes; with two
 ranks, rank r takes micro-batches 3r to 3r + 2; alone, all six.
 """
@@ -155,6 +158,18 @@ def fit(exit_at=None):
                 progress=False, callbacks=[Report(exit_at)], checkpoint_dir=f"{out}-ckpt")
 
 
+def uneven(kind):
+    trainer, sess, x, _ = linear()
+    n = 64 if rank == 0 else 32
+    data = np.random.default_rng(0).normal(size=(n, 4)).astype(np.float32)
+    given = {x: data} if kind == "sizes" else lambda: ({x: data[i:i + 16]} for i in range(0, n, 16))
+    caught(lambda: trainer.fit(sess, given, batch_size=16, micro_batch_size=8, epochs=2, seed=0,
+                               progress=False))
+    trainer.fit(sess, {x: data[:32]}, batch_size=16, micro_batch_size=8, seed=0, progress=False)
+    print(f"rank {rank} global step {sess.run(trainer.global_step)}", flush=True)
+
+
 for mode in modes:
-    {"misconfigured": misconfigured, "sigterm": fit, "exit": lambda: fit(exit_at=2)}.get(
+    {"misconfigured": misconfigured, "sigterm": fit, "exit": lambda: fit(exit_at=2),
+     "sizes": lambda: uneven("sizes"), "batches": lambda: uneven("batches")}.get(
         mode, lambda: train(mode))()

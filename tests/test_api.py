@@ -6,7 +6,8 @@ import sys
 import hostavg
 
 PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "Callback", "EarlyStopping",
-          "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "SparseGradient",
+          "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "ResumeWarning",
+          "SparseGradient",
           "StepLog", "StepResult", "StepStats", "StopTraining", "Trainer", "VariableSpec",
           "hooks", "import_tensorflow", "load_record", "plot", "private_apis", "split", "stats", "step_together", "__version__"}
 

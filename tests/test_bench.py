@@ -14,7 +14,8 @@ def test_bench_smallest_writes_json_and_every_implementation_ends_with_the_same_
     assert main(["bench", "--grid", "smallest", "--no-memory", "--repeats", "2", "--stats",
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result) == {"machine", "repeats", "configs"}
+    assert set(result) == {"machine", "repeats", "configs", "keras_backend"}
+    assert result["keras_backend"] == "tensorflow"
     (config,) = result["configs"]
     assert (config["model"], config["micro_batch_size"], config["k"]) == ("mlp-50k", 32, 4)
     assert set(config["median_s"]) == {*bench.DEFAULT_IMPLEMENTATIONS, "hostavg-stack+stats"}

@@ -204,3 +204,66 @@ def test_stack_mode_shows_the_statistics_it_enables(tmp_path, capsys):
     assert last.keys() == {"step", "cosines", "inner_product_test", "orthogonality_test", "gsnr"}
     # 1,438 samples: the epoch's last batch holds 158, 5 micro-batches of up to 32
     assert last["step"] == 6 and len(last["cosines"]) == 5
+
+
+def test_a_json_path_that_refuses_a_new_file_is_refused_before_training(capsys):
+    # /proc passes the folder checks (it exists, root may write it) but takes no new file: the
+    # run trained, then ended with a FileNotFoundError traceback and the summary lost.
+    one_line_error(capsys, ["train", "--dataset", "digits", "--json", "/proc/x.json"],
+                   "hostavg train: error: argument --json: '/proc/x.json' cannot be written (No "
+                   "such file or directory)")
+
+
+def test_a_json_summary_that_cannot_be_written_after_all_is_printed(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "summary.json"
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    argv = ["train", "--dataset", "digits", "--epochs", "1", "--quiet", "--json", str(out)]
+    monkeypatch.setattr(Path, "write_text", full)  # the disk fills up while training
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("{"):])
+    assert printed["steps"] == 6 and 0 <= printed["test_accuracy"] <= 1
+    assert captured.err.strip().splitlines()[-1] == (
+        f"hostavg train: error: cannot write --json {out} (No space left on device); the results "
+        f"are printed above")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("engine", ["tf1", "keras"])
+def test_record_and_tensorboard_hold_every_step_of_the_run(engine, tmp_path, capsys):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    import hostavg
+    rec, tb = tmp_path / "rec", tmp_path / "tb"
+    argv = ["train", "--dataset", "digits", "--epochs", "2", "--hidden", "16", "--engine", engine,
+            "--record", str(rec), "--tensorboard", str(tb), "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1:3] == [f"recording every step in {rec} (read it with hostavg.load_record)",
+                            f"TensorBoard: tensorboard --logdir {tb}"]
+    steps = json.loads((tmp_path / "s.json").read_text())["steps"]
+    record = hostavg.load_record(rec)
+    assert record.steps == list(range(1, steps + 1)) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert not record[1].micro[0]["recorded"]  # micro-batch gradients: only with --record-micro
+    reader = ea.EventAccumulator(str(tb)).Reload()
+    losses = reader.Scalars("hostavg/loss")
+    assert [e.step for e in losses] == record.steps
+    assert [e.value for e in losses] == pytest.approx([record[s].loss for s in record.steps],
+                                                      rel=1e-6)
+    assert [e.step for e in reader.Scalars("epoch/val_accuracy")] == [6, 12]
+    # Run again into the same record: refused before training, unless resuming.
+    one_line_error(capsys, argv, f"--record {str(rec)!r} already holds 12 steps of another run")
+    # A run resumed from its checkpoints continues its record; --record-micro keeps micro-batches.
+    def again(epochs):
+        return main(["train", "--dataset", "digits", "--epochs", epochs, "--hidden", "16",
+                     "--engine", engine, "--record", str(tmp_path / "rec2"), "--record-micro",
+                     "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"])
+    assert again("1") == 0 and again("2") == 0
+    resumed = hostavg.load_record(tmp_path / "rec2")
+    assert resumed.steps == record.steps and resumed[12].micro[0]["recorded"]
+    capsys.readouterr()
+    one_line_error(capsys, ["train", "--record-micro"], "--record-micro records each "
+                                                        "micro-batch's gradients into the record: "
+                                                        "it needs --record DIR")

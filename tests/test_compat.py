@@ -16,6 +16,7 @@ from models import ENV, OPTIMIZERS, build, make_optimizer, v1
 
 import hostavg
 import hostavg.compat.keras
+import hostavg.compat.jax
 import hostavg.compat.python
 import hostavg.compat.tensorflow
 from hostavg.compat import PUBLIC_API_ONLY, apis, private_apis, public_api_only
@@ -34,6 +35,7 @@ TENSORFLOW_APIS = {
 PYTHON_APIS = {"get_handler": "_signal.getsignal", "set_handler": "_signal.signal"}
 KERAS_APIS = {"compile_arguments": "keras.Model._compile_config",
               "initial_epoch": "keras.Model._initial_epoch"}
+JAX_APIS = {"used_inputs": "jax.extend.core.Jaxpr (walked back from the loss)"}
 
 
 def forms(name: str) -> tuple:
@@ -48,12 +50,13 @@ def test_every_private_api_is_detected_in_this_tensorflow_and_each_wrapper_is_it
     """The versions the tests run on (setup.py's range) have every private API; a wrapper
     that fell back here would mean the detection is broken, or TensorFlow changed."""
     for module, names in ((hostavg.compat.tensorflow, TENSORFLOW_APIS),
-                          (hostavg.compat.python, PYTHON_APIS), (hostavg.compat.keras, KERAS_APIS)):
+                          (hostavg.compat.python, PYTHON_APIS), (hostavg.compat.keras, KERAS_APIS),
+                          (hostavg.compat.jax, JAX_APIS)):
         for wrapper, name in names.items():
             assert apis()[name].used, name
             assert getattr(module, wrapper) is apis()[name].private, name
     assert private_apis() == tuple(sorted([*TENSORFLOW_APIS.values(), *PYTHON_APIS.values(),
-                                           *KERAS_APIS.values()]))
+                                           *KERAS_APIS.values(), *JAX_APIS.values()]))
     assert hostavg.private_apis is private_apis
 
 
@@ -490,3 +493,23 @@ def test_the_contract_suite_passes_with_public_apis_only():
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1], done.stdout[-500:]
+
+
+# --- JAX ------------------------------------------------------------------------------------
+
+
+def test_used_inputs_finds_what_a_loss_depends_on_and_its_fallback_says_everything():
+    """The walk back over the jaxpr tells an unused input (whose JAX gradient is zeros) from a
+    used one, also through a nested jit; the fallback counts every input as used."""
+    import jax
+    import jax.numpy as jnp
+
+    inner = jax.jit(lambda a, b: a * b)
+
+    def loss(w, unused, v, x):
+        return (inner(w, x) + v.sum()).sum(), unused * 2  # unused reaches an output, not the loss
+
+    traced = jax.make_jaxpr(loss)(jnp.ones(3), jnp.ones(2), jnp.ones(4), jnp.ones(3))
+    private, public = forms(JAX_APIS["used_inputs"])
+    assert private(traced) == (True, False, True, True)
+    assert public(traced) == (True, True, True, True)

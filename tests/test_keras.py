@@ -284,7 +284,7 @@ def test_fit_resumes_from_its_checkpoints_bit_for_bit(tmp_path):
     straight = run(3)
     run(1, tmp_path / "ck")
     resumed = run(3, tmp_path / "ck")
-    assert len(list((tmp_path / "ck").iterdir())) == 2  # after epoch 1, and at the end
+    assert len(list((tmp_path / "ck").iterdir())) == 3  # the start, after epoch 1, the end
     assert_close(values(resumed.model, resumed.optimizer),
                  values(straight.model, straight.optimizer), atol=0)
 
@@ -402,3 +402,16 @@ def test_a_plain_callable_loss_is_reduced_as_keras_reduces_it():
     unweighted = keras_steps("adam", [{k: v for k, v in d.items() if k != "w"} for d in data])
     assert_close([v.numpy() for v in a.variables], [v.numpy() for v in unweighted.variables],
                  atol=1e-5)
+
+
+def test_validation_data_of_the_wrong_shape_is_refused_before_training():
+    """Issue 24 item 13: it was found after a whole epoch trained."""
+    model = build()
+    trainer = hostavg.keras.Trainer(model, loss(), keras.optimizers.SGD(0.1))
+    x, y = xy(batches(0, 1, BATCH)[0])
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(hostavg.HostavgError, match=r"^fit, validation_data: "):
+        trainer.fit(x, y, batch_size=20, micro_batch_size=10, progress=False,
+                    validation_data=(x[:, :2], y))
+    for u, v in zip(before, model.variables):
+        np.testing.assert_array_equal(u, v.numpy())

@@ -105,7 +105,8 @@ def test_two_ranks_resume_from_rank_0s_checkpoints(tmp_path):
                "--checkpoint-dir", tmp_path / "ckpt"]
     first, _ = mpirun(*hostavg, "--epochs", "1")
     assert first.returncode == 0, first.stderr
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ckpt-0000000006.npz"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [  # the start, the end
+        "ckpt-0000000000.npz", "ckpt-0000000006.npz"]
     resumed, _ = mpirun(*hostavg, "--epochs", "2", "--json", tmp_path / "resumed.json")
     assert resumed.returncode == 0, resumed.stderr
     straight, _ = mpirun(sys.executable, "-m", "hostavg", "train", "--dataset", "digits",

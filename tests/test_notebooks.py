@@ -25,7 +25,11 @@ def execute(name: str):
 
 def run(name: str) -> str:
     """Executes a notebook; returns everything it printed. Nothing goes to stderr."""
-    nb = execute(name)
+    return printed_by(execute(name), name)
+
+
+def printed_by(nb, name: str) -> str:
+    """Everything the executed notebook ``nb`` printed; asserts that nothing went to stderr."""
     stderr = [out["text"] for cell in nb.cells for out in cell.get("outputs", [])
               if out.get("name") == "stderr"]
     assert not stderr, f"{name} wrote to stderr: {stderr}"
@@ -71,7 +75,7 @@ def test_inspect_gradients_finds_the_nan_by_micro_batch_sample_and_row_and_the_d
     assert "sample with a non-finite gradient: [5]" in printed
     assert re.search(r"fit, epoch 1/1, batch \d+/16, global step \d+: step, micro-batch \d of 8 "
                      r"\(samples \d+:\d+, data rows \[", printed), printed
-    assert "row 1234 among e.rows: True" in printed
+    assert "culprit rows: [1234]" in printed and "row 1234 among e.rows: True" in printed
     assert "largest losses: samples [4, 19]" in printed
 
 
@@ -98,8 +102,9 @@ def test_batch_size_checks_the_noise_scale_from_one_start_at_matched_samples():
 
 
 @pytest.mark.slow
-def test_keras_notebook_matches_keras_finds_then_skips_the_nan_and_trains():
-    printed = run("keras")
+def test_keras_notebook_matches_keras_finds_then_skips_the_nan_and_trains_and_draws():
+    nb = execute("keras")
+    printed = printed_by(nb, "keras")
     epochs, steps = map(int, re.search(r"trained (\d+) epochs, (\d+) steps", printed).groups())
     assert steps == 6 * epochs  # 1,500 digits in tf.data batches of 256
     accuracy, step = re.search(r"best checkpoint: digits test accuracy (\S+) \(optimizer step "
@@ -109,5 +114,10 @@ def test_keras_notebook_matches_keras_finds_then_skips_the_nan_and_trains():
     assert diff < 1e-5, printed
     assert "output bias moved: False" in printed
     assert "step, micro-batch 2 of 8 (samples 64:96): non-finite gradients in 'mlp/hidden/kernel'" in printed
+    assert "  sample 69 of the step: x holds NaN in column 300" in printed
     assert "dropped: (2,)" in printed and "samples applied: 224 of 256" in printed
     assert float(re.search(r"test accuracy after \d+ steps: (\S+)", printed).group(1)) > 0.85
+    figures = [cell.source for cell in nb.cells for out in cell.get("outputs", [])
+               if "image/png" in out.get("data", {})]
+    assert len(figures) == 2, figures  # per step, micro-batch and variable; per micro-batch pair
+    assert "hostavg.plot.micro_norms(history" in figures[0] and "cosine_heatmap(res" in figures[1]

@@ -97,7 +97,7 @@ def tf1_fit(overlap, ckpt=None, stop=None, hooks=()):
     x = rng.normal(size=(250, 10)).astype(np.float32)
     data = {model.x: x, model.y: (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 1)}
     history = trainer.fit(sess, data, batch_size=96, micro_batch_size=32, epochs=2, seed=3,
-                          checkpoint_dir=ckpt, checkpoint_every=2, progress=False,
+                          checkpoint_dir=ckpt, checkpoint_every=2 if ckpt else None, progress=False,
                           callbacks=[FailAt(stop)] if stop else [])
     with model.graph.as_default():
         variables = v1.global_variables()

@@ -102,3 +102,49 @@ def test_estimators_refuse_one_micro_batch_and_bad_sizes():
         stats.cosines(np.ones((2, 3)), [4, 0])
     with pytest.raises(HostavgError, match="beta must be in"):
         NoiseScale(1.0)
+
+
+def test_step_stats_pairwise_cosines_equal_brute_force_over_dense_blocks_and_sparse_rows():
+    """Every pair of micro-batch gradients by explicit dot products over the dense gradients; a
+    variable longer than one block, a sparse one with repeated rows, a micro-batch of norm 0."""
+    from hostavg import Accumulator, SparseGradient, VariableSpec
+    from hostavg.core.gradients import BLOCK
+    rng = np.random.default_rng(3)
+    spec = {"big": VariableSpec((BLOCK + 123,), np.dtype("float32"), False),
+            "emb": VariableSpec((50, 2), np.dtype("float32"), True),
+            "t": VariableSpec((), np.dtype("float32"), False)}
+
+    def grads(zero=False):
+        ids = rng.integers(0, 50, 6)
+        ids[1] = ids[0]  # a row read twice
+        scale = 0.0 if zero else 1.0
+        return {"big": scale * rng.normal(size=BLOCK + 123).astype(np.float32),
+                "emb": SparseGradient(ids, scale * rng.normal(size=(6, 2)).astype(np.float32),
+                                      (50, 2)),
+                "t": np.float32(scale * rng.normal())}
+
+    stack = [grads(), grads(), grads(zero=True), grads()]
+    acc = Accumulator(spec, accumulate="stack")
+    for g, b in zip(stack, [3, 1, 2, 5]):
+        acc.add(g, weight=b)
+    st = stats.step_stats(acc.mean(), acc.weights, acc.sq_norms, [0.0] * 4, [0.0] * 4,
+                          stack)
+    dense = [np.concatenate([np.ravel(g["big"]), g["emb"].to_dense().ravel(), [g["t"]]])
+             .astype(np.float64) for g in stack]
+    want = np.full((4, 4), np.nan)
+    for i in range(4):
+        for j in range(4):
+            if i != 2 and j != 2:
+                want[i, j] = dense[i] @ dense[j] / np.linalg.norm(dense[i]) / np.linalg.norm(dense[j])
+    got = st.pairwise_cosines
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.isnan(got[2]).all() and np.isnan(got[:, 2]).all()  # a gradient of norm 0
+    assert not got.flags.writeable and got.dtype == np.float64
+    np.testing.assert_allclose(got, stats.pairwise_cosines(stats.flatten(stack)[0]), rtol=1e-9)
+    summed = Accumulator(spec)
+    for g in stack[:2]:
+        summed.add(g, weight=1)
+    assert stats.step_stats(summed.mean(), summed.weights, summed.sq_norms, [0.0] * 2,
+                            [0.0] * 2).pairwise_cosines is None  # "sum" mode keeps no stack
+    one = stats.step_stats(acc.mean(), [1.0], [1.0], [0.0], [0.0], stack[:1])
+    assert one.pairwise_cosines is None

@@ -29,9 +29,15 @@ step time. Implementations:
 * ``hostavg-keras``: the same model as a Keras 3 model (same layers and
   initial weights, :mod:`hostavg.cli.models`), trained by ``hostavg.keras.Trainer``
   with its defaults;
+* ``hostavg-keras-overlap``: the same with ``overlap=True``; outside the GPU
+  grid it runs only when named;
 * ``keras-accum``: that Keras model compiled with Keras 3's own accumulation,
   ``Adam(..., gradient_accumulation_steps=k)``, one ``train_on_batch`` per
   micro-batch: Keras's answer to the same problem.
+
+On Keras's JAX backend (``KERAS_BACKEND=jax``) only the Keras implementations
+run (TensorFlow is never imported), by default ``hostavg-keras`` and
+``keras-accum``, and ``keras-accum`` is every configuration's baseline.
 
 Every implementation uses the configuration's optimizer (:data:`OPTIMIZERS`):
 ``tf.compat.v1.train.AdamOptimizer(1e-3)`` or ``GradientDescentOptimizer(0.1)``;
@@ -40,7 +46,7 @@ or ``SGD(0.1)``, so every implementation ends with the same weights.
 
 Each configuration's ratios are to its baseline: ``full-batch`` at k = 1 (the
 program's own ``minimize`` step, so the ratio is hostavg's overhead), else
-``in-graph`` (the usual way to accumulate). Steps of a millisecond or less
+``in-graph`` (the usual way to accumulate); where neither runs, ``keras-accum``. Steps of a millisecond or less
 are timed several at a time (``min_sample_s``): one sample is as many
 consecutive steps as the slowest implementation takes that long for, and
 records their mean.
@@ -66,14 +72,21 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError
 
-__all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "OPTIMIZERS", "Config",
-           "baseline", "grid", "measure_memory", "run", "time_config"]
+__all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
+           "OPTIMIZERS", "Config", "baseline", "defaults", "grid", "keras_backend",
+           "measure_memory", "run", "time_config"]
 
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds hostavg-stack+stats).
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
                            "full-batch", "hostavg-keras", "keras-accum")
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
-                                             "hostavg-caller")
+                                             "hostavg-caller", "hostavg-keras-overlap")
+#: The implementations that run on any Keras backend (the others are TF1 graphs).
+KERAS_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
+#: What runs by default on a Keras backend other than TensorFlow.
+KERAS_DEFAULT_IMPLEMENTATIONS = ("hostavg-keras", "keras-accum")
+#: What ``hostavg bench --grid gpu`` runs unless told otherwise.
+GPU_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
 OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph")
 #: The optimizers a configuration can name (see :func:`_optimizer`).
@@ -92,6 +105,9 @@ CONFIG_MODELS = {
     "embedding": ("embedding", {"vocab": 100_000, "dim": 32, "length": 16, "classes": 10}),
     "logreg": ("mlp", {"features": 784, "hidden": [], "classes": 10}),
     "embedding-50k": ("embedding", {"vocab": 50_000, "dim": 64, "length": 16, "classes": 10}),
+    # The GPU grid's: about 50M and 200M parameters (a gradient of 214 MB and 835 MB).
+    "mlp-50m": ("mlp", {"features": 784, "hidden": [4096] * 4, "classes": 10}),
+    "mlp-200m": ("mlp", {"features": 784, "hidden": [8192] * 4, "classes": 10}),
 }
 #: The models of the quick and full grids.
 _GRID_MODELS = ("mlp-50k", "mlp-300k", "mlp-2m", "conv", "embedding")
@@ -120,14 +136,33 @@ class Config:
         return f"{self.model} micro={self.micro_batch_size} k={self.k}{opt}"
 
 
-def baseline(config: Config) -> str:
-    """The implementation ``config``'s ratios are to: ``full-batch`` at k = 1, else ``in-graph``.
+def baseline(config: Config, implementations=DEFAULT_IMPLEMENTATIONS) -> str:
+    """The implementation ``config``'s ratios are to: ``full-batch`` at k = 1, else ``in-graph``;
+    where that is not among ``implementations`` and ``keras-accum`` is, ``keras-accum``.
 
     With one micro-batch, ``full-batch`` is the program's own train op run on
     the same feed, so the ratio is what hostavg adds; with more, in-graph
-    accumulation is what hostavg replaces.
+    accumulation is what hostavg replaces. Among the Keras implementations
+    alone (Keras on JAX), Keras's own accumulation is what hostavg replaces.
     """
-    return "full-batch" if config.k == 1 else "in-graph"
+    tf1 = "full-batch" if config.k == 1 else "in-graph"
+    return "keras-accum" if tf1 not in implementations and "keras-accum" in implementations \
+        else tf1
+
+
+def keras_backend() -> str:
+    """The backend Keras runs on in this process ("tensorflow", "jax", ...); imports Keras."""
+    import keras
+    return keras.backend.backend()
+
+
+def defaults(grid_name: str, backend: str) -> tuple:
+    """The implementations grid ``grid_name`` runs unless told otherwise, on Keras's ``backend``."""
+    if grid_name == "gpu":
+        return GPU_IMPLEMENTATIONS
+    if backend != "tensorflow":
+        return KERAS_DEFAULT_IMPLEMENTATIONS
+    return OVERHEAD_IMPLEMENTATIONS if grid_name == "overhead" else DEFAULT_IMPLEMENTATIONS
 
 
 def _build(model: str, seed: int = 0, keras: bool = False):
@@ -295,11 +330,12 @@ class _KerasImpl:
 
 
 class _HostavgKeras(_KerasImpl):
-    def __init__(self, config):
+    def __init__(self, config, **trainer_kw):
         super().__init__(config)
         from hostavg.cli import models
         from hostavg.keras.trainer import Trainer
-        self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer(config.optimizer))
+        self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer(config.optimizer),
+                               **trainer_kw)
 
     def step(self, micro):
         self.trainer.step(micro)
@@ -333,6 +369,7 @@ def _make(name: str, config: Config, session_config=None):
             "plain-host": lambda: _PlainHost(config, **kw),
             "full-batch": lambda: _FullBatch(config, **kw),
             "hostavg-keras": lambda: _HostavgKeras(config),
+            "hostavg-keras-overlap": lambda: _HostavgKeras(config, overlap=True),
             "keras-accum": lambda: _KerasAccumulation(config)}[name]()
 
 
@@ -427,13 +464,14 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     impl.step(data[0][:1])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set size to the current one
-    before = _status_kb("VmRSS")
+    before = status_kb("VmRSS")
     for micro in data[1:]:
         impl.step(micro)
-    return (_status_kb("VmHWM") - before) * 1024
+    return (status_kb("VmHWM") - before) * 1024
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
+    """A field of this process's /proc/self/status in kB (VmRSS, VmHWM: Linux only)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -442,7 +480,7 @@ def _status_kb(field: str) -> int:
 
 
 def grid(name: str) -> list[Config]:
-    """The configurations of grid "quick" (the default), "full", "smallest" or "overhead".
+    """The configurations of grid "quick" (the default), "full", "smallest", "overhead" or "gpu".
 
     smallest: mlp-50k, micro-batches of 32, k = 4 (a smoke test); quick: the
     five original models (mlp-50k, mlp-300k, mlp-2m, conv, embedding) at
@@ -450,8 +488,11 @@ def grid(name: str) -> list[Config]:
     with k = 4, 8 and 32. overhead: one micro-batch of 32 (k = 1) of logreg,
     mlp-50k and embedding-50k with Adam and of embedding-50k with SGD, whose
     baseline is the program's own train op; then embedding-50k at k = 8 with
-    SGD and Adam against in-graph accumulation.
+    SGD and Adam against in-graph accumulation. gpu: MLPs of 2M, 50M and 200M
+    parameters (mlp-2m, mlp-50m, mlp-200m) at micro-batch size 64 with k = 8.
     """
+    if name == "gpu":
+        return [Config(m, 64, 8) for m in ("mlp-2m", "mlp-50m", "mlp-200m")]
     if name == "smallest":
         return [Config("mlp-50k", 32, 4)]
     if name == "quick":
@@ -477,6 +518,8 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
     """
     say = _progress(progress)
     results = {"machine": _machine(), "repeats": repeats, "configs": []}
+    if set(implementations) & set(KERAS_IMPLEMENTATIONS):
+        results["keras_backend"] = keras_backend()
     first = max([28, *(len(str(c)) + 2 for c in configs)])
     widths = [max(len(n), 19) + 2 for n in implementations]
     out(f"{'configuration':<{first}}{'params':>10}" + "".join(f"{n:>{w}}" for n, w in
@@ -489,7 +532,7 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
         say(f"timing {config} ({i + 1} of {len(configs)}): {samples}")
         r = time_config(config, implementations, repeats, min_sample_s=min_sample_s)
         t = r["median_s"]
-        base_name = baseline(config)
+        base_name = baseline(config, implementations)
         base = t.get(base_name)
         r["baseline"] = base_name
         r["ratio_to_baseline"] = {n: v / base for n, v in t.items()} if base else {}
@@ -521,12 +564,13 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
 #: How the table's footer names each baseline, and where it is the baseline.
 _BASELINE_WORDS = {
     "full-batch": ("full-batch, the program's own train op on the same feed", "k = 1"),
-    "in-graph": ("in-graph accumulation", "k > 1")}
+    "in-graph": ("in-graph accumulation", "k > 1"),
+    "keras-accum": ("Keras's own accumulation", "the TF1 baseline does not run")}
 
 
 def _ratio_note(configs, implementations) -> str:
     """The end of the table's footer: what each cell's ratio is relative to."""
-    wanted = {baseline(c) for c in configs}
+    wanted = {baseline(c, implementations) for c in configs}
     shown = [b for b in _BASELINE_WORDS if b in wanted and b in implementations]
     if not shown:
         return ")"
@@ -559,7 +603,7 @@ def _memory_tables(implementations, config: Config, out, say) -> dict:
     for n, b in per_impl.items():
         out(f"  {n:<22}{b / mib:8.1f} MiB")
     scaling = {}
-    for n in ("hostavg", "hostavg-stack"):
+    for n in ("hostavg", "hostavg-stack", "hostavg-keras"):
         if n in implementations:
             say(f"measuring memory: {n} at k = 4 and 64")
             scaling[n] = {k: measure_memory(dataclasses.replace(config, k=k), n) for k in (4, 64)}

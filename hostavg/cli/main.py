@@ -57,7 +57,9 @@ def _seed(text: str) -> int:
 
 
 def _output(text: str) -> str:
-    """An argparse type: a file that can be written, checked before the run that fills it."""
+    """An argparse type: a file that can be written, checked before the run that fills it by
+    opening it for appending (a file that did not exist is removed again): a folder that
+    looks writable can still refuse a new file (/proc)."""
     path = Path(text)
     folder = path.parent
     if path.is_dir():
@@ -66,7 +68,29 @@ def _output(text: str) -> str:
         raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} of {text!r} is not writable")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({e.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return text
+
+
+def _write_json(args, what) -> int:
+    """Writes ``what`` to ``--json``; if that fails after all, prints it on stdout instead (a
+    run's results are never lost) and says why on stderr. Returns the exit status."""
+    text = json.dumps(what, indent=2)
+    try:
+        Path(args.json).write_text(text)
+    except OSError as e:
+        print(text, flush=True)
+        print(f"hostavg {args.command}: error: cannot write --json {args.json} "
+              f"({e.strerror or e}); the results are printed above", file=sys.stderr)
+        return 1
+    return 0
 
 
 #: Bytes a trained float32 parameter costs: initial value, variable, two Adam slots,
@@ -135,6 +159,18 @@ def _parser() -> _Parser:
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                        help="also write a checkpoint every STEPS optimizer steps (needs "
                             "--checkpoint-dir)")
+    train.add_argument("--record", default=None, metavar="DIR",
+                       help="record every applied step in DIR (hostavg.hooks.Record: the mean "
+                            "gradient, the statistics, each micro-batch's loss, norm and data "
+                            "rows; read it with hostavg.load_record(DIR)); with --checkpoint-dir "
+                            "a resumed run continues it")
+    train.add_argument("--record-micro", action="store_true",
+                       help="also record each micro-batch's gradients (needs --record; a "
+                            "record then holds k + 1 gradients per step)")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="write TensorBoard scalars every step and gradient histograms every "
+                            "100 steps to DIR (hostavg.hooks.TensorBoard): tensorboard --logdir "
+                            "DIR")
     train.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help=f"write a JSON summary: {', '.join(SUMMARY)} (and last_step with "
                             f"--accumulate stack)")
@@ -149,7 +185,8 @@ def _parser() -> _Parser:
                     "interleaved in one process; prints median step times, their ratios to "
                     "each configuration's baseline (in-graph accumulation; with one micro-batch, "
                     "the program's own train op), and peak host memory per implementation.")
-    bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead"), default="quick",
+    bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead", "gpu"),
+                       default="quick",
                        help="times measured on a 2-core AMD EPYC. quick (default, 2 to 3 minutes): "
                             "mlp-50k, mlp-300k, mlp-2m, conv and embedding at micro-batch size 32 "
                             "with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32; "
@@ -161,7 +198,9 @@ def _parser() -> _Parser:
                             "against in-graph accumulation; hostavg, hostavg-caller, full-batch and "
                             "in-graph, "
                             "each sample as many steps as the slowest takes 0.1 s for, no memory "
-                            "probes")
+                            "probes; gpu (for a GPU): MLPs of 2M, 50M and 200M parameters at "
+                            "micro-batch size 64 with k = 8, hostavg-keras with and without "
+                            "overlap against keras-accum (benchmarks/gpu.py adds the transfers)")
     bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
                        help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, "
                             "embedding, logreg, embedding-50k")
@@ -177,7 +216,10 @@ def _parser() -> _Parser:
     bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
-                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller")
+                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller, "
+                            "hostavg-keras-overlap. With KERAS_BACKEND=jax only hostavg-keras, "
+                            "hostavg-keras-overlap and keras-accum run (default the first and "
+                            "the last), and TensorFlow is not imported")
     bench.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
     bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
@@ -195,7 +237,8 @@ def _names(text: str) -> list[str]:
 
 
 def _bench(args) -> int:
-    import_tensorflow()
+    if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+        import_tensorflow()  # quietly, before Keras imports it
     from hostavg.cli import bench
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
                                ("implementation", args.implementations, bench.IMPLEMENTATIONS),
@@ -205,6 +248,13 @@ def _bench(args) -> int:
             raise HostavgError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
     if args.repeats < 1:
         raise HostavgError(f"--repeats must be >= 1, got {args.repeats}")
+    backend = bench.keras_backend()
+    named = [*(args.implementations or ()), *(["hostavg-stack+stats"] if args.stats else [])]
+    graphs = sorted(set(named) - set(bench.KERAS_IMPLEMENTATIONS))
+    if backend != "tensorflow" and graphs:
+        raise HostavgError(f"implementations {graphs} are TF1 graphs, which run with Keras on "
+                           f"TensorFlow; Keras runs on {backend!r} here (KERAS_BACKEND): choose "
+                           f"from {', '.join(bench.KERAS_IMPLEMENTATIONS)}")
     whole = bench.grid(args.grid)
     by_model = [c for c in whole if args.models is None or c.model in args.models]
     configs = [c for c in by_model if args.optimizers is None or c.optimizer in args.optimizers]
@@ -220,8 +270,7 @@ def _bench(args) -> int:
         configs = [bench.Config(m, b, k, o) for m in models for b in sizes for k in ks
                    for o in optimizers]
     overhead = args.grid == "overhead"
-    implementations = tuple(args.implementations or (bench.OVERHEAD_IMPLEMENTATIONS if overhead
-                                                     else bench.DEFAULT_IMPLEMENTATIONS))
+    implementations = tuple(args.implementations or bench.defaults(args.grid, backend))
     if args.stats and "hostavg-stack+stats" not in implementations:
         implementations += ("hostavg-stack+stats",)
     unprobed = args.grid in ("smallest", "overhead")
@@ -229,12 +278,9 @@ def _bench(args) -> int:
                         memory=not args.no_memory and not unprobed,
                         min_sample_s=bench.OVERHEAD_MIN_SAMPLE_S if overhead else 0.0)
     if unprobed and not args.no_memory:
-        print(f"(memory not measured with --grid {args.grid}: each probe starts TensorFlow in a "
-              f"fresh process; see --grid quick)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+        print(f"(memory not measured with --grid {args.grid}: each probe starts a fresh "
+              f"process; see --grid quick)")
+    return _write_json(args, results) if args.json else 0
 
 
 def _learning_rate(name: str, lr: float | None) -> float:
@@ -338,6 +384,7 @@ def _train(args) -> int:
     elif args.checkpoint_every is not None:
         raise HostavgError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir, "
                            f"the folder to write the checkpoints to")
+    watchers = _watchers(args)
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
     from hostavg.train.loop import check_sizes
     check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
@@ -350,6 +397,7 @@ def _train(args) -> int:
     comm = _world()
     if comm is not None and comm.Get_rank() != 0:
         args.quiet, args.json = True, None  # rank 0 speaks for the job
+        watchers = []  # and writes the record and TensorBoard's files
     data = datasets.load(args.dataset, seed=args.seed)
     widths = [data.x_train.shape[1], *args.hidden, data.classes]
     _check_memory(sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])), args.hidden)
@@ -357,7 +405,7 @@ def _train(args) -> int:
     fit = {"batch_size": args.batch_size, "micro_batch_size": args.micro_batch_size,
            "epochs": args.epochs, "seed": args.seed, "progress": bar,
            # One display per epoch: the progress bar on a terminal, else a line.
-           "callbacks": [] if args.quiet or bar else [_EpochPrinter(args.epochs)],
+           "callbacks": watchers + ([] if args.quiet or bar else [_EpochPrinter(args.epochs)]),
            "checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
     run = _train_keras if args.engine == "keras" else _train_tf1
     report = _Report(args)
@@ -371,10 +419,7 @@ def _train(args) -> int:
         print(f"test accuracy {summary['test_accuracy']:.4f}, test loss {summary['test_loss']:.4f} "
               f"after {summary['steps']} steps, {summary['samples']} samples, "
               f"{summary['seconds']:.1f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0
+    return _write_json(args, summary) if args.json else 0
 
 
 def _header(args, data, comm, parameters: int) -> None:
@@ -385,6 +430,11 @@ def _header(args, data, comm, parameters: int) -> None:
               f"{len(data.x_test)} test samples; MLP {args.hidden} with {parameters:,} "
               f"parameters; batch {args.batch_size} = micro-batches of {args.micro_batch_size}; "
               f"{args.optimizer}", flush=True)
+        if args.record is not None:
+            print(f"recording every step in {args.record} (read it with "
+                  f"hostavg.load_record)", flush=True)
+        if args.tensorboard is not None:
+            print(f"TensorBoard: tensorboard --logdir {args.tensorboard}", flush=True)
 
 
 def _self_check(args, check):
@@ -439,6 +489,29 @@ def _train_keras(args, data, comm, lr, fit, report) -> tuple:
                           validation_data=(data.x_test, data.y_test), **fit)
     return history, trainer.evaluate(data.x_test, data.y_test,
                                      batch_size=args.micro_batch_size), check
+
+
+def _watchers(args) -> list:
+    """The hooks that write what happened (:class:`~hostavg.hooks.Record` for ``--record``,
+    :class:`~hostavg.hooks.TensorBoard` for ``--tensorboard``), their folders checked first."""
+    from hostavg.inspect.record import Record, load_record
+    from hostavg.inspect.tensorboard import TensorBoard
+    if args.record_micro and args.record is None:
+        raise HostavgError("--record-micro records each micro-batch's gradients into the record: "
+                           "it needs --record DIR")
+    out = []
+    if args.record is not None:
+        _check_folder(args.record, "--record")
+        held = load_record(args.record).steps if Path(args.record).is_dir() else []
+        if held and not (args.checkpoint_dir and any(Path(args.checkpoint_dir).glob("ckpt-*.npz"))):
+            raise HostavgError(f"--record {args.record!r} already holds {len(held)} steps of "
+                               f"another run; pick another folder, or delete it (with "
+                               f"--checkpoint-dir, a resumed run continues its record)")
+        out.append(Record(args.record, micro=args.record_micro))
+    if args.tensorboard is not None:
+        _check_folder(args.tensorboard, "--tensorboard")
+        out.append(TensorBoard(args.tensorboard))
+    return out
 
 
 def _check_folder(path: str, option: str) -> None:

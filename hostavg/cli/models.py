@@ -6,18 +6,19 @@ or int32 ids for :func:`embedding`) and ``y`` (int32 labels), and returns a
 :class:`Model`; each ``keras_`` builder returns the same classifier as a
 ``keras.Sequential`` (logits out; :func:`keras_loss` is its loss). Weights
 start from a NumPy generator seeded with ``seed`` (Glorot-uniform), so the
-same seed gives the same model in any process, in either form.
+same seed gives the same model in any process, in either form. TensorFlow is
+imported by the TF1 builders only, so the Keras ones run on any Keras backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import tensorflow as tf
 
-v1 = tf.compat.v1
+if TYPE_CHECKING:  # the TF1 builders import it when called
+    import tensorflow as tf
 
 __all__ = ["Model", "convnet", "convnet_weights", "embedding", "embedding_weights", "keras_convnet",
            "keras_embedding", "keras_loss", "keras_mlp", "mlp", "mlp_weights"]
@@ -44,7 +45,14 @@ class Model(NamedTuple):
     @property
     def parameters(self) -> int:
         with self.graph.as_default():
-            return int(sum(np.prod(v.shape.as_list()) for v in v1.trainable_variables()))
+            return int(sum(np.prod(v.shape.as_list())
+                           for v in _tf().compat.v1.trainable_variables()))
+
+
+def _tf():
+    """TensorFlow, imported when a TF1 model is built."""
+    import tensorflow
+    return tensorflow
 
 
 def _glorot(rng, fan_in: int, fan_out: int, shape=None) -> np.ndarray:
@@ -86,6 +94,7 @@ def embedding_weights(vocab: int, dim: int, length: int, classes: int, seed: int
 
 
 def _dense(h, kernel, bias, name):
+    tf = _tf()
     with tf.name_scope(name):
         w = tf.Variable(kernel, name="kernel")
         b = tf.Variable(bias, name="bias")
@@ -93,6 +102,7 @@ def _dense(h, kernel, bias, name):
 
 
 def _head(graph, x, y, h, kernel, bias) -> Model:
+    tf = _tf()
     logits = _dense(h, kernel, bias, "logits")
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     correct = tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y)
@@ -102,6 +112,8 @@ def _head(graph, x, y, h, kernel, bias) -> Model:
 def mlp(features: int, hidden: Sequence[int], classes: int, *, seed: int = 0) -> Model:
     """features -> ReLU layers of ``hidden`` units -> classes."""
     weights = mlp_weights(features, hidden, classes, seed)
+    tf = _tf()
+    v1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, features], name="x")
@@ -115,6 +127,8 @@ def mlp(features: int, hidden: Sequence[int], classes: int, *, seed: int = 0) ->
 def convnet(side: int, channels: Sequence[int], classes: int, *, seed: int = 0) -> Model:
     """A (side x side) grey image -> 3x3 conv + ReLU + 2x2 max-pool per entry of ``channels`` -> classes."""
     weights = convnet_weights(side, channels, classes, seed)
+    tf = _tf()
+    v1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, side * side], name="x")
@@ -136,6 +150,8 @@ def embedding(vocab: int, dim: int, length: int, classes: int, *, seed: int = 0)
     The table's gradient is sparse (``IndexedSlices``): only the rows looked up.
     """
     table, *head = embedding_weights(vocab, dim, length, classes, seed)
+    tf = _tf()
+    v1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.int32, [None, length], name="x")

@@ -2,9 +2,11 @@
 
 A few private APIs of CPython and TensorFlow sit on hostavg's per-micro-batch
 path, where their public twins cost Python time on every call (see each
-wrapper's docstring). Each is wrapped in one small named function in the
-module of its framework, :mod:`hostavg.compat.python` (``_signal``) and
-:mod:`hostavg.compat.tensorflow` (imported by the TF1 and Keras backends only).
+wrapper's docstring); one of JAX's tells which variables the loss depends on.
+Each is wrapped in one small named function in the module of its framework,
+:mod:`hostavg.compat.python` (``_signal``), :mod:`hostavg.compat.tensorflow`
+(imported by the TF1 backend and Keras's TensorFlow backend only) and
+:mod:`hostavg.compat.jax` (by Keras's JAX backend only).
 When that module is imported, each private API is detected (it exists and
 behaves as expected on a small probe) and the wrapper becomes either the
 private form or its public fallback, which gives the same results.

@@ -9,14 +9,21 @@ where g_i is the gradient of micro-batch i's MEAN loss and w_i its weight
 gradient of the mean loss over the concatenated batch.
 
 Numerics: dense values are accumulated in ``accum_dtype`` (by default each
-variable's own dtype), in the order the micro-batches were added. The sum is
-kept as ``w_1 * buffer``: the buffer starts as g_1, a micro-batch of the same
-weight is added as it is (one pass over the values, the common case), another
-as ``(w_i / w_1) * g_i``; the mean is ``buffer * (w_1 / sum_i w_i)``. The
-"sum" and "stack" modes run this same arithmetic (:class:`RunningSum`), so
-they give bit-identical means. Sparse rows are kept as they come (indices,
-values, weight) and summed once, in :meth:`Accumulator.mean`, so their memory
-is the number of rows seen, never the size of the table.
+variable's own dtype; float32 for bfloat16 and the float8 types, see
+:mod:`hostavg.core.dtypes`), in the order the micro-batches were added. The
+sum is kept as ``s * buffer``, s the largest weight so far: the buffer starts
+as g_1 (s = w_1); a micro-batch of weight s is added as it is (one pass over
+the values, the common case), a lighter one as ``(w_i / s) * g_i``, and a
+heavier one first rescales the buffer by ``s / w_i`` and becomes the new s.
+Every factor is at most 1, so no weight, however large or small, can
+overflow the sum (weights 1e-40 and 1 in float32 give g_2 plus a negligible
+g_1, not Inf). The mean is ``buffer * (s / sum_i w_i)``, a factor of at most 1
+too. The "sum" and "stack" modes run this same arithmetic
+(:class:`RunningSum`), so they give bit-identical means. Sparse rows are kept
+as they come (indices, values, weight) and summed once, in
+:meth:`Accumulator.mean`, weighted by ``w / s`` then scaled by ``s / sum_i
+w_i`` alike, so their memory is the number of rows seen, never the size of
+the table. Weights must be finite and > 0, with a finite total (float64).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.dtypes import accumulation_dtype, arithmetic
+from hostavg.core.errors import HostavgError, positive_number
 from hostavg.core.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
                                conform, freeze, is_frozen)
 
@@ -48,14 +56,15 @@ class Reduction(NamedTuple):
     Attributes:
       total: sum of the weights, sum_i w_i.
       weights: (k,) float64, the weights in the order they were added.
-      scale: the first weight, w_1 (None while nothing was added).
+      scale: the largest weight, s = max_i w_i (None while nothing was added).
       sums: "sum" mode: name -> (sum_i w_i g_i) / scale (in the accumulation
         dtype, or g_1 itself while it is the only one).
       stacks: "stack" mode: name -> [g_1, ..., g_k] as added.
       rows: sparse variables: name -> (indices (n,), values (n, ...),
-        row_weights (n,)), every micro-batch's rows one after the other; the
-        mean's row for index r is the sum of row_weights[j] * values[j] over
-        j with indices[j] == r, divided by total.
+        row_weights (n,)), every micro-batch's rows one after the other,
+        row_weights[j] the weight of row j's micro-batch divided by scale (at
+        most 1); the mean's row for index r is the sum of row_weights[j] *
+        values[j] over j with indices[j] == r, times scale / total.
       dtypes: name -> accumulation dtype.
     """
 
@@ -87,7 +96,7 @@ def numpy_reduce(r: Reduction) -> dict:
             out[name] = coalesce_rows(indices, values)  # as they are when already coalesced
             continue
         unique, summed = weighted_rows(indices, values, row_weights, r.dtypes[name])
-        out[name] = (unique, np.divide(summed, r.total, out=summed))
+        out[name] = (unique, np.multiply(summed, factor, out=summed))
     return out
 
 
@@ -109,7 +118,7 @@ def stack_sum(gs: list, weights, dtype) -> np.ndarray:
 
 def weighted_rows(indices, values, row_weights, dtype) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique row indices and sum_j row_weights[j] * values[j] for each, in ``dtype``."""
-    weighted = values.astype(dtype) * row_weights.astype(dtype).reshape(
+    weighted = values.astype(dtype) * np.asarray(row_weights).astype(dtype).reshape(
         (-1,) + (1,) * (values.ndim - 1))
     return coalesce_rows(indices, weighted)
 
@@ -131,14 +140,17 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
 class RunningSum:
     """sum_i w_i g_i of one dense variable, kept as ``scale * value`` in a reused buffer.
 
-    The first micro-batch sets the scale (its weight); a first array hostavg
-    froze (as the session returns them) is not even copied, since it cannot
-    change: the second add writes ``g_1 + g_2`` into the buffer. A weight equal to the scale then costs one
-    pass (an add), another multiplies into a scratch buffer first. Arithmetic
-    runs in the buffer's dtype.
+    The scale is the largest weight added so far. The first micro-batch sets
+    it (its weight); a first array hostavg froze (as the session returns
+    them) is not even copied, since it cannot change: the second add writes
+    ``g_1 + g_2`` into the buffer. A weight equal to the scale then costs one
+    pass (an add); a smaller one multiplies by ``w / scale`` (< 1) into a
+    scratch buffer first; a larger one rescales the sum by ``scale / w`` (< 1)
+    and becomes the scale. Arithmetic runs in the buffer's dtype (values of an
+    ml_dtypes type are converted to it first).
 
     Attributes:
-      scale: the first weight, or None while empty.
+      scale: the largest weight added, or None while empty.
     """
 
     def __init__(self, buffer: np.ndarray, scratch: _Scratch | None = None):
@@ -156,6 +168,7 @@ class RunningSum:
 
     def add(self, g: np.ndarray, w: float) -> None:
         buf = self._buffer
+        g = arithmetic(g, buf.dtype)
         if self.scale is None:
             self.scale = w
             if is_frozen(g):
@@ -164,6 +177,9 @@ class RunningSum:
                 np.copyto(buf, g, casting="same_kind")
             return
         base, self._first = self.value, None
+        if w > self.scale:  # the sum in units of the new, larger weight: no factor exceeds 1
+            np.multiply(base, self.scale / w, out=buf, dtype=buf.dtype, casting="same_kind")
+            base, self.scale = buf, w
         if w == self.scale:
             np.add(base, g, out=buf, dtype=buf.dtype, casting="same_kind")
         else:
@@ -192,7 +208,9 @@ class Accumulator:
       spec: name -> :class:`VariableSpec` of every trained variable, usually
         ``trainer.spec``; every added gradient must have exactly these keys.
       accumulate: one of :data:`ACCUMULATE_MODES`.
-      accum_dtype: the dtype sums are kept in; None keeps each variable's dtype.
+      accum_dtype: the dtype sums are kept in; None keeps each variable's dtype
+        (float32 for bfloat16 and float8 variables:
+        :func:`~hostavg.core.dtypes.accumulation_dtype`).
       reducer: turns a :class:`Reduction` into the mean; default
         :func:`numpy_reduce` (a trainer with ``average="graph"`` passes one that
         runs in its session).
@@ -228,7 +246,8 @@ class Accumulator:
         self.spec = dict(spec)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
-        self._dtypes = {n: self.accum_dtype or np.dtype(s.dtype) for n, s in self.spec.items()}
+        self._dtypes = {n: accumulation_dtype(s.dtype, self.accum_dtype)
+                        for n, s in self.spec.items()}
         self._reduce = reducer or numpy_reduce
         dense = [n for n, s in self.spec.items() if not s.sparse]
         scratch = _Scratch()
@@ -257,7 +276,8 @@ class Accumulator:
           grads: name -> gradient, exactly the spec's names; a
             :class:`Gradients` from ``trainer.compute`` or any mapping.
           weight: how much this micro-batch counts; default ``grads.size``, its
-            number of samples. Must be finite and > 0.
+            number of samples. A real number, finite and > 0; the total of
+            the weights must be finite too (only their ratios matter).
 
         Raises:
           HostavgError: naming the micro-batch (its index in this accumulator)
@@ -271,13 +291,15 @@ class Accumulator:
                 raise HostavgError(
                     f"{what}: no weight given and the gradients carry no size; "
                     f"pass acc.add(grads, weight=number_of_samples)")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number)) \
-                or not math.isfinite(weight) or weight <= 0:
-            raise HostavgError(f"{what}: weight must be a finite number > 0, got {weight!r}")
+        weight = positive_number(f"{what}: weight", weight)
+        if math.isinf(self.total_weight + weight):
+            raise HostavgError(
+                f"{what}: weight {weight!r} takes the total weight past float64's range "
+                f"({self.total_weight!r} so far); only the weights' ratios matter: scale them down")
         loss = getattr(grads, "loss", None)
         values = conform(self.spec, grads, what=what)
         sq_norm = check_finite(values, what, loss, getattr(grads, "sq_norms", None))
-        self.add_checked(values, float(weight), loss, sq_norm)
+        self.add_checked(values, weight, loss, sq_norm)
 
     def add_checked(self, values: dict, weight: float, loss: float | None, sq_norm: float) -> None:
         """Adds ``values`` that :func:`~hostavg.core.gradients.conform` and
@@ -333,21 +355,21 @@ class Accumulator:
 
     def reduction(self) -> Reduction:
         """What a reducer turns into the mean: the running sums or the stacks, and the rows."""
+        scale = max(self.weights) if self.weights else None
         rows = {}
         for name, parts in self._rows.items():
             shape = self.spec[name].shape
             if len(parts) == 1:
                 indices, values, weight = parts[0]
-                rows[name] = (indices, values, np.full(len(indices), weight))
+                rows[name] = (indices, values, np.full(len(indices), weight / scale))
             elif parts:
                 rows[name] = (np.concatenate([p[0] for p in parts]),
                               np.concatenate([p[1] for p in parts]),
-                              np.repeat([p[2] for p in parts], [len(p[0]) for p in parts]))
+                              np.repeat([p[2] / scale for p in parts], [len(p[0]) for p in parts]))
             else:
                 rows[name] = (np.zeros(0, np.int64), np.zeros((0,) + shape[1:], self._dtypes[name]),
                               np.zeros(0))
-        return Reduction(self.total_weight, np.asarray(self.weights),
-                         self.weights[0] if self.weights else None,
+        return Reduction(self.total_weight, np.asarray(self.weights), scale,
                          {name: running.value for name, running in self._sums.items()},
                          self._stacks, rows, self._dtypes)
 
@@ -357,11 +379,13 @@ class Accumulator:
 
 
 def as_accum_dtype(dtype) -> np.dtype | None:
-    """``dtype`` as a floating-point NumPy dtype; None stays None (each variable's own dtype)."""
+    """``dtype`` (a NumPy dtype, its name, or a framework's dtype with ``as_numpy_dtype``
+    such as ``tf.float64``) as a floating-point NumPy dtype; None stays None (each
+    variable's own dtype)."""
     if dtype is None:
         return None
     try:
-        dt = np.dtype(dtype)
+        dt = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
     except TypeError:
         dt = None
     if dt is None or dt.kind != "f":

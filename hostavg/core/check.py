@@ -55,11 +55,16 @@ class RandomOp(NamedTuple):
       api: what the program called to make it, such as "tf.random.normal" or "tf.nn.dropout".
       tensor: the name of the tensor it draws.
       kind: one of :data:`RANDOM_KINDS`.
+      saved: whether its random state is a variable, which checkpoints hold
+        (``tf.random.Generator``'s); False where it lives in the framework's
+        runtime (a TF1 session's kernels), so that a resumed run draws other
+        numbers than one never stopped.
     """
 
     api: str
     tensor: str
     kind: str
+    saved: bool = False
 
 
 #: What to do about each cause, in the words of the user's framework: cause -> advice.

@@ -1,11 +1,13 @@
 """The one exception type hostavg raises for bad input."""
 
+import math
 import numbers
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["HostavgError", "flag", "object_list", "positive_int"]
+__all__ = ["HostavgError", "flag", "non_negative_int", "non_negative_number", "object_list",
+           "positive_int", "positive_number"]
 
 
 class HostavgError(ValueError):
@@ -22,6 +24,35 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise HostavgError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
+
+
+def non_negative_int(name: str, value) -> int:
+    """``value`` as an int if it is an integer >= 0 (a NumPy integer too, not a bool); else HostavgError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise HostavgError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def positive_number(name: str, value) -> float:
+    """``value`` as a float if it is a real number (NumPy's too; not a bool, not complex) that is
+    finite and > 0 as a float64; else HostavgError naming ``name``."""
+    return _real(name, value, "> 0", lambda x: x > 0)
+
+
+def non_negative_number(name: str, value) -> float:
+    """``value`` as a float if it is a real number that is finite and >= 0 (see :func:`positive_number`)."""
+    return _real(name, value, ">= 0", lambda x: x >= 0)
+
+
+def _real(name: str, value, rule: str, holds) -> float:
+    try:
+        number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) \
+            else math.nan
+    except OverflowError:  # an int beyond float64's range
+        number = math.inf
+    if not (math.isfinite(number) and holds(number)):
+        raise HostavgError(f"{name} must be a finite number {rule}, got {value!r}")
+    return number
 
 
 def flag(name: str, value) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hostavg.core.dtypes import can_cast
 from hostavg.core.errors import HostavgError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
@@ -412,7 +413,7 @@ def _conform_value(name: str, s: VariableSpec, value, what: str):
             raise HostavgError(f"{what}: gradient of {name!r} cannot be made an array ({e})") from None
         if s.sparse and value.shape == s.shape:
             value = SparseGradient(freeze(np.arange(s.shape[0])), value, s.shape)
-    if not np.can_cast(value.dtype, s.dtype, casting="same_kind"):
+    if not can_cast(value.dtype, s.dtype):
         raise HostavgError(
             f"{what}: gradient of {name!r} has dtype {value.dtype}, which does not cast "
             f"safely to the variable's {np.dtype(s.dtype).name}; pass floating-point values")

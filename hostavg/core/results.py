@@ -21,8 +21,8 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
-__all__ = ["FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "STEP_METHODS", "StepResult",
-           "check_quantity"]
+__all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "STEP_METHODS",
+           "StepResult", "check_quantity"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,31 @@ class Drop:
     """
 
     reason: str = "dropped by a hook"
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A sample that makes its micro-batch's loss or gradients non-finite.
+
+    Found after a micro-batch was non-finite (see :mod:`hostavg.engine.culprits`):
+    first the samples whose inputs hold NaN or Inf, else each sample computed
+    alone.
+
+    Attributes:
+      sample: its position among the step's samples (as ``MicroBatch.start``).
+      row: its row in the data set, where the step was told the rows
+        (``fit`` tells them); else None.
+      reason: what is wrong with it, e.g. ``"x holds NaN in column 2"`` or
+        ``"finite inputs, non-finite loss"``.
+    """
+
+    sample: int
+    row: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"sample {self.sample} of the step" if self.row is None else f"data row {self.row}"
+        return f"{where}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,12 @@ class MicroBatch:
       rows: the row indices, in the data set, of its samples (a read-only
         int64 array of ``size``), where the caller said them (``fit`` does
         for a dict of arrays and a ``tf.data.Dataset``); else None.
+      culprits: for a micro-batch whose own loss or gradients were
+        non-finite and that a hook dropped (:class:`~hostavg.hooks.SkipNonFinite`),
+        the :class:`Culprit` samples that make it so, sorted (empty when no
+        sample is non-finite alone); None for every other micro-batch, and
+        in what ``on_micro_batch`` hooks see (the samples are looked at once
+        every micro-batch of the step has run).
       fetched: the values of the tensors the step was asked to fetch
         (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
         own session call, before the step's update, in the order asked (None
@@ -68,6 +99,7 @@ class MicroBatch:
     step: int = 0
     dropped: str | None = None
     rows: np.ndarray | None = field(default=None, repr=False, compare=False)
+    culprits: tuple | None = field(default=None, repr=False, compare=False)
     fetched: tuple = field(default=(), repr=False, compare=False)
 
 
@@ -122,7 +154,8 @@ class StepResult:
         ``cosine`` (with the mean) is filled in "stack" mode only. With
         :class:`~hostavg.hooks.ClipMicroBatchNorm`, ``norm_before_clip`` is
         each norm before clipping (``norm`` is what was accumulated); where
-        the micro-batches know their data rows, ``rows`` holds them.
+        the micro-batches know their data rows, ``rows`` holds them; where a
+        dropped one's culprits were found, ``culprits`` holds them in words.
         """
         pd = pandas("micro_table")
         cos = iter(self.stats.cosines) if self.stats and self.stats.cosines else None
@@ -136,6 +169,9 @@ class StepResult:
             table.insert(table.columns.get_loc("norm"), "norm_before_clip", list(before))
         if any(m.rows is not None for m in self.micro):
             table["rows"] = [None if m.rows is None else m.rows.tolist() for m in self.micro]
+        if any(m.culprits is not None for m in self.micro):
+            table["culprits"] = [None if m.culprits is None else [str(c) for c in m.culprits]
+                                 for m in self.micro]
         return table
 
     def variable_table(self):

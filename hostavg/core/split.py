@@ -32,7 +32,7 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 
-__all__ = ["blocks_of", "feed_size", "sample_count", "split", "take"]
+__all__ = ["arrays", "blocks_of", "feed_size", "sample_count", "split", "take"]
 
 
 class _BlockedFeed(dict):
@@ -80,12 +80,16 @@ def _rebuild(batch, values: dict):
                  for i, part in enumerate(batch))
 
 
-def _arrays(batch) -> dict:
+def arrays(batch, what: str = "a batch") -> dict:
     """The sample-carrying values of a batch, by path, as NumPy arrays."""
     out = {}
     for path, value in _leaves(batch).items():
         if isinstance(value, (list, tuple)):
-            value = np.asarray(value)
+            try:
+                value = np.asarray(value)
+            except ValueError as e:  # ragged nested lists
+                raise HostavgError(f"{what}: {_key_name(path)} cannot be made an array "
+                                   f"({e})") from None
         if isinstance(value, np.ndarray) and value.ndim >= 1:
             out[path] = value
     return out
@@ -111,7 +115,7 @@ def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | Non
 
 def sample_count(batch, what: str = "feed", blocks: Mapping | None = None) -> int | None:
     """The number of samples in a batch (see :func:`feed_size`), or None where it holds no array."""
-    return _length(_arrays(batch), what, blocks_of(batch) if blocks is None else blocks)
+    return _length(arrays(batch, what), what, blocks_of(batch) if blocks is None else blocks)
 
 
 def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
@@ -142,7 +146,7 @@ def take(batch, rows, n: int | None = None, blocks: Mapping | None = None):
     blocks = blocks or {}
     return _rebuild(batch, {
         path: np.concatenate([array[b * n:(b + 1) * n][rows] for b in range(blocks[path])])
-        if path in blocks else array[rows] for path, array in _arrays(batch).items()})
+        if path in blocks else array[rows] for path, array in arrays(batch).items()})
 
 
 def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> list:
@@ -173,7 +177,7 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
     if not isinstance(batch, (Mapping, tuple)):
         raise HostavgError(f"split takes a feed dict {{placeholder: array}} or a tuple (x, y), got "
                            f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
-    n = _length(_arrays(batch), "split", blocks)
+    n = _length(arrays(batch, "split"), "split", blocks)
     if not n:
         raise HostavgError(
             "split: the batch holds no samples (no array, or arrays of length 0)")

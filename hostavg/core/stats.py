@@ -85,6 +85,13 @@ class StepStats:
       inner_product_test, orthogonality_test, gsnr: stack only.
       cosines: (k_accumulated,) each accumulated micro-batch's cosine with the
         mean; stack only.
+      pairwise_cosines: (k_accumulated, k_accumulated) the cosine between
+        every two accumulated micro-batches' gradients, g_i . g_j / (|g_i| |g_j|)
+        over every variable (a read-only float64 array; 1 on the diagonal, NaN
+        in the row and column of a gradient of norm 0); stack only. Streamed
+        variable by variable in float64 blocks (no (k, D) copy), one Gram
+        matrix update per block; the same as
+        ``hostavg.stats.pairwise_cosines(hostavg.stats.flatten(grads)[0])``.
     """
 
     grad_norm: float
@@ -146,6 +153,19 @@ class StepStats:
         with np.errstate(invalid="ignore", divide="ignore"):
             return tuple(m.dots / (np.sqrt(m.sq) * math.sqrt(m.gbar_sq)))
 
+    @cached_property
+    def pairwise_cosines(self) -> np.ndarray | None:
+        if self.stack is None or len(self.stack) < 2:
+            return None
+        gram = np.zeros((len(self.stack), len(self.stack)))
+        for _, rows in _variable_rows(self.stack, self.mean):
+            _blocked_gram(rows, gram)
+        norms = np.sqrt(np.diag(gram))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = gram / np.outer(norms, norms)
+        out.flags.writeable = False
+        return out
+
 
 class _Moments(NamedTuple):
     b: np.ndarray  # (k,) weights
@@ -166,10 +186,24 @@ def _stack_moments(stack, weights, mean, sq_norms, gbar_sq: float) -> _Moments:
     """
     b = np.asarray(weights, np.float64)
     dots = np.zeros(len(b))
-    gsnr_sum, coordinates = 0.0, 0
+    gsnr_sum = 0.0
+    coordinates = sum(math.prod(m.dense_shape) if isinstance(m, SparseGradient) else m.size
+                      for m in mean.values())
+    for gbar, rows in _variable_rows(stack, mean):
+        gsnr_sum += _blocked_moments(gbar, rows, b, dots)
+    return _Moments(b, float(b.sum()), dots, np.asarray(sq_norms, np.float64), gbar_sq,
+                    gsnr_sum / coordinates)
+
+
+def _variable_rows(stack, mean):
+    """Per variable, (Gbar, [g_i]) flattened, aligned coordinate by coordinate.
+
+    A sparse variable gives the rows the mean touched (every row some
+    accumulated micro-batch touched), each micro-batch's coalesced rows
+    scattered onto them; its other rows are 0 in every g_i and add nothing.
+    """
     for name, m in mean.items():
         if isinstance(m, SparseGradient):
-            coordinates += math.prod(m.dense_shape)
             gbar = m.values
             rows = []
             for g in stack:
@@ -178,11 +212,8 @@ def _stack_moments(stack, weights, mean, sq_norms, gbar_sq: float) -> _Moments:
                 full[np.searchsorted(m.indices, c.indices)] = c.values
                 rows.append(full)
         else:
-            coordinates += m.size
             gbar, rows = np.asarray(m), [g[name] for g in stack]
-        gsnr_sum += _blocked_moments(np.ravel(gbar), [np.ravel(r) for r in rows], b, dots)
-    return _Moments(b, float(b.sum()), dots, np.asarray(sq_norms, np.float64), gbar_sq,
-                    gsnr_sum / coordinates)
+        yield np.ravel(gbar), [np.ravel(r) for r in rows]
 
 
 def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarray) -> float:
@@ -215,6 +246,19 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
     return total
 
 
+
+
+def _blocked_gram(rows: list, gram: np.ndarray) -> None:
+    """Adds sum over coordinates of g_i g_j to ``gram`` (k, k), in float64 blocks of
+    :data:`~hostavg.core.gradients.BLOCK` coordinates (k of them at a time stay in cache)."""
+    size = rows[0].size
+    block = np.empty((len(rows), min(BLOCK, size)))
+    for start in range(0, size, BLOCK):
+        n = min(BLOCK, size - start)
+        part = block[:, :n]
+        for i, row in enumerate(rows):
+            np.copyto(part[i], row[start:start + n])
+        gram += part @ part.T
 
 
 def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float],

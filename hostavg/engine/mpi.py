@@ -141,7 +141,8 @@ class Distributed:
             raise HostavgError(
                 f"the ranks are out of step: "
                 f"{', '.join(f'rank {r} is at {w}' for r, (w, _) in enumerate(reports))}; every "
-                f"rank must make the same calls, with sessions made alike")
+                f"rank must make the same calls (fit: on the same data, with the same "
+                f"arguments), with sessions made alike")
         return [o for _, o in reports]
 
     def broadcast(self, arrays: list) -> list:
@@ -171,8 +172,9 @@ class Distributed:
                 for name, a, b in zip(names, offsets[:-1], offsets[1:]):
                     out[name] = np.divide(flat[a:b].reshape(spec[name].shape), total,
                                           out=aligned_empty(spec[name].shape, dtype))
-            for name, rows in r.rows.items():
-                unique, summed = weighted_rows(*rows, r.dtypes[name])
+            for name, (indices, values, relative) in r.rows.items():  # weights w / scale
+                unique, summed = weighted_rows(indices, values, relative * (r.scale or 0.0),
+                                               r.dtypes[name])
                 unique, summed = coalesce_rows(*self._gather_rows(unique, summed))
                 out[name] = (unique, np.divide(summed, total, out=summed))
             return out

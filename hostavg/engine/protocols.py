@@ -197,6 +197,11 @@ class Average(Protocol):
         """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
         other ranks did not raise it too, the job must end, or they would wait forever)."""
 
+    def gather(self, what: str, obj) -> list:
+        """Every process's ``obj`` (small, picklable), in rank order, once every one is at
+        ``what`` (such as "the end of epoch 2 of fit"); over MPI a HostavgError on every rank
+        when some rank is elsewhere (such as in a step)."""
+
 
 class HostAverage:
     """One process; the mean is computed on the host with NumPy."""
@@ -216,3 +221,6 @@ class HostAverage:
 
     def abandon(self, error: BaseException) -> None:
         pass
+
+    def gather(self, what: str, obj) -> list:
+        return [obj]

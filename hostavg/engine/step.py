@@ -7,12 +7,16 @@ A step runs, in this order (:meth:`Engine.step`):
 2. every micro-batch's feed is checked and sized before any of them runs;
 3. each micro-batch is computed (forward, backward, its UPDATE_OPS), shown to
    the ``on_micro_batch`` hooks, checked finite and added to the accumulator,
-   weighted by its number of samples;
+   weighted by its number of samples; once all have run, the samples that
+   make a non-finite one so are looked for (:mod:`hostavg.engine.culprits`:
+   its inputs, else each sample alone), for the error of one that failed the
+   step and for ``MicroBatch.culprits`` of those hooks dropped;
 4. the averaging agrees on the step (alone: nothing to agree on; over MPI:
    every rank's bookkeeping, or one error on every rank) and turns the sums
    into the sample-weighted mean;
-5. the step's statistics and :class:`~hostavg.StepResult` are made and the
-   ``on_step`` hooks run;
+5. the step's statistics and :class:`~hostavg.StepResult` are made, the mean
+   is checked finite (finite micro-batches whose sum overflowed are named as
+   such, before any hook sees them) and the ``on_step`` hooks run;
 6. the mean is applied: the optimizer's train op runs once, fed the values
    the micro-batches share that it reads (a learning-rate placeholder; see
    :meth:`Backend.apply_feed`);
@@ -65,10 +69,12 @@ import numpy as np
 
 from hostavg.core.accumulator import Accumulator
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
+from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.stats import StepStats, step_stats
+from hostavg.engine import culprits
 from hostavg.engine.batches import prepare
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overlap import Ahead, worker
@@ -122,7 +128,7 @@ class Engine:
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
         # Sums already in float64 (a wider accumulation, or float64 variables) cannot be
         # widened further: the mean itself is beyond the variables' range.
-        widest = all(np.dtype(self._acc.accum_dtype or s.dtype).itemsize >= 8
+        widest = all(accumulation_dtype(s.dtype, self._acc.accum_dtype).itemsize >= 8
                      for s in spec.values())
         self._overflow_hint = CAST_HINT if widest else OVERFLOW_HINT
         self._busy = threading.Lock()
@@ -269,7 +275,7 @@ class Engine:
         try:
             batches = prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, log)
+            global_step = self._micro_batches(backend, feeds, batches, log)
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
@@ -309,6 +315,9 @@ class Engine:
         result = StepResult(mean.loss, mean, tuple(micro), after, tally.size, stats,
                             fetched=tuple(m.fetched for m in micro))
         what, hint, mine = "step, the mean", self._overflow_hint, True
+        # The micro-batches were finite: a non-finite mean overflowed the sum. Said so here,
+        # before an on_step hook (a clip) turns it into something else and takes the blame.
+        check_finite(mean, what, known=mean.sq_norms, hint=hint)
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:
@@ -321,7 +330,7 @@ class Engine:
         return result, self._checked(mean, what, hint, mine,
                                      finite=backend.nonfinite == "refuse"), tally.apply_feed
 
-    def _micro_batches(self, backend, batches, log: _StepLog) -> int:
+    def _micro_batches(self, backend, feeds, batches, log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
         returns the global step.
 
@@ -329,6 +338,11 @@ class Engine:
         statistics): with ``on_micro_batch`` hooks, each compute is preceded by a snapshot of
         the rollback variables, restored when its micro-batch is dropped (a computation in
         flight, which ran after it, is then computed again).
+
+        Once every micro-batch has run (none is computing any more), the culprit samples
+        of each one whose own loss or gradients were non-finite are looked for
+        (:mod:`hostavg.engine.culprits`): named in the error of the one that failed the
+        step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
         keep = bool(self._micro_hooks)
         whole = sum(batch[1] for batch in batches)
@@ -347,19 +361,65 @@ class Engine:
                 self._worker = worker()
             pool = self._worker
         global_step = None
-        with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
-            for i, batch in enumerate(batches):
-                try:
-                    before, computed = ahead.take(i)
-                    global_step = self._micro_batch(i, batch, computed, backend, log, whole)
-                    if log.micro[-1].dropped is not None and before is not None:
-                        ahead.redo(lambda: backend.restore(before))
-                except Exception as e:
-                    if batch[4] is not None:
-                        with contextlib.suppress(AttributeError):  # a type with __slots__
-                            e.rows = batch[4]  # every data row of the micro-batch that failed
-                    raise
+        try:
+            with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
+                for i, batch in enumerate(batches):
+                    try:
+                        before, computed = ahead.take(i)
+                        global_step = self._micro_batch(i, batch, computed, backend, log, whole)
+                        if log.micro[-1].dropped is not None and before is not None:
+                            ahead.redo(lambda: backend.restore(before))
+                    except Exception as e:
+                        if batch[4] is not None:
+                            with contextlib.suppress(AttributeError):  # a type with __slots__
+                                e.rows = batch[4]  # every data row of the micro-batch that failed
+                        raise
+        except HostavgError as e:
+            if log.failed is not None:
+                self._name_culprits(backend, feeds[log.failed], batches[log.failed], e)
+            raise
+        for i in log.search:
+            try:
+                found = self._culprits(backend, feeds[i], batches[i])[0]
+                log.micro[i] = replace(log.micro[i], culprits=found)
+            except Exception as failed:  # noqa: BLE001 - the step goes on; the reason says why
+                log.micro[i] = replace(log.micro[i], dropped=(
+                    f"{log.micro[i].dropped} (looking for the samples that made it non-finite "
+                    f"failed: {type(failed).__name__}: {failed})"))
         return global_step
+
+    def _culprits(self, backend, feed, batch) -> tuple[tuple, str]:
+        """The culprit samples of a non-finite micro-batch, and how they were found
+        (:func:`~hostavg.engine.culprits.find`); what computing its samples assigns is restored."""
+        _, n, start, where, rows = batch
+        snapshot = []
+
+        def compute(part, size: int) -> tuple[float, float]:  # (loss, squared gradient norm)
+            if not snapshot:
+                snapshot.append(backend.snapshot())
+            what = f"{where}, looking at {size} of its samples"
+            part, size = backend.prepare(part, size, what)
+            g = self._compute(backend, part, size, what)[0]
+            return g.loss, math.fsum(_sq_norms(g).values())
+
+        try:
+            return culprits.find(feed, n, start, rows, compute)
+        finally:
+            if snapshot:
+                backend.restore(snapshot[0])
+
+    def _name_culprits(self, backend, feed, batch, error: HostavgError) -> None:
+        """Adds the culprit samples of the micro-batch that failed the step to its ``error``:
+        lines in the message, ``.culprits`` and ``.culprit_rows`` (sorted data rows, or None
+        where the rows are unknown)."""
+        try:
+            found, how = self._culprits(backend, feed, batch)
+        except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
+            error.add_note(f"hostavg: looking for the samples that made it non-finite failed "
+                           f"({type(failed).__name__}: {failed})")
+            return
+        error.culprits, error.culprit_rows = found, culprits.rows_of(found, batch[4])
+        error.args = (f"{error.args[0]}{culprits.describe(found, how)}", *error.args[1:])
 
     def _micro_batch(self, i, batch, computed, backend, log: _StepLog, whole: int) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
@@ -383,14 +443,31 @@ class Engine:
                     record = replace(record, grads=grads)
         sq = _sq_norms(grads)
         log.var_sq.append(sq)
+
+        def nonfinite() -> bool:
+            """Whether its own values, as computed (before any hook), are non-finite in a way
+            its samples may explain: not a loss alone on a micro-batch smaller than the batch,
+            which points at a batch size fixed in the graph (each sample alone would be too)."""
+            grads_ok = math.isfinite(math.fsum((sq if grads is g else _sq_norms(g)).values()))
+            if grads_ok and _loss_hint(g.loss, n, whole, backend.framework) is not None:
+                return False
+            return not (grads_ok and math.isfinite(g.loss))
+
         if dropped is None:
             hint = INPUTS_HINT if changed_by is None else (
                 f"They were finite before on_micro_batch hook {name_of(changed_by)} "
                 f"replaced them: look at that hook." if math.isfinite(g.global_norm())
                 else INPUTS_HINT)
-            sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint,
-                                   _loss_hint(g.loss, n, whole, backend.framework)) \
-                if backend.nonfinite == "refuse" else math.fsum(sq.values())
+            if backend.nonfinite == "refuse":
+                try:
+                    sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint,
+                                           _loss_hint(g.loss, n, whole, backend.framework))
+                except HostavgError:
+                    if nonfinite():
+                        log.failed = i
+                    raise
+            else:  # the backend's optimizer skips a non-finite step (loss scaling)
+                sq_norm = math.fsum(sq.values())
             self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
             log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
@@ -398,6 +475,8 @@ class Engine:
                 log.kept.append(grads)
         else:
             log.norms.append(math.sqrt(math.fsum(sq.values())))
+            if nonfinite():
+                log.search.append(i)
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
                                     dropped=dropped, rows=rows, fetched=fetched))
         return global_step
@@ -431,13 +510,17 @@ class _StepLog:
       added: of each accumulated one, (squared norm per variable, dtype per
         variable): not its gradients, so that "sum" mode keeps none beyond its add.
       kept: the accumulated ones' gradients in "stack" mode, else None.
+      search: the dropped ones whose own loss or gradients were non-finite: their
+        culprit samples are looked for once every micro-batch has run.
+      failed: the one whose own non-finite values failed the step, or None.
     """
 
-    __slots__ = ("micro", "norms", "var_sq", "added", "kept")
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "failed")
 
     def __init__(self, keep: bool):
-        self.micro, self.norms, self.var_sq, self.added = [], [], [], []
+        self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
         self.kept = [] if keep else None
+        self.failed = None
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:

@@ -1,37 +1,50 @@
-"""Pictures of micro-batch gradients, with matplotlib (``pip install matplotlib``).
+"""Pictures of training and of micro-batch gradients, with matplotlib (``pip install matplotlib``).
 
-Each function takes what training produced, any of: a record from
-:func:`hostavg.load_record`, a list of ``StepResult`` (say,
-``results.append(trainer.step(...))``), or the :class:`~hostavg.History`
-that ``fit`` returns; it checks what it was given before drawing anything,
+Each function takes what training produced, any of: a record
+(:func:`hostavg.load_record`, or the :class:`~hostavg.hooks.Record` hook that
+wrote it), a list of ``StepResult`` (say, ``results.append(trainer.step(...))``),
+or the :class:`~hostavg.History` that ``fit`` returns; or several runs to
+compare, as a mapping ``{label: one of them}``, drawn one labelled line (and
+colour) per run. It checks everything it was given before drawing anything,
 draws on ``ax`` (a new figure's axes by default) and returns the axes.
 Skipped steps are left out.
+
+Every figure is laid out tightly (matplotlib's "tight" layout engine, unless
+the figure has a layout engine of its own), so panels side by side keep their
+labels apart; steps and micro-batches are ticked at whole numbers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from hostavg.core.errors import HostavgError
-from hostavg.train.history import History
-from hostavg.inspect.record import RecordedStep, RecordReader, check_quantity
 from hostavg.core.results import StepResult
 from hostavg.core.stats import NoiseScale, NoiseScaleEstimate, flatten, pairwise_cosines
+from hostavg.inspect.record import Record, RecordedStep, RecordReader, check_quantity
+from hostavg.train.history import History
 
-__all__ = ["cosine_heatmap", "micro_norms", "noise_scale", "variable_norms"]
+__all__ = ["cosine_heatmap", "loss", "micro_norms", "noise_scale", "variable_norms"]
 
 #: What every plot takes.
-SOURCES = ("a record (hostavg.load_record(path)), a list of StepResults, or the History that "
-           "fit returns")
+SOURCES = ("a record (hostavg.load_record(path), or the Record hook), a list of StepResults, or "
+           "the History that fit returns, or several runs as a mapping {label: one of them}")
+#: A micro-batch cosine matrix larger than this is drawn without its values in the cells.
+ANNOTATED = 16
+#: Line styles that tell runs apart where colours tell variables apart.
+STYLES = ("-", "--", ":", "-.")
 
 
 class _Step(NamedTuple):
     """One step, whatever it came from: what the plots draw."""
 
     step: int
+    loss: float
+    samples: int  # samples seen so far, this step's included
     grad_norm: float
     g2: float | None
     trace_sigma: float | None
@@ -42,38 +55,66 @@ class _Step(NamedTuple):
     update_ratios: dict
 
 
-def _steps(source, plot: str) -> list[_Step]:
-    """``source`` as a list of :class:`_Step`, or HostavgError before anything is drawn."""
+class _Run(NamedTuple):
+    """One run to draw: its label (None for a lone source), its applied steps, and its
+    validation results as (samples seen, val_loss) at each epoch's end (a History's only)."""
+
+    label: str | None
+    steps: list
+    validation: list
+
+
+def _runs(source, plot: str) -> list[_Run]:
+    """``source`` (one run, or a mapping of labelled runs) as runs, or HostavgError before
+    anything is drawn."""
+    if isinstance(source, Mapping) and not isinstance(source, History):
+        if not source:
+            raise HostavgError(f"hostavg.plot.{plot} takes {SOURCES}; got an empty mapping")
+        return [_run(value, plot, str(label)) for label, value in source.items()]
+    return [_run(source, plot, None)]
+
+
+def _run(source, plot: str, label: str | None) -> _Run:
+    said = "" if label is None else f" for run {label!r}"
+    if isinstance(source, Record):
+        source = RecordReader(source.path)
+    validation = []
     if isinstance(source, History):
         names = source.variables
-        out = [_Step(s.step, s.grad_norm, s.g2, s.trace_sigma, s.b_simple, s.micro_norms,
-                     s.micro_norms_before_clip, dict(zip(names, s.variable_norms)),
+        out = [_Step(s.step, s.loss, s.samples, s.grad_norm, s.g2, s.trace_sigma, s.b_simple,
+                     s.micro_norms, s.micro_norms_before_clip, dict(zip(names, s.variable_norms)),
                      dict(zip(names, s.update_ratios))) for s in source.steps]
+        last = {s.epoch: s.samples for s in source.steps}
+        validation = [(last[e["epoch"]], e["val_loss"]) for e in source.epochs
+                      if "val_loss" in e and e.get("epoch") in last]
     elif isinstance(source, RecordReader) or (
             isinstance(source, (list, tuple)) and source
             and all(isinstance(s, (StepResult, RecordedStep)) for s in source)):
-        out = [_of(s) for s in source]
+        out, seen = [], 0
+        for s in source:
+            seen += s.size
+            out.append(_of(s, seen))
     else:
-        raise HostavgError(f"hostavg.plot.{plot} takes {SOURCES}; got {_described(source)}")
+        raise HostavgError(f"hostavg.plot.{plot} takes {SOURCES}; got {_described(source)}{said}")
     out = [s for s in out if not math.isnan(s.grad_norm)]
     if not out:
         raise HostavgError(f"hostavg.plot.{plot}: nothing to plot, no applied step in "
-                           f"{_described(source)}")
-    return out
+                           f"{_described(source)}{said}")
+    return _Run(label, out, validation)
 
 
-def _of(s) -> _Step:
+def _of(s, samples: int) -> _Step:
     if isinstance(s, RecordedStep):
         st = s.stats
-        return _Step(s.step, st.get("grad_norm", math.nan), st.get("g2"), st.get("trace_sigma"),
-                     st.get("b_simple"), tuple(st.get("micro_norms") or ()),
+        return _Step(s.step, s.loss, samples, st.get("grad_norm", math.nan), st.get("g2"),
+                     st.get("trace_sigma"), st.get("b_simple"), tuple(st.get("micro_norms") or ()),
                      s.info.get("micro_norms_before_clip"), st.get("variable_norms") or {},
                      s.update_ratios or {})
     st = s.stats
     if s.skipped or st is None:
-        return _Step(s.step, math.nan, None, None, None, (), None, {}, {})
-    return _Step(s.step, st.grad_norm, st.g2, st.trace_sigma, st.b_simple, st.micro_norms,
-                 s.info.get("micro_norms_before_clip"), st.variable_norms,
+        return _Step(s.step, math.nan, samples, math.nan, None, None, None, (), None, {}, {})
+    return _Step(s.step, s.loss, samples, st.grad_norm, st.g2, st.trace_sigma, st.b_simple,
+                 st.micro_norms, s.info.get("micro_norms_before_clip"), st.variable_norms,
                  s.update_ratios or {})
 
 
@@ -84,71 +125,118 @@ def _described(source) -> str:
     return type(source).__name__
 
 
-def _axes(ax):
+def _axes(ax, plot: str, figsize=(7, 4)):
+    """``ax``, checked to be matplotlib Axes, or a new figure's axes for None."""
     if ax is not None:
+        if not all(callable(getattr(ax, m, None)) for m in ("plot", "scatter", "set", "legend")):
+            raise HostavgError(f"hostavg.plot.{plot}: ax must be matplotlib Axes (or None for a "
+                               f"new figure), got {ax!r}")
         return ax
+    return _pyplot().subplots(figsize=figsize)[1]
+
+
+def _pyplot():
     try:
         import matplotlib.pyplot as plt
     except ImportError:
         raise HostavgError("hostavg.plot needs matplotlib: pip install matplotlib") from None
-    return plt.subplots(figsize=(7, 4))[1]
+    return plt
+
+
+def _finish(ax, title: str, xlabel: str, ylabel: str, legend: bool = True,
+            integer_x: bool = True):
+    """Labels, whole-number ticks along x, a legend, and a tight layout for ``ax``'s figure."""
+    from matplotlib.ticker import MaxNLocator
+    ax.set_title(title, fontsize="medium")
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    if integer_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if legend:
+        ax.legend(fontsize="small")
+    _tight(ax.figure)
+    return ax
+
+
+def _tight(figure) -> None:
+    if figure.get_layout_engine() is None:
+        figure.set_layout_engine("tight")
+
+
+def _colour(runs: list, i: int, alone: str) -> str:
+    """Run ``i``'s colour: ``alone`` for a lone run, else matplotlib's i-th."""
+    return alone if len(runs) == 1 else f"C{i % 10}"
+
+
+def _named(run: _Run, what: str) -> str:
+    return what if run.label is None else f"{run.label}: {what}"
 
 
 def micro_norms(steps, ax=None):
-    """Each micro-batch's gradient norm (dots) and the mean's norm (line) over steps.
+    """Each micro-batch's gradient norm (dots) and the mean's norm (line) over global steps.
 
     With :class:`~hostavg.hooks.ClipMicroBatchNorm`, the norms before clipping
     are drawn too (hollow), beside the clipped ones that were accumulated.
+    Several runs: one colour per run, its mean a line and its micro-batches dots.
     """
-    rows = _steps(steps, "micro_norms")
-    ax = _axes(ax)
-    clipped = any(s.micro_norms_before_clip is not None for s in rows)
-    xs = [s.step for s in rows for _ in s.micro_norms]
-    ax.scatter(xs, [n for s in rows for n in s.micro_norms], s=8, alpha=0.5,
-               label="micro-batch gradient norm" + (", clipped" if clipped else ""))
-    if clipped:
-        before = [(s.step, n) for s in rows for n in (s.micro_norms_before_clip or ())]
-        ax.scatter(*zip(*before), s=14, facecolors="none", edgecolors="tab:red", alpha=0.6,
-                   label="micro-batch gradient norm before clipping")
-    ax.plot([s.step for s in rows], [s.grad_norm for s in rows], color="black",
-            label="norm of the mean")
-    ax.set(xlabel="global step", ylabel="L2 norm", yscale="log",
-           title="Gradient norms: micro-batches vs their mean")
-    ax.legend()
-    return ax
+    runs = _runs(steps, "micro_norms")
+    ax = _axes(ax, "micro_norms")
+    for i, run in enumerate(runs):
+        rows = run.steps
+        clipped = any(s.micro_norms_before_clip is not None for s in rows)
+        xs = [s.step for s in rows for _ in s.micro_norms]
+        ax.scatter(xs, [n for s in rows for n in s.micro_norms], s=8, alpha=0.5,
+                   color=_colour(runs, i, "C0"),
+                   label=_named(run, "micro-batch gradient norm" + (", clipped" if clipped else "")))
+        if clipped:
+            before = [(s.step, n) for s in rows for n in (s.micro_norms_before_clip or ())]
+            ax.scatter(*zip(*before), s=14, facecolors="none", alpha=0.6,
+                       edgecolors=_colour(runs, i, "tab:red"),
+                       label=_named(run, "micro-batch gradient norm before clipping"))
+        ax.plot([s.step for s in rows], [s.grad_norm for s in rows],
+                color=_colour(runs, i, "black"), label=_named(run, "norm of the mean"))
+    ax.set_yscale("log")
+    return _finish(ax, "Gradient norms: micro-batches, mean", "global step",
+                   "L2 norm (log scale)")
 
 
 def noise_scale(steps, ax=None, beta: float = 0.9):
-    """The simple noise scale B_simple over steps: each step's estimate and a running one.
+    """The simple noise scale B_simple over global steps: each step's estimate and a running one.
 
     The running estimate is :class:`hostavg.NoiseScale` with ``beta``; steps
     whose single estimate is negative (g2 < 0, which happens) are drawn as
-    missing points but still feed the running estimate.
+    missing points but still feed the running estimate. Several runs: one
+    colour per run.
     """
-    rows = [s for s in _steps(steps, "noise_scale") if s.trace_sigma is not None]
-    if not rows:
-        raise HostavgError("no step has a noise-scale estimate: they need 2 or more micro-batches")
-    ax = _axes(ax)
-    tracker = NoiseScale(beta)
-    running = [tracker.update(NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple), s.step)
-               for s in rows]
-    single = [b if b is not None and b > 0 and math.isfinite(b) else np.nan
-              for b in (s.b_simple for s in rows)]
-    steps_x = [s.step for s in rows]
-    ax.scatter(steps_x, single, s=8, alpha=0.4, label="one step's estimate")
-    ax.plot(steps_x, running, color="black", label=f"running estimate (beta={beta})")
-    ax.set(xlabel="global step", ylabel="B_simple (samples)", yscale="log",
-           title="Gradient noise scale")
-    ax.legend()
-    return ax
+    runs = _runs(steps, "noise_scale")
+    drawn = [(run, [s for s in run.steps if s.trace_sigma is not None]) for run in runs]
+    empty = [run.label for run, rows in drawn if not rows]
+    if empty:
+        which = "" if runs[0].label is None else f" (runs {empty})"
+        raise HostavgError(f"no step has a noise-scale estimate{which}: they need 2 or more "
+                           f"micro-batches")
+    ax = _axes(ax, "noise_scale")
+    for i, (run, rows) in enumerate(drawn):
+        tracker = NoiseScale(beta)
+        running = [tracker.update(NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple), s.step)
+                   for s in rows]
+        single = [b if b is not None and b > 0 and math.isfinite(b) else np.nan
+                  for b in (s.b_simple for s in rows)]
+        steps_x = [s.step for s in rows]
+        ax.scatter(steps_x, single, s=8, alpha=0.4, color=_colour(runs, i, "C0"),
+                   label=_named(run, "one step's estimate"))
+        ax.plot(steps_x, running, color=_colour(runs, i, "black"),
+                label=_named(run, f"running estimate (beta={beta})"))
+    ax.set_yscale("log")
+    return _finish(ax, "Gradient noise scale", "global step", "B_simple (samples, log scale)")
 
 
 def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
-    """One line per trained variable over steps: its gradient norm, or its update-to-weight ratio.
+    """One line per trained variable over global steps: its gradient norm, or its update ratio.
 
     Where the micro-batch norms and the noise scale look flat, this is where
     a layer that stopped learning shows: dead ReLUs give a gradient of
     exactly 0, drawn as triangles on the bottom edge (a log scale has no 0).
+    Several runs: a colour per variable and a line style per run.
 
     Args:
       quantity: ``"grad_norm"`` (the applied mean gradient's norm, per
@@ -156,42 +244,115 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
         about 1e-3 is usual).
     """
     check_quantity(quantity)
-    rows = _steps(steps, "variable_norms")
+    runs = _runs(steps, "variable_norms")
     field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
-    names = list(dict.fromkeys(n for s in rows for n in getattr(s, field)))
+    names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
     if not names:
         why = ("update ratios are measured only when the trainer is made with "
                "update_ratios_every=N (then every N-th step has them)"
                if quantity == "update_ratio" else "the steps hold no variables")
         raise HostavgError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
-    ax = _axes(ax)
-    x = np.array([s.step for s in rows])
-    values = np.array([[getattr(s, field).get(n, np.nan) for n in names] for s in rows], float)
-    positive = values[np.isfinite(values) & (values > 0)]
+    ax = _axes(ax, "variable_norms")
+    table = [(run, np.array([s.step for s in run.steps]),
+              np.array([[getattr(s, field).get(n, np.nan) for n in names] for s in run.steps],
+                       float)) for run in runs]
+    positive = np.concatenate([v[np.isfinite(v) & (v > 0)] for _, _, v in table])
     floor = positive.min() / 3 if positive.size else 1e-12
-    for j, name in enumerate(names):
-        y = values[:, j]
-        shown = np.isfinite(y) & (y > 0)  # NaN: not measured that step (update_ratios_every)
-        line, = ax.plot(x[shown], y[shown], label=name, linewidth=1)
-        zero = y == 0
-        if zero.any():  # each variable a little lower than the last, so that none hides another
-            ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v", s=14,
-                       color=line.get_color())
+    zeros = False  # the first triangles drawn are labelled for the legend
+    for r, (run, x, values) in enumerate(table):
+        for j, name in enumerate(names):
+            y = values[:, j]
+            shown = np.isfinite(y) & (y > 0)  # NaN: not measured that step (update_ratios_every)
+            ax.plot(x[shown], y[shown], label=_named(run, name), linewidth=1,
+                    color=f"C{j % 10}", linestyle=STYLES[r % len(STYLES)])
+            zero = y == 0
+            if zero.any():  # each variable a little lower than the last, so that none hides another
+                ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v",
+                           s=14, color=f"C{j % 10}",
+                           label=None if zeros else "exactly 0 (at the bottom)")
+                zeros = True
     what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
-    ax.set(xlabel="global step", ylabel=what + ("  (triangles: exactly 0)" if (values == 0).any()
-                                                else ""), yscale="log",
-           title=f"Per variable: {what}")
-    ax.legend(fontsize="small", ncol=max(1, len(names) // 12))
+    ax.set_yscale("log")
+    _finish(ax, f"Per variable: {what}", "global step",
+            ("gradient norm" if quantity == "grad_norm" else "update ratio") + " (log scale)",
+            legend=False)
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("exactly 0"))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small",
+              ncol=max(1, len(names) * len(runs) // 12))
     return ax
 
 
-def cosine_heatmap(step, ax=None):
-    """The cosine between every two micro-batches' gradients in one step.
+def loss(steps, ax=None):
+    """The training loss of every step against the samples seen, and the validation loss.
 
-    ``step`` is a ``StepResult`` of ``accumulate="stack"`` or a recorded step
-    with micro-batch gradients (``record[step]``); a record or a list of
-    StepResults means its last step. Dropped micro-batches are left out.
+    x: samples seen by ``fit`` (a History's own count), or for a record or a
+    list of StepResults the samples of the steps given, summed (a record of
+    every N-th step counts only those). The validation loss (a History's
+    epochs with ``val_loss``) is drawn at each epoch's end, as dots on a
+    dashed line in the run's colour. Several runs: one colour per run.
+
+    Example::
+
+        hostavg.plot.loss({"micro 32": history_32, "micro 8": history_8})
     """
+    runs = _runs(steps, "loss")
+    ax = _axes(ax, "loss")
+    for i, run in enumerate(runs):
+        colour = _colour(runs, i, "C0")
+        shown = [s for s in run.steps if math.isfinite(s.loss)]
+        ax.plot([s.samples for s in shown], [s.loss for s in shown], color=colour, linewidth=1,
+                label=_named(run, "training loss (each step)"))
+        if run.validation:
+            ax.plot(*zip(*run.validation), "o--", color=colour if len(runs) > 1 else "C1",
+                    label=_named(run, "validation loss (each epoch)"))
+    return _finish(ax, "Loss", "samples seen", "loss")
+
+
+def cosine_heatmap(step, ax=None):
+    """The cosine between every two accumulated micro-batches' gradients in one step.
+
+    ``step`` is a ``StepResult`` of ``accumulate="stack"`` (its
+    ``stats.pairwise_cosines``) or a recorded step with micro-batch gradients
+    (``record[step]``); a record or a list of StepResults means its last
+    step. Dropped micro-batches are left out; the ticks are the micro-batches'
+    indices in the step.
+
+    The colours span the off-diagonal cosines' own range (a diverging scale
+    centred on 0 where they have both signs), so that small differences
+    show; the diagonal (1, each micro-batch with itself) is grey and off the
+    scale. Each cell shows its value, up to :data:`ANNOTATED` micro-batches.
+
+    Several runs, ``{label: step}``: one panel per run, side by side (``ax``:
+    None, or that many axes); returns the list of axes.
+    """
+    if isinstance(step, Mapping) and not isinstance(step, History):
+        if not step:
+            raise HostavgError(f"hostavg.plot.cosine_heatmap takes one step (a StepResult or "
+                               f"record[step]) or {SOURCES}; got an empty mapping")
+        found = [(str(label), *_cosines(value, f" for run {label!r}"))
+                 for label, value in step.items()]
+        if ax is None:
+            axes = _pyplot().subplots(1, len(found), figsize=(5.5 * len(found), 4.5),
+                                      squeeze=False)[1][0]
+        else:
+            axes = list(np.ravel(ax)) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
+            if len(axes) != len(found):
+                raise HostavgError(f"cosine_heatmap draws one panel per run: ax must be "
+                                   f"{len(found)} axes, got {len(axes)}")
+        for a, (label, matrix, index, number) in zip(axes, found):
+            _heatmap(a, matrix, index, f"{label}, step {number}")
+        axes[0].figure.suptitle("Cosine between micro-batch gradients")
+        return list(axes)
+    matrix, index, number = _cosines(step, "")
+    return _heatmap(_axes(ax, "cosine_heatmap", (6, 5)), matrix, index,
+                    f"Cosine between micro-batch gradients, step {number}")
+
+
+def _cosines(step, said: str) -> tuple[np.ndarray, list, int]:
+    """(k x k cosines, the micro-batches' indices, the global step) of one step, or HostavgError."""
+    if isinstance(step, Record):
+        step = RecordReader(step.path)
     if isinstance(step, RecordReader) and len(step):
         step = step[step.steps[-1]]
     elif isinstance(step, (list, tuple)) and step and isinstance(step[-1], StepResult):
@@ -200,20 +361,61 @@ def cosine_heatmap(step, ax=None):
         raise HostavgError("hostavg.plot.cosine_heatmap needs micro-batch gradients, which the "
                            "History that fit returns does not keep: pass a StepResult of "
                            "accumulate='stack', or record with hooks=[Record(path)] and pass "
-                           "load_record(path)")
+                           "load_record(path)" + said)
     if isinstance(step, RecordedStep):
-        grads = [step.micro_grads(m["index"]) for m in step.micro if m["recorded"]]
+        index = [m["index"] for m in step.micro if m["recorded"] and m["dropped"] is None]
+        matrix = pairwise_cosines(flatten([step.micro_grads(i) for i in index])[0]) \
+            if len(index) > 1 else None
     elif isinstance(step, StepResult):
-        grads = [m.grads for m in step.micro if m.grads is not None and m.dropped is None]
+        index = [m.index for m in step.micro if m.dropped is None]
+        matrix = step.stats.pairwise_cosines if step.stats is not None else None
     else:
         raise HostavgError(f"hostavg.plot.cosine_heatmap takes one step (a StepResult or "
-                           f"record[step]) or {SOURCES}; got {_described(step)}")
-    if len(grads) < 2:
+                           f"record[step]) or {SOURCES}; got {_described(step)}{said}")
+    if matrix is None:
         raise HostavgError("cosine_heatmap needs the gradients of 2 or more micro-batches: "
-                           "train with accumulate='stack', or record with Record(..., micro=True)")
-    ax = _axes(ax)
-    image = ax.imshow(pairwise_cosines(flatten(grads)[0]), vmin=-1, vmax=1, cmap="RdBu_r")
-    ax.figure.colorbar(image, ax=ax, label="cosine")
-    ax.set(xlabel="micro-batch", ylabel="micro-batch",
-           title=f"Agreement of micro-batch gradients, step {step.step}")
+                           "train with accumulate='stack', or record with "
+                           "Record(..., micro=True)" + said)
+    return matrix, index, step.step
+
+
+def _heatmap(ax, matrix: np.ndarray, index: list, title: str):
+    from matplotlib import colors
+    k = len(matrix)
+    off = ~np.eye(k, dtype=bool)
+    values = matrix[off & np.isfinite(matrix)]
+    low, high = (float(values.min()), float(values.max())) if values.size else (-1.0, 1.0)
+    if high - low < 1e-3:  # all alike: a little room, so the colours still mean something
+        low, high = low - 5e-4, high + 5e-4
+    if low < 0 < high:
+        norm, cmap = colors.TwoSlopeNorm(0.0, low, high), "RdBu_r"
+    else:
+        norm, cmap = colors.Normalize(low, high), "viridis"
+    shown = np.ma.masked_where(~off | ~np.isfinite(matrix), matrix)
+    palette = _colormap(cmap)
+    image = ax.imshow(shown, norm=norm, cmap=palette)
+    ax.figure.colorbar(image, ax=ax, label="cosine (off the diagonal)")
+    if k <= ANNOTATED:
+        size = 9 if k <= 8 else 7
+        for i in range(k):
+            for j in range(k):
+                value = matrix[i, j]
+                if i == j or not np.isfinite(value):
+                    ax.text(j, i, "1" if i == j else "nan", ha="center", va="center",
+                            fontsize=size, color="0.4")
+                    continue
+                r, g, b, _ = palette(norm(value))
+                dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=size,
+                        color="white" if dark else "black")
+    ticks = range(0, k, math.ceil(k / ANNOTATED))
+    ax.set_xticks(list(ticks), [str(index[t]) for t in ticks])
+    ax.set_yticks(list(ticks), [str(index[t]) for t in ticks])
+    _finish(ax, title, "micro-batch", "micro-batch", legend=False, integer_x=False)
     return ax
+
+
+def _colormap(name: str):
+    """matplotlib's colormap ``name``, masked cells (the diagonal) light grey."""
+    import matplotlib
+    return matplotlib.colormaps[name].with_extremes(bad="0.85")

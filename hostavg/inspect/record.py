@@ -12,10 +12,12 @@ Format (version 2): a folder holding one file per recorded step,
   ``learning_rate`` (or null), ``info`` (what hooks reported that JSON can
   hold, such as ``micro_norms_before_clip``), ``micro`` (per micro-batch:
   ``index``, ``start``, ``size``, ``loss``, ``dropped``, ``recorded``,
-  ``rows``: its data rows or null) and ``variables`` (name -> ``{"sparse":
-  bool, "shape": [...]}``). Version 1 lacks the per-variable entries,
-  ``update_ratios``, ``learning_rate``, ``info`` and ``rows``; it reads as
-  missing values;
+  ``rows``: its data rows or null), ``variables`` (name -> ``{"sparse":
+  bool, "shape": [...]}``) and ``encoded`` (array key -> the name of its
+  ml_dtypes type, such as ``"bfloat16"``, for arrays stored as the unsigned
+  integers of their bits: :func:`hostavg.core.dtypes.encode`; absent when
+  none). Version 1 lacks the per-variable entries, ``update_ratios``,
+  ``learning_rate``, ``info`` and ``rows``; it reads as missing values;
 * ``mean/<name>``: the applied mean gradient of a dense variable, or
   ``mean/<name>/indices`` and ``mean/<name>/values`` for a sparse one;
 * ``micro/<i>/<name>`` (and ``.../indices``, ``.../values``): micro-batch i's
@@ -26,8 +28,10 @@ micro-batch (so memory stays O(parameters)), and renamed into place only once
 complete and flushed to disk: a crash mid-write leaves every earlier step
 readable, and a reader never sees a partial step. Temporaries of killed writers
 are deleted when the next writer starts (:mod:`hostavg.core.files`). A step's file
-damaged on disk raises HostavgError naming it when read; the other steps stay
-readable.
+damaged on disk raises HostavgError naming it when read, whatever the damage:
+every array is read whole, so that its CRC-32 is checked
+(:func:`hostavg.core.files.read_array`), and checked against the step's
+metadata; the other steps stay readable.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hostavg.core.dtypes import decode, encode
 from hostavg.core.errors import HostavgError, flag, positive_int
-from hostavg.core.files import remove_stale, temporary
+from hostavg.core.files import folder, read_array, remove_stale, temporary
 from hostavg.core.gradients import Gradients, SparseGradient
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
@@ -61,8 +66,7 @@ class RecordWriter:
     """Writes one step at a time into a record folder (used by :class:`hostavg.hooks.Record`)."""
 
     def __init__(self, path):
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path = folder(path, "Record: path", "the record")
         remove_stale(self.path, _NAME)
         self._zip = self._tmp = None
 
@@ -71,6 +75,7 @@ class RecordWriter:
         self.abort()
         self._tmp = temporary(self.path / f"step-{step:010d}.npz")
         self._zip = zipfile.ZipFile(self._tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._encoded = {}
 
     def write(self, prefix: str, grads: Mapping) -> None:
         """Adds gradients under ``prefix`` (``"mean"`` or ``"micro/<i>"``)."""
@@ -83,8 +88,9 @@ class RecordWriter:
 
     def finish(self, step: int, meta: dict) -> Path:
         """Writes ``meta``, closes, flushes and renames the step's file into place."""
-        self._array("meta", np.array(json.dumps({"format": FORMAT, "step": step, **meta},
-                                                default=_jsonable)))
+        encoded = {"encoded": self._encoded} if self._encoded else {}
+        self._array("meta", np.array(json.dumps({"format": FORMAT, "step": step, **meta,
+                                                 **encoded}, default=_jsonable)))
         self._zip.close()
         with open(self._tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -110,8 +116,11 @@ class RecordWriter:
         self._zip = self._tmp = None
 
     def _array(self, key: str, array) -> None:
+        array, name = encode(np.asarray(array))
+        if name is not None:
+            self._encoded[key] = name
         with self._zip.open(key + ".npy", "w", force_zip64=True) as f:
-            np.lib.format.write_array(f, np.asarray(array), allow_pickle=False)
+            np.lib.format.write_array(f, array, allow_pickle=False)
 
 
 @contextmanager
@@ -121,7 +130,7 @@ def _reading(path: Path):
         yield
     except HostavgError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged zip or .npy header raises a dozen types
         raise HostavgError(f"the record's file {path} is damaged ({type(e).__name__}: {e}); the "
                            f"other steps stay readable: delete it, or read around it") from None
 
@@ -168,14 +177,15 @@ class RecordedStep:
     def __init__(self, path: Path):
         self.path = path
         with _reading(path):
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"][()]))
+            with zipfile.ZipFile(path) as z:
+                meta = json.loads(str(read_array(z, "meta")[()]))
             self.step, self.loss, self.size = meta["step"], meta["loss"], meta["size"]
             self.stats, self.micro = dict(meta["stats"]), list(meta["micro"])
             self.update_ratios = meta.get("update_ratios")
             self.learning_rate = meta.get("learning_rate")
             self.info = meta.get("info", {})
             self._variables = dict(meta["variables"])
+            self._encoded = dict(meta.get("encoded", {}))
 
     @property
     def mean(self) -> Gradients:
@@ -193,15 +203,26 @@ class RecordedStep:
         return self._grads(f"micro/{index}", loss=m["loss"], size=m["size"])
 
     def _grads(self, prefix: str, **kw) -> Gradients:
-        with _reading(self.path), np.load(self.path, allow_pickle=False) as z:
+        with _reading(self.path), zipfile.ZipFile(self.path) as z:
             values = {}
             for name, var in self._variables.items():
+                shape = tuple(var["shape"])
                 if var["sparse"]:
-                    values[name] = SparseGradient(z[f"{prefix}/{name}/indices"],
-                                                  z[f"{prefix}/{name}/values"], var["shape"])
+                    indices, rows = (self._array(z, f"{prefix}/{name}/{part}")
+                                     for part in ("indices", "values"))
+                    if indices.ndim != 1 or rows.shape != indices.shape + shape[1:]:
+                        raise ValueError(f"{name!r} has {indices.shape} indices and {rows.shape} "
+                                         f"rows; its metadata says rows of shape {shape[1:]}")
+                    values[name] = SparseGradient(indices, rows, shape)
                 else:
-                    values[name] = z[f"{prefix}/{name}"]
+                    values[name] = self._array(z, f"{prefix}/{name}")
+                    if values[name].shape != shape:
+                        raise ValueError(f"{name!r} has shape {values[name].shape}; its metadata "
+                                         f"says {shape}")
         return Gradients(values, **kw)
+
+    def _array(self, archive, key: str) -> np.ndarray:
+        return decode(read_array(archive, key), self._encoded.get(key))
 
     def __repr__(self) -> str:
         return f"RecordedStep(step={self.step}, loss={self.loss}, micro={len(self.micro)})"
@@ -211,6 +232,9 @@ class RecordReader:
     """The steps of a record folder, oldest first; see :func:`load_record`."""
 
     def __init__(self, path):
+        if not isinstance(path, (str, os.PathLike)):
+            raise HostavgError(f"load_record takes a record's folder (str or os.PathLike), got "
+                               f"{path!r}")
         self.path = Path(path)
         if not self.path.is_dir():
             raise HostavgError(f"no record at {self.path}: not a folder")
@@ -277,6 +301,7 @@ class RecordReader:
         """
         pd = pandas("this table")
         check_quantity(quantity)
+        micro = flag("micro", micro)
         if micro and quantity != "grad_norm":
             raise HostavgError(f"micro=True tabulates each micro-batch's gradient norms, "
                                f"quantity='grad_norm'; got quantity={quantity!r}")
@@ -333,8 +358,8 @@ class Record:
     def __init__(self, path, every: int = 1, micro: bool = True, overwrite: bool = False):
         positive_int("every", every)
         self.micro, self.overwrite = flag("micro", micro), flag("overwrite", overwrite)
-        self.path, self.every = Path(path), every
-        self._writer = RecordWriter(self.path)
+        self._writer = RecordWriter(path)
+        self.path, self.every = self._writer.path, every
         self._open = None  # (step, last micro-batch index) of the step being written
         self._recorded = []
         self._last = None  # the last step committed (or resumed from)

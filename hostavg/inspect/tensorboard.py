@@ -1,43 +1,76 @@
 """The TensorBoard hook: scalars every applied step, gradient histograms every so many.
 
-TensorFlow's summary writer is imported when the hook writes its first step.
+Written with the ``tensorboard`` package's own event-file writer and protocol
+buffers, imported when the hook writes its first step: no graph, no session,
+nothing of the model's framework.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
+import time
 
 import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.files import folder
 from hostavg.core.gradients import SparseGradient
 from hostavg.core.stats import NoiseScale, NoiseScaleEstimate
 from hostavg.inspect.record import SCALARS
 
-__all__ = ["TensorBoard"]
+__all__ = ["HISTOGRAM_BUCKETS", "TensorBoard"]
+
+#: Buckets of equal width between the smallest and the largest value, per histogram
+#: (as ``tf.summary.histogram`` makes them).
+HISTOGRAM_BUCKETS = 30
 
 
 class TensorBoard:
     """Writes scalars every applied step and gradient histograms every ``histograms_every`` steps.
 
-    Scalars, under ``hostavg/``: ``loss``, ``grad_norm``, ``learning_rate``
-    (where the optimizer exposes it), ``b_simple`` (the running noise-scale
-    estimate, :class:`hostavg.NoiseScale` with ``beta``; one step's own
-    estimate swings wildly and is ``b_simple_one_step``), ``g2`` and
-    ``trace_sigma`` (one step's), the batch-size tests where the step has
-    them, and ``dropped``. Per variable: ``grad_norm/<variable>`` (the applied
-    mean gradient's norm) and ``update_ratio/<variable>`` (|update| /
-    |weights|). Per epoch of ``fit``: ``epoch/<name>`` for the epoch's loss and
-    validation results, at the epoch's last step. Histograms, under
-    ``gradients/<variable>``: the applied mean gradient's values (a sparse
-    variable's touched rows).
+    Every value is a plain TensorBoard summary at the step's global step: a
+    scalar (``simple_value``, what the Scalars tab and
+    ``EventAccumulator.Scalars(tag)`` read) or a histogram (``histo``;
+    ``EventAccumulator.Histograms(tag)``). The event file is flushed after
+    every step, so a reader sees each step as soon as it is applied, without
+    :meth:`close`.
 
-    Only applied steps are written (``on_applied``). Written with
-    TensorFlow's own summary writer (``tf.summary.create_file_writer``) in a
-    small graph and session of the hook's own, so it works inside or outside
-    the model's graph context. ``fit`` closes it when it ends, which flushes
-    every step to disk; after a hand-written loop call :meth:`close` (a later
-    step opens a new event file).
+    Tags, every applied step (a value that is None, such as the tests of a
+    step of one micro-batch, is left out that step):
+
+    - ``hostavg/loss``: the step's sample-weighted mean loss;
+    - ``hostavg/grad_norm``: the applied mean gradient's norm;
+    - ``hostavg/learning_rate``: the optimizer's, where it exposes one;
+    - ``hostavg/dropped``: how many micro-batches hooks dropped;
+    - ``hostavg/b_simple``: the running noise scale (:class:`hostavg.NoiseScale`
+      with ``beta``); ``hostavg/b_simple_one_step``: the step's own estimate,
+      which swings wildly; ``hostavg/g2`` and ``hostavg/trace_sigma``: the
+      step's own |G|^2 and tr(Sigma) (two micro-batches or more);
+    - ``hostavg/norm_test``, and in ``accumulate="stack"``
+      ``hostavg/inner_product_test``, ``hostavg/orthogonality_test`` and
+      ``hostavg/gsnr``;
+    - ``grad_norm/<variable>``: each variable's applied mean gradient norm;
+      ``update_ratio/<variable>``: |update| / |weights| where measured
+      (``update_ratios_every``).
+
+    Per epoch of ``fit``, at the epoch's last step: ``epoch/loss``,
+    ``epoch/samples``, ``epoch/steps`` and the validation results
+    ``epoch/val_loss``, ``epoch/val_<metric>``. Every ``histograms_every``
+    steps: ``gradients/<variable>``, a histogram of the applied mean
+    gradient's values (a sparse variable's touched rows), in
+    :data:`HISTOGRAM_BUCKETS` buckets.
+
+    Only applied steps are written (``on_applied``). ``fit`` closes the hook
+    when it ends; after a hand-written loop call :meth:`close` (a later step
+    opens a new event file).
+
+    Example::
+
+        board = hostavg.hooks.TensorBoard("runs/tb")
+        trainer = hostavg.Trainer(loss, optimizer, hooks=[board])
+        # tensorboard --logdir runs/tb; or, in Python:
+        # EventAccumulator("runs/tb").Reload().Scalars("hostavg/loss")
 
     Raises:
       HostavgError: when made without the ``tensorboard`` package installed.
@@ -49,46 +82,28 @@ class TensorBoard:
             raise HostavgError("the TensorBoard hook writes for TensorBoard, which is not "
                                "installed: pip install tensorboard (or pip install "
                                "'hostavg[inspect]')")
-        self.logdir, self.histograms_every = str(logdir), histograms_every
+        self.logdir = str(folder(logdir, "TensorBoard: logdir", "the event files"))
+        self.histograms_every = histograms_every
         self.noise_scale = NoiseScale(beta)
-        self._graph = None
+        self._writer = None
         self._last_step = 0
 
-    def _open(self):
-        import tensorflow as tf
-        v1 = tf.compat.v1
-        self._graph = tf.Graph()
-        with self._graph.as_default():
-            self._writer = tf.summary.create_file_writer(self.logdir)
-            self._step = v1.placeholder(tf.int64, ())
-            self._flush, self._close = self._writer.flush(), self._writer.close()
-            init = self._writer.init()
-        self._ops = {}  # (kind, tag) -> (placeholder, summary op), made on first use
-        self._sess = v1.Session(graph=self._graph)
-        self._sess.run(init)
-
-    def _write(self, step: int, scalars: dict, histograms: dict = None) -> None:
-        """Writes ``scalars`` (tag -> float, None left out) and ``histograms`` (tag -> array) at ``step``."""
-        if self._graph is None:
-            self._open()
-        feed, fetches = {self._step: step}, []
-        for kind, values in (("scalar", scalars), ("histogram", histograms or {})):
-            for tag, value in values.items():
-                if value is None:
-                    continue
-                placeholder, op = self._ops.get((kind, tag)) or self._add(kind, tag)
-                feed[placeholder] = value
-                fetches.append(op)
-        self._sess.run(fetches, feed)
+    def _write(self, step: int, scalars: dict, histograms: dict | None = None) -> None:
+        """Writes ``scalars`` (tag -> number, None left out) and ``histograms`` (tag -> array) at
+        ``step`` as one event, and flushes the file."""
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        if self._writer is None:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            self._writer = EventFileWriter(self.logdir)
+        values = [Summary.Value(tag=tag, simple_value=float(value))
+                  for tag, value in scalars.items() if value is not None]
+        values += [Summary.Value(tag=tag, histo=_histogram(array))
+                   for tag, array in (histograms or {}).items()]
+        self._writer.add_event(Event(wall_time=time.time(), step=step,
+                                     summary=Summary(value=values)))
+        self._writer.flush()
         self._last_step = step
-
-    def _add(self, kind: str, tag: str):
-        import tensorflow as tf
-        with self._graph.as_default(), self._writer.as_default(), tf.summary.record_if(True):
-            placeholder = tf.compat.v1.placeholder(tf.float64, () if kind == "scalar" else (None,))
-            op = getattr(tf.summary, kind)(tag, placeholder, step=self._step)
-        self._ops[(kind, tag)] = (placeholder, op)
-        return placeholder, op
 
     def on_applied(self, result):
         st = result.stats
@@ -104,24 +119,40 @@ class TensorBoard:
         scalars.update({f"update_ratio/{n}": v for n, v in (result.update_ratios or {}).items()})
         histograms = {}
         if result.step % self.histograms_every == 0:
-            histograms = {f"gradients/{name}": np.ravel(v.values if isinstance(v, SparseGradient)
-                                                        else v)
+            histograms = {f"gradients/{name}": v.values if isinstance(v, SparseGradient) else v
                           for name, v in result.grads.items()}
         self._write(result.step, scalars, histograms)
 
     def on_epoch_end(self, epoch: int, logs: dict) -> None:
-        """fit's epoch results (loss, val_loss, val_<metric>) as ``epoch/<name>``, at the epoch's last step."""
+        """fit's epoch results (loss, samples, steps, val_loss, val_<metric>) as ``epoch/<name>``,
+        at the epoch's last step."""
         self._write(self._last_step, {f"epoch/{k}": float(v) for k, v in logs.items()
                                       if k != "epoch" and isinstance(v, (int, float))})
 
     def flush(self) -> None:
-        """Makes everything written so far visible to readers."""
-        if self._graph is not None:
-            self._sess.run(self._flush)
+        """Makes everything written so far visible to readers (every step already is)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         """Flushes and closes the event file (fit calls it when it ends); a later step opens a new one."""
-        if self._graph is not None:
-            self._sess.run(self._close)
-            self._sess.close()
-            self._graph = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _histogram(values) -> object:
+    """A ``HistogramProto`` of ``values``: count, sum, sum of squares, range, and
+    :data:`HISTOGRAM_BUCKETS` buckets of equal width (one where every value is the same)."""
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto
+    flat = np.ravel(np.asarray(values, np.float64))
+    if not flat.size:
+        return HistogramProto()
+    low, high = float(flat.min()), float(flat.max())
+    if low == high:
+        counts, edges = np.array([flat.size]), np.array([low - 0.5, high + 0.5])
+    else:
+        counts, edges = np.histogram(flat, HISTOGRAM_BUCKETS, (low, high))
+    return HistogramProto(min=low, max=high, num=flat.size, sum=math.fsum(flat),
+                          sum_squares=float(flat @ flat), bucket_limit=edges[1:].tolist(),
+                          bucket=counts.astype(float).tolist())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import keras
 import numpy as np
@@ -24,14 +25,20 @@ import numpy as np
 from hostavg.compat.keras import compile_arguments
 from hostavg.core.errors import HostavgError
 
-__all__ = ["MEAN_REDUCTIONS", "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function",
-           "metric_results", "rebuild"]
+__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ModelVariables", "as_batch", "checked_optimizer",
+           "compiled", "leaves", "loss_function", "metric_results", "model_errors", "rebuild"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 #: A part of a batch that is absent (y of a model whose loss needs no targets).
 _ABSENT = "absent"
+
+#: How BatchNormalization layers' moving statistics move. "micro": once per micro-batch, by
+#: its moments (Keras's own behaviour, with its gradient accumulation too). "step": once per
+#: optimizer step, by the whole batch's moments of each layer's inputs, as a full-batch
+#: step moves them.
+BATCH_NORM_MODES = ("micro", "step")
 
 
 def as_batch(x, y, sample_weight) -> tuple:
@@ -62,7 +69,13 @@ def leaves(batch, what: str) -> tuple:
             keys, named = None, [(name, part)]
         layout.append(keys)
         for label, value in named:
-            array = np.asarray(value)
+            try:
+                array = np.asarray(value)
+            except ValueError as e:  # ragged nested lists
+                raise HostavgError(f"{what}: {label} cannot be made an array ({e})") from None
+            if array.dtype.kind == "c":  # the TF1 face refuses them too
+                raise HostavgError(f"{what}: {label} holds complex values ({array.dtype}), whose "
+                                   f"imaginary part the model would drop; pass real arrays")
             if array.ndim < 1:
                 raise HostavgError(f"{what}: {label} is not an array of samples (got "
                                    f"{type(value).__name__} of shape {array.shape}); axis 0 of "
@@ -194,3 +207,48 @@ def metric_results(model, updated, skip=()) -> dict:
             if name not in skip and np.ndim(value) == 0:
                 out[name] = float(value)
     return out
+
+
+class ModelVariables:
+    """What every Keras backend does alike with a model's and its optimizer's variables
+    (Keras's own variable API): name them for checkpoints, read, assign, build the optimizer.
+
+    A backend sets ``model`` and ``optimizer``.
+    """
+
+    def named_variables(self) -> dict:
+        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
+        ``optimizer/<i>``: names that agree between processes that built the same model."""
+        if not self.model.built:
+            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
+                               "first, or give the model an Input")
+        self.build_optimizer()
+        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
+                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
+
+    def variables(self) -> dict:
+        return {name: v.numpy() for name, v in self.named_variables().items()}
+
+    def assign(self, values: Mapping) -> None:
+        for name, v in self.named_variables().items():
+            v.assign(values[name])
+
+    def build_optimizer(self) -> None:
+        """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+
+
+@contextmanager
+def model_errors(what: str, message):
+    """Turns an error building or tracing the model on a batch into a HostavgError naming the
+    batch; ``message(error)`` is what went wrong, in the backend's own way of telling."""
+    try:
+        yield
+    except HostavgError:
+        raise
+    except Exception as error:
+        raise HostavgError(
+            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
+            f"{message(error)}); check its x and y against the model's inputs and the loss") \
+            from error

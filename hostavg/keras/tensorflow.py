@@ -36,10 +36,31 @@ Evaluation runs Keras's own ``test_step`` (a subclass's too) per chunk, in a
 compiled function per input structure. Metrics are reported only where a
 compiled function updates them (found in its traced graph), never at their
 initial value.
+
+Batch norm (``batch_norm``, one of :data:`~hostavg.keras.common.BATCH_NORM_MODES`):
+in "micro", Keras's own behaviour, each BatchNormalization layer's moving mean
+and variance move once per micro-batch, by its moments. In "step" the gradient function leaves
+them as they were (it reads what the forward pass assigned, then assigns the
+old values back) and hands the micro-batch's updated values to the host; the
+apply moves them once, from where they were, by the whole batch's moments. With
+momentum a, micro-batch i of n_i samples (of N) moving the mean to
+``mm_i = a mm + (1 - a) m_i`` and the variance to ``mv_i = a mv + (1 - a) v_i``,
+the whole batch's mean M = sum_i n_i m_i / N and variance
+V = sum_i n_i (v_i + (m_i - M)^2) / N give, in float64::
+
+    mm' = a mm + (1 - a) M = sum_i (n_i / N) mm_i
+    mv' = a mv + (1 - a) V = sum_i (n_i / N) mv_i + sum_i (n_i / N) (mm_i - mm')^2 / (1 - a)
+
+for the layer's inputs as the micro-batches' forward passes made them: for a
+layer whose inputs no earlier batch norm normalised, what one full-batch
+``train_on_batch`` assigns (to float32 round-off). The forward pass still
+normalises each micro-batch by its own moments (so a later layer's inputs are
+not a full-batch pass's).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -54,7 +75,8 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, 
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import compiled, loss_function, metric_results
+from hostavg.keras.common import (ModelVariables, compiled, loss_function, metric_results,
+                                   model_errors)
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.tf1.session import first_line
@@ -63,12 +85,14 @@ from hostavg.tf1.variables import READ_OPS
 __all__ = ["KerasBackend", "refuse_strategies"]
 
 
-class KerasBackend:
+class KerasBackend(ModelVariables):
     """A compiled Keras model and its optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Args:
       model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them;
         the model is compiled with them (:func:`~hostavg.keras.common.compiled`).
+      batch_norm: one of :data:`~hostavg.keras.common.BATCH_NORM_MODES` (see the module
+        docstring).
 
     Attributes:
       model: the model.
@@ -84,11 +108,12 @@ class KerasBackend:
       target: the model.
       nonfinite: "optimizer" for a ``LossScaleOptimizer`` (it skips a
         non-finite step and lowers its scale), else "refuse".
+      batch_norm: as given.
     """
 
     framework = "keras"
 
-    def __init__(self, model, loss, optimizer):
+    def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
         refuse_strategies(model)
         self.optimizer = compiled(model, loss, optimizer)
         self.model = self.target = model
@@ -105,7 +130,12 @@ class KerasBackend:
         self._computes, self._evaluates = {}, {}  # input signature -> compiled function
         # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
-        self._snapshot = {}
+        self._snapshot = _Snapshot()
+        self.batch_norm = batch_norm
+        # "step": (moving mean, moving variance, momentum) per BatchNormalization layer, found
+        # when the first gradient function is traced; and per micro-batch computed since the
+        # last apply, (its rows, the moving values it would have assigned, in that order).
+        self._norms, self._moved = [], []
 
     # --- The engine's protocol ------------------------------------------------------------
 
@@ -137,6 +167,8 @@ class KerasBackend:
                 grads[name] = SparseGradient(indices, freeze(np.asarray(next(got))), s.shape)
             else:
                 grads[name] = freeze(np.asarray(next(got)))
+        if self._norms:  # "step": the moving values it would have assigned, for the apply
+            self._moved.append((len(leaves[0]), [np.asarray(v, np.float64) for v in got]))
         return Computed(float(loss), grads, int(step),
                         dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
@@ -151,6 +183,7 @@ class KerasBackend:
         optimizer runs, and reduces two norms per variable); or that a
         ``LossScaleOptimizer`` skipped the step, and the scale it left."""
         out = self._apply_mean(mean, measure)
+        self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
         if out.before == out.after and self.nonfinite == "optimizer":
             return Applied(out.after, None, out.learning_rate, skipped=(
                 f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
@@ -188,34 +221,38 @@ class KerasBackend:
         with _tensorflow_errors("apply"):
             return _applied(self._applies[measure](*args))
 
+    def _move_norms(self) -> None:
+        """"step": moves every BatchNormalization layer's moving mean and variance once, by the
+        whole batch's moments, from the micro-batches computed since the last apply."""
+        moved, self._moved = self._moved, []
+        if not moved:
+            return
+        rows = np.array([n for n, _ in moved], np.float64)
+        weights = rows / rows.sum()
+        for j, (mean, variance, momentum) in enumerate(self._norms):
+            if momentum == 1:  # moving statistics that never move
+                continue
+            means = np.stack([values[2 * j] for _, values in moved])
+            variances = np.stack([values[2 * j + 1] for _, values in moved])
+            new_mean = np.tensordot(weights, means, 1)
+            spread = np.tensordot(weights, (means - new_mean) ** 2, 1) / (1 - momentum)
+            mean.assign(new_mean.astype(mean.dtype))
+            variance.assign((np.tensordot(weights, variances, 1) + spread).astype(variance.dtype))
+
     def global_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
 
     def snapshot(self) -> dict:
-        """The values of :attr:`assigned`; a function traced while the step prepares adds what it assigns."""
-        self._snapshot = {i: v.numpy() for i, v in self.assigned.items()}
+        """The values of :attr:`assigned` (and, in "step", how many micro-batches' moments wait
+        for the apply); a function traced while the step prepares adds what it assigns."""
+        self._snapshot = _Snapshot({i: v.numpy() for i, v in self.assigned.items()})
+        self._snapshot.moved = len(self._moved)
         return self._snapshot
 
     def restore(self, snapshot: dict) -> None:
         for i, value in snapshot.items():
             self.assigned[i].assign(value)
-
-    def named_variables(self) -> dict:
-        """Every variable of the model and the optimizer by its position, ``model/<i>`` and
-        ``optimizer/<i>``: names that agree between processes that built the same model."""
-        if not self.model.built:
-            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
-                               "first, or give the model an Input")
-        self.build_optimizer()
-        return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
-                **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
-
-    def variables(self) -> dict:
-        return {name: v.numpy() for name, v in self.named_variables().items()}
-
-    def assign(self, values: Mapping) -> None:
-        for name, v in self.named_variables().items():
-            v.assign(values[name])
+        del self._moved[snapshot.moved:]  # "step": micro-batches computed since, forgotten
 
     def refuse_strategies(self) -> None:
         """Raises HostavgError inside a ``tf.distribute`` strategy's scope (see :func:`refuse_strategies`)."""
@@ -255,11 +292,6 @@ class KerasBackend:
         metrics, each output's loss), but "loss": fit's is the steps' own."""
         return metric_results(self.model, self.trained_metrics, skip=("loss",))
 
-    def build_optimizer(self) -> None:
-        """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
-
     # --- Tracing --------------------------------------------------------------------------
 
     def _trace_compute(self, leaves, signature, what: str):
@@ -272,15 +304,22 @@ class KerasBackend:
         trainable = list(self.model.trainable_variables)
         if not trainable:
             raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        if self.batch_norm == "step" and self.spec is None:
+            self._norms = _batch_norms(self.model)
+        moving = [v for mean, variance, _ in self._norms for v in (mean, variance)]
         seen = {}  # filled while tracing
         model, optimizer, scales = self.model, self.optimizer, self._scales
 
         def gradients(*flat):
             x, y, w = _rebuild(signature, flat)
+            before = [tf.identity(v.value) for v in moving]
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 loss = self._loss(x, y, y_pred, w)
                 scaled = optimizer.scale_loss(loss) if scales else loss
+            after = [tf.identity(v.value) for v in moving]  # what the forward pass assigned
+            for v, value in zip(moving, before):  # "step": the apply moves them, once
+                v.assign(value)
             seen["loss_shape"], seen["kept"] = loss.shape, []
             scale = _scale(optimizer) if scales else None
             out, norms = [], []
@@ -298,7 +337,7 @@ class KerasBackend:
                 norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
             model.compute_metrics(x, y, y_pred, w)
             return [loss, tf.convert_to_tensor(optimizer.iterations),
-                    tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out]
+                    tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out, *after]
 
         function = self._trace(gradients, leaves, what)
         if seen["loss_shape"].rank != 0:
@@ -458,6 +497,32 @@ def refuse_strategies(model) -> None:
         f"micro-batches")
 
 
+class _Snapshot(dict):
+    """A backend's snapshot: id -> value of each assigned variable (:attr:`KerasBackend.assigned`);
+    ``moved``: how many micro-batches' moving statistics waited for the apply ("step")."""
+
+    moved = 0
+
+
+def _batch_norms(model) -> list:
+    """(moving mean, moving variance, momentum) of every BatchNormalization layer of ``model``
+    that moves its statistics in training (trainable), found through ``model.layers`` (nested
+    models too); HostavgError for one with renorm, whose statistics move otherwise."""
+    import keras
+    out, todo = [], list(model.layers)
+    while todo:
+        layer = todo.pop(0)
+        todo[:0] = getattr(layer, "layers", [])
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            if getattr(layer, "renorm", False):
+                raise HostavgError(f"batch_norm='step' combines plain batch norm's moments; "
+                                   f"layer {layer.name!r} has renorm=True, whose statistics move "
+                                   f"otherwise: use batch_norm='micro'")
+            out.append((layer.moving_mean, layer.moving_variance, float(layer.momentum)))
+    return out
+
+
+
 def _sum_squares(x, minus=None):
     """sum((x - minus)^2), or sum(x^2), in float64 (TF1's backend reduces in the variable's
     dtype, float32 at least; Keras variables are few and this runs only when measuring)."""
@@ -480,24 +545,24 @@ def _tensorflow_errors(call: str):
         raise HostavgError(f"TensorFlow failed in the {call} ({said})") from error
 
 
-@contextmanager
 def _model_errors(what: str):
-    """Turns an error building or tracing the model on a batch into a HostavgError naming the batch."""
-    try:
-        yield
-    except HostavgError:
-        raise
-    except Exception as error:
-        raise HostavgError(
-            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
-            f"{_message(error)}); check its x and y against the model's inputs and the loss") \
-            from error
+    return model_errors(what, _message)
 
 
 def _message(error) -> str:
-    """What went wrong, from an error raised while tracing (autograph wraps it in a traceback)."""
+    """What went wrong, from an error raised while tracing: autograph wraps it in a traceback
+    ("in user code: ... ValueError: what went wrong"), and Keras adds which call it was and the
+    arguments it received (left out: they would hide the cause)."""
     text = str(error).strip()
     if not text.startswith("in user code:"):
         return first_line(error)
-    last = text.splitlines()[-1].strip()  # "ValueError: what went wrong"
-    return last.removeprefix(f"{type(error).__name__}: ")
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
+    said = f"{type(error).__name__}: "
+    start = max((i for i, line in enumerate(lines) if line.startswith(said)), default=len(lines) - 1)
+    body = []
+    for line in [lines[start].removeprefix(said)] + lines[start + 1:]:
+        if line.startswith("Arguments received by"):
+            break
+        if line and not line.startswith("Exception encountered when calling"):
+            body.append(line)
+    return " ".join(body) or lines[start].removeprefix(said)

@@ -4,11 +4,12 @@
 contract is :class:`~hostavg.train.trainer.BaseTrainer`'s; this face checks
 Keras's arguments and gives batches as ``(x, y[, sample_weight])``; the
 backend is Keras's own backend's (:mod:`hostavg.keras.tensorflow` on
-TensorFlow).
+TensorFlow, :mod:`hostavg.keras.jax` on JAX).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 
 import keras
@@ -21,11 +22,15 @@ from hostavg.core.split import take
 from hostavg.engine.step import step_together as engine_step_together
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
-from hostavg.keras.common import as_batch
+from hostavg.keras.common import BATCH_NORM_MODES, as_batch
 from hostavg.train.history import History
 from hostavg.train.trainer import BaseTrainer, entries
 
 __all__ = ["Trainer", "step_together"]
+
+#: Keras's backend -> (module, class) of hostavg's backend for it, imported when a trainer is made.
+_BACKENDS = {"tensorflow": ("hostavg.keras.tensorflow", "KerasBackend"),
+             "jax": ("hostavg.keras.jax", "KerasJaxBackend")}
 
 
 class Trainer(BaseTrainer):
@@ -86,6 +91,21 @@ class Trainer(BaseTrainer):
         without ``gradient_accumulation_steps`` (hostavg accumulates); None:
         the model's compiled optimizer. It is built with the model's
         trainable variables, as Keras's fit builds it.
+      batch_norm: how BatchNormalization layers' moving mean and variance
+        move, one of :data:`~hostavg.keras.common.BATCH_NORM_MODES`.
+        "micro" (default; Keras's own behaviour, its gradient accumulation's
+        too): once per micro-batch, by that micro-batch's moments, k times
+        per step. "step": once per optimizer step, by the whole batch's
+        moments of the layer's inputs (the sample-weighted combination of the
+        micro-batches' means and variances, the spread between micro-batches
+        included): for a layer whose inputs no earlier batch norm normalised
+        (the first), what a full-batch ``train_on_batch`` assigns. ``compute``
+        then leaves them alone and the next ``apply`` (a step's own) moves
+        them by every micro-batch computed since the last. Either way the
+        forward pass normalises each micro-batch by its own moments, so the
+        gradients are the same in both modes (and a later batch-norm layer
+        sees inputs a full-batch pass would not). Not with ``comm`` (each rank
+        sees only its micro-batches), nor with ``renorm``.
       accumulate, accum_dtype, hooks, comm, update_ratios_every, overlap: as
         for every trainer (:class:`~hostavg.train.trainer.BaseTrainer`).
         ``average="graph"`` is TF1's alone: a Keras model's mean is computed
@@ -95,6 +115,7 @@ class Trainer(BaseTrainer):
       model: the model.
       loss: the model's compiled loss (``model.loss``).
       optimizer: the optimizer that trains (``model.optimizer``).
+      batch_norm: as given.
       spec: name (``variable.path``) -> :class:`~hostavg.VariableSpec` of every
         trained variable: the trainable variables that have a gradient.
       hooks: the hooks, in the order they run.
@@ -121,17 +142,29 @@ class Trainer(BaseTrainer):
 
     def __init__(self, model, loss=None, optimizer=None, *, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 overlap: bool = False):
-        if keras.backend.backend() != "tensorflow":
-            raise HostavgError(f"hostavg.keras needs Keras's TensorFlow backend, got "
-                               f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow before "
-                               f"importing keras")
+                 overlap: bool = False, batch_norm: str = "micro"):
+        backend = _BACKENDS.get(keras.backend.backend())
+        if backend is None:
+            raise HostavgError(f"hostavg.keras runs on Keras's {' or '.join(_BACKENDS)} backend, "
+                               f"got {keras.backend.backend()!r}; set KERAS_BACKEND to one of "
+                               f"them before importing keras")
         if not isinstance(model, keras.Model):
             raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
+        if batch_norm not in BATCH_NORM_MODES:
+            raise HostavgError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
+        if batch_norm == "step" and comm is not None:
+            raise HostavgError("batch_norm='step' combines the moments of every micro-batch of a "
+                               "step, but with comm= each rank sees only its own: use "
+                               "batch_norm='micro'")
         super().__init__(accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap)
-        from hostavg.keras.tensorflow import KerasBackend
-        self._backend = KerasBackend(model, loss, optimizer)
+        self.batch_norm = batch_norm
+        if batch_norm != "micro" and keras.backend.backend() != "tensorflow":
+            raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
+                               f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
+        extra = {"batch_norm": batch_norm} if batch_norm != "micro" else {}
+        self._backend = getattr(importlib.import_module(backend[0]), backend[1])(
+            model, loss, optimizer, **extra)
         self.model, self.optimizer = model, self._backend.optimizer
 
     @property
@@ -361,6 +394,12 @@ class Trainer(BaseTrainer):
         def source():
             self._engine_for(self._backend, take(data, slice(0, 1)) if batch_size is not None
                              else batches.first(), "fit, data")
+            if val is not None:  # its first sample, before any epoch trains
+                first = keras_data.BatchSource(val).first() if keras_data.is_batches(val) else val
+                try:
+                    self._evaluated([take(first, slice(0, 1))], val, None)
+                except HostavgError as e:
+                    raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
             return batches
 
         def validate():
@@ -407,7 +446,8 @@ class Trainer(BaseTrainer):
     def __repr__(self) -> str:
         known = "unknown until the first batch" if self._engine is None else len(self.spec)
         return (f"hostavg.keras.Trainer(model={self.model.name!r}, variables={known}, "
-                f"accumulate={self.accumulate!r}, accum_dtype={self.accum_dtype})")
+                f"accumulate={self.accumulate!r}, accum_dtype={self.accum_dtype}, "
+                f"batch_norm={self.batch_norm!r})")
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:

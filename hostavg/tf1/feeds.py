@@ -81,10 +81,12 @@ def feed_array(value, dtype, what: str) -> np.ndarray:
     Numbers convert within their kind and to wider kinds (bool and integers
     to float, float64 to float32); integers must fit an integer dtype, and
     floats given for one must be whole numbers. None, text, objects and
-    tensors are refused for a numeric dtype.
+    tensors (graph or eager, as ``sess.run`` refuses them) are refused for a numeric dtype.
     """
     if isinstance(value, np.ndarray) and value.dtype == dtype:
         return value
+    if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
+        raise HostavgError(f"{what} is an eager tensor; feed its value, such as tensor.numpy()")
     if isinstance(value, (tf.Tensor, tf.Variable, tf.Operation)):
         raise HostavgError(f"{what} is the graph element {value.name!r}; feed values, such as "
                            f"NumPy arrays, not tensors: compute it with sess.run first")

@@ -35,6 +35,8 @@ class DatasetSource:
     """A ``tf.data.Dataset`` of single samples, batched (and shuffled by seed and epoch) by fit;
     ``inputs`` maps each element key (or position) to its placeholder."""
 
+    one_shot = False
+
     def __init__(self, graph, dataset, inputs, batch_size, shuffle):
         self.graph, self.dataset, self.batch_size, self.shuffle = graph, dataset, batch_size, shuffle
         self.inputs = dict(inputs) if isinstance(inputs, Mapping) else dict(enumerate(inputs))

@@ -7,7 +7,7 @@ session each call is given (:class:`~hostavg.tf1.session.SessionBackend`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -15,6 +15,7 @@ from hostavg.core.check import CheckReport
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import Drop, MicroBatch, StepResult
+from hostavg.core.split import feed_size
 from hostavg.engine import step as engine
 from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.tf1.average import GraphAverage
@@ -124,20 +125,21 @@ class Trainer(BaseTrainer):
             raise HostavgError(
                 f"session_threads must be one of {SESSION_THREADS}, got {session_threads!r}")
         if var_list is not None:
-            var_list = list(var_list)
-            if not var_list:
-                raise HostavgError("var_list is empty: there is nothing to train")
-            for v in var_list:
-                if getattr(v, "graph", None) is not loss.graph:
-                    raise HostavgError(
-                        f"var_list holds variable {getattr(v, 'name', v)!r} of another graph than "
-                        f"the loss's; pass variables of the graph the loss was built in")
+            var_list = _variables(var_list, loss.graph)
         if comm is not None and average == "graph":
             raise HostavgError("average='graph' cannot be combined with comm=: with several "
                                "processes the mean is the MPI reduction of the host sums")
         super().__init__(accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap)
         self.average = average
+        if average == "graph" and self.accum_dtype is not None:
+            try:
+                tf.as_dtype(self.accum_dtype)
+            except TypeError:
+                raise HostavgError(
+                    f"accum_dtype {self.accum_dtype.name} has no TensorFlow dtype, and "
+                    f"average='graph' sums in the session: pass float16, float32 or float64, or "
+                    f"average='host'") from None
         self._wiring = Wiring(loss, optimizer, var_list, global_step,
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype, update_ops=update_ops,
@@ -326,9 +328,7 @@ class Trainer(BaseTrainer):
           {"loss": ..., **{name: ...}} as floats.
         """
         backend = self._backend(sess)
-        metrics = dict(metrics or {})
-        if "loss" in metrics:
-            raise HostavgError("metrics may not be named 'loss': that name holds the loss")
+        metrics = self._metrics(metrics, "evaluate")
         return self._evaluate(backend, resolve_feed(self.graph, data, "evaluate"), batch_size,
                               metrics)
 
@@ -354,7 +354,9 @@ class Trainer(BaseTrainer):
             order on every run. None draws a seed (kept in checkpoints).
           validation_data: {placeholder: array}, evaluated at each epoch's end
             (:meth:`evaluate`, in chunks of micro_batch_size) into the epoch's
-            "val_loss" and "val_<metric>" for each of ``metrics``.
+            "val_loss" and "val_<metric>" for each of ``metrics``; its keys,
+            shapes and dtypes, and the metrics' shapes, are checked before
+            the first epoch.
           callbacks: hooks for this fit only (:class:`~hostavg.core.results.Hook`):
             objects with any of the hook methods, step-level ones
             (``on_micro_batch``, ``on_step``, ``on_applied``) called in every
@@ -366,13 +368,16 @@ class Trainer(BaseTrainer):
             "always" shows it anywhere, "epoch" prints one line per epoch,
             "auto" shows the bar on a terminal or in Jupyter and prints the
             lines elsewhere, False shows nothing.
-          checkpoint_dir: where to write checkpoints (:meth:`save`) every
-            ``checkpoint_every`` steps, at the end, and when an exception,
-            KeyboardInterrupt or SIGTERM stops fit (at the last completed
-            step); the newest ``keep_checkpoints`` are kept. If it already holds
-            one, fit resumes from the newest: weights, optimizer, global step,
-            position, seed and history, so an interrupted and resumed run ends
-            with the weights of an uninterrupted one, bit for bit; resumed with
+          checkpoint_dir: where to write checkpoints (:meth:`save`): of the
+            start when it holds none, every ``checkpoint_every`` steps, at the
+            end, and when an exception, KeyboardInterrupt or SIGTERM stops fit
+            (at the last completed step); the newest ``keep_checkpoints`` are
+            kept. If it already holds one, fit resumes from the newest:
+            weights, optimizer, global step, position, seed and history, so an
+            interrupted and resumed run ends with the weights of an
+            uninterrupted one, bit for bit, unless the graph runs stateful
+            random ops such as ``tf.nn.dropout``'s, whose state no checkpoint
+            holds (fit warns: :class:`~hostavg.ResumeWarning`); resumed with
             another ``batch_size``, it continues at the sample where it stopped.
             A run that finished or was stopped by a callback does not train
             further.
@@ -404,7 +409,11 @@ class Trainer(BaseTrainer):
         """
         from hostavg.tf1.sources import feed_source
         backend = self._backend(sess, fetches)
+        shuffle = flag("shuffle", shuffle)
         blocks = self._blocks(blocks)
+        metrics = self._metrics(metrics, "fit")
+        if validation_data is not None:  # its keys, shapes and dtypes, before an epoch trains
+            feed_size(backend.conform(validation_data, "validation_data"), "validation_data")
 
         def validate():
             if validation_data is None:
@@ -418,6 +427,28 @@ class Trainer(BaseTrainer):
             seed=seed, drop_remainder=drop_remainder, callbacks=callbacks, progress=progress,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints, blocks=blocks)
+
+    def _metrics(self, metrics, what: str) -> dict:
+        """``metrics`` checked to map names other than "loss" to scalar tensors of the graph."""
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise HostavgError(f"{what}: metrics must be a dict name -> scalar tensor, got "
+                               f"{type(metrics).__name__}")
+        metrics = dict(metrics or {})
+        if "loss" in metrics:
+            raise HostavgError("metrics may not be named 'loss': that name holds the loss")
+        for name, metric in metrics.items():
+            if not isinstance(metric, tf.Tensor):
+                raise HostavgError(f"{what}: metric {name!r} is {metric!r}, not a tensor of the "
+                                   f"loss's graph; give a scalar tensor of it")
+            if metric.graph is not self.graph:
+                raise HostavgError(f"{what}: metric {name!r} is {metric.name!r}, a tensor of "
+                                   f"another graph than the loss's; give a scalar tensor of the "
+                                   f"loss's graph")
+            if metric.shape.rank not in (None, 0):
+                raise HostavgError(f"{what}: metric {name!r} has shape "
+                                   f"{tuple(metric.shape.as_list())}, not a scalar; give the mean "
+                                   f"over the batch")
+        return metrics
 
     def save(self, sess, path) -> None:
         """Writes every variable of the graph (model, optimizer slots, global step) to ``path``.
@@ -477,6 +508,29 @@ class Trainer(BaseTrainer):
     def __repr__(self) -> str:
         return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
                 f"average={self.average!r}, accum_dtype={self.accum_dtype})")
+
+
+def _variables(var_list, graph) -> list:
+    """``var_list`` checked to be a list of distinct variables of ``graph``, as a list."""
+    if isinstance(var_list, (tf.Variable, tf.Tensor, str, Mapping)) \
+            or not isinstance(var_list, Iterable):
+        what = f"the variable {var_list.op.name!r}" if isinstance(var_list, tf.Variable) \
+            else repr(var_list)
+        raise HostavgError(f"var_list must be a list of variables, got {what}; e.g. var_list=[w]")
+    var_list, seen = list(var_list), set()
+    if not var_list:
+        raise HostavgError("var_list is empty: there is nothing to train")
+    for v in var_list:
+        if not isinstance(v, tf.Variable):
+            what = f"the tensor {v.name!r}" if isinstance(v, tf.Tensor) else repr(v)
+            raise HostavgError(f"var_list holds {what}, not a variable; list the variables to train")
+        if v.graph is not graph:
+            raise HostavgError(f"var_list holds variable {v.name!r} of another graph than the "
+                               f"loss's; pass variables of the graph the loss was built in")
+        if v.op.name in seen:
+            raise HostavgError(f"var_list holds {v.op.name!r} twice; list each variable once")
+        seen.add(v.op.name)
+    return var_list
 
 
 def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from hostavg.core.check import RandomOp
 
-__all__ = ["RANDOM_OPS", "ops_run", "placeholders_read", "random_ops", "reaches"]
+__all__ = ["RANDOM_OPS", "SAVED_STATE", "ops_run", "placeholders_read", "random_ops", "reaches"]
 
 
 def ops_run(ops: Iterable, fed=()) -> Iterator:
@@ -69,6 +69,12 @@ RANDOM_OPS = {
 }
 
 
+#: The op types of RANDOM_OPS whose state is a variable (``tf.random.Generator``'s), which a
+#: checkpoint holds; every other keeps its state in its kernel, per session.
+SAVED_STATE = frozenset({"StatefulStandardNormalV2", "StatefulTruncatedNormal", "StatefulUniform",
+                         "StatefulUniformInt", "StatefulUniformFullInt"})
+
+
 def random_ops(fetches, fed=()) -> list:
     """The :class:`~hostavg.core.check.RandomOp` that running ``fetches`` runs when ``fed`` are
     fed, sorted by name: what the program called, the tensor drawn, its kind."""
@@ -78,7 +84,7 @@ def random_ops(fetches, fed=()) -> list:
             api, kind = RANDOM_OPS[op.type]
             if op.type == "RandomUniform" and "dropout" in op.name.lower():
                 api, kind = "tf.nn.dropout", "random"
-            found.append(RandomOp(api, op.outputs[0].name, kind))
+            found.append(RandomOp(api, op.outputs[0].name, kind, op.type in SAVED_STATE))
     return sorted(found, key=lambda r: r.tensor)
 
 

@@ -21,7 +21,7 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.feeds import FeedConformer
-from hostavg.tf1.session import Callables
+from hostavg.tf1.session import Callables, first_line
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, value_now)
 from hostavg.tf1.walk import ops_run, placeholders_read, random_ops
@@ -58,8 +58,14 @@ class Wiring:
             self.global_step = find_global_step(self.graph, global_step)
             self.increment = 1 if increment_global_step else 0
             self.update_ops = select_update_ops(self.graph, loss, update_ops)
-            pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
-                     if g is not None]
+            try:
+                pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
+                         if g is not None]
+            except ValueError as e:  # TensorFlow's check of the variables' dtypes
+                raise HostavgError(
+                    f"the optimizer cannot train the variables the loss reaches ({first_line(e)}); "
+                    f"hostavg trains real floating-point variables: leave the others out with "
+                    f"var_list") from e
             if not pairs:
                 raise HostavgError(
                     "nothing to train: no variable in var_list has a gradient with respect "

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, non_negative_int, non_negative_number
 
 __all__ = ["Callback", "EarlyStopping", "StopTraining"]
 
@@ -50,11 +48,8 @@ class EarlyStopping(Callback):
                  mode: str = "min"):
         if mode not in MODES:
             raise HostavgError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise HostavgError(f"patience must be an integer >= 0, got {patience!r}")
-        if not math.isfinite(min_delta) or min_delta < 0:
-            raise HostavgError(f"min_delta must be a finite number >= 0, got {min_delta!r}")
-        self.monitor, self.patience, self.min_delta = monitor, patience, min_delta
+        self.monitor, self.patience = monitor, non_negative_int("patience", patience)
+        self.min_delta = non_negative_number("min_delta", min_delta)
         self._sign = 1.0 if mode == "min" else -1.0
         self.best, self.best_epoch = None, None
 

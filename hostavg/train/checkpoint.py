@@ -6,7 +6,9 @@ variable (model weights, optimizer slots, the global step) is the array
 <hostavg.engine.protocols.Backend.variables>`): for a TF1 graph, each global
 variable by ``var.op.name``; for a Keras model, ``model/<i>`` and
 ``optimizer/<i>`` by position (see :mod:`hostavg.keras`); the array ``meta`` is a JSON string with the format
-version, each variable's shape and dtype, and, when fit wrote it, fit's
+version, each variable's shape and dtype (NumPy's ``dtype.str``, or the name
+of an ml_dtypes type such as ``"bfloat16"``, whose array holds its bits as
+unsigned integers: :func:`hostavg.core.dtypes.encode`), and, when fit wrote it, fit's
 state: its position (``epoch``; ``batch`` and ``samples`` taken from the data
 in that epoch), the ``batch_size`` and ``seed`` it ran with, and its History
 (JSON).
@@ -19,8 +21,11 @@ deleted by the folder's next save (:mod:`hostavg.core.files`). Only names
 
 Restoring reads and checks everything first (the metadata, every array
 against it, every variable against the model, fit's state) and changes
-nothing unless all of it is sound. A ``tf.train.Saver`` checkpoint is refused
-with the line that restores it.
+nothing unless all of it is sound. Every array is read whole, so that its
+CRC-32 is checked (:func:`hostavg.core.files.read_array`): a damaged file
+raises HostavgError naming it, whatever the damage (a flipped bit in the
+data, a header, the zip's structure), and never loads other values. A
+``tf.train.Saver`` checkpoint is refused with the line that restores it.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hostavg.core.dtypes import EXTENDED, decode, encode, name_of
 from hostavg.core.errors import HostavgError, positive_int
-from hostavg.core.files import fsync_dir, remove_stale, temporary
+from hostavg.core.files import folder, fsync_dir, read_array, remove_stale, temporary
 from hostavg.train.history import History
 
 __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
@@ -51,25 +57,42 @@ _FIT_OPTIONAL = {"pass": 0}
 
 
 def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) -> Path:
-    """Writes the named arrays ``values`` (and ``fit``'s state) to ``path`` atomically."""
+    """Writes the named arrays ``values`` (and ``fit``'s state) to ``path`` atomically.
+
+    Raises:
+      HostavgError: naming ``path`` when it is not a path, or cannot be written
+        (nothing is left behind then).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise HostavgError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
+                           f"{path!r}")
     path = Path(path)
-    arrays = {f"var/{name}": np.asarray(value) for name, value in values.items()}
-    meta = {"format": FORMAT,
-            "variables": {name: [list(a.shape), a.dtype.str]
-                          for name, a in zip(values, arrays.values())},
-            "fit": fit}
-    arrays["meta"] = np.array(json.dumps(meta))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary(path)
+    arrays, forms = {}, {}
+    for name, value in values.items():
+        array = np.asarray(value)
+        arrays[f"var/{name}"] = encode(array)[0]
+        forms[name] = [list(array.shape), name_of(array.dtype)]
+    arrays["meta"] = np.array(json.dumps({"format": FORMAT, "variables": forms, "fit": fit}))
+    above = next(p for p in path.parents if p.exists())
+    if not above.is_dir():
+        raise HostavgError(f"cannot write the checkpoint {str(path)!r}: {str(above)!r} is a file, "
+                           f"not a folder")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary(path)
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except OSError as e:
+        raise HostavgError(f"cannot write the checkpoint {str(path)!r} "
+                           f"({e.strerror or type(e).__name__}); name a file in a folder that can "
+                           f"be written") from None
+    finally:
+        if tmp is not None and tmp.exists():
+            tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return path
 
@@ -84,20 +107,32 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
         different model (arrays missing, unexpected, or of another shape or
         dtype than ``forms`` say).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise HostavgError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
+                           f"{path!r}")
     _refuse_saver_checkpoint(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"][()]))
+        with zipfile.ZipFile(path) as z:
+            meta = json.loads(str(read_array(z, "meta")[()]))
             written, fit = _check_meta(meta)
-            stored = {name: z[f"var/{name}"] for name in written}
+            stored = {name: read_array(z, f"var/{name}") for name in written}
     except _Damaged as e:
         raise HostavgError(f"checkpoint {path} is damaged: {e}; use another checkpoint") from None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged zip or .npy header raises a dozen types
         raise HostavgError(f"{path} is not a readable hostavg checkpoint "
                            f"({type(e).__name__}: {e})") from None
-    damaged = [f"{name!r} is {a.shape} {a.dtype.str}, its metadata says "
-               f"{tuple(written[name][0])} {written[name][1]}" for name, a in stored.items()
-               if (a.shape, a.dtype.str) != (tuple(written[name][0]), written[name][1])]
+    damaged = []
+    for name, array in stored.items():
+        shape, dtype = tuple(written[name][0]), written[name][1]
+        if dtype in EXTENDED:
+            try:
+                array = stored[name] = decode(array, dtype)
+            except ValueError as e:
+                damaged.append(f"{name!r}: {e}")
+                continue
+        if (array.shape, name_of(array.dtype)) != (shape, dtype):
+            damaged.append(f"{name!r} is {array.shape} {name_of(array.dtype)}, its metadata says "
+                           f"{shape} {dtype}")
     if damaged:
         raise HostavgError(f"checkpoint {path} is damaged: {_few(damaged)}; use another checkpoint")
     missing = [n for n in forms if n not in stored]
@@ -206,18 +241,7 @@ class CheckpointDir:
 
     def __init__(self, path, keep: int = 3):
         self.keep = positive_int("keep", keep)
-        self.path = Path(path)
-        if self.path.exists() and not self.path.is_dir():
-            raise HostavgError(f"checkpoint_dir {str(path)!r} is a file, not a folder; name a "
-                               f"folder for the checkpoints")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise HostavgError(f"checkpoint_dir {str(path)!r} cannot be made ({e.strerror}); "
-                               f"name a folder that can") from None
-        if not os.access(self.path, os.W_OK | os.X_OK):
-            raise HostavgError(f"checkpoint_dir {str(path)!r} is not writable; name a folder "
-                               f"that is")
+        self.path = folder(path, "checkpoint_dir", "the checkpoints")
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints, oldest first."""

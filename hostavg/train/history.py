@@ -6,6 +6,8 @@ import json
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from hostavg.core.errors import HostavgError
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
@@ -32,6 +34,11 @@ class StepLog(NamedTuple):
       variable_norms: per trained variable (in :attr:`History.variables`'
         order) the applied mean gradient's norm.
       update_ratios: per trained variable, |update| / |weights| of the apply.
+      dropped: the indices of the micro-batches hooks dropped
+        (:class:`~hostavg.hooks.SkipNonFinite`), in order.
+      nonfinite_rows: the data rows of those dropped micro-batches' culprit
+        samples (``MicroBatch.culprits``: the samples that made them
+        non-finite), sorted; () where none was found or the rows are unknown.
     """
 
     epoch: int
@@ -49,6 +56,8 @@ class StepLog(NamedTuple):
     micro_norms_before_clip: tuple | None = None
     variable_norms: tuple = ()
     update_ratios: tuple = ()
+    dropped: tuple = ()
+    nonfinite_rows: tuple = ()
 
 
 #: The keys of an epoch's logs that are fit's bookkeeping, not measurements (left out of
@@ -58,6 +67,8 @@ BOOKKEEPING = ("epoch", "samples", "steps")
 #: StepLog's per-step scalars, as :meth:`History.to_pandas` shows them.
 _SCALARS = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trace_sigma",
             "b_simple", "norm_test", "learning_rate")
+#: StepLog's per-step tuples, as :meth:`History.to_pandas` shows them.
+_TUPLES = ("micro_norms", "dropped", "nonfinite_rows")
 
 
 class History:
@@ -115,23 +126,50 @@ class History:
             self.variables = tuple(st.variable_norms)
         ratios = result.update_ratios or {}
         before = result.info.get("micro_norms_before_clip")
+        culprits = sorted(c.row for m in result.micro if m.culprits for c in m.culprits
+                          if c.row is not None)
         log = StepLog(epoch, result.step, math.nan if result.skipped else result.loss,
                       result.size, self.samples + result.size, st.grad_norm, st.g2,
                       st.trace_sigma, st.b_simple, st.norm_test, result.learning_rate,
                       tuple(st.micro_norms), None if before is None else tuple(before),
                       tuple(st.variable_norms.get(n, math.nan) for n in self.variables),
-                      tuple(ratios.get(n, math.nan) for n in self.variables))
+                      tuple(ratios.get(n, math.nan) for n in self.variables),
+                      result.dropped, tuple(culprits))
         self.steps.append(log)
         return log
 
+    def nonfinite_rows(self) -> np.ndarray:
+        """The data rows that made micro-batches non-finite, sorted, each once: the culprit
+        samples (``MicroBatch.culprits``) of every micro-batch a hook dropped
+        (:class:`~hostavg.hooks.SkipNonFinite`) in fit so far.
+
+        After one epoch, every row of the data whose sample alone is non-finite
+        (its inputs hold NaN or Inf, or its loss or gradients are NaN or Inf
+        when it is computed alone) that fit met: a dropped micro-batch holds
+        only its culprits here, not its other rows. A micro-batch that is
+        non-finite only as a whole (batch norm over an odd micro-batch, a sum
+        that overflows) names no row; it is still in ``dropped``. Over MPI,
+        each rank's History holds its own micro-batches' rows.
+
+        Example::
+
+            history = trainer.fit(..., callbacks=[hostavg.hooks.SkipNonFinite()])
+            bad = history.nonfinite_rows()      # say, array([ 313,  737, 1234])
+            clean = np.delete(x, bad, axis=0)
+        """
+        rows = [r for s in self.steps for r in s.nonfinite_rows]
+        return np.unique(np.asarray(rows, np.int64))
+
     def to_pandas(self, which: str = "steps"):
-        """A pandas DataFrame of the ``"steps"`` (one row per step: its scalars and
-        ``micro_norms``) or the ``"epochs"``; per-variable values: :meth:`variable_norms`."""
+        """A pandas DataFrame of the ``"steps"`` (one row per step: its scalars,
+        ``micro_norms``, ``dropped`` (the micro-batches hooks dropped) and
+        ``nonfinite_rows`` (their culprit rows, :meth:`nonfinite_rows`)) or the
+        ``"epochs"``; per-variable values: :meth:`variable_norms`."""
         if which not in ("steps", "epochs"):
             raise HostavgError(f"which must be 'steps' or 'epochs', got {which!r}")
         pd = pandas("History.to_pandas")
         if which == "steps":
-            columns = (*_SCALARS, "micro_norms")
+            columns = (*_SCALARS, *_TUPLES)
             return pd.DataFrame([[getattr(s, c) for c in columns] for s in self.steps],
                                 columns=columns)
         return pd.DataFrame(self.epochs)

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import positive_number
 from hostavg.core.gradients import SparseGradient, nonfinite_entries
 from hostavg.core.results import Drop
 
@@ -55,12 +55,6 @@ def _scaled(grads, factor: float) -> dict:
             for name, v in grads.items()}
 
 
-def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-            or not math.isfinite(value):
-        raise HostavgError(f"{name} must be a finite number > 0, got {value!r}")
-
-
 class ClipMicroBatchNorm:
     """Scales each micro-batch's gradients to global norm at most ``max_norm`` before accumulation.
 
@@ -73,8 +67,7 @@ class ClipMicroBatchNorm:
     """
 
     def __init__(self, max_norm: float):
-        _positive("max_norm", max_norm)
-        self.max_norm = float(max_norm)
+        self.max_norm = positive_number("max_norm", max_norm)
         self._norms, self._step = {}, None
 
     def on_micro_batch(self, record):
@@ -99,8 +92,7 @@ class ClipGlobalNorm:
     """
 
     def __init__(self, max_norm: float):
-        _positive("max_norm", max_norm)
-        self.max_norm = float(max_norm)
+        self.max_norm = positive_number("max_norm", max_norm)
 
     def on_step(self, mean, result):
         norm = mean.global_norm()

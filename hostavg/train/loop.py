@@ -28,7 +28,20 @@ at the same sample all the same (an iterable's batches are its own: it
 continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
 or SIGTERM that arrives once the step's apply has begun waits until fit has
 counted the step (see :mod:`hostavg.engine.signals`), so the position saved on the way
-out always matches the global step.
+out always matches the global step. A checkpoint folder that holds no
+checkpoint gets one of the start (weights, seed, position) before the first
+step, so a run killed before its first checkpoint resumes as itself too (and
+a :class:`~hostavg.hooks.Record` continues its record).
+
+Which programs resume bit for bit: those whose random state is in their
+variables or their seed. Stateful random ops of a TF1 graph
+(``tf.nn.dropout``'s RandomUniform, noise, candidate samplers) keep their
+state in the session's kernels, which no checkpoint can hold: a resumed run
+draws other numbers from them than an uninterrupted one, and fit warns
+(:class:`ResumeWarning`) when it resumes such a model
+(:attr:`hostavg.core.check.RandomOp.saved`). Keras 3 keeps its random state
+in variables (SeedGenerator), which checkpoints hold, as does
+``tf.random.Generator``.
 
 With a trainer made with ``comm=`` (several MPI processes), every rank runs
 fit on the same data: each batch is split into contiguous shares, one per
@@ -36,32 +49,39 @@ rank, so each sample is seen once per epoch overall and one step averages
 over the whole batch. The seed is rank 0's; only rank 0 shows progress and
 writes checkpoints, and every rank resumes from them (the checkpoint folder
 must be one that every rank reads, such as a shared file system).
-Validation runs on every rank over all of the validation data.
+Validation runs on every rank over all of the validation data. No rank waits
+for another forever: before training the ranks compare their data's size,
+arguments and position, and at every epoch's end they meet; a rank that
+differs (data of another size, an iterable with fewer batches, a checkpoint
+another rank does not see) makes every rank raise the same HostavgError.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import signal
 import sys
 import threading
 import time
+import warnings
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
-from hostavg.core.errors import HostavgError, object_list, positive_int
+from hostavg.core.check import RandomOp
+from hostavg.core.errors import HostavgError, flag, non_negative_int, object_list, positive_int
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS
 from hostavg.train.history import BOOKKEEPING, History
 from hostavg.core.results import StepResult
 from hostavg.engine.signals import hold, region, release
 from hostavg.core.split import feed_size, split, take
 
-__all__ = ["ArraySource", "IterableSource", "PROGRESS_MODES", "Run", "check_sizes", "fit"]
+__all__ = ["ArraySource", "IterableSource", "PROGRESS_MODES", "ResumeWarning", "Run", "check_sizes",
+           "fit"]
 
 
 class Run(Protocol):
@@ -71,6 +91,14 @@ class Run(Protocol):
     comm: Any
     #: The trainer's hooks (fit calls their fit-level methods too).
     hooks: tuple
+
+    def gather(self, what: str, obj) -> list:
+        """Every process's ``obj`` (one alone), when every one is at ``what``; over MPI a
+        HostavgError on every rank when some rank is elsewhere."""
+
+    def random_ops(self) -> Sequence[RandomOp]:
+        """The random ops a micro-batch's compute runs (:meth:`Backend.random_ops
+        <hostavg.engine.protocols.Backend.random_ops>`)."""
 
     def hooked(self, extra: tuple):
         """A context within which the trainer's steps call ``extra``'s step-level hook methods too."""
@@ -119,25 +147,42 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     """Trains ``run`` over the batches of ``source``; see :meth:`hostavg.Trainer.fit`.
 
     ``source`` is a callable that returns the batch source (called after
-    the arguments are checked), with ``n`` (its samples, or None where it
-    gives its own batches), ``num_batches(drop_remainder)`` and
-    ``batches(data_pass, seed, batch, samples)``. ``batch_size`` is None for
-    a source that gives its own batches. ``blocks``: {key: b} for arrays of b
-    blocks of the samples (see :mod:`hostavg.core.split`).
+    the arguments are checked), with ``n`` (its samples, None where unknown or
+    where it gives its own batches), ``one_shot`` (it serves one pass only),
+    ``num_batches(drop_remainder)`` and ``batches(data_pass, seed, batch,
+    samples)``. ``batch_size`` is None for a source that gives its own batches.
+    ``blocks``: {key: b} for arrays of b blocks of the samples (see
+    :mod:`hostavg.core.split`).
 
     Epochs: fit trains epochs ``initial_epoch`` to ``epochs - 1`` (as Keras
     counts them). An epoch is one pass over the data, or, with
     ``steps_per_epoch``, that many steps, continuing the pass where the
     previous epoch stopped: an epoch then ends early where the pass ends, and
     the next starts a new pass. The data's order depends on (seed, pass).
+
+    Every argument is checked before anything trains: a seed that is no
+    integer >= 0, flags that are not bools, ``checkpoint_every`` without
+    ``checkpoint_dir``, a one-shot iterator for more than one epoch.
     """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
-    if progress not in PROGRESS_MODES:
-        raise HostavgError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
-    initial_epoch = _count("initial_epoch", initial_epoch)
+    if not (isinstance(progress, (bool, np.bool_)) or (isinstance(progress, str)
+                                                        and progress in PROGRESS_MODES)):
+        raise HostavgError(f"progress must be True, False, 'always', 'epoch' or 'auto', "
+                           f"got {progress!r}")
+    drop_remainder = flag("drop_remainder", drop_remainder)
+    seed = None if seed is None else non_negative_int("seed", seed)
+    initial_epoch = non_negative_int("initial_epoch", initial_epoch)
     if steps_per_epoch is not None:
         steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise HostavgError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
+                           f"to write the checkpoints to")
     source = source()
+    if source.one_shot and epochs > 1:
+        raise HostavgError(
+            f"data is a one-shot iterator, which serves one epoch, but fit was asked for "
+            f"epochs={epochs}; pass a list, or a callable that returns a new iterable for every "
+            f"epoch")
     n = source.n  # None where the source cannot tell (an iterable of batches)
     if n == 0 or (drop_remainder and n is not None and n < batch_size):
         raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
@@ -149,8 +194,9 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
 
     history, epoch, batch, samples = History(), initial_epoch, 0, 0
     data_pass = epoch  # passes over the data begun; the same as epochs without steps_per_epoch
-    if ckpt is not None and ckpt.latest() is not None:
-        state = run.restore(ckpt.latest())
+    latest = None if ckpt is None else ckpt.latest()
+    if latest is not None:
+        state = run.restore(latest)
         if state is not None:
             epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
             data_pass = state.get("pass", epoch)  # checkpoints of earlier versions: one per epoch
@@ -158,12 +204,26 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         resumed = run.global_step()
         for on_resume in hooks["on_resume"]:
             on_resume(resumed)
+        unsaved = [f"{op.api} ({op.tensor!r})" for op in run.random_ops() if not op.saved]
+        if unsaved:
+            warnings.warn(
+                f"fit resumed from {latest}, but the model runs stateful random ops "
+                f"({_few(unsaved)}) whose state lives in the session, which no "
+                f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
+                f"than a run never stopped would, so this run will not end with its weights bit "
+                f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
+                f"resume exactly", ResumeWarning, stacklevel=4)  # the face's fit's caller
     comm = run.comm
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)
-    if comm is not None:
-        seed = comm.bcast(seed, root=0)  # one order of samples for every rank
+    if comm is not None:  # before any rank trains, or returns: no rank may wait for another
+        seed = _agree(run, seed, {
+            "samples": n, "batches per epoch": source.num_batches(drop_remainder),
+            "batch_size": batch_size, "micro_batch_size": micro_batch_size, "epochs": epochs,
+            "drop_remainder": drop_remainder, "steps_per_epoch": steps_per_epoch,
+            "position (epoch, pass, batch, samples)": (epoch, data_pass, batch, samples),
+            "stopped": history.stopped is not None})
     if rank != 0:
         ckpt = None  # rank 0 writes the checkpoints; every rank reads them when resuming
     if history.stopped is not None or epoch >= epochs:
@@ -177,7 +237,10 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         return step
 
     global_step = run.global_step()
-    saved_step = global_step if ckpt is not None else None
+    saved_step = None
+    if ckpt is not None:  # a folder without a checkpoint gets the start, seed and all: a run
+        # killed before its first checkpoint then resumes as itself, as a run killed later does
+        saved_step = global_step if latest is not None else checkpoint()
     num_batches = source.num_batches(drop_remainder)
     total = steps_per_epoch if steps_per_epoch is not None else num_batches
     bar = _Progress(progress if rank == 0 else False)
@@ -188,7 +251,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
             for on_train_begin in hooks["on_train_begin"]:
                 moved = on_train_begin()
                 if moved is not None:  # a hook restored a backup taken at the start of that epoch
-                    epoch = data_pass = _count("the epoch on_train_begin returned", moved)
+                    epoch = data_pass = non_negative_int("the epoch on_train_begin returned", moved)
                     batch = samples = 0
             passes = None  # the batches of the pass under way, continued from epoch to epoch
             while epoch < epochs:
@@ -242,6 +305,8 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                     steps += 1
                     if run.stop_requested() is not None:
                         break
+                # Over MPI every rank ends the epoch here, or all raise: none waits for another.
+                run.gather(f"the end of epoch {epoch + 1} of fit", batch)
                 if not steps:
                     raise HostavgError(
                         f"epoch {epoch} trained no step: the data gave {batch} batches"
@@ -292,11 +357,28 @@ def _counts(log) -> bool:
     return bool(log.size) and not math.isnan(log.loss)
 
 
-def _count(name: str, value) -> int:
-    """``value`` as an int if it is an integer >= 0 (not a bool); else HostavgError naming ``name``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
-        raise HostavgError(f"{name} must be an integer >= 0, got {value!r}")
-    return int(value)
+class ResumeWarning(UserWarning):
+    """fit resumed a model whose random state no checkpoint holds: it will not end bit for bit
+    like a run never stopped."""
+
+
+def _few(items: list, shown: int = 3) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more"
+                                       if len(items) > shown else "")
+
+
+def _agree(run: Run, seed: int, settings: dict) -> int:
+    """Rank 0's ``seed``, once every rank's fit ``settings`` (its data's size, arguments and
+    position) are the same; else a HostavgError on every rank, before anything trains."""
+    everyone = run.gather("the start of fit", (seed, settings))
+    differ = [f"{key} " + ", ".join(f"{s[key]!r} on rank {r}" for r, (_, s) in enumerate(everyone))
+              for key in settings if len({repr(s[key]) for _, s in everyone}) > 1]
+    if differ:
+        raise HostavgError(
+            f"the ranks run fit with different data or arguments, so nothing was trained on any: "
+            f"{'; '.join(differ)}. fit splits each batch between the ranks: give every rank the "
+            f"same data, arguments and checkpoint_dir")
+    return everyone[0][0]
 
 
 def _close(hooks: dict) -> None:
@@ -376,10 +458,13 @@ class ArraySource:
     The order depends only on (seed, epoch).
     """
 
+    one_shot = False
+
     def __init__(self, data, batch_size, shuffle, blocks=None):
+        self.shuffle = flag("shuffle", shuffle)
         self.data = data
         self.n = feed_size(data, "data", blocks)
-        self.batch_size, self.shuffle, self.blocks = batch_size, shuffle, blocks
+        self.batch_size, self.blocks = batch_size, blocks
 
     def num_batches(self, drop_remainder):
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
@@ -403,21 +488,18 @@ class IterableSource:
 
     def __init__(self, data, conform):
         self.data, self.conform = data, conform
-        self._used = False
+
+    @property
+    def one_shot(self) -> bool:
+        """Whether ``data`` is an iterator (a generator), which serves one epoch only."""
+        return not callable(self.data) and iter(self.data) is self.data
 
     def num_batches(self, drop_remainder):
         return len(self.data) if hasattr(self.data, "__len__") else None
 
     def batches(self, epoch, seed, batch, samples):
         """The epoch's batches from batch ``batch`` on: the iterable's own, so samples are not counted."""
-        it = self.data() if callable(self.data) else self.data
-        it = iter(it)
-        if it is self.data:
-            if self._used:
-                raise HostavgError(
-                    "data is a one-shot iterator and was used up by the first epoch; pass a "
-                    "list, or a callable that returns a new iterable for every epoch")
-            self._used = True
+        it = iter(self.data() if callable(self.data) else self.data)
         for i, feed in enumerate(it):
             if i >= batch:  # which rows of the user's data a batch holds, fit can't tell
                 yield self.conform(feed, f"batch {i} of epoch {epoch}"), None

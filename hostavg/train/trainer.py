@@ -202,6 +202,12 @@ class Bound:
         self.trainer, self.backend, self.validate = trainer, backend, validate
         self.comm, self.hooks = trainer.comm, trainer.hooks
 
+    def gather(self, what: str, obj) -> list:
+        return self.trainer._average.gather(what, obj)
+
+    def random_ops(self) -> tuple:
+        return tuple(self.backend.random_ops())
+
     def hooked(self, extra: tuple):
         return self.trainer._ready("fit").hooked(extra)
 
@@ -237,7 +243,7 @@ def entries(steps, kind: type, call: str) -> list[tuple]:
     ``(trainer, batches, sizes)`` each."""
     if isinstance(steps, Mapping) or not isinstance(steps, Sequence) or not steps:
         raise HostavgError(f"{call} takes a non-empty list of (trainer, batches) pairs, got "
-                           f"{type(steps).__name__}")
+                           f"{steps!r}")
     out = []
     for entry in steps:
         if not isinstance(entry, tuple) or len(entry) not in (2, 3) or not isinstance(entry[0], kind):

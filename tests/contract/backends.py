@@ -12,10 +12,15 @@ A contract test is written once, against :class:`Backend` and :class:`Face`:
   (weights, optimizer state, step, moving statistics) as a dict of arrays
   under the same names, so the two compare key by key.
 
-Adding a backend (Keras on JAX, say) is one more subclass of :class:`Backend`
-and of :class:`Face`, listed in :data:`BACKENDS`; what it cannot do yet goes in
-its ``missing`` (or ``bugs``), which turns the tests marked
+Adding a backend is one more subclass of :class:`Backend` (and of :class:`Face`
+where its data differs), listed in :data:`BACKENDS`; what it cannot do yet goes
+in its ``missing`` (or ``bugs``), which turns the tests marked
 ``@pytest.mark.needs(feature)`` into strict xfails on it alone.
+
+Keras's backend is fixed per process (``KERAS_BACKEND``), so a process runs the
+backends of the Keras it has: TF1 and Keras on TensorFlow, or Keras on JAX
+(``KERAS_BACKEND=jax pytest tests/contract``; tests/test_keras_jax.py runs
+that in a process of its own).
 """
 
 import keras
@@ -104,6 +109,8 @@ class Backend:
     id = ""
     missing: dict = {}
     bugs: dict = {}
+    #: Whether an embedding's gradient comes as rows (a SparseGradient); dense on JAX.
+    sparse_rows = True
 
     def lacks(self, feature: str) -> str | None:
         """Why a test that needs ``feature`` is expected to fail here, or None."""
@@ -363,8 +370,25 @@ class Keras(Backend):
         return hostavg.keras.step_together([(face.trainer, micro) for face, micro in steps])
 
 
-#: Every backend the contract runs, in order.
-BACKENDS = (TF1(), Keras())
+class KerasJax(Keras):
+    """``hostavg.keras.Trainer`` on Keras's JAX backend; the oracle is ``train_on_batch`` on a
+    twin model from the same weights, for every model (a JAX gradient is dense, so Keras's
+    sparse update on TensorFlow, which the embedding oracle avoids there, never runs)."""
+
+    id = "keras-jax"
+    sparse_rows = False
+
+    def oracle(self, model, optimizer, data):
+        built, loss = self._model(model)
+        opt = keras_optimizer(optimizer)
+        built.compile(optimizer=opt, loss=loss)
+        for d in data:
+            built.train_on_batch(*keras_batch(d))
+        return keras_values(built, opt)
+
+
+#: Every backend the contract runs in this process, in order: those of Keras's backend.
+BACKENDS = {"tensorflow": (TF1(), Keras()), "jax": (KerasJax(),)}[keras.backend.backend()]
 
 
 def same(got: dict, want: dict, atol: float = 0.0, skip=()) -> None:

@@ -1,0 +1,181 @@
+"""hostavg.keras on Keras's JAX backend: the contract suite, and what is JAX's own.
+
+Keras's backend is fixed per process. Under the test run's TensorFlow, the
+slow tests start processes with ``KERAS_BACKEND=jax``: one runs the contract
+suite and this file's JAX tests (the keras-jax backend of tests/contract), one
+steps a model in a fresh process and finds TensorFlow never imported, one runs
+benchmarks/gpu.py with tiny sizes. Under
+JAX (``KERAS_BACKEND=jax pytest tests/test_keras_jax.py``) the rest run:
+dense embedding gradients, host buffers reused without overwriting what is
+still held, and variables the loss does not depend on left untrained.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from models import ENV, VOCAB, batches, keras_model
+
+import hostavg
+import hostavg.keras
+
+ON_JAX = keras.backend.backend() == "jax"
+ROOT = Path(__file__).parents[1]
+#: Tests of this file that need Keras on JAX in this process.
+jax_only = pytest.mark.skipif(not ON_JAX, reason="Keras runs on TensorFlow in this process; "
+                                                 "test_the_contract_passes_on_jax runs these")
+
+
+def run_on_jax(args: list, timeout: int) -> subprocess.CompletedProcess:
+    pytest.importorskip("jax")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**ENV, "KERAS_BACKEND": "jax"}, timeout=timeout)
+
+
+@pytest.mark.slow  # about 3 minutes: every trainer compiles its functions per micro-batch size
+@pytest.mark.skipif(ON_JAX, reason="this process runs them itself")
+def test_the_contract_passes_on_jax():
+    out = run_on_jax(["-m", "pytest", "tests/contract", __file__, "-q", "-p", "no:cacheprovider",
+                      "-o", "addopts=-ra"], timeout=1500)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "[keras-jax]" not in out.stdout.split("short test summary")[-1].replace("XFAIL", ""), \
+        out.stdout[-4000:]
+
+
+#: A step, evaluate, check, save and restore on JAX, then whether TensorFlow was imported.
+NO_TENSORFLOW = """
+import sys, tempfile
+import keras, numpy as np
+import hostavg, hostavg.keras
+inputs = keras.Input((6,))
+model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs)))
+trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                keras.optimizers.Adam(0.01), update_ratios_every=1)
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(32, 6)).astype(np.float32), rng.integers(0, 3, 32).astype(np.int32)
+result = trainer.step(hostavg.split((x, y), 8))
+assert result.step == 1 and result.update_ratios, result
+trainer.evaluate(x, y, batch_size=16)
+assert trainer.check(x, y, 8).ok
+with tempfile.TemporaryDirectory() as folder:
+    trainer.save(folder + "/ck.npz")
+    trainer.restore(folder + "/ck.npz")
+print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
+"""
+
+
+@pytest.mark.slow  # a fresh process
+@pytest.mark.skipif(ON_JAX, reason="the process on TensorFlow runs it")
+def test_a_step_on_jax_imports_no_tensorflow():
+    out = run_on_jax(["-c", NO_TENSORFLOW], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+@pytest.mark.slow  # a fresh process; about 40 s
+@pytest.mark.skipif(ON_JAX, reason="the process on TensorFlow runs it")
+def test_the_gpu_benchmark_runs_on_the_cpu_with_tiny_sizes(tmp_path):
+    out = run_on_jax(["benchmarks/gpu.py", "--sizes", "tiny", "--repeats", "1", "--json",
+                      str(tmp_path / "gpu.json")], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert not result["tensorflow_imported"]
+    assert [p["host_memory"] for p in result["parts"]] == ["host", "host"]
+    assert all(p["reuses_buffers"] for p in result["parts"])
+    for step in result["steps"]:
+        assert set(step["median_s"]) == {"hostavg-keras", "hostavg-keras-overlap", "keras-accum"}
+        assert max(step["max_weight_diff"].values()) < 1e-5, step["max_weight_diff"]
+    assert "| mlp-300k micro=32 k=4 | 4 |" in out.stdout
+
+
+def trainer(model, **kw):
+    return hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), keras.optimizers.Adam(0.01), **kw)
+
+
+@jax_only
+def test_an_embeddings_gradient_is_dense_on_jax():
+    t = trainer(keras_model(sparse=True))
+    d = batches(0, 1, 12, sparse=True)[0]
+    g = t.compute((d["ids"], d["y"]))
+    table = t.model.get_layer("embedding").embeddings.path
+    assert not t.spec[table].sparse
+    assert isinstance(g[table], np.ndarray) and g[table].shape == (VOCAB, 6)
+    untouched = np.setdiff1d(np.arange(VOCAB), d["ids"])
+    assert not g[table][untouched].any() and g[table].any()
+
+
+@jax_only
+def test_gradients_land_in_reused_host_buffers_but_never_over_ones_still_held():
+    t = trainer(keras_model())
+    micro = [(d["x"], d["y"]) for d in batches(1, 6, 8)]
+    first = t.compute(micro[0])
+    name = next(iter(t.spec))
+    held, kept = first[name], np.array(first[name])
+    addresses = []
+    for m in micro[1:]:  # each dropped at once, as "sum" mode drops it once added
+        addresses.append(t.compute(m)[name].ctypes.data)
+    assert len(set(addresses[1:])) <= 2  # two sets of buffers serve every compute
+    assert held.ctypes.data not in addresses  # still held: never written again
+    np.testing.assert_array_equal(held, kept)
+    assert not held.flags.writeable
+
+
+class Unused(keras.Model):
+    """A Dense layer out, and a trainable one the loss never reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(3, name="out")
+        self.unused = keras.layers.Dense(4, name="unused")
+
+    def build(self, shape):
+        self.out.build(shape)
+        self.unused.build(shape)
+
+    def call(self, x):
+        return self.out(x)
+
+
+@jax_only
+def test_a_variable_the_loss_does_not_depend_on_is_not_trained():
+    model = Unused()
+    t = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                              keras.optimizers.AdamW(0.01, weight_decay=0.5))
+    d = batches(2, 1, 16)[0]
+    micro = hostavg.split((d["x"], d["y"]), 8)
+    t.compute(micro[0])  # builds the model
+    before = [v.numpy() for v in model.unused.weights]
+    t.step(micro)
+    assert sorted(t.spec) == sorted(v.path for v in model.out.weights)
+    for a, b in zip(before, model.unused.weights):  # AdamW would decay them on a zero gradient
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+@jax_only
+def test_bench_runs_the_keras_implementations_on_jax_against_keras_accumulation(tmp_path, capsys):
+    from hostavg.cli.main import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--grid", "smallest", "--no-memory", "--repeats", "2",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["keras_backend"] == "jax"
+    (config,) = result["configs"]
+    assert set(config["median_s"]) == {"hostavg-keras", "keras-accum"}
+    assert config["baseline"] == "keras-accum" and config["ratio_to_baseline"]["keras-accum"] == 1
+    assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
+    assert main(["bench", "--grid", "smallest", "--implementations", "hostavg-keras,in-graph"]) != 0
+    assert "implementations ['in-graph'] are TF1 graphs" in capsys.readouterr().err
+
+
+def test_a_keras_backend_without_a_hostavg_backend_is_refused_by_name(monkeypatch):
+    model = keras_model()
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    with pytest.raises(hostavg.HostavgError, match=r"^hostavg.keras runs on Keras's tensorflow or "
+                                                   r"jax backend, got 'torch'; set KERAS_BACKEND "
+                                                   r"to one of them before importing keras$"):
+        trainer(model)

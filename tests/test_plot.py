@@ -1,0 +1,146 @@
+"""hostavg.plot: several runs as {label: source}, one labelled line and colour per run drawn from
+each run's own numbers; the loss against samples seen; readable figures (a tight layout, whole
+step ticks, labels and titles, a cosine heatmap with values and a scale of its own)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hostavg  # noqa: E402
+from hostavg.cli import models  # noqa: E402
+from hostavg.hooks import Record, SkipNonFinite  # noqa: E402
+
+v1 = tf.compat.v1
+PLOTS = (hostavg.plot.micro_norms, hostavg.plot.noise_scale, hostavg.plot.variable_norms,
+         hostavg.plot.loss)
+
+
+def run(lr, tmp_path=None, accumulate="stack", hooks=()):
+    """A small MLP fitted 2 epochs of 3 steps with validation: (trainer, sess, history, feeds)."""
+    model = models.mlp(6, [8], 3, seed=0)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(lr), accumulate=accumulate,
+                                  update_ratios_every=1, hooks=list(hooks) + (
+                                      [Record(tmp_path / f"rec{lr}")] if tmp_path else []))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    x = np.random.default_rng(0).normal(size=(120, 6)).astype(np.float32)
+    data = {model.x: x[:96], model.y: (x[:96, 0] > 0).astype(np.int32)}
+    history = trainer.fit(sess, data, batch_size=32, micro_batch_size=8, epochs=2, seed=0,
+                          validation_data={model.x: x[96:], model.y: (x[96:, 0] > 0).astype(np.int32)},
+                          progress=False)
+    return trainer, sess, history, hostavg.split(data, 8)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {"fast": run(0.05)[2], "slow": run(0.001)[2]}
+
+
+@pytest.fixture(autouse=True)
+def closed():
+    yield
+    plt.close("all")
+
+
+def test_several_runs_draw_one_labelled_line_per_run_from_each_runs_numbers(runs):
+    for plot in PLOTS:
+        ax = plot(runs)
+        labels = ax.get_legend_handles_labels()[1]
+        for label in runs:
+            assert any(t.startswith(f"{label}: ") for t in labels), (plot.__name__, labels)
+    ax = hostavg.plot.micro_norms(runs)
+    means = [line for line in ax.lines if line.get_label().endswith("norm of the mean")]
+    assert [line.get_label() for line in means] == ["fast: norm of the mean", "slow: norm of the mean"]
+    for line, history in zip(means, runs.values()):
+        np.testing.assert_array_equal(line.get_ydata(), [s.grad_norm for s in history.steps])
+        np.testing.assert_array_equal(line.get_xdata(), [s.step for s in history.steps])
+    assert means[0].get_color() != means[1].get_color()
+    dots = ax.collections
+    assert [len(d.get_offsets()) for d in dots] == [6 * 4, 6 * 4]
+    assert not np.array_equal(dots[0].get_facecolor(), dots[1].get_facecolor())
+    ax = hostavg.plot.variable_norms(runs)
+    fast = [line for line in ax.lines if line.get_label().startswith("fast: ")]
+    slow = [line for line in ax.lines if line.get_label().startswith("slow: ")]
+    assert len(fast) == len(slow) == len(runs["fast"].variables)
+    assert {line.get_linestyle() for line in fast} != {line.get_linestyle() for line in slow}
+    assert [line.get_color() for line in fast] == [line.get_color() for line in slow]
+
+
+def test_the_loss_is_drawn_against_samples_seen_with_validation_at_each_epochs_end(runs, tmp_path):
+    ax = hostavg.plot.loss(runs)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("samples seen", "loss")
+    for label, history in runs.items():
+        (train,) = [line for line in ax.lines if line.get_label() == f"{label}: training loss (each step)"]
+        (val,) = [line for line in ax.lines if line.get_label() == f"{label}: validation loss (each epoch)"]
+        np.testing.assert_array_equal(train.get_xdata(), [32, 64, 96, 128, 160, 192])
+        np.testing.assert_array_equal(train.get_ydata(), [s.loss for s in history.steps])
+        np.testing.assert_array_equal(val.get_xdata(), [96, 192])
+        np.testing.assert_array_equal(val.get_ydata(), [e["val_loss"] for e in history.epochs])
+        assert train.get_color() == val.get_color()
+    # A record and a list of StepResults: the samples of the steps given; no validation.
+    trainer, sess, history, feeds = run(0.01, tmp_path)
+    results = [trainer.step(sess, feeds[:4]) for _ in range(3)]
+    ax = hostavg.plot.loss({"record": Record(tmp_path / "rec0.01"), "steps": results})
+    xs = {line.get_label(): list(line.get_xdata()) for line in ax.lines}
+    assert xs == {"record: training loss (each step)": [32 * i for i in range(1, 10)],
+                  "steps: training loss (each step)": [32, 64, 96]}
+
+
+def test_every_plot_names_the_run_it_refuses_and_draws_nothing(runs):
+    for plot in PLOTS + (hostavg.plot.cosine_heatmap,):
+        good = {} if plot is hostavg.plot.cosine_heatmap else {"fast": runs["fast"]}
+        for wrong in ({**good, "bad": [1.0]}, {}):
+            with pytest.raises(hostavg.HostavgError, match=rf"hostavg\.plot\.{plot.__name__} takes"):
+                plot(wrong)
+        assert plt.get_fignums() == [], plot.__name__
+    with pytest.raises(hostavg.HostavgError, match=r"got a list of 1 \(float\) for run 'bad'"):
+        hostavg.plot.loss({"fast": runs["fast"], "bad": [1.0]})
+
+
+def test_figures_are_tight_with_whole_step_ticks_labels_and_titles(runs):
+    for plot in PLOTS:
+        ax = plot(runs["fast"])
+        ax.figure.canvas.draw()
+        assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel(), plot.__name__
+        assert all(t == int(t) for t in ax.get_xticks()), (plot.__name__, ax.get_xticks())
+        assert type(ax.figure.get_layout_engine()).__name__ == "TightLayoutEngine"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+    hostavg.plot.micro_norms(runs["fast"], ax=left)
+    hostavg.plot.variable_norms(runs["fast"], ax=right)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert left.get_tightbbox(renderer).x1 <= right.get_tightbbox(renderer).x0  # no overlap
+
+
+def test_the_cosine_heatmap_shows_each_value_on_a_scale_of_the_off_diagonal_cosines(tmp_path):
+    trainer, sess, _, feeds = run(0.01, hooks=[SkipNonFinite()])
+    bad = [dict(f) for f in feeds[:5]]
+    x = next(k for k in bad[2] if k.name == "x:0")
+    bad[2][x] = np.full_like(bad[2][x], np.nan)
+    res = trainer.step(sess, bad)
+    assert res.dropped == (2,)
+    want = res.stats.pairwise_cosines
+    assert want.shape == (4, 4)
+    ax = hostavg.plot.cosine_heatmap(res)
+    image = ax.images[0]
+    off = ~np.eye(4, dtype=bool)
+    assert image.norm.vmin == pytest.approx(want[off].min())
+    assert image.norm.vmax == pytest.approx(want[off].max())
+    assert np.ma.getmaskarray(image.get_array()).diagonal().all()  # the diagonal: off the scale
+    np.testing.assert_array_equal(image.get_array()[off], want[off])
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
+    assert texts == {(i, j): "1" if i == j else f"{want[i, j]:.2f}" for i in range(4) for j in range(4)}
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "3", "4"]  # 2 was dropped
+    assert ax.get_title() == f"Cosine between micro-batch gradients, step {res.step}"
+    other = trainer.step(sess, feeds[:3])
+    axes = hostavg.plot.cosine_heatmap({"five": res, "three": other})
+    assert [a.get_title() for a in axes] == [f"five, step {res.step}", f"three, step {other.step}"]
+    assert axes[1].images[0].get_array().shape == (3, 3)
+    with pytest.raises(hostavg.HostavgError, match="ax must be 2 axes, got 1"):
+        hostavg.plot.cosine_heatmap({"five": res, "three": other}, ax=plt.gca())
