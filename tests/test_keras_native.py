@@ -721,7 +721,7 @@ def test_steps_per_epoch_resumes_from_a_checkpoint_mid_pass_bit_for_bit(tmp_path
     def fit(trainer, callbacks=(), ckpt=None):
         return trainer.fit(x, y, batch_size=32, micro_batch_size=MICRO, epochs=3,
                            steps_per_epoch=4, seed=2, verbose=0, callbacks=list(callbacks),
-                           checkpoint_dir=ckpt, checkpoint_every=1)
+                           checkpoint_dir=ckpt, checkpoint_every=None if ckpt is None else 1)
     straight = hostavg.keras.Trainer(compiled(build(names=False)))
     want = fit(straight)
     with pytest.raises(RuntimeError, match="stopped on purpose"):

@@ -316,8 +316,10 @@ class Engine:
                             fetched=tuple(m.fetched for m in micro))
         what, hint, mine = "step, the mean", self._overflow_hint, True
         # The micro-batches were finite: a non-finite mean overflowed the sum. Said so here,
-        # before an on_step hook (a clip) turns it into something else and takes the blame.
-        check_finite(mean, what, known=mean.sq_norms, hint=hint)
+        # before an on_step hook (a clip) turns it into something else and takes the blame;
+        # unless the optimizer skips a non-finite step itself (loss scaling).
+        if backend.nonfinite == "refuse":
+            check_finite(mean, what, known=mean.sq_norms, hint=hint)
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
             if new is not None:

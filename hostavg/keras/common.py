@@ -25,7 +25,7 @@ import numpy as np
 from hostavg.compat.keras import compile_arguments
 from hostavg.core.errors import HostavgError
 
-__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ModelVariables", "as_batch", "checked_optimizer",
+__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "as_batch", "checked_optimizer",
            "compiled", "leaves", "loss_function", "metric_results", "model_errors", "rebuild"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
@@ -237,6 +237,37 @@ class ModelVariables:
         """Builds the optimizer with the model's trainable variables, as Keras's fit does."""
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)
+
+
+class CompiledModel(ModelVariables):
+    """What every Keras backend does alike with the compiled model: Keras's own evaluation over
+    chunks, and the results of the metrics something updated.
+
+    A backend sets ``model``, ``optimizer``, ``trained_metrics`` and ``evaluated_metrics``
+    (the ids of the metrics of ``model.metrics`` that its gradient functions, and its
+    evaluation functions, update), and runs ``test_step`` on a chunk in ``evaluate_chunk``.
+    """
+
+    def evaluate(self, chunks, metrics=None) -> dict:
+        """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics
+        reset, then ``test_step`` per chunk (the loss, weighted by each chunk's samples, and the
+        compiled metrics); the results of the metrics it updated. ``metrics`` is TF1's: a Keras
+        model's metrics are those it was compiled with."""
+        self.model.reset_metrics()
+        count = len(chunks) if hasattr(chunks, "__len__") else None
+        for i, chunk in enumerate(chunks):
+            what = f"evaluate, chunk {i}{'' if count is None else f' of {count}'}"
+            self.evaluate_chunk(chunk, what)
+        return self.evaluation_results()
+
+    def evaluation_results(self) -> dict:
+        """The results of the metrics evaluation updated, by name ("loss" and the compiled ones)."""
+        return metric_results(self.model, self.evaluated_metrics)
+
+    def training_results(self) -> dict:
+        """The results of the metrics the gradient functions update, by name (the compiled
+        metrics, each output's loss), but "loss": fit's is the steps' own."""
+        return metric_results(self.model, self.trained_metrics, skip=("loss",))
 
 
 @contextmanager

@@ -141,6 +141,7 @@ class BatchSource:
     (:mod:`hostavg.train.loop`): each element one step's batch; rows unknown."""
 
     n = None  # the samples are the data's own: fit does not batch them
+    one_shot = False  # a dataset is iterated afresh every pass
 
     def __init__(self, data, shuffle: bool = False, class_weight=None):
         self.data, self.shuffle, self.class_weight = data, shuffle, class_weight

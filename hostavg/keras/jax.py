@@ -3,11 +3,14 @@
 Imports JAX and Keras, never TensorFlow. Per micro-batch, one compiled
 function (``jax.jit`` of ``jax.value_and_grad`` over ``model.stateless_call``
 with ``training=True``, as Keras's own JAX ``train_step`` takes its gradients)
-runs the forward pass, the loss (plus ``model.losses``), the backward pass
-and the squared norm of every gradient, and returns the new values of the
-non-trainable variables the forward pass assigns (batch-norm moving
-statistics, dropout's seed state), which are then assigned to the model, as
-Keras's own step leaves them. One ``jax.jit`` is made per input structure;
+runs the forward pass and the loss as Keras's own JAX train step does
+(``model.compute_loss_and_updates``: the compiled loss through
+``compute_loss``, ``model.losses``, the optimizer's loss scale), the backward
+pass, the compiled metrics (``compute_metrics``) and the squared norm of every
+gradient, and returns the new values of the non-trainable variables the
+forward pass assigns (batch-norm moving statistics, dropout's seed state) and
+of the metrics' variables, which are then assigned to the model, as Keras's
+own step leaves them. One ``jax.jit`` is made per input structure;
 like Keras's own, it compiles once more for each new micro-batch size, since
 XLA compiles for fixed shapes (a shorter last micro-batch costs one compile).
 
@@ -39,6 +42,15 @@ values are assigned to the variables, and ``optimizer.iterations`` grows by
 one. A variable the loss does not depend on has no gradient and is not
 trained (:func:`hostavg.compat.jax.used_inputs`), as on TensorFlow.
 
+A ``LossScaleOptimizer`` (``mixed_float16``) is driven as on TensorFlow:
+each micro-batch's gradients of the scaled loss are divided by the scale on
+the device, the mean multiplied by it again for the optimizer, which unscales
+it, applies it with its inner optimizer, or, given a non-finite mean, skips
+the step and halves its scale (the step says so in ``skipped``).
+
+Evaluation runs Keras's own stateless JAX ``test_step`` per chunk, jitted per
+input structure; the metrics it updates are reported.
+
 Squared norms and update ratios are reduced on the device in float32 (float64
 with ``jax_enable_x64``), the variables' dtype or wider, as TF1's backend
 reduces them.
@@ -46,7 +58,6 @@ reduces them.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import warnings
 from collections.abc import Mapping
@@ -63,7 +74,7 @@ from hostavg.core.gradients import VariableSpec, freeze
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import ModelVariables, model_errors
+from hostavg.keras.common import CompiledModel, compiled, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 
@@ -76,16 +87,27 @@ _WIDE = jax.dtypes.canonicalize_dtype(jnp.float64)
 _RING = 2
 
 
-class KerasJaxBackend(ModelVariables):
-    """A Keras model with its loss and optimizer on Keras's JAX backend (:class:`hostavg.engine.protocols.Backend`).
+class KerasJaxBackend(CompiledModel):
+    """A compiled Keras model and its optimizer on Keras's JAX backend (:class:`hostavg.engine.protocols.Backend`).
+
+    Args:
+      model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them;
+        the model is compiled with them (:func:`~hostavg.keras.common.compiled`).
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the
         first batch is prepared); dense for every variable.
-      assigned: index in ``model.variables`` -> variable, for every
-        non-trainable variable the traced gradient functions may assign (the
-        rollback set).
+      model: the model.
+      optimizer: the optimizer that trains (``model.optimizer``).
+      assigned: id -> variable, for every non-trainable variable of the model,
+        and every metric variable, that the traced gradient functions may
+        assign (the rollback set).
+      trained_metrics, evaluated_metrics: the ids of the model's metrics (of
+        ``model.metrics``) that the gradient functions, and the evaluation
+        functions, update.
       target: the model.
+      nonfinite: "optimizer" for a ``LossScaleOptimizer`` (it skips a
+        non-finite step and lowers its scale), else "refuse".
       host_memory: where the compiled gradients are placed for the host to
         read: "host" (the CPU's own memory) or "pinned_host" (an accelerator's
         pinned host memory), both viewed by NumPy without a copy; or "device"
@@ -99,19 +121,25 @@ class KerasJaxBackend(ModelVariables):
     framework = "keras"
 
     def __init__(self, model, loss, optimizer):
-        self.model, self.optimizer, self._loss = model, optimizer, loss
-        self.target = model
+        self.refuse_strategies()
+        self.optimizer = compiled(model, loss, optimizer)
+        self.model = self.target = model
         self.increment = 1  # every apply moves optimizer.iterations by one
+        self.nonfinite = "optimizer" if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) \
+            else "refuse"
+        # Whether the optimizer scales the loss (and unscales what it applies): a
+        # LossScaleOptimizer, or any optimizer made with loss_scale_factor.
+        self._scales = self.nonfinite == "optimizer" or self.optimizer.loss_scale_factor is not None
         self.spec = None
         self.assigned = {}
+        self.trained_metrics, self.evaluated_metrics = set(), set()
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._computes, self._evaluates = {}, {}  # input signature -> jitted function
         self._applies = {}  # measure (bool) -> jitted apply
         self._snapshot = {}
+        self._seen_evaluating = []  # the metric variables the evaluation traced last changes
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
-        self._training = {"training": True} if _takes_training(model) else {}
-        self._inference = {"training": False} if self._training else {}
         self.host_memory, self._outputs, self.reuses_buffers = _host_outputs()
 
     # --- The engine's protocol ------------------------------------------------------------
@@ -131,11 +159,14 @@ class KerasJaxBackend(ModelVariables):
 
     def compute(self, feed) -> Computed:
         function, assigns, leaves = feed
-        trainable = [v.value for v in self.model.trainable_variables]
-        untrained = [v.value for v in self.model.non_trainable_variables]
+        model = self.model
+        trainable = [v.value for v in model.trainable_variables]
+        untrained = [v.value for v in model.non_trainable_variables]
+        metric_values = [v.value for v in model.metrics_variables]
         landing = self._landing()
         with _jax_errors("compute"):
-            loss, sq_norms, grads, assigned = function(trainable, untrained, landing, leaves)
+            loss, sq_norms, grads, assigned = function(
+                trainable, untrained, metric_values, self._slots(), landing, leaves)
             jax.block_until_ready(grads)
         for v, value in zip(assigns, assigned):
             v.assign(value)
@@ -161,14 +192,19 @@ class KerasJaxBackend(ModelVariables):
             function = self._applies[measure] = self._application(measure)
         trained = [self.model.trainable_variables[i] for i in self._kept]
         grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
+        before = self.global_step()
         with _jax_errors("apply"):
-            values, slots, lr, squares = function([v.value for v in trained],
-                                                  [v.value for v in self.optimizer.variables],
-                                                  grads)
+            values, slots, lr, squares, scales = function(
+                [v.value for v in trained], [v.value for v in self.optimizer.variables], grads)
         for v, value in zip(trained, values):
             v.assign(value)
         for v, value in zip(self.optimizer.variables, slots):
             v.assign(value)
+        if self.global_step() == before and self.nonfinite == "optimizer":
+            scale_before, scale_after = np.asarray(scales).tolist()
+            return Applied(before, None, float(lr), skipped=(
+                f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
+                f"loss scale {scale_before:g}, which it lowered to {scale_after:g}"))
         ratios = None
         if measure:
             squares, k = np.asarray(squares).tolist(), len(self.spec)
@@ -191,34 +227,43 @@ class KerasJaxBackend(ModelVariables):
 
     # --- Evaluation and building -------------------------------------------------------------
 
-    def evaluate(self, chunks: list, metrics=None) -> dict:
-        """The sample-weighted mean loss over ``chunks`` (batches), and the compiled metrics'
-        results (``metrics`` is TF1's: a Keras model's metrics are those it was compiled with)."""
-        compiled = self.model.compiled
-        if compiled:
-            self.model.reset_metrics()
-        total, count = 0.0, 0
-        for i, chunk in enumerate(chunks):
-            what = f"evaluate, chunk {i} of {len(chunks)}"
-            chunk, leaves, signature = _leaves(chunk, what)
-            function = self._evaluates.get(signature)
-            if function is None:
-                function = self._evaluates[signature] = self._evaluation(signature, compiled)
-            n = feed_size(chunk, what)
-            metric_variables = self.model.metrics_variables if compiled else []
-            with _jax_errors("evaluate"), _model_errors(what):
-                loss, updated = function([v.value for v in self.model.trainable_variables],
-                                         [v.value for v in self.model.non_trainable_variables],
-                                         [v.value for v in metric_variables], leaves)
-            for v, value in zip(metric_variables, updated):
-                v.assign(value)
-            total += n * float(loss)
-            count += n
-        out = {"loss": total / count}
-        if compiled:
-            out.update((name, float(value)) for name, value in self.model.get_metrics_result().items()
-                       if name != "loss" and np.ndim(value) == 0)
-        return out
+    def evaluate_chunk(self, chunk, what: str) -> None:
+        """Runs Keras's stateless ``test_step`` on one chunk and assigns the metrics' new
+        values (updated, not reset)."""
+        _, leaves, signature = _leaves(chunk, what)
+        function = self._evaluates.get(signature)
+        if function is None:
+            function = self._evaluates[signature] = self._evaluation(signature)
+        model = self.model
+        with _jax_errors("evaluate"), _model_errors(what):
+            updated = function([v.value for v in model.trainable_variables],
+                               [v.value for v in model.non_trainable_variables],
+                               [v.value for v in model.metrics_variables], leaves)
+        for v, value in zip(model.metrics_variables, updated):
+            v.assign(value)
+        self.evaluated_metrics |= self._metrics_of(self._seen_evaluating)
+
+    def refuse_strategies(self) -> None:
+        """Raises HostavgError where a ``keras.distribution`` distribution is set: hostavg
+        trains one model on one device per process."""
+        distribution = keras.distribution.distribution()
+        if distribution is not None:
+            raise HostavgError(
+                f"hostavg.keras runs under a keras.distribution {type(distribution).__name__}, "
+                f"which hostavg does not drive: it trains one model on one device per process "
+                f"and averages the micro-batches on the host. Unset it "
+                f"(keras.distribution.set_distribution(None)); for several devices or workers, "
+                f"run one process per device and pass comm= (an mpi4py communicator such as "
+                f"MPI.COMM_WORLD): every step averages over all ranks' micro-batches")
+
+    def _slots(self) -> list:
+        """The optimizer's variables' values, for the loss scale (a LossScaleOptimizer's)."""
+        return [v.value for v in self.optimizer.variables] if self._scales else []
+
+    def _metrics_of(self, indices) -> set:
+        """The ids of the model's metrics that own any of ``model.metrics_variables[indices]``."""
+        changed = {id(self.model.metrics_variables[i]) for i in indices}
+        return {id(m) for m in self.model.metrics if any(id(v) in changed for v in m.variables)}
 
     # --- Tracing --------------------------------------------------------------------------
 
@@ -229,33 +274,39 @@ class KerasJaxBackend(ModelVariables):
         Traced once here (``jax.make_jaxpr``) to learn what the loss depends on
         and what the forward pass assigns; compiled by ``jax.jit`` on its first call.
         """
-        x, _, w = _rebuild(signature, leaves)
-        if w is not None and not self._loss.weighs_samples:
-            raise HostavgError(
-                f"{what}: the batch has sample weights, but the loss is a plain callable(y_true, "
-                f"y_pred); pass a keras.losses.Loss, which weights samples")
-        if not self.model.built:
+        x, _, _ = _rebuild(signature, leaves)
+        model = self.model
+        if not model.built:
             with _model_errors(what):
-                self.model(x, training=False)  # creates the variables; assigns nothing
+                model(x, training=False)  # creates the variables; assigns nothing
         self.build_optimizer()
-        trainable = list(self.model.trainable_variables)
+        trainable = list(model.trainable_variables)
         if not trainable:
             raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
-        untrained = [v.value for v in self.model.non_trainable_variables]
+        untrained = [v.value for v in model.non_trainable_variables]
+        metric_variables = list(model.metrics_variables)
         seen = {}
 
-        def loss(values, untrained, flat):
+        def loss(values, untrained, metric_values, slots, flat):
+            """(the loss as the optimizer scales it, (the loss, the new values of the
+            non-trainable variables and of the metric variables that changed))."""
             x, y, w = _rebuild(signature, flat)
-            y_pred, new, losses = self.model.stateless_call(values, untrained, x,
-                                                            return_losses=True, **self._training)
-            value = self._loss(y, y_pred, w)
-            for extra in losses:
-                value = value + jnp.sum(extra).astype(value.dtype)
+            scaled, (value, y_pred, new, metrics) = model.compute_loss_and_updates(
+                values, untrained, metric_values, x, y, w, training=True,
+                optimizer_variables=slots)
+            with keras.StatelessScope(state_mapping=list(zip(metric_variables, metrics))) as scope:
+                model.compute_metrics(x, y, y_pred, w)
+            metrics = [scope.get_current_value(v) for v in metric_variables]
             seen["assigned"] = [i for i, (a, b) in enumerate(zip(new, untrained)) if a is not b]
-            return value, [new[i] for i in seen["assigned"]]
+            seen["metrics"] = [i for i, (a, b) in enumerate(zip(metrics, metric_values))
+                               if a is not b]
+            return scaled, (value, [new[i] for i in seen["assigned"]],
+                            [metrics[i] for i in seen["metrics"]])
 
         with _model_errors(what):
-            traced = jax.make_jaxpr(loss)([v.value for v in trainable], untrained, leaves)
+            traced = jax.make_jaxpr(loss)([v.value for v in trainable], untrained,
+                                          [v.value for v in metric_variables], self._slots(),
+                                          leaves)
         shape = traced.out_avals[0].shape
         if shape != ():
             raise HostavgError(
@@ -272,6 +323,13 @@ class KerasJaxBackend(ModelVariables):
                 raise HostavgError(
                     f"trained variables share the paths {shared}; gradients are keyed by "
                     f"variable.path: give their layers distinct names")
+            if self.nonfinite == "optimizer" and len(kept) < len(trainable):
+                unreached = [v.path for i, v in enumerate(trainable) if i not in kept]
+                raise HostavgError(
+                    f"{what}: on Keras's JAX backend a LossScaleOptimizer applies to every "
+                    f"trainable variable at once (its stateless_apply), but the loss reaches "
+                    f"none of {unreached}; make them non-trainable (layer.trainable = False), "
+                    f"or train without mixed_float16's loss scaling")
             self.spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
                                                          np.dtype(trainable[i].dtype), False)
                          for i in kept}
@@ -281,35 +339,40 @@ class KerasJaxBackend(ModelVariables):
                 f"{what}: with this batch's inputs the loss has gradients for other variables "
                 f"({sorted(trainable[i].path for i in kept)}) than with the first batch's "
                 f"({sorted(self.spec)}); give every batch the same structure")
-        assigns = [self.model.non_trainable_variables[i] for i in seen["assigned"]]
-        variables = self.model.variables
+        assigns = [model.non_trainable_variables[i] for i in seen["assigned"]] + \
+            [metric_variables[i] for i in seen["metrics"]]
         for v in assigns:
-            index = next(j for j, u in enumerate(variables) if u is v)
-            if index not in self.assigned:
-                self.assigned[index] = v
-                self._snapshot[index] = v.value  # the step being prepared has not computed yet
+            if id(v) not in self.assigned:
+                self.assigned[id(v)] = v
+                self._snapshot[id(v)] = v.value  # the step being prepared has not computed yet
+        self.trained_metrics |= self._metrics_of(seen["metrics"])
         return self._compiled_compute(loss), assigns
 
     def _compiled_compute(self, loss):
-        """``(trainable, untrained, landing, leaves) -> (loss, squared norms, gradients, the
-        new values of the variables the forward pass assigns)``, jitted; ``landing``
-        (gradient-shaped buffers) is donated."""
-        kept = self._kept
+        """``(trainable, untrained, metric values, optimizer values, landing, leaves) -> (loss,
+        squared norms, gradients, the new values of the variables the forward pass and the
+        metrics assign)``, jitted; ``landing`` (gradient-shaped buffers) is donated. The
+        gradients are of the loss as the optimizer scales it, divided by its scale."""
+        kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
-        def of_kept(kept_values, trainable, untrained, flat):
+        def of_kept(kept_values, trainable, untrained, metric_values, slots, flat):
             values = list(trainable)
             for i, value in zip(kept, kept_values):
                 values[i] = value
-            return loss(values, untrained, flat)
+            return loss(values, untrained, metric_values, slots, flat)
 
         gradient = jax.value_and_grad(of_kept, has_aux=True)
 
-        def compute(trainable, untrained, landing, flat):
-            (value, new), grads = gradient([trainable[i] for i in kept], trainable, untrained, flat)
+        def compute(trainable, untrained, metric_values, slots, landing, flat):
+            (_, (value, new, metrics)), grads = gradient(
+                [trainable[i] for i in kept], trainable, untrained, metric_values, slots, flat)
+            if scales:  # unscaled as Keras's optimizer unscales: g / scale
+                scale = _scale(optimizer, slots)
+                grads = [g / scale.astype(g.dtype) for g in grads]
             sq = jnp.stack([jnp.sum(jnp.square(g.astype(_WIDE))) for g in grads])
-            return value, sq, grads, new
+            return value, sq, grads, [*new, *metrics]
 
-        return jax.jit(compute, donate_argnums=2, keep_unused=True,
+        return jax.jit(compute, donate_argnums=4, keep_unused=True,
                        out_shardings=(None, None, self._outputs, None))
 
     def _landing(self):
@@ -325,50 +388,58 @@ class KerasJaxBackend(ModelVariables):
 
     def _application(self, measure: bool):
         """``(trained values, optimizer values, mean) -> (new trained values, new optimizer
-        values, learning rate, squared norms of the updates then of the weights before)``,
-        jitted, the old values donated."""
+        values, learning rate, squared norms of the updates then of the weights before, the
+        loss scale before and after)``, jitted, the old values donated."""
         trained = [self.model.trainable_variables[i] for i in self._kept]
-        optimizer = self.optimizer
+        optimizer, scales = self.optimizer, self._scales
+        loss_scaling = self.nonfinite == "optimizer"  # a LossScaleOptimizer
 
         def apply(values, slots, grads):
             mapping = list(zip(trained, values)) + list(zip(optimizer.variables, slots))
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 lr = jnp.asarray(optimizer.learning_rate, _WIDE)  # this iteration's (a schedule's too)
-                optimizer.apply(grads, trained)
-            new = [scope.get_current_value(v) for v in trained]
+                scale = optimizer.scale_loss(jnp.ones((), jnp.float32)) if scales else \
+                    jnp.ones((), jnp.float32)
+                if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
+                    grads = [g * scale.astype(g.dtype) for g in grads]
+                if not loss_scaling:
+                    optimizer.apply(grads, trained)
+            if loss_scaling:  # its finite-or-skip choice is a lax.cond: only its stateless form
+                new, new_slots = optimizer.stateless_apply(slots, grads, values)  # traces under jit
+                after = _scale(optimizer, new_slots)
+            else:
+                new = [scope.get_current_value(v) for v in trained]
+                new_slots = [scope.get_current_value(v) for v in optimizer.variables]
+                after = scale
             squares = jnp.zeros(0, _WIDE)
             if measure:
                 squares = jnp.stack([_sum_squares(a, b) for a, b in zip(new, values)]
                                     + [_sum_squares(b) for b in values])
-            return new, [scope.get_current_value(v) for v in optimizer.variables], lr, squares
+            return new, new_slots, lr, squares, jnp.stack([scale, after])
 
         return jax.jit(apply, donate_argnums=(0, 1))
 
-    def _evaluation(self, signature, compiled: bool):
-        """``(trainable, untrained, metric values, leaves) -> (loss, new metric values)``, jitted."""
+    def _evaluation(self, signature):
+        """``(trainable, untrained, metric values, leaves) -> new metric values``, jitted: Keras's
+        own stateless ``test_step``; notes which metric variables it changes."""
         model = self.model
 
         def evaluation(trainable, untrained, metric_values, flat):
             x, y, w = _rebuild(signature, flat)
-            y_pred, _, losses = model.stateless_call(trainable, untrained, x, return_losses=True,
-                                                     **self._inference)
-            value = self._loss(y, y_pred, w)
-            for extra in losses:
-                value = value + jnp.sum(extra).astype(value.dtype)
-            if not compiled:
-                return value, []
-            metric_variables = model.metrics_variables
-            with keras.StatelessScope(state_mapping=list(zip(metric_variables,
-                                                             metric_values))) as scope:
-                model.compute_metrics(x, y, y_pred, sample_weight=w)
-            return value, [scope.get_current_value(v) for v in metric_variables]
+            _, (_, _, metrics) = model.test_step((trainable, untrained, metric_values),
+                                                 (x, y) if w is None else (x, y, w))
+            self._seen_evaluating = [i for i, (a, b) in enumerate(zip(metrics, metric_values))
+                                     if a is not b]
+            return metrics
 
         return jax.jit(evaluation)
 
 
-def _takes_training(model) -> bool:
-    """Whether ``model.call`` takes ``training`` (stateless_call passes it on as given)."""
-    return "training" in inspect.signature(model.call).parameters
+def _scale(optimizer, slots):
+    """The optimizer's loss scale, with its variables' values ``slots``: a LossScaleOptimizer's
+    dynamic scale, or the loss_scale_factor it was made with."""
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, slots))):
+        return optimizer.scale_loss(jnp.ones((), jnp.float32))
 
 
 def _host_outputs() -> tuple:

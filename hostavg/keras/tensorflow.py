@@ -75,8 +75,7 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, 
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import (ModelVariables, compiled, loss_function, metric_results,
-                                   model_errors)
+from hostavg.keras.common import CompiledModel, compiled, loss_function, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.tf1.session import first_line
@@ -85,7 +84,7 @@ from hostavg.tf1.variables import READ_OPS
 __all__ = ["KerasBackend", "refuse_strategies"]
 
 
-class KerasBackend(ModelVariables):
+class KerasBackend(CompiledModel):
     """A compiled Keras model and its optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Args:
@@ -260,18 +259,6 @@ class KerasBackend(ModelVariables):
 
     # --- Evaluation and building -------------------------------------------------------------
 
-    def evaluate(self, chunks, metrics=None) -> dict:
-        """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics
-        reset, then ``test_step`` per chunk (the loss, weighted by each chunk's samples, and the
-        compiled metrics); the results of the metrics it updated. ``metrics`` is TF1's: a Keras
-        model's metrics are those it was compiled with."""
-        self.model.reset_metrics()
-        count = len(chunks) if hasattr(chunks, "__len__") else None
-        for i, chunk in enumerate(chunks):
-            what = f"evaluate, chunk {i}{'' if count is None else f' of {count}'}"
-            self.evaluate_chunk(chunk, what)
-        return self.evaluation_results()
-
     def evaluate_chunk(self, chunk, what: str) -> None:
         """Runs ``test_step`` on one chunk (its metrics are updated, not reset)."""
         _, leaves, signature = _leaves(chunk, what)
@@ -282,15 +269,6 @@ class KerasBackend(ModelVariables):
             self.evaluated_metrics |= self._metrics_assigned(function)
         with _tensorflow_errors("evaluate"):
             function(*map(eager_tensor, leaves))
-
-    def evaluation_results(self) -> dict:
-        """The results of the metrics evaluation updated, by name ("loss" and the compiled ones)."""
-        return metric_results(self.model, self.evaluated_metrics)
-
-    def training_results(self) -> dict:
-        """The results of the metrics the gradient functions update, by name (the compiled
-        metrics, each output's loss), but "loss": fit's is the steps' own."""
-        return metric_results(self.model, self.trained_metrics, skip=("loss",))
 
     # --- Tracing --------------------------------------------------------------------------
 
