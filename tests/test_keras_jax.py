@@ -2,7 +2,10 @@
 
 Keras's backend is fixed per process. Under the test run's TensorFlow, the
 slow tests start processes with ``KERAS_BACKEND=jax``: one runs the contract
-suite and this file's JAX tests (the keras-jax backend of tests/contract), one
+suite (the keras-jax backend of tests/contract), Keras's own faces of
+tests/test_keras_native.py (compile, fit's data, Keras callbacks, mixed
+precision, evaluation, each against Keras's own fit on JAX) and this file's
+JAX tests, one
 steps a model in a fresh process and finds TensorFlow never imported, one runs
 benchmarks/gpu.py with tiny sizes. Under
 JAX (``KERAS_BACKEND=jax pytest tests/test_keras_jax.py``) the rest run:
@@ -27,7 +30,7 @@ ON_JAX = keras.backend.backend() == "jax"
 ROOT = Path(__file__).parents[1]
 #: Tests of this file that need Keras on JAX in this process.
 jax_only = pytest.mark.skipif(not ON_JAX, reason="Keras runs on TensorFlow in this process; "
-                                                 "test_the_contract_passes_on_jax runs these")
+                                                 "test_the_contract_and_the_keras_native_tests_pass_on_jax runs these")
 
 
 def run_on_jax(args: list, timeout: int) -> subprocess.CompletedProcess:
@@ -36,11 +39,11 @@ def run_on_jax(args: list, timeout: int) -> subprocess.CompletedProcess:
                           env={**ENV, "KERAS_BACKEND": "jax"}, timeout=timeout)
 
 
-@pytest.mark.slow  # about 3 minutes: every trainer compiles its functions per micro-batch size
+@pytest.mark.slow  # about 2 minutes: every trainer compiles its functions per micro-batch size
 @pytest.mark.skipif(ON_JAX, reason="this process runs them itself")
-def test_the_contract_passes_on_jax():
-    out = run_on_jax(["-m", "pytest", "tests/contract", __file__, "-q", "-p", "no:cacheprovider",
-                      "-o", "addopts=-ra"], timeout=1500)
+def test_the_contract_and_the_keras_native_tests_pass_on_jax():
+    out = run_on_jax(["-m", "pytest", "tests/contract", "tests/test_keras_native.py", __file__,
+                      "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"], timeout=1500)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "[keras-jax]" not in out.stdout.split("short test summary")[-1].replace("XFAIL", ""), \
         out.stdout[-4000:]

@@ -1,6 +1,7 @@
 """hostavg.keras as a Keras user drives it, against Keras's own fit, train_on_batch and evaluate
 on a twin model (the same initial weights): compile, fit's arguments and data, Keras callbacks,
-the History, mixed precision, distribution strategies, evaluation metrics (issue 20)."""
+the History, mixed precision, distribution strategies, evaluation metrics (issue 20); on
+Keras's TensorFlow backend, and on JAX (tests/test_keras_jax.py runs it there)."""
 
 import csv
 import warnings
@@ -17,6 +18,8 @@ import hostavg
 import hostavg.keras
 
 N, BATCH, MICRO = 200, 64, 16
+#: This file runs on Keras's TensorFlow backend, and on JAX (tests/test_keras_jax.py).
+ON_TENSORFLOW = keras.backend.backend() == "tensorflow"
 
 
 def logits_loss():
@@ -632,6 +635,7 @@ def test_an_optimizer_with_a_fixed_loss_scale_factor_steps_as_train_on_batch():
 # --- 6. Distribution strategies ---------------------------------------------------------------
 
 
+@pytest.mark.skipif(not ON_TENSORFLOW, reason="tf.distribute is TensorFlow's")
 def test_a_distribution_strategy_is_refused_naming_it_and_pointing_at_comm():
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
@@ -646,6 +650,18 @@ def test_a_distribution_strategy_is_refused_naming_it_and_pointing_at_comm():
     trainer = hostavg.keras.Trainer(compiled())
     with strategy.scope(), pytest.raises(hostavg.HostavgError, match="OneDeviceStrategy"):
         trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, verbose=0)
+
+
+@pytest.mark.skipif(ON_TENSORFLOW, reason="keras.distribution is JAX's")
+def test_a_keras_distribution_is_refused_naming_it_and_pointing_at_comm():
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        with pytest.raises(hostavg.HostavgError, match=r"runs under a keras.distribution "
+                                                       r"DataParallel.* pass comm= \(an mpi4py"):
+            hostavg.keras.Trainer(compiled())
+    finally:
+        keras.distribution.set_distribution(None)
+    hostavg.keras.Trainer(compiled())  # once unset
 
 
 # --- 7. Evaluation: the metrics Keras itself updates -------------------------------------------
@@ -690,6 +706,23 @@ class OwnMetrics(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
+class OwnMetricsJax(OwnMetrics):
+    """The same on JAX, where test_step is stateless (keras-io's custom_train_step_in_jax)."""
+
+    def test_step(self, state, data):
+        trainable, untrained, metric_values = state
+        x, y = data
+        y_pred, untrained = self.stateless_call(trainable, untrained, x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred, training=False)
+        with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables,
+                                                         metric_values))) as scope:
+            self.loss_tracker.update_state(loss)
+            self.mae.update_state(y, y_pred)
+            logs = {m.name: m.result() for m in self.metrics}
+        return logs, (trainable, untrained,
+                      [scope.get_current_value(v) for v in self.metrics_variables])
+
+
 def test_evaluation_reports_what_a_models_own_test_step_updates_and_nothing_else():
     x, y = data(34)
     target = x[:, :1] * 2.0
@@ -697,7 +730,8 @@ def test_evaluation_reports_what_a_models_own_test_step_updates_and_nothing_else
     def make():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((FEATURES,))
-        model = OwnMetrics(inputs, keras.layers.Dense(1)(inputs))
+        model = (OwnMetrics if ON_TENSORFLOW else OwnMetricsJax)(inputs,
+                                                                 keras.layers.Dense(1)(inputs))
         model.compile(optimizer="sgd", loss="mse")
         return model
     model, twin = make(), make()

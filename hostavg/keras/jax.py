@@ -280,6 +280,7 @@ class KerasJaxBackend(CompiledModel):
             with _model_errors(what):
                 model(x, training=False)  # creates the variables; assigns nothing
         self.build_optimizer()
+        self._build_metrics(signature, leaves, what)
         trainable = list(model.trainable_variables)
         if not trainable:
             raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
@@ -347,6 +348,18 @@ class KerasJaxBackend(CompiledModel):
                 self._snapshot[id(v)] = v.value  # the step being prepared has not computed yet
         self.trained_metrics |= self._metrics_of(seen["metrics"])
         return self._compiled_compute(loss), assigns
+
+    def _build_metrics(self, signature, leaves, what: str) -> None:
+        """Creates the compiled loss's and metrics' variables, which Keras makes on their first
+        use, before a compiled function is traced (JAX cannot create variables within one):
+        the loss and metrics computed once on the batch's first sample, eagerly, in a
+        ``StatelessScope`` that keeps what they would assign from the model."""
+        model = self.model
+        x, y, w = _rebuild(signature, [leaf[:1] for leaf in leaves])
+        with _model_errors(what), keras.StatelessScope():
+            y_pred = model(x, training=False)
+            model.compute_loss(x, y, y_pred, w)
+            model.compute_metrics(x, y, y_pred, w)
 
     def _compiled_compute(self, loss):
         """``(trainable, untrained, metric values, optimizer values, landing, leaves) -> (loss,
