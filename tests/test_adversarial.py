@@ -612,7 +612,8 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     history = trainer.fit(sess, data, callbacks=None, **dict(FIT, epochs=1))
     assert len(history.steps) == 5
     with pytest.raises(hostavg.HostavgError, match=r"^callbacks must be a list of objects with "
-                       r"on_micro_batch or on_step or on_applied or on_epoch_end or on_resume or "
+                       r"on_micro_batch or on_step or on_applied or on_resume or on_train_begin "
+                       r"or on_epoch_begin or on_batch_begin or on_batch_end or on_epoch_end or "
                        r"on_train_end or close or on_step_end \(or None\), got "
                        r"<hostavg.train.callbacks.EarlyStopping"):
         trainer.fit(sess, data, callbacks=hostavg.EarlyStopping(), **FIT)
@@ -620,8 +621,10 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     with model.graph.as_default():
         assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None).hooks == ()
         with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
-                           r"on_micro_batch or on_step or on_applied or on_epoch_end or "
-                           r"on_resume or on_train_end or close or on_step_end \(or None\), got "
+                           r"on_micro_batch or on_step or on_applied or on_resume or "
+                           r"on_train_begin or on_epoch_begin or on_batch_begin or on_batch_end "
+                           r"or on_epoch_end or on_train_end or close or on_step_end "
+                           r"\(or None\), got "
                            r"<hostavg.train.hooks.SkipNonFinite"):
             hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1),
                             hooks=hostavg.hooks.SkipNonFinite())

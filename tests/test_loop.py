@@ -173,7 +173,7 @@ def test_early_stopping_and_stop_training_end_cleanly():
     ({"batch_size": 32, "micro_batch_size": 64}, r"micro_batch_size \(64\) is larger than batch_size \(32\)"),
     ({"batch_size": 0, "micro_batch_size": 1}, "batch_size must be an integer >= 1, got 0"),
     ({"batch_size": 8, "micro_batch_size": 4, "epochs": 0}, "epochs must be an integer >= 1, got 0"),
-    ({"batch_size": 8, "micro_batch_size": 4, "progress": "yes"}, "progress must be one of"),
+    ({"batch_size": 8, "micro_batch_size": 4, "progress": "yes"}, "progress must be True, False, "),
     ({"batch_size": 8, "micro_batch_size": 4, "callbacks": [object()]}, "has none of the methods"),
 ])
 def test_fit_argument_errors(kwargs, match):

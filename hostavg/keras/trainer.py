@@ -437,7 +437,7 @@ class Trainer(BaseTrainer):
     def _reset_metrics(self, backend) -> None:
         self.model.reset_metrics()
 
-    def _metrics(self, backend) -> dict:
+    def _training_metrics(self, backend) -> dict:
         return backend.training_results()
 
     def _stop_requested(self) -> str | None:

@@ -182,8 +182,8 @@ class BaseTrainer:
     def _reset_metrics(self, backend: Backend) -> None:
         """Starts the training metrics afresh (at each epoch's start in fit); none here."""
 
-    def _metrics(self, backend: Backend) -> dict:
-        """The training metrics since :meth:`_reset_metrics`, by name; none here."""
+    def _training_metrics(self, backend: Backend) -> dict:
+        """The training metrics since :meth:`_reset_metrics`, by name (fit's epoch logs); none here."""
         return {}
 
     def _stop_requested(self) -> str | None:
@@ -228,7 +228,7 @@ class Bound:
         self.trainer._reset_metrics(self.backend)
 
     def metrics(self) -> dict:
-        return self.trainer._metrics(self.backend)
+        return self.trainer._training_metrics(self.backend)
 
     def stop_requested(self) -> str | None:
         return self.trainer._stop_requested()
