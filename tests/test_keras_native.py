@@ -606,17 +606,64 @@ def test_a_loss_scale_optimizer_skips_a_non_finite_step_and_grows_its_scale_as_t
     assert_close(weights(model), weights(twin), atol=1e-4)  # float16 sums over other batches
 
 
-def test_mixed_precision_fit_reports_a_skipped_step_and_keeps_it_out_of_the_loss(mixed_float16):
-    model = mixed_model()
+class BatchLosses(keras.callbacks.Callback):
+    """The running loss fit reports after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+
+
+def test_mixed_precision_fit_counts_a_skipped_steps_loss_as_keras_fit(mixed_float16):
+    """A step the LossScaleOptimizer skips still counts in the running loss, as Keras's loss
+    tracker counts every batch (the Inf saturates tanh: the loss is finite, the gradients not)."""
+    model, twin = mixed_model(), mixed_model()
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     x, y = data(31, 4 * BATCH)
     x[BATCH + 3, 1] = np.inf  # batch 1
+    ours, theirs = BatchLosses(), BatchLosses()
     history = hostavg.keras.Trainer(model).fit(x, y, batch_size=BATCH, micro_batch_size=MICRO,
-                                               shuffle=False, verbose=0)
+                                               shuffle=False, verbose=0, callbacks=[ours])
+    want = twin.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[theirs])
     assert [s.step for s in history.steps] == [1, 1, 2, 3]
-    assert np.isnan(history.steps[1].loss) and np.isfinite(history.history["loss"][0])
-    assert int(model.optimizer.iterations.numpy()) == 3
-    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert scale_state(model.optimizer) == scale_state(twin.optimizer) == (2.0**14, 2, 3)
+    assert np.isfinite(history.steps[1].loss) and history.steps[1].size == BATCH
+    assert history.history["loss"] == pytest.approx(want.history["loss"], rel=1e-4)
+    np.testing.assert_allclose(ours.losses, theirs.losses, rtol=1e-4)
+
+
+def test_mixed_precision_scales_each_micro_batch_by_its_share_so_it_overflows_as_keras(
+        mixed_float16):
+    """At a scale where float16 overflows in some steps (not from the inputs), each
+    micro-batch's loss is scaled by its share of the batch too, so the backward pass meets
+    the whole batch's per-sample scale: the steps skipped, the scale and the losses are
+    Keras's fit's, and TerminateOnNaN sees finite losses as in Keras."""
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1, activation="sigmoid", dtype="float32")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+        model.optimizer.build(model.trainable_variables)
+        model.optimizer.dynamic_scale.assign(2.0**27)
+        return model
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(48, 6)).astype(np.float32)
+    y = rng.integers(0, 2, (48, 1)).astype(np.float32)
+    model, twin = make(), make()
+    ours, theirs = BatchLosses(), BatchLosses()
+    history = hostavg.keras.Trainer(model).fit(
+        x, y, batch_size=8, micro_batch_size=4, epochs=2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN(), ours])
+    want = twin.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[keras.callbacks.TerminateOnNaN(), theirs])
+    assert history.epoch == want.epoch == [0, 1]
+    assert len({s.step for s in history.steps}) < len(history.steps)  # some step was skipped
+    assert scale_state(model.optimizer) == scale_state(twin.optimizer)
+    np.testing.assert_allclose(ours.losses, theirs.losses, rtol=1e-4)
+    assert_close(weights(model), weights(twin), atol=1e-3)  # float16 sums over other batches
 
 
 def test_an_optimizer_with_a_fixed_loss_scale_factor_steps_as_train_on_batch():

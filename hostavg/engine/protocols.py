@@ -110,8 +110,15 @@ class Backend(Protocol):
     def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
         """The feed made ready to compute, and its number of samples (``size`` if given)."""
 
-    def compute(self, feed) -> Computed:
-        """Forward, backward and the update ops of one micro-batch; changes no trained variable."""
+    def compute(self, feed, share: float = 1.0) -> Computed:
+        """Forward, backward and the update ops of one micro-batch; changes no trained variable.
+
+        ``share``: the micro-batch's part of its step's samples (n / N). A backend
+        whose optimizer scales the loss (``LossScaleOptimizer``) scales this
+        micro-batch's loss by it too, so that what the backward pass meets per
+        sample (the loss scale over N) is what the whole batch's step meets, and
+        overflows where that overflows; its gradients are still the micro-batch's
+        mean. Other backends ignore it."""
 
     def random_ops(self) -> Sequence[RandomOp]:
         """The random ops :meth:`compute` runs, for the check's advice; () where the backend

@@ -489,7 +489,7 @@ class Engine:
         ``whole``: the samples of the batch it was cut from; an error that shows a shape built
         from them says so."""
         try:
-            out = backend.compute(feed)
+            out = backend.compute(feed, n / whole if whole else 1.0)
         except HostavgError as e:
             said = f"{where}: {e}"
             if whole is not None and shows_fixed_batch(str(e), n, whole):

@@ -157,7 +157,7 @@ class KerasJaxBackend(CompiledModel):
             compiled = self._computes[signature] = self._trace_compute(leaves, signature, what)
         return (*compiled, leaves), n
 
-    def compute(self, feed) -> Computed:
+    def compute(self, feed, share: float = 1.0) -> Computed:
         function, assigns, leaves = feed
         model = self.model
         trainable = [v.value for v in model.trainable_variables]
@@ -166,7 +166,8 @@ class KerasJaxBackend(CompiledModel):
         landing = self._landing()
         with _jax_errors("compute"):
             loss, sq_norms, grads, assigned = function(
-                trainable, untrained, metric_values, self._slots(), landing, leaves)
+                trainable, untrained, metric_values, self._slots(), np.float32(share), landing,
+                leaves)
             jax.block_until_ready(grads)
         for v, value in zip(assigns, assigned):
             v.assign(value)
@@ -362,30 +363,32 @@ class KerasJaxBackend(CompiledModel):
             model.compute_metrics(x, y, y_pred, w)
 
     def _compiled_compute(self, loss):
-        """``(trainable, untrained, metric values, optimizer values, landing, leaves) -> (loss,
+        """``(trainable, untrained, metric values, optimizer values, share, landing, leaves) -> (loss,
         squared norms, gradients, the new values of the variables the forward pass and the
         metrics assign)``, jitted; ``landing`` (gradient-shaped buffers) is donated. The
         gradients are of the loss as the optimizer scales it, divided by its scale."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
-        def of_kept(kept_values, trainable, untrained, metric_values, slots, flat):
+        def of_kept(kept_values, trainable, untrained, metric_values, slots, share, flat):
             values = list(trainable)
             for i, value in zip(kept, kept_values):
                 values[i] = value
-            return loss(values, untrained, metric_values, slots, flat)
+            scaled, aux = loss(values, untrained, metric_values, slots, flat)
+            return (scaled * share if scales else scaled), aux
 
         gradient = jax.value_and_grad(of_kept, has_aux=True)
 
-        def compute(trainable, untrained, metric_values, slots, landing, flat):
+        def compute(trainable, untrained, metric_values, slots, share, landing, flat):
             (_, (value, new, metrics)), grads = gradient(
-                [trainable[i] for i in kept], trainable, untrained, metric_values, slots, flat)
-            if scales:  # unscaled as Keras's optimizer unscales: g / scale
-                scale = _scale(optimizer, slots)
+                [trainable[i] for i in kept], trainable, untrained, metric_values, slots, share,
+                flat)
+            if scales:  # unscaled as Keras's optimizer unscales: g / scale (x share, see
+                scale = _scale(optimizer, slots) * share  # Backend.compute)
                 grads = [g / scale.astype(g.dtype) for g in grads]
             sq = jnp.stack([jnp.sum(jnp.square(g.astype(_WIDE))) for g in grads])
             return value, sq, grads, [*new, *metrics]
 
-        return jax.jit(compute, donate_argnums=4, keep_unused=True,
+        return jax.jit(compute, donate_argnums=5, keep_unused=True,
                        out_shardings=(None, None, self._outputs, None))
 
     def _landing(self):

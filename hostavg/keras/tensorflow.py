@@ -154,10 +154,13 @@ class KerasBackend(CompiledModel):
     def random_ops(self) -> tuple:
         return ()  # the check names Keras's random layers in its advice
 
-    def compute(self, feed) -> Computed:
+    def compute(self, feed, share: float = 1.0) -> Computed:
         function, leaves = feed
+        args = [*map(eager_tensor, leaves)]
+        if self._scales:  # the micro-batch's part of the step's loss scale (see Backend.compute)
+            args.append(eager_tensor(np.float32(share)))
         with _tensorflow_errors("compute"):
-            loss, step, sq_norms, *got = function(*map(eager_tensor, leaves))
+            loss, step, sq_norms, *got = function(*args)
         got = iter(got)
         grads = {}
         for name, s in self.spec.items():
@@ -289,17 +292,19 @@ class KerasBackend(CompiledModel):
         model, optimizer, scales = self.model, self.optimizer, self._scales
 
         def gradients(*flat):
+            if scales:
+                *flat, share = flat
             x, y, w = _rebuild(signature, flat)
             before = [tf.identity(v.value) for v in moving]
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 loss = self._loss(x, y, y_pred, w)
-                scaled = optimizer.scale_loss(loss) if scales else loss
+                scaled = optimizer.scale_loss(loss) * share if scales else loss
             after = [tf.identity(v.value) for v in moving]  # what the forward pass assigned
             for v, value in zip(moving, before):  # "step": the apply moves them, once
                 v.assign(value)
             seen["loss_shape"], seen["kept"] = loss.shape, []
-            scale = _scale(optimizer) if scales else None
+            scale = _scale(optimizer) * share if scales else None
             out, norms = [], []
             for i, g in enumerate(tape.gradient(scaled, trainable)):
                 if g is None:
@@ -309,7 +314,7 @@ class KerasBackend(CompiledModel):
                     unique, rows = tf.unique(g.indices)
                     g = tf.math.unsorted_segment_sum(g.values, rows, tf.size(unique))
                     out.append(unique)
-                if scale is not None:  # unscaled as Keras's optimizer unscales: g / scale
+                if scale is not None:  # unscaled as Keras's optimizer unscales: g / scale (x share)
                     g = g / tf.cast(scale, g.dtype)
                 out.append(g)
                 norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
@@ -317,7 +322,8 @@ class KerasBackend(CompiledModel):
             return [loss, tf.convert_to_tensor(optimizer.iterations),
                     tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out, *after]
 
-        function = self._trace(gradients, leaves, what)
+        function = self._trace(gradients, [*leaves, tf.TensorSpec((), tf.float32)] if scales
+                               else leaves, what)
         if seen["loss_shape"].rank != 0:
             raise HostavgError(
                 f"{what}: the loss has shape {tuple(seen['loss_shape'])}, not a scalar; give the "

@@ -105,7 +105,8 @@ class SessionBackend:
     def random_ops(self) -> tuple:
         return self.wiring.random_ops
 
-    def compute(self, feed: dict) -> Computed:
+    def compute(self, feed: dict, share: float = 1.0) -> Computed:
+        """One micro-batch's session call (a TF1 optimizer scales no loss: ``share`` unused)."""
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed, self.fetches)
 

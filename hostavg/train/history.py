@@ -21,7 +21,8 @@ class StepLog(NamedTuple):
     Attributes:
       epoch: the epoch it belongs to, from 0.
       step: the global step after it.
-      loss: its sample-weighted mean loss (NaN if skipped).
+      loss: its sample-weighted mean loss (NaN if every micro-batch was dropped; a step
+        its optimizer skipped, loss scaling, keeps its loss, as Keras reports it).
       size: its number of samples.
       samples: samples seen by fit so far, this step's included.
       grad_norm: the applied mean gradient's norm (NaN if skipped).
@@ -128,7 +129,7 @@ class History:
         before = result.info.get("micro_norms_before_clip")
         culprits = sorted(c.row for m in result.micro if m.culprits for c in m.culprits
                           if c.row is not None)
-        log = StepLog(epoch, result.step, math.nan if result.skipped else result.loss,
+        log = StepLog(epoch, result.step, math.nan if result.loss is None else result.loss,
                       result.size, self.samples + result.size, st.grad_norm, st.g2,
                       st.trace_sigma, st.b_simple, st.norm_test, result.learning_rate,
                       tuple(st.micro_norms), None if before is None else tuple(before),

@@ -353,8 +353,10 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
 
 
 def _counts(log) -> bool:
-    """Whether a step's loss counts in its epoch's mean: it was applied and had samples."""
-    return bool(log.size) and not math.isnan(log.loss)
+    """Whether a step's loss counts in its epoch's running mean: it had samples (not every
+    micro-batch dropped). A step the optimizer skipped counts, non-finite or not, as in
+    Keras's fit, whose loss tracker sees every batch."""
+    return bool(log.size)
 
 
 class ResumeWarning(UserWarning):
@@ -444,7 +446,8 @@ def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -
 
 
 def _epoch_logs(history: History, epoch: int) -> dict:
-    """The epoch's bookkeeping and its loss: the sample-weighted mean over its applied steps."""
+    """The epoch's bookkeeping and its loss: the sample-weighted mean over its steps (see
+    :func:`_counts`)."""
     steps = [s for s in history.steps if s.epoch == epoch]
     samples = sum(s.size for s in steps)
     counted = sum(s.size for s in steps if _counts(s))
