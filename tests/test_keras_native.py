@@ -356,6 +356,48 @@ def keras_data_kind(kw) -> bool:
     return isinstance(kw.get("x"), tf.data.Dataset)
 
 
+def two_in_two_out():
+    """Keras's most common multi-input, multi-output form: inputs and outputs in lists,
+    compiled with a list of losses, loss weights and metrics per output."""
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Dense(8, activation="tanh", name="h")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], [keras.layers.Dense(3, name="label")(h),
+                                 keras.layers.Dense(1, name="size")(h)])
+    model.compile(optimizer="adam", loss=[logits_loss(), "mse"], loss_weights=[1.0, 0.5],
+                  metrics=[["accuracy"], ["mae"]])
+    return model
+
+
+def test_lists_of_inputs_and_targets_train_as_keras_fit_takes_them():
+    # Equal batches: Keras's own per-output losses ("label_loss") are means over batches, each
+    # weighing 1 whatever its size (its evaluate gives other values with another batch_size).
+    n = 3 * BATCH
+    rng = np.random.default_rng(24)
+    xa, xb = rng.normal(size=(n, 4)).astype(np.float32), rng.normal(size=(n, 3)).astype(np.float32)
+    y1, y2 = rng.integers(0, 3, n).astype(np.int32), rng.normal(size=(n, 1)).astype(np.float32)
+    model, twin = two_in_two_out(), two_in_two_out()
+    trainer = hostavg.keras.Trainer(model)
+    got = trainer.fit([xa, xb], [y1, y2], batch_size=BATCH, micro_batch_size=MICRO, epochs=2,
+                      shuffle=False, verbose=0, validation_data=([xa, xb], (y1, y2)),
+                      validation_batch_size=BATCH)
+    want = twin.fit([xa, xb], [y1, y2], batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                    validation_data=([xa, xb], (y1, y2)))
+    assert_close(weights(model), weights(twin))
+    assert_history(got.history, want.history)
+    # A tf.data pipeline of tuples, as keras-io's multi-input examples write it.
+    model, twin = two_in_two_out(), two_in_two_out()
+    pipeline = tf.data.Dataset.from_tensor_slices(((xa, xb), (y1, y2))).batch(BATCH)
+    hostavg.keras.Trainer(model).fit(pipeline, micro_batch_size=MICRO, verbose=0)
+    twin.fit(pipeline, verbose=0)
+    assert_close(weights(model), weights(twin))
+    # compute, check and evaluate take them too.
+    assert trainer.compute(([xa[:8], xb[:8]], [y1[:8], y2[:8]])).size == 8
+    assert trainer.check([xa[:32], xb[:32]], [y1[:32], y2[:32]], 8).ok
+    assert trainer.evaluate([xa, xb], [y1, y2]) == pytest.approx(
+        trainer.model.evaluate([xa, xb], [y1, y2], return_dict=True, verbose=0), rel=1e-6)
+
+
 # --- 3. Keras callbacks, as model.fit calls them --------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """What every Keras backend of hostavg shares: the batch's structure, the compiled model, metrics.
 
-A batch is ``(x, y)`` or ``(x, y, sample_weight)``; each part an array or a dict
-of arrays (by input name), axis 0 over samples (y may be None, for a model
+A batch is ``(x, y)`` or ``(x, y, sample_weight)``; each part an array, a dict
+of arrays (by input name) or a list of arrays (in order: carried as a dict by
+:class:`Position`), axis 0 over samples (y may be None, for a model
 whose loss needs no targets). Framework-free but for Keras's own model,
 loss, metric and optimizer classes: nothing here depends on Keras's backend.
 
@@ -25,8 +26,9 @@ import numpy as np
 from hostavg.compat.keras import compile_arguments
 from hostavg.core.errors import HostavgError
 
-__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "as_batch", "checked_optimizer",
-           "compiled", "leaves", "loss_function", "metric_results", "model_errors", "rebuild"]
+__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "Position",
+           "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function", "metric_results",
+           "model_errors", "positions", "rebuild", "structured"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -39,6 +41,32 @@ _ABSENT = "absent"
 #: optimizer step, by the whole batch's moments of each layer's inputs, as a full-batch
 #: step moves them.
 BATCH_NORM_MODES = ("micro", "step")
+
+
+class Position(int):
+    """The key of an entry of a list or tuple of arrays (a multi-input model's ``[xa, xb]``, a
+    multi-output model's ``[y1, y2]``), carried as a dict ``{Position(i): array}`` so that it
+    is cut into micro-batches as a dict is; given back to the model as a list."""
+
+    def __repr__(self) -> str:
+        return f"{int(self)}"
+
+
+def positions(part):
+    """``part`` (x, y or sample_weight), a list or tuple of arrays (not one of numbers or of
+    rows: that is one array), as a dict by :class:`Position`; anything else as it is."""
+    if isinstance(part, (list, tuple)) and part and all(np.ndim(v) >= 1 for v in part) \
+            and not any(isinstance(v, (list, tuple)) for v in part):
+        return {Position(i): v for i, v in enumerate(part)}
+    return part
+
+
+def structured(batch):
+    """A batch ``(x, y[, sample_weight])`` with each part that is a list of arrays as a dict by
+    :class:`Position` (see :func:`positions`); anything else as it is."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        return tuple(positions(part) for part in batch)
+    return batch
 
 
 def as_batch(x, y, sample_weight) -> tuple:
@@ -89,8 +117,11 @@ def rebuild(signature, flat) -> tuple:
     """(x, y, sample_weight or None) from the arrays or tensors ``flat``, laid out as ``signature`` says."""
     flat, parts = iter(flat), []
     for keys in signature[0]:
-        parts.append(None if keys == _ABSENT else next(flat) if keys is None
-                     else {k: next(flat) for k in keys})
+        part = None if keys == _ABSENT else next(flat) if keys is None \
+            else {k: next(flat) for k in keys}
+        if keys not in (None, _ABSENT) and keys and all(isinstance(k, Position) for k in keys):
+            part = [part[k] for k in sorted(keys)]  # a list of arrays, as it was given
+        parts.append(part)
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 

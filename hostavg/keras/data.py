@@ -30,7 +30,7 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.split import feed_size, split, take
-from hostavg.keras.common import as_batch
+from hostavg.keras.common import as_batch, positions
 from hostavg.train.loop import ArraySource
 
 __all__ = ["BatchSource", "chunks", "is_batches", "samples", "validation"]
@@ -66,11 +66,9 @@ def _arrays(value, name: str):
         return {k: _arrays(v, f"{name}[{k!r}]") for k, v in value.items()}
     if type(value).__module__.startswith("pandas.") and hasattr(value, "to_numpy"):
         return value.to_numpy()  # a DataFrame's columns side by side, as Keras takes it
-    if isinstance(value, (list, tuple)) and any(np.ndim(v) >= 1 for v in value):
-        raise HostavgError(
-            f"{name} is a {type(value).__name__} of {len(value)} arrays; give a multi-input "
-            f"model's inputs as a dict by input name (and a multi-output model's targets as a "
-            f"dict by output name)")
+    value = positions(value)  # [xa, xb]: the inputs (or targets) in order, as Keras takes them
+    if isinstance(value, Mapping):
+        return {k: _arrays(v, f"{name}[{k!r}]") for k, v in value.items()}
     return np.asarray(value)
 
 

@@ -22,7 +22,7 @@ from hostavg.core.split import take
 from hostavg.engine.step import step_together as engine_step_together
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
-from hostavg.keras.common import BATCH_NORM_MODES, as_batch
+from hostavg.keras.common import BATCH_NORM_MODES, as_batch, structured
 from hostavg.train.history import History
 from hostavg.train.trainer import BaseTrainer, entries
 
@@ -195,7 +195,7 @@ class Trainer(BaseTrainer):
           arrays; a sparse gradient as a :class:`~hostavg.SparseGradient` of
           unique rows), with ``.loss``, ``.size`` and ``.sq_norms``.
         """
-        return self._compute(self._backend, batch, size)
+        return self._compute(self._backend, structured(batch), size)
 
     def apply(self, grads: Mapping) -> int:
         """Applies ``grads`` with the optimizer, once; runs no forward or backward pass.
@@ -238,7 +238,8 @@ class Trainer(BaseTrainer):
         variable, restores what the runs assigned (batch-norm statistics), and
         says the likely cause when they differ. ``str(report)`` is one line.
         """
-        return self._check(self._backend, as_batch(x, y, sample_weight), micro_batch_size)
+        return self._check(self._backend, structured(as_batch(x, y, sample_weight)),
+                           micro_batch_size)
 
     def per_sample(self, batch):
         """One row per sample of ``batch`` (``(x, y)`` or ``(x, y, sample_weight)``): its loss,
@@ -259,7 +260,7 @@ class Trainer(BaseTrainer):
             table = trainer.per_sample((x[:32], y[:32]))
             table.sort_values("cosine").head()
         """
-        return self._per_sample(self._backend, batch)
+        return self._per_sample(self._backend, structured(batch))
 
     def evaluate(self, x, y=None, *, batch_size: int | None = None, sample_weight=None) -> dict:
         """The loss and the compiled metrics over ``x`` as Keras's ``evaluate`` gives them;
@@ -498,4 +499,4 @@ def _batches(batches, call: str):
         raise HostavgError(
             f"{call} takes a list of (x, y) batches, one per micro-batch, got "
             f"{type(batches).__name__}; cut one with hostavg.split((x, y), micro_batch_size)")
-    return batches
+    return [structured(batch) for batch in batches]
