@@ -398,6 +398,52 @@ def test_lists_of_inputs_and_targets_train_as_keras_fit_takes_them():
         trainer.model.evaluate([xa, xb], [y1, y2], return_dict=True, verbose=0), rel=1e-6)
 
 
+def test_validation_freq_steps_and_one_callback_alone_as_keras_fit():
+    x, y = data(25)
+    model, twin = compiled(), compiled()
+    seen, want_seen = [], []
+
+    def logger(into):
+        return keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: into.append(sorted(logs)))
+    got = hostavg.keras.Trainer(model).fit(
+        x, y, batch_size=BATCH, micro_batch_size=MICRO, epochs=4, shuffle=False, verbose=0,
+        validation_data=(x[:100], y[:100]), validation_batch_size=25, validation_steps=2,
+        validation_freq=[2, 4], callbacks=logger(seen))
+    want = twin.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                    validation_data=(x[:100], y[:100]), validation_batch_size=25,
+                    validation_steps=2, validation_freq=[2, 4], callbacks=logger(want_seen))
+    assert seen == want_seen  # validation at the end of epochs 2 and 4 only
+    assert got.history["val_loss"][1::2] == pytest.approx(want.history["val_loss"], rel=1e-5)
+    assert got.history["val_loss"][0::2] == [None, None]  # Keras's History leaves them out
+    assert twin.evaluate(x[:50], y[:50], return_dict=True, verbose=0)["loss"] == pytest.approx(
+        want.history["val_loss"][-1], rel=1e-6)  # two steps of 25: the first 50 samples
+    with pytest.raises(hostavg.HostavgError, match=r"^validation_freq must be an integer >= 1, "
+                                                   r"got 0$"):
+        hostavg.keras.Trainer(model).fit(x, y, micro_batch_size=MICRO, validation_freq=0,
+                                         validation_data=(x, y))
+
+
+def test_a_metric_of_several_values_is_logged_as_keras_logs_it(tmp_path):
+    """F1Score gives one value per class: an array in the History, as in Keras's, and in the
+    checkpoint's History as a list."""
+    x, y = data(26)
+    onehot = np.eye(CLASSES, dtype=np.float32)[y]
+
+    def make():
+        return compiled(loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+                        metrics=[keras.metrics.F1Score(threshold=0.5)])
+    model, twin = make(), make()
+    got = hostavg.keras.Trainer(model).fit(x, onehot, batch_size=BATCH, micro_batch_size=MICRO,
+                                           shuffle=False, verbose=0, checkpoint_dir=tmp_path)
+    want = twin.fit(x, onehot, batch_size=BATCH, shuffle=False, verbose=0)
+    assert sorted(got.history) == sorted(want.history) == ["f1_score", "loss"]
+    np.testing.assert_allclose(got.history["f1_score"][0], want.history["f1_score"][0], rtol=1e-5)
+    assert got.history["f1_score"][0].shape == (CLASSES,)
+    assert not got.history["f1_score"][0].flags.writeable
+    assert hostavg.History.from_json(got.to_json()).history["f1_score"][0] == pytest.approx(
+        list(want.history["f1_score"][0]), rel=1e-5)
+
+
 # --- 3. Keras callbacks, as model.fit calls them --------------------------------------------
 
 
@@ -732,6 +778,12 @@ def test_a_distribution_strategy_is_refused_naming_it_and_pointing_at_comm():
         with pytest.raises(hostavg.HostavgError, match=r"runs inside a OneDeviceStrategy scope.* "
                                                        r"pass comm= \(an mpi4py communicator"):
             hostavg.keras.Trainer(build(), logits_loss(), keras.optimizers.Adam())
+    trainer = hostavg.keras.Trainer(compiled())
+    x, y = data(32)
+    with strategy.scope():
+        for call in (lambda: trainer.evaluate(x, y), lambda: trainer.step([(x[:8], y[:8])])):
+            with pytest.raises(hostavg.HostavgError, match="OneDeviceStrategy"):
+                call()
     with pytest.raises(hostavg.HostavgError, match=r"for a model made in a OneDeviceStrategy "
                                                    r"scope"):
         hostavg.keras.Trainer(inside)
@@ -743,11 +795,15 @@ def test_a_distribution_strategy_is_refused_naming_it_and_pointing_at_comm():
 
 @pytest.mark.skipif(ON_TENSORFLOW, reason="keras.distribution is JAX's")
 def test_a_keras_distribution_is_refused_naming_it_and_pointing_at_comm():
+    trainer, (x, y) = hostavg.keras.Trainer(compiled()), data(32)
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     try:
         with pytest.raises(hostavg.HostavgError, match=r"runs under a keras.distribution "
                                                        r"DataParallel.* pass comm= \(an mpi4py"):
             hostavg.keras.Trainer(compiled())
+        for call in (lambda: trainer.evaluate(x, y), lambda: trainer.step([(x[:8], y[:8])])):
+            with pytest.raises(hostavg.HostavgError, match="DataParallel"):
+                call()
     finally:
         keras.distribution.set_distribution(None)
     hostavg.keras.Trainer(compiled())  # once unset

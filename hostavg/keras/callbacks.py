@@ -33,7 +33,10 @@ __all__ = ["KerasCallbacks", "split_callbacks"]
 
 
 def split_callbacks(callbacks) -> tuple[list, tuple]:
-    """(the ``keras.callbacks.Callback`` objects of ``callbacks``, the others: hostavg hooks)."""
+    """(the ``keras.callbacks.Callback`` objects of ``callbacks``, the others: hostavg hooks).
+    One Keras callback alone is taken as a list of it, as Keras's fit takes it."""
+    if isinstance(callbacks, keras.callbacks.Callback):
+        return [callbacks], ()
     if callbacks is None or not isinstance(callbacks, (list, tuple)):
         return [], callbacks or ()
     keras_ones = [c for c in callbacks if isinstance(c, keras.callbacks.Callback)]

@@ -221,7 +221,8 @@ def loss_function(model):
 
 
 def metric_results(model, updated, skip=()) -> dict:
-    """The results of ``model.metrics`` whose state something updated, as floats by name.
+    """The results of ``model.metrics`` whose state something updated, by name: floats, or
+    read-only arrays for a metric of several values (F1Score's per class), as Keras logs them.
 
     ``updated``: the ids of the metrics to report (those a compiled function
     of the backend updates); the others are left out rather than reported at
@@ -235,8 +236,13 @@ def metric_results(model, updated, skip=()) -> dict:
             continue
         result = metric.result()
         for name, value in (result.items() if isinstance(result, dict) else [(metric.name, result)]):
-            if name not in skip and np.ndim(value) == 0:
+            if name in skip:
+                continue
+            if np.ndim(value) == 0:
                 out[name] = float(value)
+            else:  # F1Score's one value per class: an array, as Keras's logs hold it
+                out[name] = np.array(value)
+                out[name].flags.writeable = False
     return out
 
 
@@ -276,7 +282,9 @@ class CompiledModel(ModelVariables):
 
     A backend sets ``model``, ``optimizer``, ``trained_metrics`` and ``evaluated_metrics``
     (the ids of the metrics of ``model.metrics`` that its gradient functions, and its
-    evaluation functions, update), and runs ``test_step`` on a chunk in ``evaluate_chunk``.
+    evaluation functions, update), runs ``test_step`` on a chunk in ``evaluate_chunk``, and
+    raises HostavgError in ``refuse_strategies`` where its framework distributes the model
+    (hostavg trains one device per process: ``comm=`` spans several).
     """
 
     def evaluate(self, chunks, metrics=None) -> dict:
@@ -284,6 +292,7 @@ class CompiledModel(ModelVariables):
         reset, then ``test_step`` per chunk (the loss, weighted by each chunk's samples, and the
         compiled metrics); the results of the metrics it updated. ``metrics`` is TF1's: a Keras
         model's metrics are those it was compiled with."""
+        self.refuse_strategies()
         self.model.reset_metrics()
         count = len(chunks) if hasattr(chunks, "__len__") else None
         for i, chunk in enumerate(chunks):

@@ -21,6 +21,7 @@ arrays (Keras's backend-neutral: nothing here needs Keras's TensorFlow backend):
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Mapping
@@ -124,13 +125,15 @@ def validation(validation_data, what: str = "validation_data"):
     return samples(x, y, w, what=f"{what}'s x")
 
 
-def chunks(data, size: int | None):
+def chunks(data, size: int | None, steps: int | None = None):
     """The batches to evaluate ``data`` (a batch of samples, or a dataset) in: chunks of ``size``
-    samples (a dataset's elements each cut so, or kept whole with ``size`` None)."""
+    samples (a dataset's elements each cut so, or kept whole with ``size`` None); only the first
+    ``steps`` chunks (of samples) or elements (of a dataset), where given."""
     if not is_batches(data):
-        yield from split(data, size)
+        yield from itertools.islice(split(data, size), steps)
         return
-    for batch, _ in BatchSource(data, shuffle=False).batches(0, 0, 0, 0):
+    elements = BatchSource(data, shuffle=False).batches(0, 0, 0, 0)
+    for batch, _ in itertools.islice(elements, steps):
         yield from ([batch] if size is None else split(batch, size))
 
 

@@ -145,6 +145,7 @@ class KerasJaxBackend(CompiledModel):
     # --- The engine's protocol ------------------------------------------------------------
 
     def prepare(self, batch, size, what: str) -> tuple:
+        self.refuse_strategies()
         batch, leaves, signature = _leaves(batch, what)
         if size is None:
             n = feed_size(batch, what)

@@ -307,7 +307,8 @@ class Trainer(BaseTrainer):
             epochs: int = 1, verbose="auto", callbacks=None, validation_split: float = 0.0,
             validation_data=None, shuffle: bool = True, class_weight=None, sample_weight=None,
             initial_epoch: int = 0, steps_per_epoch: int | None = None,
-            validation_batch_size: int | None = None, seed: int | None = None,
+            validation_batch_size: int | None = None, validation_steps: int | None = None,
+            validation_freq=1, seed: int | None = None,
             drop_remainder: bool = False, progress=None, checkpoint_dir=None,
             checkpoint_every: int | None = None, keep_checkpoints: int = 3) -> History:
         """Trains as Keras's ``model.fit`` does, each batch one step over micro-batches.
@@ -342,6 +343,10 @@ class Trainer(BaseTrainer):
             dataset; evaluated at each epoch's end (:meth:`evaluate`, in
             chunks of ``validation_batch_size``, default micro_batch_size, so
             that it fits where training does) into "val_loss" and "val_<metric>".
+          validation_steps: how many of those chunks (a dataset's elements) to
+            evaluate; None: all of them.
+          validation_freq: validate every that many epochs (an int), or at the
+            end of the epochs listed (counted from 1), as Keras.
           shuffle: reorder array samples (a PyDataset's batches) each pass,
             by ``seed``; a tf.data.Dataset's order is its own.
           class_weight: {class: weight}, each sample weighted by its class.
@@ -385,6 +390,9 @@ class Trainer(BaseTrainer):
         val = None if validation_data is None else keras_data.validation(validation_data)
         val_size = micro_batch_size if validation_batch_size is None else positive_int(
             "validation_batch_size", validation_batch_size)
+        val_steps = None if validation_steps is None else positive_int("validation_steps",
+                                                                        validation_steps)
+        due = _validation_due(validation_freq)
         batches = keras_data.source(data, batch_size, shuffle,
                                     class_weight if keras_data.is_batches(data) else None)
         announced = None if not keras_callbacks else KerasCallbacks(
@@ -403,10 +411,10 @@ class Trainer(BaseTrainer):
                     raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
             return batches
 
-        def validate():
-            if val is None:
+        def validate(epoch):
+            if val is None or not due(epoch + 1):
                 return {}
-            return self._evaluated(keras_data.chunks(val, val_size), val, announced)
+            return self._evaluated(keras_data.chunks(val, val_size, val_steps), val, announced)
 
         self.model.stop_training = False
         return self._fit(self._backend, source, validate, batch_size=batch_size,
@@ -486,6 +494,15 @@ def _verbose(verbose):
     if verbose not in _PROGRESS or isinstance(verbose, float):
         raise HostavgError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
     return int(verbose) if not isinstance(verbose, str) else verbose
+
+
+def _validation_due(freq):
+    """Whether an epoch (from 1) validates: every ``freq``-th (an int), or those in ``freq``."""
+    if isinstance(freq, (list, tuple, set, frozenset)):
+        epochs = {positive_int("validation_freq's epochs", e) for e in freq}
+        return lambda epoch: epoch in epochs
+    every = positive_int("validation_freq", freq)
+    return lambda epoch: epoch % every == 0
 
 
 def _batches(batches, call: str):

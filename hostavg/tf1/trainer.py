@@ -415,7 +415,7 @@ class Trainer(BaseTrainer):
         if validation_data is not None:  # its keys, shapes and dtypes, before an epoch trains
             feed_size(backend.conform(validation_data, "validation_data"), "validation_data")
 
-        def validate():
+        def validate(epoch):
             if validation_data is None:
                 return {}
             return self.evaluate(sess, validation_data, batch_size=micro_batch_size,

@@ -190,8 +190,11 @@ class History:
                             index=pd.Index([s.step for s in self.steps], name="step"))
 
     def to_json(self) -> str:
+        """The History as JSON (what a checkpoint holds); an array a metric logged (Keras's
+        F1Score, one value per class) becomes a list."""
         return json.dumps({"steps": self.steps, "epochs": self.epochs,
-                           "variables": self.variables, "stopped": self.stopped})
+                           "variables": self.variables, "stopped": self.stopped},
+                          default=_plain)
 
     @classmethod
     def from_json(cls, text: str) -> History:
@@ -216,3 +219,10 @@ class History:
         last = f", last loss {self.steps[-1].loss:.4g}" if self.steps else ""
         return (f"History({len(self.steps)} steps, {len(self.epochs)} epochs, "
                 f"{self.samples} samples{last}{', stopped' if self.stopped else ''})")
+
+
+def _plain(value):
+    """``value`` as JSON can hold it: a NumPy array as a list, a NumPy number as a number."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

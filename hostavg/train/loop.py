@@ -117,8 +117,9 @@ class Run(Protocol):
     def restore(self, path) -> dict | None:
         """Loads a checkpoint; returns the fit state it holds, or None."""
 
-    def validate(self) -> dict:
-        """The validation results by name ("loss", metrics), or {} without validation data."""
+    def validate(self, epoch: int) -> dict:
+        """The validation results by name ("loss", metrics) at the end of ``epoch`` (from 0), or
+        {} without validation data (or none due then)."""
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at each epoch's start)."""
@@ -314,7 +315,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                         f"; fit needs at least one batch per epoch")
                 logs = _epoch_logs(history, epoch)
                 logs.update(run.metrics())
-                logs.update({f"val_{k}": v for k, v in run.validate().items()})
+                logs.update({f"val_{k}": v for k, v in run.validate(epoch).items()})
                 bar.close(logs)
                 hold()  # the epoch's logs and the next position, together
                 history.epochs.append(logs)

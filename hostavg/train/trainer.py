@@ -168,7 +168,7 @@ class BaseTrainer:
 
     def _fit(self, backend: Backend, source, validate, **kwargs) -> History:
         """fit over ``source`` (a callable returning the batch source, after the arguments are
-        checked); ``validate()`` gives the epoch's validation results."""
+        checked); ``validate(epoch)`` gives the epoch's validation results."""
         return fit_loop(Bound(self, backend, validate), source, **kwargs)
 
     def _save(self, backend: Backend, path, fit: dict | None = None) -> None:
