@@ -444,6 +444,34 @@ def test_a_metric_of_several_values_is_logged_as_keras_logs_it(tmp_path):
         list(want.history["f1_score"][0]), rel=1e-5)
 
 
+def test_a_masked_loss_is_the_full_batchs_when_micro_batches_weigh_their_unmasked_tokens():
+    """Keras averages a loss over masked outputs over the unmasked entries: a micro-batch's over
+    its own. Weighted by their sample counts the micro-batches differ from the full batch (check
+    says why); weighted by their unmasked tokens (sizes=), the step is train_on_batch's."""
+    rng = np.random.default_rng(27)
+    tokens = rng.integers(1, 20, (32, 8)).astype(np.int32)
+    for row, length in enumerate(rng.integers(1, 9, 32)):
+        tokens[row, length:] = 0
+    labels = rng.integers(0, 3, (32, 8)).astype(np.int32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((8,), dtype="int32")
+        h = keras.layers.Dense(8, activation="tanh")(keras.layers.Embedding(20, 6, mask_zero=True)(ids))
+        model = keras.Model(ids, keras.layers.Dense(3)(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=logits_loss())
+        return model
+    model, twin = make(), make()
+    trainer = hostavg.keras.Trainer(model)
+    report = trainer.check(tokens[:16], labels[:16], 4)
+    assert not report.ok and "a loss over masked outputs" in report.cause
+    for start in (0, 16):
+        parts = hostavg.split((tokens[start:start + 16], labels[start:start + 16]), 4)
+        trainer.step(parts, sizes=[int(np.count_nonzero(x)) for x, _ in parts])
+        twin.train_on_batch(tokens[start:start + 16], labels[start:start + 16])
+    assert_close(weights(model), weights(twin), atol=1e-6)
+
+
 # --- 3. Keras callbacks, as model.fit calls them --------------------------------------------
 
 
