@@ -3,9 +3,10 @@
 Two kinds of data, each made into batches ``(x, y[, sample_weight])`` of NumPy
 arrays (Keras's backend-neutral: nothing here needs Keras's TensorFlow backend):
 
-* Samples: ``x`` a NumPy array, a dict of them by input name, a pandas
-  DataFrame or Series, or a tensor of any Keras backend (anything
-  ``np.asarray`` reads); ``y`` and ``sample_weight`` alike. fit cuts them into
+* Samples: ``x`` a NumPy array, a list of them in the model's input order
+  or a dict of them by input name, a pandas DataFrame or Series, or a tensor
+  of any Keras backend (anything ``np.asarray`` reads); ``y`` and
+  ``sample_weight`` alike (a list or dict per output). fit cuts them into
   batches of ``batch_size`` (shuffled by seed and data pass), each cut into
   micro-batches. ``validation_split`` keeps the last fraction of the samples
   (before shuffling) for validation, and ``class_weight`` turns each sample's

@@ -129,7 +129,8 @@ class Trainer(BaseTrainer):
       HostavgError: for a model that overrides ``train_step``, a loss that is
         not a micro-batch mean, an optimizer hostavg cannot drive (or none), or
         a model made, or a trainer made, in a ``tf.distribute`` strategy's
-        scope (hostavg trains one device per process: ``comm=`` spans several).
+        scope, or on JAX under a ``keras.distribution`` (hostavg trains one
+        device per process: ``comm=`` spans several).
 
     Example::
 
@@ -321,8 +322,8 @@ class Trainer(BaseTrainer):
 
         Args:
           x, y, sample_weight: the data (:mod:`hostavg.keras.data`): arrays
-            of N samples (a dict of them by input name, a pandas DataFrame or
-            Series, tensors), or a batched ``tf.data.Dataset`` or
+            of N samples (a list of them in input order, or a dict by input
+            name; a pandas DataFrame or Series, tensors), or a batched ``tf.data.Dataset`` or
             ``keras.utils.PyDataset`` whose every element, ``(x, y)`` or
             ``(x, y, sample_weight)``, is one step's batch.
           batch_size: samples per step (default 32, as Keras); None for a
@@ -368,7 +369,8 @@ class Trainer(BaseTrainer):
 
         Raises:
           HostavgError: before training, for bad arguments or data (the
-            validation data too); inside a ``tf.distribute`` strategy's scope.
+            validation data too); inside a ``tf.distribute`` strategy's scope
+            (on JAX, under a ``keras.distribution``).
         """
         self._backend.refuse_strategies()
         progress = _PROGRESS[_verbose(verbose)] if progress is None else progress
