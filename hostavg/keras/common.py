@@ -285,7 +285,25 @@ class CompiledModel(ModelVariables):
     evaluation functions, update), runs ``test_step`` on a chunk in ``evaluate_chunk``, and
     raises HostavgError in ``refuse_strategies`` where its framework distributes the model
     (hostavg trains one device per process: ``comm=`` spans several).
+
+    Args:
+      model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them; the
+        model is compiled with them (:func:`compiled`).
     """
+
+    framework = "keras"
+    increment = 1  # every apply moves optimizer.iterations by one
+
+    def __init__(self, model, loss, optimizer):
+        self.model = self.target = model
+        self.refuse_strategies()
+        self.optimizer = compiled(model, loss, optimizer)
+        self.nonfinite = "optimizer" if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) \
+            else "refuse"
+        # Whether the optimizer scales the loss (and unscales what it applies): a
+        # LossScaleOptimizer, or any optimizer made with loss_scale_factor.
+        self._scales = self.nonfinite == "optimizer" or self.optimizer.loss_scale_factor is not None
+        self.trained_metrics, self.evaluated_metrics = set(), set()
 
     def evaluate(self, chunks, metrics=None) -> dict:
         """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics

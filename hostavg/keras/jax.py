@@ -74,7 +74,7 @@ from hostavg.core.gradients import VariableSpec, freeze
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import CompiledModel, compiled, model_errors
+from hostavg.keras.common import CompiledModel, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 
@@ -118,21 +118,10 @@ class KerasJaxBackend(CompiledModel):
         without a copy and JAX donates such buffers).
     """
 
-    framework = "keras"
-
     def __init__(self, model, loss, optimizer):
-        self.refuse_strategies()
-        self.optimizer = compiled(model, loss, optimizer)
-        self.model = self.target = model
-        self.increment = 1  # every apply moves optimizer.iterations by one
-        self.nonfinite = "optimizer" if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) \
-            else "refuse"
-        # Whether the optimizer scales the loss (and unscales what it applies): a
-        # LossScaleOptimizer, or any optimizer made with loss_scale_factor.
-        self._scales = self.nonfinite == "optimizer" or self.optimizer.loss_scale_factor is not None
+        super().__init__(model, loss, optimizer)
         self.spec = None
         self.assigned = {}
-        self.trained_metrics, self.evaluated_metrics = set(), set()
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._computes, self._evaluates = {}, {}  # input signature -> jitted function
         self._applies = {}  # measure (bool) -> jitted apply

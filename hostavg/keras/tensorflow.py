@@ -67,7 +67,6 @@ from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
-from keras.optimizers import LossScaleOptimizer
 
 from hostavg.compat.tensorflow import concrete_call, eager_tensor
 from hostavg.core.errors import HostavgError, positive_int
@@ -75,7 +74,7 @@ from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, 
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import CompiledModel, compiled, loss_function, model_errors
+from hostavg.keras.common import CompiledModel, loss_function, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.tf1.session import first_line
@@ -110,21 +109,11 @@ class KerasBackend(CompiledModel):
       batch_norm: as given.
     """
 
-    framework = "keras"
-
     def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
-        refuse_strategies(model)
-        self.optimizer = compiled(model, loss, optimizer)
-        self.model = self.target = model
+        super().__init__(model, loss, optimizer)
         self._loss = loss_function(model)
-        self.increment = 1  # every apply moves optimizer.iterations by one
-        self.nonfinite = "optimizer" if isinstance(self.optimizer, LossScaleOptimizer) else "refuse"
-        # Whether the optimizer scales the loss (and unscales what it applies): a
-        # LossScaleOptimizer, or any optimizer made with loss_scale_factor.
-        self._scales = self.nonfinite == "optimizer" or self.optimizer.loss_scale_factor is not None
         self.spec = None
         self.assigned = {}
-        self.trained_metrics, self.evaluated_metrics = set(), set()
         self._trained = None  # the variables of spec, in order
         self._computes, self._evaluates = {}, {}  # input signature -> compiled function
         # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
