@@ -121,6 +121,35 @@ def test_explicit_arguments_win_and_the_compiled_metrics_stay():
     assert isinstance(strings.optimizer, keras.optimizers.RMSprop)
 
 
+def test_a_refused_loss_or_optimizer_leaves_the_compiled_model_as_it_was():
+    """What the model keeps from compile is checked before it is compiled again."""
+    model = compiled(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                      reduction="sum"))
+    optimizer, loss = model.optimizer, model.loss
+    with pytest.raises(hostavg.HostavgError, match=r"reduction='sum'"):
+        hostavg.keras.Trainer(model, optimizer=keras.optimizers.SGD(0.1))
+    assert model.optimizer is optimizer and model.loss is loss
+    model = compiled(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2))
+    optimizer = model.optimizer
+    with pytest.raises(hostavg.HostavgError, match="gradient_accumulation_steps=2"):
+        hostavg.keras.Trainer(model, loss=logits_loss())
+    assert model.optimizer is optimizer
+
+
+def test_an_ema_optimizer_ends_fit_with_its_averages_as_keras_fit_without_callbacks():
+    """Keras's fit finalizes the optimizer's variable values at its end, whatever its callbacks:
+    an EMA optimizer's averages become the weights."""
+    x, y = data(3)
+
+    def make():
+        return compiled(optimizer=keras.optimizers.Adam(0.01, use_ema=True))
+    model, twin = make(), make()
+    hostavg.keras.Trainer(model).fit(x, y, batch_size=BATCH, micro_batch_size=MICRO,
+                                     shuffle=False, verbose=0)
+    twin.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert_close(weights(model), weights(twin))
+
+
 def test_an_uncompiled_model_is_compiled_so_save_load_evaluate_and_predict_work(tmp_path):
     x, y = data(3)
     model = build()

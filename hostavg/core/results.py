@@ -109,14 +109,18 @@ class StepResult:
 
     Attributes:
       loss: the sample-weighted mean loss over the accumulated micro-batches,
-        sum_i n_i loss_i / sum_i n_i (None if the step was skipped).
-      grads: the :class:`Gradients` that were applied (None if skipped).
+        sum_i n_i loss_i / sum_i n_i (None if every micro-batch was dropped).
+      grads: the :class:`Gradients` that were applied, or given to an
+        optimizer that skipped them (None if every micro-batch was dropped).
       micro: one :class:`MicroBatch` per micro-batch, in order, dropped ones too.
       step: the global step after the apply (unchanged if skipped).
       size: samples accumulated, sum_i n_i over micro-batches not dropped.
       stats: the step's :class:`~hostavg.stats.StepStats` (``grad_norm`` NaN
-        and no estimates if skipped).
-      skipped: why nothing was applied (every micro-batch was dropped), or None.
+        and no estimates if every micro-batch was dropped).
+      skipped: why nothing was applied, or None: every micro-batch was dropped
+        (then ``loss`` and ``grads`` are None), or the optimizer skipped a
+        non-finite mean (a Keras ``LossScaleOptimizer``: ``loss`` and the mean
+        in ``grads`` are the step's, the scale was lowered).
       info: what hooks reported, by key (e.g. norms before clipping).
       update_ratios: name -> |w_after - w_before| / |w_before| of each
         trained variable over this step's apply (the size of the update

@@ -12,14 +12,15 @@ hostavg's hooks, in ``model.fit``'s order:
   then validation's ``on_test_begin``, ``on_test_batch_begin``/``_end`` per
   chunk and ``on_test_end(logs)``, then ``on_epoch_end(epoch, logs)``;
 * ``on_train_end(logs)`` once fit is done (after the optimizer's
-  ``finalize_variable_values``, as Keras's fit: an EMA optimizer's averages
-  become the weights).
+  ``finalize_variable_values``, which the trainer's fit calls whatever its
+  callbacks, as Keras's fit: an EMA optimizer's averages become the weights).
 
 Logs carry Keras's names: "loss", each compiled metric, "val_*", and what a
 callback adds (``ReduceLROnPlateau``'s "learning_rate", which then reaches the
 History); not hostavg's bookkeeping ("epoch", "samples", "steps").
-``model.stop_training``, set by a callback (``EarlyStopping``), ends fit after
-the epoch, as in Keras.
+``model.stop_training``, set by a callback (``EarlyStopping`` at an epoch's
+end, or any callback after a batch), ends fit after that step, the epoch's end
+(validation, ``on_epoch_end``) still run, as in Keras.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class KerasCallbacks:
 
     def on_train_begin(self) -> int | None:
         self.callbacks.on_train_begin()
-        return initial_epoch(self.model)
+        return initial_epoch(self.model) or None  # as Keras: model._initial_epoch or initial_epoch
 
     def on_epoch_begin(self, epoch: int) -> None:
         self.callbacks.on_epoch_begin(epoch)
@@ -84,7 +85,6 @@ class KerasCallbacks:
         logs.update(self._last.logs)  # what a callback added ("learning_rate") reaches the History
 
     def on_train_end(self, history) -> None:
-        self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
         self.callbacks.on_train_end(self._last.logs)
 
     def validating(self, chunks):

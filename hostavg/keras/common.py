@@ -24,7 +24,11 @@ import keras
 import numpy as np
 
 from hostavg.compat.keras import compile_arguments
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.gradients import VariableSpec
+from hostavg.core.split import feed_size
+from hostavg.core.stats import update_ratio
+from hostavg.engine.protocols import Applied
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "Position",
            "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function", "metric_results",
@@ -161,8 +165,12 @@ def compiled(model, loss, optimizer):
                 f"optimizer: model {model.name!r} is not compiled with one and none was given; "
                 f"pass optimizer= (e.g. keras.optimizers.Adam(1e-3) or 'adam') or compile the "
                 f"model with it")
-        model.compile(**{**given, "optimizer": optimizer if optimizer is not None else
-                         model.optimizer, "loss": loss if loss is not None else given.get("loss")})
+        optimizer = optimizer if optimizer is not None else model.optimizer
+        loss = loss if loss is not None else given.get("loss")
+        if loss is not None:  # what it keeps is checked before the model changes
+            _check_loss(loss)
+        checked_optimizer(optimizer)
+        model.compile(**{**given, "optimizer": optimizer, "loss": loss})
     if model.loss is not None:
         _check_loss(model.loss)
     return checked_optimizer(model.optimizer)
@@ -202,8 +210,8 @@ def checked_optimizer(optimizer):
             f"optimizer must be a keras.optimizers.Optimizer (e.g. keras.optimizers.Adam(1e-3)), "
             f"got {type(optimizer).__name__}; a tf.compat.v1.train optimizer goes with "
             f"hostavg.Trainer")
-    inner = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) \
-        else optimizer
+    scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    inner = optimizer.inner_optimizer if scaling else optimizer
     if inner.gradient_accumulation_steps:
         raise HostavgError(
             f"optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}, "
@@ -235,7 +243,8 @@ def metric_results(model, updated, skip=()) -> dict:
         if id(metric) not in updated:
             continue
         result = metric.result()
-        for name, value in (result.items() if isinstance(result, dict) else [(metric.name, result)]):
+        named = result.items() if isinstance(result, dict) else [(metric.name, result)]
+        for name, value in named:
             if name in skip:
                 continue
             if np.ndim(value) == 0:
@@ -282,7 +291,8 @@ class CompiledModel(ModelVariables):
 
     A backend sets ``model``, ``optimizer``, ``trained_metrics`` and ``evaluated_metrics``
     (the ids of the metrics of ``model.metrics`` that its gradient functions, and its
-    evaluation functions, update), runs ``test_step`` on a chunk in ``evaluate_chunk``, and
+    evaluation functions, update), traces a gradient function per input structure in
+    ``_trace_compute``, runs ``test_step`` on a chunk in ``evaluate_chunk``, and
     raises HostavgError in ``refuse_strategies`` where its framework distributes the model
     (hostavg trains one device per process: ``comm=`` spans several).
 
@@ -298,12 +308,74 @@ class CompiledModel(ModelVariables):
         self.model = self.target = model
         self.refuse_strategies()
         self.optimizer = compiled(model, loss, optimizer)
-        self.nonfinite = "optimizer" if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) \
-            else "refuse"
+        scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        self.nonfinite = "optimizer" if scaling else "refuse"
         # Whether the optimizer scales the loss (and unscales what it applies): a
         # LossScaleOptimizer, or any optimizer made with loss_scale_factor.
         self._scales = self.nonfinite == "optimizer" or self.optimizer.loss_scale_factor is not None
         self.trained_metrics, self.evaluated_metrics = set(), set()
+        self.spec = None
+        self._computes = {}  # input signature -> what _trace_compute made of it
+
+    def prepare(self, batch, size, what: str) -> tuple:
+        """``(the compiled gradient function of the batch's structure, its arrays)``, traced
+        once per structure (``_trace_compute``); and its number of samples."""
+        self.refuse_strategies()
+        batch, flat, signature = leaves(batch, what)
+        if size is None:
+            n = feed_size(batch, what)
+            if n < 1:
+                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
+        else:
+            n = positive_int(f"{what}: size", size)
+        if signature not in self._computes:
+            self._computes[signature] = self._trace_compute(flat, signature, what)
+        return (self._computes[signature], flat), n
+
+    def _traced_spec(self, what: str, shape, trainable: list, kept: list) -> dict:
+        """The spec of a traced gradient function, checked: ``shape`` (its loss's) a scalar,
+        ``kept`` ((index in ``trainable``, sparse) of each variable with a gradient) not
+        empty, each trained path one variable's, and the first batch's variables (spec)."""
+        if tuple(shape) != ():
+            raise HostavgError(
+                f"{what}: the loss has shape {tuple(shape)}, not a scalar; give the micro-batch "
+                f"MEAN (a keras.losses.Loss reduces it)")
+        if not kept:
+            raise HostavgError(f"{what}: nothing to train: no trainable variable of the model has "
+                               f"a gradient with respect to the loss")
+        spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
+                                                np.dtype(trainable[i].dtype), sparse)
+                for i, sparse in kept}
+        if self.spec is None:
+            paths = [trainable[i].path for i, _ in kept]
+            shared = sorted({p for p in paths if paths.count(p) > 1})
+            if shared:
+                raise HostavgError(
+                    f"trained variables share the paths {shared}; gradients are keyed by "
+                    f"variable.path: give their layers distinct names")
+        elif spec != self.spec:
+            raise HostavgError(
+                f"{what}: with this batch's inputs the loss has gradients for other variables "
+                f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
+                f"batch the same structure")
+        return spec
+
+    def _report(self, before: int, after: int, learning_rate: float, squares, scales,
+                measure: bool) -> Applied:
+        """What an apply did: from ``optimizer.iterations`` ``before`` to ``after``, at
+        ``learning_rate``; the update ratios from ``squares`` (the updates' squared norms,
+        then the weights') with ``measure``; or, for a LossScaleOptimizer that did not move,
+        that it skipped the step, with its scales before and after."""
+        if before == after and self.nonfinite == "optimizer":
+            return Applied(after, None, learning_rate, skipped=(
+                f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
+                f"loss scale {scales[0]:g}, which it lowered to {scales[1]:g}"))
+        ratios = None
+        if measure:
+            squares, k = np.asarray(squares).tolist(), len(self.spec)
+            ratios = {name: update_ratio(u, w)
+                      for name, u, w in zip(self.spec, squares[:k], squares[k:])}
+        return Applied(after, ratios, learning_rate)
 
     def evaluate(self, chunks, metrics=None) -> dict:
         """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics

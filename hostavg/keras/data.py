@@ -17,7 +17,9 @@ arrays (Keras's backend-neutral: nothing here needs Keras's TensorFlow backend):
   ``sample_weight`` and ``batch_size`` are then the data's own. A PyDataset's
   batches are taken in an order shuffled by seed and data pass (as Keras
   shuffles their order), its ``on_epoch_begin``/``on_epoch_end`` called around
-  each pass; a Dataset's order is its own (shuffle it in its pipeline).
+  each pass, one batch at a time in fit's thread (its ``workers`` and
+  ``use_multiprocessing`` are not used); a Dataset's order is its own (shuffle
+  it in its pipeline).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from hostavg.core.split import feed_size, split, take
 from hostavg.keras.common import as_batch, positions
 from hostavg.train.loop import ArraySource
 
-__all__ = ["BatchSource", "chunks", "is_batches", "samples", "validation"]
+__all__ = ["BatchSource", "checked_batch_size", "chunks", "is_batches", "samples", "source",
+           "split_validation", "validation", "weighted"]
 
 
 def is_batches(x) -> bool:

@@ -69,10 +69,8 @@ import keras
 import numpy as np
 
 from hostavg.compat.jax import used_inputs
-from hostavg.core.errors import HostavgError, positive_int
-from hostavg.core.gradients import VariableSpec, freeze
-from hostavg.core.split import feed_size
-from hostavg.core.stats import update_ratio
+from hostavg.core.errors import HostavgError
+from hostavg.core.gradients import freeze
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.keras.common import CompiledModel, model_errors
 from hostavg.keras.common import leaves as _leaves
@@ -120,35 +118,19 @@ class KerasJaxBackend(CompiledModel):
 
     def __init__(self, model, loss, optimizer):
         super().__init__(model, loss, optimizer)
-        self.spec = None
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
-        self._computes, self._evaluates = {}, {}  # input signature -> jitted function
+        self._evaluates = {}  # input signature -> (jitted function, what it changes)
         self._applies = {}  # measure (bool) -> jitted apply
         self._snapshot = {}
-        self._seen_evaluating = []  # the metric variables the evaluation traced last changes
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
         self.host_memory, self._outputs, self.reuses_buffers = _host_outputs()
 
     # --- The engine's protocol ------------------------------------------------------------
 
-    def prepare(self, batch, size, what: str) -> tuple:
-        self.refuse_strategies()
-        batch, leaves, signature = _leaves(batch, what)
-        if size is None:
-            n = feed_size(batch, what)
-            if n < 1:
-                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
-        else:
-            n = positive_int(f"{what}: size", size)
-        compiled = self._computes.get(signature)
-        if compiled is None:
-            compiled = self._computes[signature] = self._trace_compute(leaves, signature, what)
-        return (*compiled, leaves), n
-
     def compute(self, feed, share: float = 1.0) -> Computed:
-        function, assigns, leaves = feed
+        (function, assigns), leaves = feed
         model = self.model
         trainable = [v.value for v in model.trainable_variables]
         untrained = [v.value for v in model.non_trainable_variables]
@@ -191,17 +173,8 @@ class KerasJaxBackend(CompiledModel):
             v.assign(value)
         for v, value in zip(self.optimizer.variables, slots):
             v.assign(value)
-        if self.global_step() == before and self.nonfinite == "optimizer":
-            scale_before, scale_after = np.asarray(scales).tolist()
-            return Applied(before, None, float(lr), skipped=(
-                f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
-                f"loss scale {scale_before:g}, which it lowered to {scale_after:g}"))
-        ratios = None
-        if measure:
-            squares, k = np.asarray(squares).tolist(), len(self.spec)
-            ratios = {name: update_ratio(u, w)
-                      for name, u, w in zip(self.spec, squares[:k], squares[k:])}
-        return Applied(self.global_step(), ratios, float(lr))
+        return self._report(before, self.global_step(), float(lr), squares,
+                            np.asarray(scales).tolist(), measure)
 
     def global_step(self) -> int:
         return int(self.optimizer.iterations.value)
@@ -222,9 +195,9 @@ class KerasJaxBackend(CompiledModel):
         """Runs Keras's stateless ``test_step`` on one chunk and assigns the metrics' new
         values (updated, not reset)."""
         _, leaves, signature = _leaves(chunk, what)
-        function = self._evaluates.get(signature)
-        if function is None:
-            function = self._evaluates[signature] = self._evaluation(signature)
+        if signature not in self._evaluates:
+            self._evaluates[signature] = self._evaluation(signature)
+        function, changed = self._evaluates[signature]
         model = self.model
         with _jax_errors("evaluate"), _model_errors(what):
             updated = function([v.value for v in model.trainable_variables],
@@ -232,7 +205,7 @@ class KerasJaxBackend(CompiledModel):
                                [v.value for v in model.metrics_variables], leaves)
         for v, value in zip(model.metrics_variables, updated):
             v.assign(value)
-        self.evaluated_metrics |= self._metrics_of(self._seen_evaluating)
+        self.evaluated_metrics |= self._metrics_of(changed)
 
     def refuse_strategies(self) -> None:
         """Raises HostavgError where a ``keras.distribution`` distribution is set: hostavg
@@ -299,22 +272,10 @@ class KerasJaxBackend(CompiledModel):
             traced = jax.make_jaxpr(loss)([v.value for v in trainable], untrained,
                                           [v.value for v in metric_variables], self._slots(),
                                           leaves)
-        shape = traced.out_avals[0].shape
-        if shape != ():
-            raise HostavgError(
-                f"{what}: the loss has shape {shape}, not a scalar; give the micro-batch MEAN "
-                f"(a keras.losses.Loss reduces it)")
         kept = [i for i, used in enumerate(used_inputs(traced)[:len(trainable)]) if used]
-        if not kept:
-            raise HostavgError(f"{what}: nothing to train: no trainable variable of the model has "
-                               f"a gradient with respect to the loss")
+        spec = self._traced_spec(what, traced.out_avals[0].shape, trainable,
+                                 [(i, False) for i in kept])  # JAX's gradients are dense
         if self.spec is None:
-            paths = [trainable[i].path for i in kept]
-            shared = sorted({p for p in paths if paths.count(p) > 1})
-            if shared:
-                raise HostavgError(
-                    f"trained variables share the paths {shared}; gradients are keyed by "
-                    f"variable.path: give their layers distinct names")
             if self.nonfinite == "optimizer" and len(kept) < len(trainable):
                 unreached = [v.path for i, v in enumerate(trainable) if i not in kept]
                 raise HostavgError(
@@ -322,15 +283,7 @@ class KerasJaxBackend(CompiledModel):
                     f"trainable variable at once (its stateless_apply), but the loss reaches "
                     f"none of {unreached}; make them non-trainable (layer.trainable = False), "
                     f"or train without mixed_float16's loss scaling")
-            self.spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
-                                                         np.dtype(trainable[i].dtype), False)
-                         for i in kept}
-            self._kept = kept
-        elif kept != self._kept:
-            raise HostavgError(
-                f"{what}: with this batch's inputs the loss has gradients for other variables "
-                f"({sorted(trainable[i].path for i in kept)}) than with the first batch's "
-                f"({sorted(self.spec)}); give every batch the same structure")
+            self.spec, self._kept = spec, kept
         assigns = [model.non_trainable_variables[i] for i in seen["assigned"]] + \
             [metric_variables[i] for i in seen["metrics"]]
         for v in assigns:
@@ -353,9 +306,9 @@ class KerasJaxBackend(CompiledModel):
             model.compute_metrics(x, y, y_pred, w)
 
     def _compiled_compute(self, loss):
-        """``(trainable, untrained, metric values, optimizer values, share, landing, leaves) -> (loss,
-        squared norms, gradients, the new values of the variables the forward pass and the
-        metrics assign)``, jitted; ``landing`` (gradient-shaped buffers) is donated. The
+        """``(trainable, untrained, metric values, optimizer values, share, landing, leaves) ->
+        (loss, squared norms, gradients, the new values of the variables the forward pass and
+        the metrics assign)``, jitted; ``landing`` (gradient-shaped buffers) is donated. The
         gradients are of the loss as the optimizer scales it, divided by its scale."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
@@ -425,20 +378,21 @@ class KerasJaxBackend(CompiledModel):
 
         return jax.jit(apply, donate_argnums=(0, 1))
 
-    def _evaluation(self, signature):
-        """``(trainable, untrained, metric values, leaves) -> new metric values``, jitted: Keras's
-        own stateless ``test_step``; notes which metric variables it changes."""
-        model = self.model
+    def _evaluation(self, signature) -> tuple:
+        """(``(trainable, untrained, metric values, leaves) -> new metric values``, jitted: Keras's
+        own stateless ``test_step``; the indices of the metric variables it changes, a set
+        filled when it is traced)."""
+        model, changed = self.model, set()
 
         def evaluation(trainable, untrained, metric_values, flat):
             x, y, w = _rebuild(signature, flat)
             _, (_, _, metrics) = model.test_step((trainable, untrained, metric_values),
                                                  (x, y) if w is None else (x, y, w))
-            self._seen_evaluating = [i for i, (a, b) in enumerate(zip(metrics, metric_values))
-                                     if a is not b]
+            changed.update(i for i, (a, b) in enumerate(zip(metrics, metric_values))
+                           if a is not b)
             return metrics
 
-        return jax.jit(evaluation)
+        return jax.jit(evaluation), changed
 
 
 def _scale(optimizer, slots):

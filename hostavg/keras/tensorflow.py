@@ -69,10 +69,8 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import concrete_call, eager_tensor
-from hostavg.core.errors import HostavgError, positive_int
-from hostavg.core.gradients import SparseGradient, VariableSpec, coalesce_rows, freeze
-from hostavg.core.split import feed_size
-from hostavg.core.stats import update_ratio
+from hostavg.core.errors import HostavgError
+from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.keras.common import CompiledModel, loss_function, model_errors
 from hostavg.keras.common import leaves as _leaves
@@ -112,10 +110,9 @@ class KerasBackend(CompiledModel):
     def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
         super().__init__(model, loss, optimizer)
         self._loss = loss_function(model)
-        self.spec = None
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
-        self._computes, self._evaluates = {}, {}  # input signature -> compiled function
+        self._evaluates = {}  # input signature -> compiled function
         # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._snapshot = _Snapshot()
@@ -126,20 +123,6 @@ class KerasBackend(CompiledModel):
         self._norms, self._moved = [], []
 
     # --- The engine's protocol ------------------------------------------------------------
-
-    def prepare(self, batch, size, what: str) -> tuple:
-        self.refuse_strategies()
-        batch, leaves, signature = _leaves(batch, what)
-        if size is None:
-            n = feed_size(batch, what)
-            if n < 1:
-                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
-        else:
-            n = positive_int(f"{what}: size", size)
-        function = self._computes.get(signature)
-        if function is None:
-            function = self._computes[signature] = self._trace_compute(leaves, signature, what)
-        return (function, leaves), n
 
     def random_ops(self) -> tuple:
         return ()  # the check names Keras's random layers in its advice
@@ -176,16 +159,8 @@ class KerasBackend(CompiledModel):
         ``LossScaleOptimizer`` skipped the step, and the scale it left."""
         out = self._apply_mean(mean, measure)
         self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
-        if out.before == out.after and self.nonfinite == "optimizer":
-            return Applied(out.after, None, out.learning_rate, skipped=(
-                f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
-                f"loss scale {out.scale_before:g}, which it lowered to {out.scale_after:g}"))
-        ratios = None
-        if measure:
-            squares, k = out.squares.tolist(), len(self.spec)
-            ratios = {name: update_ratio(u, w)
-                      for name, u, w in zip(self.spec, squares[:k], squares[k:])}
-        return Applied(out.after, ratios, out.learning_rate)
+        return self._report(out.before, out.after, out.learning_rate, out.squares,
+                            (out.scale_before, out.scale_after), measure)
 
     def _apply_mean(self, mean: Mapping, measure: bool) -> _Applied:
         """What one compiled apply of ``mean`` reports (see :class:`_Applied`)."""
@@ -314,33 +289,15 @@ class KerasBackend(CompiledModel):
 
         function = self._trace(gradients, [*leaves, tf.TensorSpec((), tf.float32)] if scales
                                else leaves, what)
-        if seen["loss_shape"].rank != 0:
-            raise HostavgError(
-                f"{what}: the loss has shape {tuple(seen['loss_shape'])}, not a scalar; give the "
-                f"micro-batch MEAN (a keras.losses.Loss reduces it)")
-        if not seen["kept"]:
-            raise HostavgError(f"{what}: nothing to train: no trainable variable of the model has "
-                               f"a gradient with respect to the loss")
-        spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
-                                                np.dtype(trainable[i].dtype), sparse)
-                for i, sparse in seen["kept"]}
+        shape = seen["loss_shape"]
+        spec = self._traced_spec(what, shape if shape.rank is not None else (None,), trainable,
+                                 seen["kept"])
         if self.spec is None:
-            paths = [trainable[i].path for i, _ in seen["kept"]]
-            shared = sorted({p for p in paths if paths.count(p) > 1})
-            if shared:
-                raise HostavgError(
-                    f"trained variables share the paths {shared}; gradients are keyed by "
-                    f"variable.path: give their layers distinct names")
             self.spec, self._trained = spec, [trainable[i] for i, _ in seen["kept"]]
             # XLA fuses the optimizer's elementwise update into one pass over each variable
             # (Adam on the 2M-parameter MLP: 3.8 ms against 9.6 ms); it needs fixed shapes,
             # so a model with sparse gradients (rows that vary in number) applies without it.
             self._apply_jit = not any(s.sparse for s in spec.values())
-        elif spec != self.spec:
-            raise HostavgError(
-                f"{what}: with this batch's inputs the loss has gradients for other variables "
-                f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
-                f"batch the same structure")
         self._note_assignments(function)
         self.trained_metrics |= self._metrics_assigned(function)
         return function

@@ -66,10 +66,11 @@ class Trainer(BaseTrainer):
     (:class:`~hostavg.train.trainer.BaseTrainer`): the same methods with the
     same meaning and results; only the data differs. A batch is a tuple
     ``(x, y)`` or ``(x, y, sample_weight)``; x is an array or, for a
-    multi-input model, a dict of arrays by input name; y is an array, a dict
-    by output name for a multi-output model, or None for a loss that needs no
-    targets. Every array's axis 0 runs over samples.
-    ``hostavg.split((x, y), 32)`` cuts one into micro-batches.
+    multi-input model, a list of arrays in input order or a dict of them by
+    input name; y is an array, a list or dict per output for a multi-output
+    model, or None for a loss that needs no targets. Every array's axis 0
+    runs over samples. ``hostavg.split((x, y), 32)`` cuts one into
+    micro-batches (arrays and dicts).
 
     The trainer learns the model's gradients on the first batch it sees (the
     compiled gradient function is traced then, and an unbuilt model is built
@@ -294,9 +295,9 @@ class Trainer(BaseTrainer):
 
     def _evaluated(self, chunks, data, callbacks) -> dict:
         """The evaluation of ``chunks`` (of ``data``), announced to Keras ``callbacks`` if any."""
-        first = data if not keras_data.is_batches(data) else None
-        engine = self._engine_for(self._backend, take(first, slice(0, 1)) if first is not None
-                                  else keras_data.BatchSource(data).first(), "evaluate")
+        engine = self._engine_for(self._backend, lambda: keras_data.BatchSource(data).first()
+                                  if keras_data.is_batches(data) else take(data, slice(0, 1)),
+                                  "evaluate")
         with engine.leaving_no_trace(self._backend, "evaluate"):
             if callbacks is None:
                 return self._backend.evaluate(chunks)
@@ -403,8 +404,8 @@ class Trainer(BaseTrainer):
             validation_logs=self._backend.evaluation_results)
 
         def source():
-            self._engine_for(self._backend, take(data, slice(0, 1)) if batch_size is not None
-                             else batches.first(), "fit, data")
+            self._engine_for(self._backend, lambda: take(data, slice(0, 1))
+                             if batch_size is not None else batches.first(), "fit, data")
             if val is not None:  # its first sample, before any epoch trains
                 first = keras_data.BatchSource(val).first() if keras_data.is_batches(val) else val
                 try:
@@ -419,10 +420,12 @@ class Trainer(BaseTrainer):
             return self._evaluated(keras_data.chunks(val, val_size, val_steps), val, announced)
 
         self.model.stop_training = False
+        finalize = _Finalize(self.model)  # before the Keras callbacks hear of the end, as in Keras
         return self._fit(self._backend, source, validate, batch_size=batch_size,
                          micro_batch_size=micro_batch_size, epochs=epochs, seed=seed,
                          drop_remainder=drop_remainder,
-                         callbacks=hooks if announced is None else (*hooks, announced),
+                         callbacks=(*hooks, finalize) if announced is None
+                         else (*hooks, finalize, announced),
                          progress=progress, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                          initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch)
@@ -496,6 +499,17 @@ def _verbose(verbose):
     if verbose not in _PROGRESS or isinstance(verbose, float):
         raise HostavgError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
     return int(verbose) if not isinstance(verbose, str) else verbose
+
+
+class _Finalize:
+    """fit's end, as Keras's: ``optimizer.finalize_variable_values`` (an EMA optimizer's
+    averages become the weights), whatever callbacks fit was given."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def on_train_end(self, history) -> None:
+        self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
 
 
 def _validation_due(freq):

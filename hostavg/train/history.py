@@ -81,7 +81,8 @@ class History:
     Attributes:
       steps: one :class:`StepLog` per optimizer step.
       epochs: one dict per finished epoch: "epoch", "loss" (sample-weighted
-        mean over its applied steps), "samples", "steps", the training metrics
+        mean over its steps that had samples, those an optimizer skipped too,
+        as Keras counts them), "samples", "steps", the training metrics
         (a Keras model's compiled metrics), and "val_loss" plus
         "val_<metric>" where validation data was given. :attr:`history` and
         :attr:`epoch` show them as Keras's History does.

@@ -128,8 +128,8 @@ class Run(Protocol):
         """The training metrics over the epoch's steps so far, by name ({} where there are none)."""
 
     def stop_requested(self) -> str | None:
-        """Why training should end after this epoch (a Keras callback set
-        ``model.stop_training``), or None."""
+        """Why training should end after this step, the epoch's end still run (a Keras
+        callback set ``model.stop_training``), or None."""
 
     def abandon(self, error: BaseException) -> None:
         """fit ends with ``error`` (over MPI, a rank leaving alone ends the job)."""

@@ -95,9 +95,10 @@ class BaseTrainer:
 
     def _engine_for(self, backend: Backend, sample, what: str) -> Engine:
         """The engine; made on the first data a backend prepares, where the backend learns its
-        variables from data (a Keras model traces its gradient function on ``sample``)."""
+        variables from data (a Keras model traces its gradient function on ``sample``, or on
+        what ``sample()`` returns where it is a function: read only when needed)."""
         if self._engine is None:
-            backend.prepare(sample, None, what)
+            backend.prepare(sample() if callable(sample) else sample, None, what)
             self._make_engine(backend.spec)
         return self._engine
 
@@ -187,7 +188,8 @@ class BaseTrainer:
         return {}
 
     def _stop_requested(self) -> str | None:
-        """Why fit should end after this epoch (the framework's own stop flag), or None."""
+        """Why fit should end after this step, the epoch's end still run (the framework's own
+        stop flag), or None."""
         return None
 
     def _part(self, backend: Backend, feeds, sizes) -> tuple:
