@@ -655,6 +655,35 @@ def test_backup_and_restore_resumes_at_the_epoch_after_its_backup_as_in_model_fi
     assert not (tmp_path / "ours").exists()  # deleted when training ended, as Keras does
 
 
+def test_backup_and_restore_beside_a_checkpoint_dir_undoes_the_steps_after_its_backup(tmp_path):
+    """A crash mid-epoch 2 with both: the checkpoint holds that epoch's first steps, the backup
+    the end of epoch 1; the backup's weights win, and the history forgets what they undo, so
+    the run ends as one never stopped, each step once."""
+    x, y = data(22)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() == 6:  # epoch 2 (index 1), its 2nd step
+                raise RuntimeError("crash")
+
+    kw = dict(batch_size=BATCH, micro_batch_size=MICRO, shuffle=True, seed=5, epochs=3,
+              verbose=0)
+    straight = hostavg.keras.Trainer(compiled()).fit(x, y, **kw)
+    model = compiled()
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="crash"):
+        hostavg.keras.Trainer(model).fit(
+            x, y, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1, **kw,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), Crash()])
+    resumed = compiled()
+    got = hostavg.keras.Trainer(resumed).fit(
+        x, y, checkpoint_dir=tmp_path / "ckpt", **kw,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert [(s.epoch, s.step) for s in got.steps] == [(s.epoch, s.step) for s in straight.steps]
+    assert got.history["loss"] == pytest.approx(straight.history["loss"], rel=1e-6)
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * 4
+
+
 def test_a_lambda_callback_and_stop_training_in_a_batch_end_the_epoch_as_model_fit():
     def make():
         seen = []

@@ -253,7 +253,9 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
                 moved = on_train_begin()
                 if moved is not None:  # a hook restored a backup taken at the start of that epoch
                     epoch = data_pass = non_negative_int("the epoch on_train_begin returned", moved)
-                    batch = samples = 0
+                    batch = samples = 0  # and the weights: what a checkpoint held from there on
+                    history.steps = [s for s in history.steps if s.epoch < epoch]  # is undone
+                    history.epochs = [e for e in history.epochs if e["epoch"] < epoch]
             passes = None  # the batches of the pass under way, continued from epoch to epoch
             while epoch < epochs:
                 run.reset_metrics()
