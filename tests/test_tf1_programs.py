@@ -785,7 +785,8 @@ def test_a_saver_built_after_the_trainer_saves_slots_and_step_and_restore_refuse
 
 @pytest.mark.slow
 def test_legacy_layers_and_a_dynamic_rnn_run_with_tf_keras_and_equal_the_full_batch_step():
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(HERE))
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))  # this checkout's
     run = subprocess.run([sys.executable, str(HERE / "legacy_script.py")], capture_output=True,
                          text=True, env=env, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
