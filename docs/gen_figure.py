@@ -45,12 +45,9 @@ def main():
     dead_layers_figure()
 
 
-def dead_layers_figure():
-    """SGD at learning rate 10: the micro-batch norms look merely small, but per variable every
-    gradient but the output bias's is exactly 0 (the notebook's run: weights drawn after the data's
-    order from a generator of their own)."""
-    X, Y = mnist(np.random.default_rng(0))
-    rng = np.random.default_rng(0)
+def mlp(rng, optimizer, **trainer_kw):
+    """The MLP of both figures (784-128-10, weights drawn from ``rng``) in a graph of its own:
+    (graph, x, y, its hostavg.Trainer with ``optimizer()``, the initializer)."""
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, 784], name="x")
@@ -62,8 +59,18 @@ def dead_layers_figure():
         logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2) + b2
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
                                                                              logits=logits))
-        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(10.0))
+        trainer = hostavg.Trainer(loss, optimizer(), **trainer_kw)
         init = v1.global_variables_initializer()
+    return graph, x, y, trainer, init
+
+
+def dead_layers_figure():
+    """SGD at learning rate 10: the micro-batch norms look merely small, but per variable every
+    gradient but the output bias's is exactly 0 (the notebook's run: weights drawn after the data's
+    order from a generator of their own)."""
+    X, Y = mnist(np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    graph, x, y, trainer, init = mlp(rng, lambda: v1.train.GradientDescentOptimizer(10.0))
     with v1.Session(graph=graph) as sess:
         sess.run(init)
         history = trainer.fit(sess, {x: X[1000:], y: Y[1000:]}, batch_size=256,
@@ -81,19 +88,8 @@ def step_figure():
     cosine with the mean."""
     rng = np.random.default_rng(0)
     X, Y = mnist(rng)
-    graph = tf.Graph()
-    with graph.as_default():
-        x = v1.placeholder(tf.float32, [None, 784], name="x")
-        y = v1.placeholder(tf.int32, [None], name="y")
-        w1 = tf.Variable(rng.normal(0, 784 ** -0.5, (784, 128)).astype(np.float32), name="w1")
-        b1 = tf.Variable(np.zeros(128, np.float32), name="b1")
-        w2 = tf.Variable(rng.normal(0, 128 ** -0.5, (128, 10)).astype(np.float32), name="w2")
-        b2 = tf.Variable(np.zeros(10, np.float32), name="b2")
-        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2) + b2
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                                             logits=logits))
-        trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(1e-3), accumulate="stack")
-        init = v1.global_variables_initializer()
+    graph, x, y, trainer, init = mlp(rng, lambda: v1.train.AdamOptimizer(1e-3),
+                                     accumulate="stack")
     with v1.Session(graph=graph) as sess:
         sess.run(init)
         trainer.fit(sess, {x: X[:4096], y: Y[:4096]}, batch_size=BATCH, micro_batch_size=MICRO,
