@@ -150,7 +150,7 @@ def parts(config: bench.Config, repeats: int) -> dict:
     x, y = micro[0]
     backend = trainer._backend  # noqa: SLF001 - a benchmark reads where the gradients land
     out = {"config": str(config), "parameters": model.count_params()}
-    out["compute_s"] = timed(lambda: trainer.compute((x, y)), repeats)
+    out["compute_s"] = timed(lambda: trainer.compute(x, y), repeats)
     nbytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in trainer.spec.values())
     out.update(gradient_bytes=nbytes, host_memory=backend.host_memory,
                reuses_buffers=backend.reuses_buffers)
@@ -175,7 +175,7 @@ def parts(config: bench.Config, repeats: int) -> dict:
         to_pinned = ToPinned(grads, pinned)
         out["d2h_pinned_s"] = timed(lambda: to_pinned(grads), repeats)
 
-    gradients = [trainer.compute((x, y)) for _ in range(2)]
+    gradients = [trainer.compute(x, y) for _ in range(2)]
     acc = trainer.accumulator()
 
     def add():

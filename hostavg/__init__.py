@@ -4,24 +4,17 @@ Per optimizer step, each micro-batch's gradients are fetched to NumPy, summed
 or stacked and averaged on the host (sample-weighted), and the mean is applied
 once: the step equals the full-batch step, and every gradient can be looked at.
 
-One trainer contract, two faces that differ only in how data is given:
-:class:`Trainer` for ``tf.compat.v1`` graphs (a session and feed dicts), and
-``hostavg.keras.Trainer`` for Keras 3 models (``(x, y[, sample_weight])``),
-after ``import hostavg.keras``. Both are thin bindings of
-:class:`hostavg.train.trainer.BaseTrainer` over the framework-free step engine
-(:mod:`hostavg.engine.step`).
+One trainer contract (:class:`hostavg.train.trainer.BaseTrainer`), two faces
+that differ only in how data is given: :class:`Trainer` for ``tf.compat.v1``
+graphs (a session and feed dicts) and ``hostavg.keras.Trainer`` for Keras 3
+models (``x, y, sample_weight``), after ``import hostavg.keras``. TensorFlow is
+imported the first time a name that needs it is used, so ``import hostavg``
+stays fast. The documentation's architecture page shows the layers.
 
-The layers: :mod:`hostavg.core` (NumPy only), :mod:`hostavg.engine.step`,
-:mod:`hostavg.train` and :mod:`hostavg.inspect` import no framework;
-:mod:`hostavg.tf1` and :mod:`hostavg.keras` are the backends; TensorFlow is
-imported the first time a name that needs it (such as :class:`Trainer`) is
-used, so ``import hostavg`` stays fast.
-
-A few private APIs of CPython, TensorFlow and JAX serve the per-micro-batch path,
-each detected when hostavg imports its framework and each with a public
-fallback giving the same results (:mod:`hostavg.compat`): :func:`private_apis`
-names those in use. Set ``HOSTAVG_PUBLIC_API_ONLY=1`` before importing hostavg
-to use the public fallbacks only.
+A few private APIs of CPython, TensorFlow, Keras and JAX serve the fast paths,
+each detected on import with a public fallback (:mod:`hostavg.compat` says
+where a fallback's results differ): :func:`private_apis` names those in use;
+``HOSTAVG_PUBLIC_API_ONLY=1`` before importing hostavg uses the fallbacks only.
 """
 
 import importlib

@@ -136,13 +136,13 @@ def test_compute_leaves_them_alone_and_apply_moves_them_once_check_and_evaluate_
     t = trainer("step")
     t.evaluate(x, y, batch_size=10)
     start = moving(t.model)
-    grads = [t.compute(b) for b in cut(x, y)]
+    grads = [t.compute(*b) for b in cut(x, y)]
     for a, b in zip(moving(t.model), start):
         np.testing.assert_array_equal(a, b)
     acc = t.accumulator()
     for g in grads:
         acc.add(g)
-    assert not t.check(x, y, 10).ok  # batch norm over micro-batches; what it ran is forgotten
+    assert not t.check(x, y, micro_batch_size=10).ok  # batch norm over micro-batches; what it ran is forgotten
     t.apply(acc.mean())
     assert_moving_equal(first(t.model), first(keras_full_batch([(x, y)])))
 

@@ -87,9 +87,9 @@ def test_a_deterministic_keras_transformer_block_passes_the_check():
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 6, 8)).astype(np.float32), rng.integers(0, 3, 32)
-    report = block(0.0).check(x, y, 8)
+    report = block(0.0).check(x, y, micro_batch_size=8)
     assert report.ok, report
-    noisy = block(0.5).check(x, y, 8)
+    noisy = block(0.5).check(x, y, micro_batch_size=8)
     assert not noisy.ok and "Dropout" in noisy.cause and "keep_prob" not in noisy.cause
 
 

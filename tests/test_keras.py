@@ -366,8 +366,8 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
                                                    r"cut into micro-batches \(arrays of 0 samples\)\. "
                                                    r"check runs one batch whole and in micro-batches: "
                                                    r"give it x and y of at least one sample each"):
-        trainer.check(x[:0], y[:0], 10)
-    g = {name: np.array(v) for name, v in trainer.compute((x, y)).items()}
+        trainer.check(x[:0], y[:0], micro_batch_size=10)
+    g = {name: np.array(v) for name, v in trainer.compute(x, y).items()}
     del g["out/bias"]
     with pytest.raises(hostavg.HostavgError, match=re.escape("missing ['out/bias']")):
         trainer.apply(g)

@@ -63,7 +63,7 @@ x, y = rng.normal(size=(32, 6)).astype(np.float32), rng.integers(0, 3, 32).astyp
 result = trainer.step(hostavg.split((x, y), 8))
 assert result.step == 1 and result.update_ratios, result
 trainer.evaluate(x, y, batch_size=16)
-assert trainer.check(x, y, 8).ok
+assert trainer.check(x, y, micro_batch_size=8).ok
 with tempfile.TemporaryDirectory() as folder:
     trainer.save(folder + "/ck.npz")
     trainer.restore(folder + "/ck.npz")
@@ -104,7 +104,7 @@ def trainer(model, **kw):
 def test_an_embeddings_gradient_is_dense_on_jax():
     t = trainer(keras_model(sparse=True))
     d = batches(0, 1, 12, sparse=True)[0]
-    g = t.compute((d["ids"], d["y"]))
+    g = t.compute(d["ids"], d["y"])
     table = t.model.get_layer("embedding").embeddings.path
     assert not t.spec[table].sparse
     assert isinstance(g[table], np.ndarray) and g[table].shape == (VOCAB, 6)
@@ -116,12 +116,12 @@ def test_an_embeddings_gradient_is_dense_on_jax():
 def test_gradients_land_in_reused_host_buffers_but_never_over_ones_still_held():
     t = trainer(keras_model())
     micro = [(d["x"], d["y"]) for d in batches(1, 6, 8)]
-    first = t.compute(micro[0])
+    first = t.compute(*micro[0])
     name = next(iter(t.spec))
     held, kept = first[name], np.array(first[name])
     addresses = []
     for m in micro[1:]:  # each dropped at once, as "sum" mode drops it once added
-        addresses.append(t.compute(m)[name].ctypes.data)
+        addresses.append(t.compute(*m)[name].ctypes.data)
     assert len(set(addresses[1:])) <= 2  # two sets of buffers serve every compute
     assert held.ctypes.data not in addresses  # still held: never written again
     np.testing.assert_array_equal(held, kept)
@@ -151,7 +151,7 @@ def test_a_variable_the_loss_does_not_depend_on_is_not_trained():
                               keras.optimizers.AdamW(0.01, weight_decay=0.5))
     d = batches(2, 1, 16)[0]
     micro = hostavg.split((d["x"], d["y"]), 8)
-    t.compute(micro[0])  # builds the model
+    t.compute(*micro[0])  # builds the model
     before = [v.numpy() for v in model.unused.weights]
     t.step(micro)
     assert sorted(t.spec) == sorted(v.path for v in model.out.weights)

@@ -422,8 +422,8 @@ def test_lists_of_inputs_and_targets_train_as_keras_fit_takes_them():
     twin.fit(pipeline, verbose=0)
     assert_close(weights(model), weights(twin))
     # compute, check and evaluate take them too.
-    assert trainer.compute(([xa[:8], xb[:8]], [y1[:8], y2[:8]])).size == 8
-    assert trainer.check([xa[:32], xb[:32]], [y1[:32], y2[:32]], 8).ok
+    assert trainer.compute([xa[:8], xb[:8]], [y1[:8], y2[:8]]).size == 8
+    assert trainer.check([xa[:32], xb[:32]], [y1[:32], y2[:32]], micro_batch_size=8).ok
     assert trainer.evaluate([xa, xb], [y1, y2]) == pytest.approx(
         trainer.model.evaluate([xa, xb], [y1, y2], return_dict=True, verbose=0), rel=1e-6)
 
@@ -493,7 +493,7 @@ def test_a_masked_loss_is_the_full_batchs_when_micro_batches_weigh_their_unmaske
         return model
     model, twin = make(), make()
     trainer = hostavg.keras.Trainer(model)
-    report = trainer.check(tokens[:16], labels[:16], 4)
+    report = trainer.check(tokens[:16], labels[:16], micro_batch_size=4)
     assert not report.ok and "a loss over masked outputs" in report.cause
     for start in (0, 16):
         parts = hostavg.split((tokens[start:start + 16], labels[start:start + 16]), 4)

@@ -233,7 +233,7 @@ def test_a_sparse_gradient_depends_only_on_its_feed_not_on_earlier_calls():
     again = trainer.compute(sess, big)
     trainer.compute(sess, feed(4))
     after_small = trainer.compute(sess, big)
-    trainer.check(sess, feed(64), 16)
+    trainer.check(sess, feed(64), micro_batch_size=16)
     after_check = trainer.compute(sess, big)
     for g in (again, after_small, after_check):
         for name in first:

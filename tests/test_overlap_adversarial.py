@@ -365,7 +365,7 @@ def test_a_keras_hook_computing_on_its_own_trainer_during_an_overlapped_step_cha
 
         class Peek:
             def on_micro_batch(self, micro):
-                computed.append(trainer.compute(parts[-1 - micro.index]))
+                computed.append(trainer.compute(*parts[-1 - micro.index]))
 
         model = keras_model(seed=3)
         trainer = hostavg.keras.Trainer(
@@ -400,7 +400,7 @@ def test_check_and_per_sample_right_after_an_overlapped_step_equal_those_after_a
                 trainer.step(sess, hostavg.split(feed, 10))
         else:
             trainer.step(sess, hostavg.split(feed, 10))
-        report = trainer.check(sess, feed, 10)
+        report = trainer.check(sess, feed, micro_batch_size=10)
         samples = trainer.per_sample(sess, {k: v[:6] for k, v in feed.items()})
         out[overlap] = (str(report), samples.to_dict("list"), model.values(sess))
     np.testing.assert_equal(out[True][:2], out[False][:2])

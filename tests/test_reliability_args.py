@@ -172,12 +172,42 @@ def test_fit_refuses_flags_that_are_not_bools(tf1, name, value):
     assert sess.run(trainer.global_step) == before
 
 
-@pytest.mark.parametrize("progress", [1, "False", None])
+@pytest.mark.parametrize("progress", [1, "False"])
 def test_fit_refuses_a_progress_that_is_no_bool_nor_a_mode(tf1, progress):
     model, trainer, sess, feed = tf1
     with pytest.raises(hostavg.HostavgError, match=rf"^progress must be True, False, 'always', "
                                                    rf"'epoch' or 'auto', got {progress!r}$"):
         trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, progress=progress)
+
+
+@pytest.mark.parametrize("verbose", [3, "1", 1.0])
+def test_fit_refuses_a_verbose_keras_does_not_know_on_the_tf1_face_too(tf1, verbose):
+    model, trainer, sess, feed = tf1
+    with pytest.raises(hostavg.HostavgError,
+                       match=rf"^verbose must be 'auto', 0, 1 or 2, got {verbose!r}$"):
+        trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, verbose=verbose)
+
+
+@pytest.mark.parametrize("verbose,shown", [(0, ""), (2, "epoch 1/1"), ("auto", "epoch 1/1")])
+def test_tf1_fit_shows_what_verbose_asks_unless_progress_is_given(tf1, capsys, verbose, shown):
+    model, trainer, sess, feed = tf1
+    trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, verbose=verbose)
+    assert shown in capsys.readouterr().out and (shown or not capsys.readouterr().out)
+    trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, verbose=verbose, progress=False)
+    assert capsys.readouterr().out == ""
+
+
+def test_fit_and_check_take_the_trainers_micro_batch_size_and_need_one(tf1):
+    model, trainer, sess, feed = tf1
+    with pytest.raises(hostavg.HostavgError, match=r"^fit needs micro_batch_size: pass it to fit, "
+                                                   r"or to the trainer"):
+        trainer.fit(sess, feed, batch_size=10, verbose=0)
+    with pytest.raises(hostavg.HostavgError, match=r"^check needs micro_batch_size"):
+        trainer.check(sess, feed)
+    trainer.micro_batch_size = 5
+    history = trainer.fit(sess, feed, batch_size=10, verbose=0)
+    assert [len(s.micro_norms) for s in history.steps] == [2, 2]
+    assert trainer.check(sess, feed).ok
 
 
 def test_array_source_refuses_a_shuffle_that_is_no_bool():
@@ -269,7 +299,7 @@ def test_keras_refuses_ragged_lists_naming_them(keras_trainer):
     # ValueError: setting an array element with a sequence (NumPy's own).
     with pytest.raises(hostavg.HostavgError, match=r"^compute: x cannot be made an array "
                                                    r"\(setting an array element"):
-        keras_trainer.compute(([[1.0] * 6, [1.0] * 5], np.zeros(2, np.int32)))
+        keras_trainer.compute([[1.0] * 6, [1.0] * 5], np.zeros(2, np.int32))
 
 
 def test_keras_refuses_complex_inputs_as_the_tf1_face_does(keras_trainer):
@@ -278,7 +308,7 @@ def test_keras_refuses_complex_inputs_as_the_tf1_face_does(keras_trainer):
     with pytest.raises(hostavg.HostavgError, match=r"^compute: x holds complex values \(complex64\), "
                                                    r"whose imaginary part the model would drop; "
                                                    r"pass real arrays$"):
-        keras_trainer.compute((x, np.zeros(4, np.int32)))
+        keras_trainer.compute(x, np.zeros(4, np.int32))
 
 
 def test_keras_multi_output_model_with_one_target_array_says_so():
@@ -294,7 +324,7 @@ def test_keras_multi_output_model_with_one_target_array_says_so():
                                                    r"\(KeyError: .*in the `loss` argument.*\); "
                                                    r"check its x and y against the model's inputs "
                                                    r"and the loss$"):
-        trainer.compute((np.ones((4, 6), np.float32), np.zeros(4, np.int32)))
+        trainer.compute(np.ones((4, 6), np.float32), np.zeros(4, np.int32))
 
 
 # --- fit checks what it is given before an epoch trains (item 13) -------------------------------
@@ -343,9 +373,9 @@ def test_keras_input_of_the_wrong_width_names_the_layer_not_keras_arguments():
     trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), keras.optimizers.SGD(0.1))
     y = np.zeros(8, np.int32)
-    trainer.compute((np.ones((8, 6), np.float32), y))
+    trainer.compute(np.ones((8, 6), np.float32), y)
     with pytest.raises(hostavg.HostavgError, match=r"^compute: the model cannot run on this batch "
                        r"\(ValueError: Input 0 with name 'None' of layer 'first' is incompatible "
                        r"with the layer: expected axis -1 of input shape to have value 6, but "
                        r"received input with shape \(None, 4\)\); check its x and y"):
-        trainer.compute((np.ones((8, 4), np.float32), y))
+        trainer.compute(np.ones((8, 4), np.float32), y)

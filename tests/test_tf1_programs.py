@@ -124,7 +124,7 @@ def test_a_sum_loss_is_caught_by_the_self_check_and_a_mean_loss_passes():
             init = v1.global_variables_initializer()
         sess = session(graph, init)
         before = values(graph, sess)
-        report = trainer.check(sess, {x: X[:16], y: Y[:16]}, 4)
+        report = trainer.check(sess, {x: X[:16], y: Y[:16]}, micro_batch_size=4)
         assert report.ok is ok, report
         assert report.micro_batches == 4
         assert_close(values(graph, sess), before, atol=0)  # the check changes nothing
@@ -203,11 +203,11 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
         trainer = hostavg.Trainer(loss, v1.train.MomentumOptimizer(0.1, 0.9))
         init = v1.global_variables_initializer()
     sess = session(graph, init)
-    report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, 8)
+    report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, micro_batch_size=8)
     assert not report.ok and report.noise > 0.01
     assert "random ops in training mode: tf.nn.dropout ('dropout/random_uniform/" in report.cause
     assert "keep_prob or dropout-rate placeholder fed 1.0" in report.cause
-    assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, 8).ok
+    assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, micro_batch_size=8).ok
     for _ in range(4):
         trainer.step(sess, hostavg.split({x: X, y: Y, keep: 1.0}, 8))
 
@@ -240,13 +240,13 @@ def test_the_check_names_the_random_op_it_finds_and_what_turns_it_off():
         trainer = hostavg.Trainer(loss, v1.train.AdamOptimizer(1e-3))
         init = v1.global_variables_initializer()
     sess = session(graph, init)
-    report = trainer.check(sess, {x: X}, 8)
+    report = trainer.check(sess, {x: X}, micro_batch_size=8)
     noise = "sample/random_normal/RandomStandardNormal:0"
     assert not report.ok and (f"random ops in training mode: tf.random.normal ('{noise}'). No "
                               f"feed turns them off") in report.cause
     assert "keep_prob" not in report.cause and "fed False" not in report.cause
     assert f"feed {noise!r} a fixed array" in report.cause
-    assert trainer.check(sess, {x: X, noise: np.zeros((24, 2), np.float32)}, 8).ok  # as it says
+    assert trainer.check(sess, {x: X, noise: np.zeros((24, 2), np.float32)}, micro_batch_size=8).ok  # as it says
 
 
 # --- Tensors fetched with the train op: summaries, accuracy -----------------------------------
@@ -584,7 +584,7 @@ def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
         trainer.step(sess, hostavg.split(feed, 3))
     with pytest.raises(hostavg.HostavgError,
                        match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
-        trainer.check(sess, feed, 3)
+        trainer.check(sess, feed, micro_batch_size=3)
     assert_close(values(graph, sess), before, atol=0)
     assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
 
@@ -614,7 +614,7 @@ def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_sampl
     feed = gan_batch(np.random.default_rng(9), 12)
     fake = sess.run(t["samples"], {t["z"]: feed["z"]})
     before = values(graph, sess)
-    report = d.check(sess, {"real:0": feed["real"], t["fake"]: fake, "labels": feed["labels"]}, 4,
+    report = d.check(sess, {"real:0": feed["real"], t["fake"]: fake, "labels": feed["labels"]}, micro_batch_size=4,
                      blocks={"labels": 2})
     assert report.micro_batches == 3 and not report.ok and "batch norm" in report.cause
     assert_close(values(graph, sess), before, atol=0)
@@ -629,7 +629,7 @@ def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_sampl
                              r"\(only scalars: 'x:0', 'y:0'\)\. check runs one batch whole and in "
                              r"micro-batches: feed it that batch's arrays, such as "
                              r"\{x: X\[:256\], y: Y\[:256\]\}"):
-        trainer.check(session(graph, init), {x: 1.0, y: 2.0}, 1)
+        trainer.check(session(graph, init), {x: 1.0, y: 2.0}, micro_batch_size=1)
 
     rng = np.random.default_rng(10)
     X, Y = rng.normal(size=(64, 5)).astype(np.float32), rng.integers(0, 3, 64)
@@ -642,9 +642,9 @@ def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_sampl
                        match=r"^check: the feed holds no array of samples .* \(an empty feed\).*"
                              r"a graph that reads its batch from a tf\.data iterator or a queue: "
                              r"feed the tensors it reads"):
-        trainer.check(sess, {}, 4)
+        trainer.check(sess, {}, micro_batch_size=4)
     # Fed the iterator's outputs, the check runs on that batch and takes nothing from the iterator.
-    assert trainer.check(sess, {images: X[:16], labels: Y[:16]}, 4).ok
+    assert trainer.check(sess, {images: X[:16], labels: Y[:16]}, micro_batch_size=4).ok
     np.testing.assert_array_equal(sess.run(images), X[:16])
 
 
@@ -704,7 +704,7 @@ def test_reference_variables_are_restored_by_check_and_by_a_failed_step():
     X, Y = rng.normal(2, 3, (16, 6)).astype(np.float32), rng.integers(0, 3, 16)
     trainer.step(sess, hostavg.split({x: X, y: Y}, 4))  # slots and statistics non-trivial
     before = values(graph, sess)
-    report = trainer.check(sess, {x: X, y: Y}, 4)
+    report = trainer.check(sess, {x: X, y: Y}, micro_batch_size=4)
     assert not report.ok and "batch norm" in report.cause
     assert_close(values(graph, sess), before, atol=0)
     bad = X.copy()
@@ -744,7 +744,7 @@ def test_word2vec_nce_trains_with_sparse_gradients_and_the_check_names_the_sampl
     rng = np.random.default_rng(5)
     words = rng.integers(0, vocab, 64).astype(np.int32)
     feed = {inputs: words, context: ((words + 1) % vocab).astype(np.int64)[:, None]}
-    report = trainer.check(sess, feed, 16)
+    report = trainer.check(sess, feed, micro_batch_size=16)
     assert not report.ok and ("random ops in training mode: a sampled loss "
                               "('nce_loss/LogUniformCandidateSampler:0')") in report.cause
     assert "check with the full loss" in report.cause

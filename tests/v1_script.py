@@ -44,7 +44,7 @@ def unchanged(before):
 
 
 before = sess.run(variables)
-assert not trainer.check(sess, {x: X, y: Y}, 4).ok
+assert not trainer.check(sess, {x: X, y: Y}, micro_batch_size=4).ok
 print("check")
 unchanged(before)
 bad = X.copy()

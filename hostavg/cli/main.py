@@ -464,7 +464,7 @@ def _train_tf1(args, data, comm, lr, fit, report) -> tuple:
         first = slice(0, args.batch_size)
         check = _self_check(args, trainer.check(
             sess, {model.x: data.x_train[first], model.y: data.y_train[first]},
-            args.micro_batch_size))
+            micro_batch_size=args.micro_batch_size))
         history = trainer.fit(sess, {model.x: data.x_train, model.y: data.y_train},
                               validation_data=test, metrics={"accuracy": model.accuracy}, **fit)
         return history, trainer.evaluate(sess, test, batch_size=args.micro_batch_size,
@@ -484,7 +484,7 @@ def _train_keras(args, data, comm, lr, fit, report) -> tuple:
     _header(args, data, comm, model.count_params())
     first = slice(0, args.batch_size)
     check = _self_check(args, trainer.check(data.x_train[first], data.y_train[first],
-                                            args.micro_batch_size))
+                                            micro_batch_size=args.micro_batch_size))
     history = trainer.fit(data.x_train, data.y_train,
                           validation_data=(data.x_test, data.y_test), **fit)
     return history, trainer.evaluate(data.x_test, data.y_test,

@@ -1,16 +1,13 @@
-"""The one trainer contract: every trainer method written once, over the engine's Backend protocol.
+"""The one trainer contract: every public trainer method declared once, over the engine.
 
 ``hostavg.Trainer`` (a TF1 graph and its session) and ``hostavg.keras.Trainer``
-(a Keras 3 model) are thin faces of :class:`BaseTrainer`: they check their
-framework's arguments, make the backend, and turn the data as their users give
-it (feed dicts, ``(x, y[, sample_weight])`` tuples) into the backend's feeds.
-Everything else is here, once: compute, accumulator, apply, step, fit,
-evaluate, check, per_sample, save, restore and step_together, with the same
-meaning, arguments and results on every face.
-
-A face whose values live in one object for the trainer's life (a Keras model)
-passes the same backend to every call; a face whose values live in an object
-given per call (a TF1 session) binds a backend per call.
+(a Keras 3 model) subclass :class:`BaseTrainer`. Each public method is declared
+here once, with its one docstring; a face overrides it only to take data in
+its framework's form (the TF1 face a session first and feed dicts, the Keras
+face ``x, y, sample_weight`` as ``train_on_batch``) and calls the shared
+implementation below it. The architecture page of the documentation draws the
+call path: face -> :class:`BaseTrainer` -> :class:`~hostavg.engine.step.Engine`
+-> :class:`~hostavg.engine.protocols.Backend`.
 
 Framework-free: nothing here imports TensorFlow, Keras or JAX.
 """
@@ -27,51 +24,66 @@ from hostavg.core.optional import pandas
 from hostavg.core.results import StepResult
 from hostavg.core.split import sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
-from hostavg.engine.protocols import Average, Backend, HostAverage
+from hostavg.engine.protocols import Backend, HostAverage
 from hostavg.engine.step import Engine
 from hostavg.train import checkpoint
 from hostavg.train.history import History
 from hostavg.train.loop import fit as fit_loop
 
-__all__ = ["BaseTrainer", "Bound", "entries"]
+__all__ = ["BaseTrainer", "TrainerRun", "VERBOSE", "together_entries"]
+
+#: fit's ``verbose`` on every face, as Keras's: each value -> what fit shows
+#: (:data:`hostavg.train.loop.PROGRESS_MODES`): "auto" a bar on a terminal or in Jupyter and
+#: one line per epoch elsewhere, 0 nothing, 1 a bar, 2 one line per epoch.
+VERBOSE = {"auto": "auto", 0: False, 1: "always", 2: "epoch"}
+
+#: What fit cuts a batch of samples into when no batch size is given: Keras's default.
+DEFAULT_BATCH_SIZE = 32
 
 
 class BaseTrainer:
-    """What every trainer face shares: the engine, its settings, and each method's meaning.
+    """What every trainer face shares: the engine, its settings, and each public method.
 
-    Args (keyword arguments of every face):
+    A step runs k micro-batches forward and backward, fetches each one's
+    gradients to NumPy and applies their sample-weighted mean once:
+    ``g = sum_i n_i g_i / sum_i n_i`` (g_i the gradient of micro-batch i's MEAN
+    loss, n_i its samples), which equals the full-batch step for any optimizer.
+
+    Args:
+      micro_batch_size: samples per micro-batch, used by :meth:`fit` and
+        :meth:`check` when they are not given their own; None: they must be.
       accumulate: one of :data:`~hostavg.ACCUMULATE_MODES`: "sum" keeps a
-        running sum (memory of one gradient), "stack" keeps every micro-batch's
-        gradients (``StepResult.micro[i].grads``, and the statistics that need them).
-      accum_dtype: the host accumulation dtype (e.g. "float64"); None keeps
-        each variable's dtype.
-      hooks: objects with any of the hook methods (:class:`~hostavg.core.results.Hook`):
-        per step ``on_micro_batch``, ``on_step``, ``on_applied``; per fit
-        ``on_epoch_end``, ``on_train_end``, ``on_resume``, ``close``.
-      comm: an mpi4py communicator, to train over several processes
-        (:mod:`hostavg.engine.mpi`); None: this process alone.
+        running sum (one gradient's memory), "stack" keeps every micro-batch's
+        gradients (``StepResult.micro[i].grads`` and the statistics needing them).
+      accum_dtype: the host accumulation dtype ("float64"); None: each variable's.
+      hooks: objects with any of the hook methods of :class:`~hostavg.core.results.Hook`.
+      comm: an mpi4py communicator to train over several processes; None: this one.
       update_ratios_every: measure ``StepResult.update_ratios``
-        (|w_after - w_before| / |w_before| per variable) in the apply of every
-        step whose global step is a multiple of this (1: every step); None:
-        never. Measuring costs about one more apply.
+        (|w_after - w_before| / |w_before| per variable) every that many global
+        steps; None: never.
       overlap: compute micro-batch i + 1 in a worker thread while the host
-        shows micro-batch i to the hooks, checks it and adds it; the same
-        results bit for bit (see :class:`~hostavg.engine.step.Engine`).
-      average: where the mean is computed when ``comm`` is None (a face's own
-        :class:`~hostavg.engine.protocols.Average`); default NumPy on the host.
+        handles micro-batch i; the same results bit for bit.
 
     Attributes:
-      hooks: the hooks, in the order they run.
-      comm: the communicator, or None.
-      accumulate, accum_dtype, update_ratios_every, overlap: as given
-        (``accum_dtype`` as a NumPy dtype or None).
+      micro_batch_size: as given.
+      accumulate: as given.
+      accum_dtype: as a NumPy dtype, or None.
+      hooks: a tuple, in the order they run.
+      comm: as given.
+      update_ratios_every: as given.
+      overlap: as given.
+      spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
+      rollback_variables: what a failed step restores: the variables that
+        computing a micro-batch assigns (moving statistics, counters).
     """
 
-    def __init__(self, *, accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = None, overlap: bool = False,
-                 average: Average | None = None):
+    def __init__(self, *, micro_batch_size: int | None = None, accumulate: str = "sum",
+                 accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
+                 overlap: bool = False):
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
+        self.micro_batch_size = None if micro_batch_size is None else positive_int(
+            "micro_batch_size", micro_batch_size)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
         self.hooks = normalize_hooks(hooks)
@@ -81,9 +93,232 @@ class BaseTrainer:
         self.comm = comm
         if comm is not None:
             from hostavg.engine.mpi import Distributed  # mpi4py is imported on use only
-            average = Distributed(comm)
-        self._average = average or HostAverage()
+            self._average = Distributed(comm)
+        else:
+            self._average = HostAverage()
         self._engine: Engine | None = None
+
+    # --- The public methods, declared once: each face takes its data and calls the part below.
+
+    def accumulator(self) -> Accumulator:
+        """A new, empty :class:`~hostavg.Accumulator` for this trainer's variables and settings.
+
+        The TF1 face takes a session first, which ``average="graph"`` needs
+        (its ``mean()`` runs there).
+        """
+        raise NotImplementedError
+
+    def compute(self, batch, *, size: int | None = None) -> Gradients:
+        """Runs one micro-batch forward and backward; returns its gradients on the host.
+
+        Changes no trained variable and not the step counter; what the forward
+        pass assigns in training (batch-norm moving statistics) moves, as in a
+        training step.
+
+        Args:
+          batch: one micro-batch, as the face takes it: TF1 ``sess, feed_dict``
+            ({placeholder, its name or its op's name: array}); Keras
+            ``x, y=None, sample_weight=None``, as ``model.train_on_batch``.
+          size: its number of samples (its weight in a mean); default the
+            length of its arrays.
+
+        Returns:
+          :class:`~hostavg.Gradients` (read-only arrays; an embedding's as a
+          :class:`~hostavg.SparseGradient` of unique rows) with ``.loss``,
+          ``.size`` and ``.sq_norms``.
+        """
+        raise NotImplementedError
+
+    def apply(self, grads: Mapping) -> int:
+        """Applies ``grads`` with the optimizer once; runs no forward or backward pass.
+
+        Args:
+          grads: a :class:`~hostavg.Gradients` or any mapping with exactly the
+            keys of :attr:`spec` (an edited dict); values are checked (shape,
+            dtype, finite), cast to each variable's dtype and copied unless
+            hostavg made them.
+
+        The TF1 face takes a session first and, after ``grads``, a
+        ``feed_dict`` for the placeholders the train op reads (a learning
+        rate: ``Trainer.apply_inputs``).
+
+        Returns:
+          the step counter after the apply (TF1's global step, Keras's
+          ``optimizer.iterations``): one more than before.
+
+        Raises:
+          HostavgError: for missing or extra keys, a wrong shape, a dtype that
+            does not cast within its kind, non-finite values, or a placeholder
+            the train op reads left unfed; nothing is applied then.
+        """
+        raise NotImplementedError
+
+    def step(self, batches: Sequence, sizes: Sequence[int] | None = None,
+             rows: Sequence | None = None) -> StepResult:
+        """One optimizer step over a list of micro-batches: compute each, add, apply the mean.
+
+        Atomic: if any micro-batch fails (bad data, a non-finite gradient or
+        loss, an error in the framework or in a hook), nothing is applied and
+        what the micro-batches assigned (:attr:`rollback_variables`) is
+        restored: model, optimizer state and step counter are as they were.
+        See the documentation's "How a step runs" for the order of things.
+
+        Args:
+          batches: the micro-batches, one per list entry: TF1 ``sess, feeds`` (a
+            list of feed dicts); Keras ``batches`` (a list of ``(x, y)`` or
+            ``(x, y, sample_weight)``). ``hostavg.split(batch, n)`` cuts one
+            batch into them. With ``comm``, this rank's (possibly none).
+          sizes: one number of samples per micro-batch (its weight in the
+            mean), where the arrays can't tell; default their length.
+          rows: one array per micro-batch of the row indices of its samples
+            in your data: kept as ``MicroBatch.rows`` and named in errors
+            (fit passes them).
+
+        Returns:
+          the :class:`~hostavg.StepResult`: loss, size, statistics, ``micro``.
+        """
+        raise NotImplementedError
+
+    def check(self, batch, *, micro_batch_size: int | None = None) -> CheckReport:
+        """Does this model's step over micro-batches equal its full-batch step? Changes nothing.
+
+        Runs one batch whole (twice) and cut into micro-batches from the same
+        weights, and compares the weighted mean of the micro-batch gradients
+        with the whole batch's gradient, per variable. No apply runs, and what
+        the passes assigned is restored. Random ops (dropout) draw numbers.
+
+        Args:
+          batch: one batch, as :meth:`compute` takes one.
+          micro_batch_size: samples per micro-batch; default the trainer's.
+
+        Returns:
+          a :class:`~hostavg.core.check.CheckReport`: ``.ok``, the largest
+          relative difference per variable, and when not ok the likely cause
+          (a loss that is a sum, dropout or batch norm in training mode).
+          ``str(report)`` is a one-line verdict.
+        """
+        raise NotImplementedError
+
+    def per_sample(self, batch):
+        """One row per sample of a batch: its loss, gradient norm and cosine with the mean.
+
+        Each sample is computed alone (in training mode: batch norm normalises
+        a sample by itself, dropout draws for it alone), at one forward and
+        backward pass each; the mean is over the samples whose loss and
+        gradient are finite (the others get a NaN cosine). Changes nothing:
+        what the computes assigned is restored.
+
+        Args:
+          batch: one batch, as :meth:`compute` takes one.
+
+        Returns:
+          a pandas DataFrame indexed by ``sample`` (position in the batch)
+          with columns ``loss``, ``norm``, ``cosine``.
+        """
+        raise NotImplementedError
+
+    def evaluate(self, data, *, batch_size: int | None = None) -> dict:
+        """The loss and metrics over data, sample-weighted, without training; changes nothing.
+
+        Args:
+          data: TF1 ``sess, data`` ({placeholder: array}, with ``metrics=``
+            name -> scalar tensor); Keras ``x, y=None`` (and
+            ``sample_weight=``), arrays or a dataset of batches, its compiled
+            metrics reported.
+          batch_size: samples per evaluated chunk; default 32 for samples, as
+            Keras (a dataset's batches as they come).
+
+        Returns:
+          {"loss": ..., **{metric name: ...}} as floats.
+        """
+        raise NotImplementedError
+
+    def fit(self, data, *, batch_size: int | None = None, micro_batch_size: int | None = None,
+            epochs: int = 1, verbose="auto", callbacks=None, validation_data=None,
+            validation_freq=1, shuffle: bool = True, initial_epoch: int = 0,
+            steps_per_epoch: int | None = None, seed: int | None = None,
+            drop_remainder: bool = False, progress=None, checkpoint_dir=None,
+            checkpoint_every: int | None = None, keep_checkpoints: int = 3) -> History:
+        """Trains over the data for ``epochs``, each batch one step over micro-batches.
+
+        A short last batch is weighted by its real sample count, or dropped
+        with ``drop_remainder``. Hooks and callbacks run at each step and
+        epoch; see the documentation's training guide for resuming and MPI.
+
+        Args:
+          data: TF1 ``sess, data`` (a feed dict of N samples, an iterable of
+            batch feed dicts, or a ``tf.data.Dataset`` of samples with
+            ``inputs=``); Keras ``x, y`` (and ``sample_weight=``) as
+            ``model.fit`` takes them, or a dataset of batches.
+          batch_size: samples per step; default 32 for samples (as Keras),
+            None where the data gives its own batches.
+          micro_batch_size: samples per micro-batch; default the trainer's.
+          epochs: train until this epoch (counted from ``initial_epoch``).
+          verbose: "auto" (a bar on a terminal or in Jupyter, a line per epoch
+            elsewhere), 0 (nothing), 1 (a bar), 2 (a line per epoch), as Keras.
+          callbacks: hooks for this fit only (:class:`~hostavg.core.results.Hook`),
+            after the trainer's; on the Keras face Keras callbacks too.
+            Raising :class:`~hostavg.StopTraining` ends training cleanly.
+          validation_data: evaluated at the end of each due epoch
+            (:meth:`evaluate`, in chunks of ``micro_batch_size``) into
+            ``val_loss`` and ``val_<metric>``; checked before the first epoch.
+          validation_freq: validate every that many epochs (an int), or after
+            the epochs listed (counted from 1), as Keras.
+          shuffle: reorder samples each epoch by a permutation from
+            (``seed``, epoch): the same seed gives the same order every run.
+          initial_epoch: the epoch to start at (a checkpoint's position wins).
+          steps_per_epoch: steps per epoch, the next epoch continuing the data
+            where this one stopped; needed for an endless dataset.
+          seed: the shuffling seed; None draws one (kept in checkpoints).
+          drop_remainder: drop a last batch shorter than ``batch_size``.
+          progress: hostavg's display mode, winning over ``verbose`` where
+            given: one of :data:`hostavg.train.loop.PROGRESS_MODES`.
+          checkpoint_dir: where checkpoints go (:meth:`save`): of the start,
+            every ``checkpoint_every`` steps, at the end, and when an
+            exception or SIGTERM stops fit. If it holds one, fit resumes from
+            the newest: weights, optimizer, step, position, seed and history,
+            bit for bit as an uninterrupted run (stateful random ops aside:
+            :class:`~hostavg.ResumeWarning`).
+          checkpoint_every: steps between checkpoints; None: start and end only.
+          keep_checkpoints: how many of the newest checkpoints are kept.
+
+        Returns:
+          the :class:`~hostavg.History`: ``history.history`` (name -> one
+          value per epoch, as Keras's), ``history.epoch`` and every step's
+          statistics.
+
+        Raises:
+          HostavgError: before training, for bad arguments or data, or a
+            checkpoint of another model; during training, one whose message
+            starts with where it happened (epoch, batch, step) and names the
+            micro-batch's data rows. Any exception leaving fit carries
+            ``.history``, the History up to it.
+        """
+        raise NotImplementedError
+
+    def save(self, path) -> None:
+        """Writes the model's and the optimizer's variables (weights, slots, step) to ``path``.
+
+        One ``.npz`` file written atomically (:mod:`hostavg.train.checkpoint`).
+
+        The TF1 face takes the session first.
+        """
+        raise NotImplementedError
+
+    def restore(self, path) -> dict | None:
+        """Loads a checkpoint written by :meth:`save` or :meth:`fit`; returns fit's state or None.
+
+        The TF1 face takes the session first.
+
+        Raises:
+          HostavgError: if it was written by another model; nothing changes then.
+        """
+        raise NotImplementedError
+
+    @property
+    def spec(self) -> dict:
+        """name -> :class:`~hostavg.VariableSpec` of every trained variable."""
+        return self._ready("trainer.spec").spec
 
     # --- The engine -------------------------------------------------------------------------
 
@@ -109,12 +344,16 @@ class BaseTrainer:
                 f"batch: run compute (or step, fit, evaluate) on a batch first")
         return self._engine
 
-    @property
-    def spec(self) -> dict:
-        """name -> :class:`~hostavg.VariableSpec` of every trained variable."""
-        return self._ready("trainer.spec").spec
+    def _micro_batch_size(self, given, what: str) -> int:
+        """``given``, or the trainer's micro_batch_size; an error naming both where neither is."""
+        if given is None:
+            if self.micro_batch_size is None:
+                raise HostavgError(f"{what} needs micro_batch_size: pass it to {what}, or to the "
+                                   f"trainer (Trainer(..., micro_batch_size=32))")
+            return self.micro_batch_size
+        return positive_int("micro_batch_size", given)
 
-    # --- The methods, once ------------------------------------------------------------------
+    # --- The implementations, once, over a backend and its feeds -----------------------------
 
     def _compute(self, backend: Backend, feed, size: int | None) -> Gradients:
         return self._engine_for(backend, feed, "compute").compute(backend, feed, size)
@@ -136,16 +375,16 @@ class BaseTrainer:
             return self._engine_for(backend, feeds[0], f"step, micro-batch 0 of {len(feeds)}")
         return self._engine
 
-    def _check(self, backend: Backend, data, micro_batch_size: int,
+    def _check(self, backend: Backend, data, micro_batch_size: int | None,
                blocks: Mapping | None = None) -> CheckReport:
-        positive_int("micro_batch_size", micro_batch_size)
+        micro_batch_size = self._micro_batch_size(micro_batch_size, "check")
         n = sample_count(data, "check", blocks)
         if not n:
             leaves = [getattr(k, "name", k) for k in data] if isinstance(data, Mapping) else []
-            said = ("arrays of 0 samples" if n == 0 else
-                    f"only scalars: {', '.join(map(repr, leaves))}" if leaves else "an empty feed")
+            found = ("arrays of 0 samples" if n == 0 else
+                     f"only scalars: {', '.join(map(repr, leaves))}" if leaves else "an empty feed")
             raise HostavgError(f"check: the feed holds no array of samples to cut into "
-                               f"micro-batches ({said}). {ADVICE[backend.framework]['no_samples']}")
+                               f"micro-batches ({found}). {ADVICE[backend.framework]['no_samples']}")
         engine = self._engine_for(backend, data, "check")
         return engine.check(backend, data, split(data, micro_batch_size, blocks=blocks), n)
 
@@ -157,20 +396,27 @@ class BaseTrainer:
         return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines},
                             index=pd.RangeIndex(len(found.losses), name="sample"))
 
-    def _evaluate(self, backend: Backend, data, batch_size: int, metrics=None) -> dict:
+    def _evaluate(self, backend: Backend, data, batch_size: int | None, metrics=None) -> dict:
         """The loss (and metrics) over ``data`` in chunks of ``batch_size``, sample-weighted; what
         the forward pass assigns (a counter, moving statistics in training mode) is restored."""
-        positive_int("batch_size", batch_size)
-        chunks = split(data, batch_size)
+        chunks = split(data, DEFAULT_BATCH_SIZE if batch_size is None
+                       else positive_int("batch_size", batch_size))
         engine = self._engine_for(backend, take(chunks[0], slice(0, 1)) if chunks else data,
                                   "evaluate")
         with engine.leaving_no_trace(backend, "evaluate"):
             return backend.evaluate(chunks, metrics)
 
-    def _fit(self, backend: Backend, source, validate, **kwargs) -> History:
+    def _fit(self, backend: Backend, source, validate, *, micro_batch_size, verbose, progress,
+             validation_freq, **kwargs) -> History:
         """fit over ``source`` (a callable returning the batch source, after the arguments are
-        checked); ``validate(epoch)`` gives the epoch's validation results."""
-        return fit_loop(Bound(self, backend, validate), source, **kwargs)
+        checked); ``validate(epoch)`` gives the epoch's validation results, called at the
+        epochs ``validation_freq`` makes due."""
+        due = validation_due(validation_freq)
+        micro_batch_size = self._micro_batch_size(micro_batch_size, "fit")
+        progress = VERBOSE[checked_verbose(verbose)] if progress is None else progress
+        return fit_loop(TrainerRun(self, backend, lambda epoch: validate(epoch, micro_batch_size)
+                                   if due(epoch + 1) else {}),
+                        source, micro_batch_size=micro_batch_size, progress=progress, **kwargs)
 
     def _save(self, backend: Backend, path, fit: dict | None = None) -> None:
         checkpoint.save(backend, path, fit=fit)
@@ -192,13 +438,13 @@ class BaseTrainer:
         stop flag), or None."""
         return None
 
-    def _part(self, backend: Backend, feeds, sizes) -> tuple:
-        """This trainer's entry of a :func:`step_together`."""
+    def _together_entry(self, backend: Backend, feeds, sizes) -> tuple:
+        """This trainer's entry of a ``step_together``: (engine, backend, feeds, sizes)."""
         return self._for_step(backend, feeds), backend, feeds, sizes
 
 
-class Bound:
-    """A trainer bound to its backend, as fit drives it (:class:`hostavg.train.loop.Run`)."""
+class TrainerRun:
+    """A trainer bound to its backend: what fit drives (:class:`hostavg.train.loop.Run`)."""
 
     def __init__(self, trainer: BaseTrainer, backend: Backend, validate):
         self.trainer, self.backend, self.validate = trainer, backend, validate
@@ -240,7 +486,23 @@ class Bound:
             self.trainer._engine.abandon(error)
 
 
-def entries(steps, kind: type, call: str) -> list[tuple]:
+def checked_verbose(verbose):
+    """Keras's ``verbose``: "auto", 0, 1 or 2 (a bool as 0 or 1)."""
+    if verbose not in VERBOSE or isinstance(verbose, float):
+        raise HostavgError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
+    return int(verbose) if not isinstance(verbose, str) else verbose
+
+
+def validation_due(freq):
+    """Whether an epoch (from 1) validates: every ``freq``-th (an int), or those in ``freq``."""
+    if isinstance(freq, (list, tuple, set, frozenset)):
+        epochs = {positive_int("validation_freq's epochs", e) for e in freq}
+        return lambda epoch: epoch in epochs
+    every = positive_int("validation_freq", freq)
+    return lambda epoch: epoch % every == 0
+
+
+def together_entries(steps, kind: type, call: str) -> list[tuple]:
     """``steps`` checked as ``(trainer, batches)`` or ``(trainer, batches, sizes)`` of ``kind``:
     ``(trainer, batches, sizes)`` each."""
     if isinstance(steps, Mapping) or not isinstance(steps, Sequence) or not steps:

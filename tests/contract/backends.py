@@ -13,9 +13,7 @@ A contract test is written once, against :class:`Backend` and :class:`Face`:
   under the same names, so the two compare key by key.
 
 Adding a backend is one more subclass of :class:`Backend` (and of :class:`Face`
-where its data differs), listed in :data:`BACKENDS`; what it cannot do yet goes
-in its ``missing`` (or ``bugs``), which turns the tests marked
-``@pytest.mark.needs(feature)`` into strict xfails on it alone.
+where its data differs), listed in :data:`BACKENDS`.
 
 Keras's backend is fixed per process (``KERAS_BACKEND``), so a process runs the
 backends of the Keras it has: TF1 and Keras on TensorFlow, or Keras on JAX
@@ -45,26 +43,27 @@ MODELS = (
 SIZES = (5, 11, 16)
 BATCH = sum(SIZES)
 
-#: The issue that asks for the features a backend lists as ``missing``.
-ISSUE = "issue 19"
-
-
 class Face:
-    """One model with its trainer, bound to where its values live.
+    """One model with its trainer, bound to where its values live, called as the trainer is.
 
-    Besides the methods below, a face has the trainer's own, called the same on
-    every backend (a TF1 face passes its session; ``data`` is a neutral batch,
-    ``micro`` one micro-batch of :meth:`cut`): ``step(micro_batches, **kw)``,
-    ``compute(micro)``, ``accumulator()``, ``apply(grads)``,
-    ``check(data, micro_batch_size)``, ``per_sample(data)``, ``fit(data, **kw)``,
-    ``evaluate(data, batch_size)``, ``save(path)``, ``restore(path)``.
+    The faces differ only in what the frameworks differ in: :attr:`where`, the
+    arguments every trainer method takes first (a TF1 session), and
+    :meth:`native`/:meth:`args`, how one batch is given. Every other method
+    is the trainer's own, called the same on every backend (``data`` a
+    neutral batch, ``micro`` one micro-batch of :meth:`cut`).
     """
 
     #: The hostavg trainer, for what tests read of it directly (spec, hooks).
     trainer = None
+    #: What every trainer method takes first.
+    where: tuple = ()
 
     def native(self, data: dict):
-        """One batch of neutral ``data`` in this face's form."""
+        """One batch of neutral ``data`` in this face's form (what ``step`` takes a list of)."""
+        raise NotImplementedError
+
+    def args(self, batch) -> tuple:
+        """One batch in this face's form as the positional arguments of ``compute``."""
         raise NotImplementedError
 
     def cut(self, data: dict, sizes) -> list:
@@ -74,6 +73,38 @@ class Face:
             return hostavg.split(self.native(data), sizes)
         return [self.native({k: v[s] for k, v in data.items()})
                 for s in cuts(len(data["y"]), sizes)]
+
+    def step(self, micro, **kw):
+        return self.trainer.step(*self.where, micro, **kw)
+
+    def compute(self, micro):
+        return self.trainer.compute(*self.where, *self.args(micro))
+
+    def accumulator(self):
+        return self.trainer.accumulator(*self.where)
+
+    def apply(self, grads):
+        return self.trainer.apply(*self.where, grads)
+
+    def check(self, data, micro_batch_size):
+        return self.trainer.check(*self.where, *self.args(self.native(data)),
+                                  micro_batch_size=micro_batch_size)
+
+    def per_sample(self, data):
+        return self.trainer.per_sample(*self.where, *self.args(self.native(data)))
+
+    def fit(self, data, **kw):
+        return self.trainer.fit(*self.where, *self.args(self.native(data)), **kw)
+
+    def evaluate(self, data, batch_size):
+        return self.trainer.evaluate(*self.where, *self.args(self.native(data)),
+                                     batch_size=batch_size)
+
+    def save(self, path):
+        self.trainer.save(*self.where, path)
+
+    def restore(self, path):
+        return self.trainer.restore(*self.where, path)
 
     def values(self) -> dict:
         """Every variable's value by name: weights, optimizer state, step, moving statistics."""
@@ -102,24 +133,11 @@ class Backend:
 
     Attributes:
       id: the test id.
-      missing: feature -> why, for the features of issue 19 this face lacks.
-      bugs: feature -> the bug, for promises this face breaks today.
     """
 
     id = ""
-    missing: dict = {}
-    bugs: dict = {}
     #: Whether an embedding's gradient comes as rows (a SparseGradient); dense on JAX.
     sparse_rows = True
-
-    def lacks(self, feature: str) -> str | None:
-        """Why a test that needs ``feature`` is expected to fail here, or None."""
-        if feature in self.bugs:
-            return self.bugs[feature]
-        if feature in self.missing:
-            return (f"{ISSUE}: {self.missing[feature]} (when it passes, remove {feature!r} from "
-                    f"{type(self).__name__}.missing in tests/contract/backends.py)")
-        return None
 
     def make(self, model: str = "mlp", optimizer: str = "adam", **trainer_kw) -> Face:
         """``model`` (one of :data:`MODELS`) from fixed weights, with a trainer whose optimizer
@@ -146,39 +164,13 @@ class Backend:
 class TF1Face(Face):
     def __init__(self, model, trainer, sess):
         self.model, self.trainer, self.sess = model, trainer, sess
+        self.where = (sess,)
 
     def native(self, data):
         return self.model.feed(data)
 
-    def step(self, micro, **kw):
-        return self.trainer.step(self.sess, micro, **kw)
-
-    def compute(self, micro):
-        return self.trainer.compute(self.sess, micro)
-
-    def accumulator(self):
-        return self.trainer.accumulator(self.sess)
-
-    def apply(self, grads):
-        return self.trainer.apply(self.sess, grads)
-
-    def check(self, data, micro_batch_size):
-        return self.trainer.check(self.sess, self.native(data), micro_batch_size)
-
-    def per_sample(self, data):
-        return self.trainer.per_sample(self.sess, self.native(data))
-
-    def fit(self, data, **kw):
-        return self.trainer.fit(self.sess, self.native(data), **kw)
-
-    def evaluate(self, data, batch_size):
-        return self.trainer.evaluate(self.sess, self.native(data), batch_size=batch_size)
-
-    def save(self, path):
-        self.trainer.save(self.sess, path)
-
-    def restore(self, path):
-        return self.trainer.restore(self.sess, path)
+    def args(self, batch):
+        return (batch,)
 
     def loss(self, data):
         return float(self.sess.run(self.trainer.loss, self.native(data)))
@@ -276,35 +268,8 @@ class KerasFace(Face):
     def native(self, data):
         return keras_batch(data)
 
-    def step(self, micro, **kw):
-        return self.trainer.step(micro, **kw)
-
-    def compute(self, micro):
-        return self.trainer.compute(micro)
-
-    def accumulator(self):
-        return self.trainer.accumulator()
-
-    def apply(self, grads):
-        return self.trainer.apply(grads)
-
-    def check(self, data, micro_batch_size):
-        return self.trainer.check(*self.native(data), micro_batch_size)
-
-    def per_sample(self, data):
-        return self.trainer.per_sample(self.native(data))
-
-    def fit(self, data, **kw):
-        return self.trainer.fit(*self.native(data), **kw)
-
-    def evaluate(self, data, batch_size):
-        return self.trainer.evaluate(*self.native(data), batch_size=batch_size)
-
-    def save(self, path):
-        self.trainer.save(path)
-
-    def restore(self, path):
-        return self.trainer.restore(path)
+    def args(self, batch):
+        return batch
 
     def loss(self, data):
         x, y = self.native(data)
@@ -409,6 +374,6 @@ def same(got: dict, want: dict, atol: float = 0.0, skip=()) -> None:
     assert not differ, f"differ (largest absolute difference): {differ}"
 
 
-def said(error: BaseException) -> str:
+def message_with_notes(error: BaseException) -> str:
     """An exception's message with its notes: all it tells a user."""
     return "\n".join([str(error), *getattr(error, "__notes__", ())])

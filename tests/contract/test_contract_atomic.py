@@ -7,7 +7,7 @@ failed step must put back. Everything is compared bit for bit.
 
 import numpy as np
 import pytest
-from backends import BATCH, SIZES, same, said
+from backends import BATCH, SIZES, message_with_notes, same
 from models import FEATURES, batches, cuts
 
 import hostavg
@@ -63,7 +63,7 @@ def test_a_failed_step_changes_nothing_and_names_its_micro_batch_and_rows(backen
     with pytest.raises(kind) as raised:
         face.step(micro, rows=ROWS)
     same(face.values(), before)
-    text = said(raised.value)
+    text = message_with_notes(raised.value)
     assert word in text and "micro-batch 1 of 3" in text, text
     assert f"data rows [{ROWS[1][0]}, {ROWS[1][1]}, " in text, text
     np.testing.assert_array_equal(raised.value.rows, ROWS[1])

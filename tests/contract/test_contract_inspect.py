@@ -25,7 +25,6 @@ def test_check_passes_a_mean_loss_and_names_a_sum_or_dropout(backend, model, ok,
         assert report.scale == pytest.approx(4, rel=1e-4)  # 4 equal micro-batches
 
 
-@pytest.mark.needs("evaluate_changes_nothing")
 def test_evaluate_is_the_frameworks_loss_over_all_the_data_and_changes_nothing(backend):
     face = backend.make("batchnorm")
     data = batches(15, 2, BATCH)
@@ -36,7 +35,6 @@ def test_evaluate_is_the_frameworks_loss_over_all_the_data_and_changes_nothing(b
     assert got["loss"] == pytest.approx(face.loss(data[1]), rel=1e-6)
 
 
-@pytest.mark.needs("per_sample")
 def test_per_sample_is_each_sample_computed_alone_and_changes_nothing(backend):
     face = backend.make("batchnorm")
     data = batches(9, 2, BATCH)
@@ -63,7 +61,6 @@ def test_per_sample_is_each_sample_computed_alone_and_changes_nothing(backend):
 RATIOS = [("mlp", "sgd"), ("mlp", "adam"), ("embedding", "adagrad")]
 
 
-@pytest.mark.needs("update_ratios")
 @pytest.mark.parametrize("model,optimizer", RATIOS, ids=["-".join(r) for r in RATIOS])
 def test_update_ratios_and_learning_rate_are_those_of_the_apply(backend, model, optimizer):
     face = backend.make(model, optimizer, update_ratios_every=1)

@@ -51,7 +51,6 @@ class Calls:
         return [at for name, at in self.calls if name == method]
 
 
-@pytest.mark.needs("step_together")
 def test_stepping_together_equals_computing_both_then_applying_both(backend):
     data = batches(12, 1, BATCH)[0]
     a, b = backend.pair()
@@ -73,7 +72,6 @@ def fit_data():
     return batches(13, 1, 40)[0]
 
 
-@pytest.mark.needs("fit_callbacks_get_hook_methods", "trainer_hooks_get_on_train_end")
 def test_hooks_and_fit_callbacks_get_every_hook_method(backend):
     """An object's hook methods are called wherever it is registered: in the trainer's hooks
     or in fit's callbacks."""
