@@ -25,6 +25,6 @@ def test_shape_reports_each_excess_and_fails(tmp_path):
         f'def f():\n    """Docstring lines are not code."""\n    # nor comments\n\n{body}\n')
     run = subprocess.run([sys.executable, str(SCRIPT), str(package)], capture_output=True, text=True)
     assert run.returncode == 1
-    assert "over: 62 lines pkg/long.py:" in run.stdout  # the def line and 61 assignments
-    assert "over: 31 lines pkg/long.py:4 C" in run.stdout
+    assert "over: 62 lines pkg/long.py:58 f" in run.stdout  # the def line and 61 assignments
+    assert "over: 31 lines pkg/long.py:24 C" in run.stdout
     assert "over: 21 lines pkg/long.py\n" in run.stdout
