@@ -1,59 +1,21 @@
 """The training loop behind ``Trainer.fit``: batches, micro-batches, epochs, checkpoints.
 
 The loop knows no framework: it drives a :class:`Run` (a trainer bound to a
-TF1 session, or a Keras trainer) over a source of batches. A Keras trainer's
-data is arrays ``(x, y)`` or ``(x, y, sample_weight)``, cut by
-:class:`ArraySource`. For the TF1 trainer, three kinds of ``data`` exist:
+TF1 session, or a Keras trainer) over a source of batches
+(:class:`ArraySource`, :class:`IterableSource`, or a face's own). :func:`fit`
+checks its arguments, then runs named pieces around a :class:`FitState` (the
+position in the data, the History, the steps saved) and a :class:`FitPlan`
+(what it was asked to do): :func:`resume`, :func:`train_begin`,
+:func:`train_epoch`, :func:`train_step` and :func:`checkpoint`.
 
-* a Mapping ``{placeholder: array}``, every array of one length N: each epoch
-  is cut into batches of ``batch_size`` samples (shuffled with ``seed`` when
-  ``shuffle``), each batch into micro-batches of ``micro_batch_size``;
-* an iterable of batches, each a feed dict (a list, or a callable that returns
-  a fresh iterable each epoch; a one-shot generator serves one epoch only);
-  ``shuffle`` does not apply, the order is the iterable's;
-* a ``tf.data.Dataset`` of single samples made in eager mode (outside
-  ``graph.as_default()``), with ``inputs=`` mapping each element's keys (for
-  dict elements) or positions (for tuples) to placeholders; fit shuffles it
-  with ``seed`` and batches it.
+Every batch is weighted by its real number of samples. fit's position is the
+epoch and the samples (and batches) taken in it; a checkpoint stores it with
+the seed and the batch size, and a resumed run continues at that sample bit
+for bit. A step and its bookkeeping are one: a signal that arrives once the
+step's apply has begun waits until fit has counted the step.
 
-Every batch is weighted by its real number of samples, a short last batch too.
-Data that gives no batch (no samples, or only batches that ``drop_remainder``
-drops) is refused: an epoch must train at least one step.
-
-fit's position is the epoch and, within it, the samples (and batches) taken
-from the data so far. A checkpoint stores it with the seed and the batch size;
-a resumed run continues at that sample of the same epoch's order, with the
-same batch size bit for bit like a run that was never stopped, with another
-at the same sample all the same (an iterable's batches are its own: it
-continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
-or SIGTERM that arrives once the step's apply has begun waits until fit has
-counted the step (see :mod:`hostavg.engine.signals`), so the position saved on the way
-out always matches the global step. A checkpoint folder that holds no
-checkpoint gets one of the start (weights, seed, position) before the first
-step, so a run killed before its first checkpoint resumes as itself too (and
-a :class:`~hostavg.hooks.Record` continues its record).
-
-Which programs resume bit for bit: those whose random state is in their
-variables or their seed. Stateful random ops of a TF1 graph
-(``tf.nn.dropout``'s RandomUniform, noise, candidate samplers) keep their
-state in the session's kernels, which no checkpoint can hold: a resumed run
-draws other numbers from them than an uninterrupted one, and fit warns
-(:class:`ResumeWarning`) when it resumes such a model
-(:attr:`hostavg.core.check.RandomOp.saved`). Keras 3 keeps its random state
-in variables (SeedGenerator), which checkpoints hold, as does
-``tf.random.Generator``.
-
-With a trainer made with ``comm=`` (several MPI processes), every rank runs
-fit on the same data: each batch is split into contiguous shares, one per
-rank, so each sample is seen once per epoch overall and one step averages
-over the whole batch. The seed is rank 0's; only rank 0 shows progress and
-writes checkpoints, and every rank resumes from them (the checkpoint folder
-must be one that every rank reads, such as a shared file system).
-Validation runs on every rank over all of the validation data. No rank waits
-for another forever: before training the ranks compare their data's size,
-arguments and position, and at every epoch's end they meet; a rank that
-differs (data of another size, an iterable with fewer batches, a checkpoint
-another rank does not see) makes every rank raise the same HostavgError.
+See docs/guides/training.md for the kinds of data, resuming, random state and
+MPI.
 """
 
 from __future__ import annotations
@@ -229,7 +191,7 @@ class FitState:
         without ``steps_per_epoch``. The data's order depends on (seed, pass).
       batch: the batches taken from the pass so far.
       samples: the samples taken from the pass so far.
-      seed: the seed of the data's order (None until fit draws or agrees on it).
+      seed: the seed of the data's order (None until fit draws one or takes rank 0's).
       history: the History fit returns.
       global_step: the global step the last step left (for error messages).
       saved_step: the global step of the newest checkpoint fit wrote or
@@ -351,7 +313,7 @@ def _shared_seed(run: Run, plan: FitPlan, state: FitState, samples) -> int:
     seed = state.seed if state.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
     if run.comm is None:
         return seed
-    return _rank_0_seed_of_identical_ranks(run, seed, {
+    return _rank_0_seed_once_ranks_match(run, seed, {
         "samples": samples, "batches per epoch": plan.num_batches,
         "batch_size": plan.batch_size, "micro_batch_size": plan.micro_batch_size,
         "epochs": plan.epochs, "drop_remainder": plan.drop_remainder,
@@ -528,7 +490,7 @@ def _few(items: list, shown: int = 3) -> str:
                                        if len(items) > shown else "")
 
 
-def _rank_0_seed_of_identical_ranks(run: Run, seed: int, settings: dict) -> int:
+def _rank_0_seed_once_ranks_match(run: Run, seed: int, settings: dict) -> int:
     """Rank 0's ``seed``, once every rank's fit ``settings`` (its data's size, arguments and
     position) are the same; else a HostavgError on every rank, before anything trains."""
     everyone = run.gather("the start of fit", (seed, settings))
