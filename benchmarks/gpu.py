@@ -92,14 +92,14 @@ class ToPinned:
 
     def __init__(self, arrays, sharding):
         self.sharding = sharding
-        self.copy = jax.jit(lambda a, land: a, donate_argnums=1, keep_unused=True,
+        self.copy = jax.jit(lambda a, buffers: a, donate_argnums=1, keep_unused=True,
                             out_shardings=[sharding] * len(arrays))
-        self.landing = [jax.device_put(jnp.zeros(a.shape, a.dtype), sharding) for a in arrays]
+        self.buffers = [jax.device_put(jnp.zeros(a.shape, a.dtype), sharding) for a in arrays]
 
     def __call__(self, arrays):
-        self.landing = self.copy(arrays, self.landing)
-        jax.block_until_ready(self.landing)
-        return self.landing
+        self.buffers = self.copy(arrays, self.buffers)
+        jax.block_until_ready(self.buffers)
+        return self.buffers
 
 
 def bus(nbytes: int, repeats: int) -> dict:

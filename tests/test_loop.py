@@ -356,3 +356,17 @@ def test_a_resumed_fit_continues_its_record(tmp_path):
     record = hostavg.load_record(rec)
     assert record.steps == [1, 2, 3, 4, 5, 6]
     assert [record[s].loss for s in record.steps] == [s.loss for s in history.steps]
+
+
+def test_train_begin_moves_fit_back_to_the_epoch_a_restoring_hook_returns():
+    # One piece of fit alone: a hook that restored a backup of epoch 1's start undoes what
+    # the History held from there on, and the position starts that epoch's pass afresh.
+    from types import SimpleNamespace
+    from hostavg.train.loop import FitState, train_begin
+    state = FitState(epoch=3, data_pass=4, batch=2, samples=64)
+    state.history.steps = [SimpleNamespace(epoch=e) for e in (0, 1, 2, 3)]
+    state.history.epochs = [{"epoch": e} for e in (0, 1, 2)]
+    train_begin({"on_train_begin": [lambda: None, lambda: 1]}, state)
+    assert (state.epoch, state.data_pass, state.batch, state.samples) == (1, 1, 0, 0)
+    assert [s.epoch for s in state.history.steps] == [0]
+    assert state.history.epochs == [{"epoch": 0}]

@@ -1,59 +1,16 @@
 """``hostavg bench``: hostavg's step time and host memory side by side with the alternatives.
 
-Every implementation trains the same model from the same initial weights on
-the same micro-batches, in one process, interleaved (each repeat times one
-step of every implementation, in a rotating order), and reports the median
-step time. Implementations:
+Every implementation (:data:`IMPLEMENTATIONS`: the hostavg variants,
+``in-graph`` accumulation, the hand-written ``plain-host`` recipe,
+``full-batch``, and the Keras ones) trains the same model from the same
+initial weights on the same micro-batches, in one process, interleaved, with
+the configuration's optimizer (:data:`OPTIMIZERS`), and reports the median
+step time and its ratio to the configuration's baseline (``full-batch`` at
+k = 1, else ``in-graph``, else ``keras-accum``). Peak host memory is
+measured per implementation in a fresh process.
 
-* ``hostavg``: the defaults (accumulate="sum", average="host");
-* ``hostavg-stack``: accumulate="stack"; ``hostavg-graph``: average="graph";
-* ``hostavg-overlap``: overlap=True (the next micro-batch computes while the
-  host adds this one); ``hostavg-caller``: session_threads="caller" (each
-  session call runs its ops in the calling thread); outside the overhead grid
-  neither runs unless named;
-* ``hostavg-stack+stats``: accumulate="stack", reading every statistic each
-  step (the stack-only ones are computed when read, so ``hostavg-stack`` is
-  the same with them off). In "sum" mode the statistics come from the squared
-  norms that also serve as the NaN check, so there is nothing to switch off;
-* ``in-graph``: non-trainable accumulator variables updated with
-  ``assign_add`` (``scatter_add`` for sparse gradients) per micro-batch, with
-  nothing fetched, then one run that applies their weighted mean and zeroes
-  them: the usual in-graph accumulation;
-* ``plain-host``: the recipe people write by hand: ``sess.run`` of the
-  gradient list per micro-batch, ``np.stack`` per variable, a ``reduce_mean``
-  placeholder graph, then ``sess.run(train_op, feed_dict=...)`` through the
-  gradient tensors (sparse gradients are fetched dense);
-* ``full-batch``: one ``minimize`` step on the concatenated batch, no
-  accumulation: the compute floor, where memory allows. At k = 1 it is the
-  program's own train op run on the same feed, what hostavg replaces;
-* ``hostavg-keras``: the same model as a Keras 3 model (same layers and
-  initial weights, :mod:`hostavg.cli.models`), trained by ``hostavg.keras.Trainer``
-  with its defaults;
-* ``hostavg-keras-overlap``: the same with ``overlap=True``; outside the GPU
-  grid it runs only when named;
-* ``keras-accum``: that Keras model compiled with Keras 3's own accumulation,
-  ``Adam(..., gradient_accumulation_steps=k)``, one ``train_on_batch`` per
-  micro-batch: Keras's answer to the same problem.
-
-On Keras's JAX backend (``KERAS_BACKEND=jax``) only the Keras implementations
-run (TensorFlow is never imported), by default ``hostavg-keras`` and
-``keras-accum``, and ``keras-accum`` is every configuration's baseline.
-
-Every implementation uses the configuration's optimizer (:data:`OPTIMIZERS`):
-``tf.compat.v1.train.AdamOptimizer(1e-3)`` or ``GradientDescentOptimizer(0.1)``;
-the Keras ones ``keras.optimizers.Adam(1e-3, epsilon=1e-8)`` (the same update)
-or ``SGD(0.1)``, so every implementation ends with the same weights.
-
-Each configuration's ratios are to its baseline: ``full-batch`` at k = 1 (the
-program's own ``minimize`` step, so the ratio is hostavg's overhead), else
-``in-graph`` (the usual way to accumulate); where neither runs, ``keras-accum``. Steps of a millisecond or less
-are timed several at a time (``min_sample_s``): one sample is as many
-consecutive steps as the slowest implementation takes that long for, and
-records their mean.
-
-Peak host memory is measured per implementation in a fresh process (the peak
-resident set size during a few steps, above what it was before them), since a
-process's allocators keep what earlier implementations freed.
+See docs/explanation/performance.md for what each implementation runs, the
+baselines and how short steps are timed.
 """
 
 from __future__ import annotations

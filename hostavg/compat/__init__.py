@@ -1,20 +1,13 @@
 """The private framework APIs hostavg uses: one module per framework, each API detected, each with a public fallback.
 
 A few private APIs of CPython and TensorFlow sit on hostavg's per-micro-batch
-path, where their public twins cost Python time on every call (see each
-wrapper's docstring); one of JAX's tells which variables the loss depends on.
-Each is wrapped in one small named function in the module of its framework,
-:mod:`hostavg.compat.python` (``_signal``), :mod:`hostavg.compat.tensorflow`
-(imported by the TF1 backend and Keras's TensorFlow backend only) and
-:mod:`hostavg.compat.jax` (by Keras's JAX backend only).
-When that module is imported, each private API is detected (it exists and
-behaves as expected on a small probe) and the wrapper becomes either the
-private form or its public fallback, which gives the same results.
-
-The switch: with the environment variable ``HOSTAVG_PUBLIC_API_ONLY=1`` set
-before hostavg is imported, every wrapper is its public fallback and
-:func:`private_apis` is empty. Unset or ``0``: private APIs are used where
-they work. Any other value is refused.
+path, where their public twins cost Python time on every call; one of JAX's
+tells which variables the loss depends on. Each is wrapped in one small named
+function in its framework's module (:mod:`hostavg.compat.python`,
+:mod:`hostavg.compat.tensorflow`, :mod:`hostavg.compat.jax`), which at import
+detects the private API and otherwise uses its public fallback. With
+``HOSTAVG_PUBLIC_API_ONLY=1`` set before hostavg is imported, every wrapper is
+its fallback and :func:`private_apis` is empty.
 
 This module itself is standard library only (and hostavg's one exception type).
 
@@ -22,8 +15,8 @@ Example::
 
     import hostavg
     hostavg.private_apis()  # ('_signal.getsignal', '_signal.signal')
-    hostavg.Trainer         # imports the TF1 backend, and hostavg.compat.tensorflow with it
-    hostavg.private_apis()  # TensorFlow's six too
+
+See docs/explanation/ownership.md for detection and the switch.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """TensorFlow's private APIs that hostavg uses, each detected at import, each with a public fallback.
 
 Imported by the TF1 and Keras backends only (it imports TensorFlow). Each
-wrapper below is the private form where, when this module is imported, the
-private API exists and behaves, and else its public fallback; with
-``HOSTAVG_PUBLIC_API_ONLY=1`` set before hostavg is imported, every wrapper is
-its public fallback (see :mod:`hostavg.compat`). Detection runs no session and
-no eager op, so it initialises no device: probes use signatures, dtypes and a
-small graph.
+wrapper is the private form where the private API exists and behaves, and
+else its public fallback (always with ``HOSTAVG_PUBLIC_API_ONLY=1``; see
+:mod:`hostavg.compat`). Detection runs no session and no eager op, so it
+initialises no device. The wrappers: :func:`session_call`,
+:func:`input_types`, :func:`is_ref_dtype`, :func:`learning_rate`,
+:func:`eager_tensor` and :func:`concrete_call`.
 
-The wrappers, each with its private API and its public fallback:
-
-* :func:`session_call`: ``Session._make_callable_from_options``; ``sess.run``,
-  given the same ``RunOptions``.
-* :func:`input_types`: ``Operation._input_types``; the op's ``op_def`` and
-  ``get_attr``.
-* :func:`is_ref_dtype`: ``DType._is_ref_dtype``; ``dtype != dtype.base_dtype``.
-* :func:`learning_rate`: a TF1 optimizer's ``_learning_rate_tensor`` or
-  ``_lr_t``; the ``lr`` (or ``alpha``) input of the apply kernels the train
-  op runs.
-* :func:`eager_tensor`: the ``EagerTensor`` constructor; ``tf.convert_to_tensor``.
-* :func:`concrete_call`: ``ConcreteFunction._call_flat``; the
-  ConcreteFunction's own ``__call__``.
-
-Every fallback gives the same values, bit for bit (the same kernels run on
-the same inputs); what differs is the time per call (and a copy of each
-array, for :func:`eager_tensor`), and, for
-:func:`learning_rate`, which optimizers expose their rate (the fallback finds
-it only where an apply kernel takes it as an input).
+See docs/explanation/ownership.md for each wrapper's private API, its
+fallback and how they differ.
 """
 
 from __future__ import annotations

@@ -8,22 +8,13 @@ where g_i is the gradient of micro-batch i's MEAN loss and w_i its weight
 (by default its number of samples). With w_i = n_i this is exactly the
 gradient of the mean loss over the concatenated batch.
 
-Numerics: dense values are accumulated in ``accum_dtype`` (by default each
-variable's own dtype; float32 for bfloat16 and the float8 types, see
-:mod:`hostavg.core.dtypes`), in the order the micro-batches were added. The
-sum is kept as ``s * buffer``, s the largest weight so far: the buffer starts
-as g_1 (s = w_1); a micro-batch of weight s is added as it is (one pass over
-the values, the common case), a lighter one as ``(w_i / s) * g_i``, and a
-heavier one first rescales the buffer by ``s / w_i`` and becomes the new s.
-Every factor is at most 1, so no weight, however large or small, can
-overflow the sum (weights 1e-40 and 1 in float32 give g_2 plus a negligible
-g_1, not Inf). The mean is ``buffer * (s / sum_i w_i)``, a factor of at most 1
-too. The "sum" and "stack" modes run this same arithmetic
-(:class:`RunningSum`), so they give bit-identical means. Sparse rows are kept
-as they come (indices, values, weight) and summed once, in
-:meth:`Accumulator.mean`, weighted by ``w / s`` then scaled by ``s / sum_i
-w_i`` alike, so their memory is the number of rows seen, never the size of
-the table. Weights must be finite and > 0, with a finite total (float64).
+Dense values are accumulated in ``accum_dtype``, in the order added, kept as
+``s * buffer`` with s the largest weight so far, so that no weight can
+overflow the sum; "sum" and "stack" run the same arithmetic
+(:class:`RunningSum`) and give bit-identical means. Sparse rows are kept as
+they come and summed once, in :meth:`Accumulator.mean`.
+
+See docs/explanation/computes.md for the numerics in detail.
 """
 
 from __future__ import annotations
@@ -215,10 +206,8 @@ class Accumulator:
         :func:`numpy_reduce` (a trainer with ``average="graph"`` passes one that
         runs in its session).
 
-    What is added is owned by the accumulator from then on: arrays hostavg
-    froze are kept as they are, any other array is copied (see
-    :mod:`hostavg.core.gradients`), so changing or reusing it later changes nothing
-    here.
+    What is added is owned by the accumulator from then on (a copy where
+    hostavg did not freeze it); see docs/explanation/ownership.md.
 
     Attributes:
       count: micro-batches added since construction or :meth:`reset`.

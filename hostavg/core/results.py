@@ -206,39 +206,17 @@ class Hook(Protocol):
     the object is registered.
 
     Per step (by the trainer, inside every step, fit's or yours):
+    ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
+    None, replacement gradients or a :class:`Drop`), ``on_step(mean, result)``
+    before the apply (returns None or a replacement mean), ``on_applied(result)``
+    once the apply succeeded (never for a step that failed or was skipped).
 
-    - ``on_micro_batch(micro)`` gets each :class:`MicroBatch`, with its
-      gradients, before it is accumulated, and returns None (keep it), a
-      mapping of replacement gradients, or a :class:`Drop`.
-    - ``on_step(mean, result)`` gets the mean :class:`Gradients` and the
-      :class:`StepResult` before the apply, and returns None or a replacement mean.
-    - ``on_applied(result)`` gets the final StepResult once the apply succeeded
-      (what was applied, ``update_ratios``, ``learning_rate``); it is never
-      called for a step that failed, was rolled back or was skipped, so a hook
-      that writes steps somewhere (:class:`hostavg.hooks.Record`,
-      :class:`hostavg.hooks.TensorBoard`) writes only steps that happened.
-
-    Per fit (by ``fit``, for the trainer's hooks and fit's callbacks alike), in this order:
-
-    - ``on_resume(step)`` when fit resumes from a checkpoint at global step ``step``;
-    - ``on_train_begin()`` once, before the first epoch; it may return the
-      epoch at which training starts instead (a hook that restored a backup
-      taken then), or None;
-    - ``on_epoch_begin(epoch)`` as each epoch starts (from 0);
-    - ``on_batch_begin(batch)`` before each step, ``batch`` counting the
-      epoch's steps from 0;
-    - ``on_batch_end(batch, logs)`` after each step fit counted (``logs``:
-      "loss", the epoch's sample-weighted mean loss so far, and the training
-      metrics so far);
-    - ``on_epoch_end(epoch, logs)`` after each epoch (``logs`` holds "epoch",
-      "loss", "samples", "steps", the training metrics and the validation
-      results "val_*"); raising :class:`~hostavg.StopTraining` ends fit cleanly;
-    - ``on_train_end(history)`` once, when fit ends short of an exception;
-    - ``close()`` when fit ends, however it ends.
-
-    ``on_step_end(step, result)``, the callback method of earlier versions, is
-    still called by fit after each step it counted (after ``on_applied``, once
-    the step is in the History and checkpointed); new code uses ``on_applied``.
+    Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
+    the epoch training starts at), ``on_epoch_begin(epoch)``,
+    ``on_batch_begin(batch)``, ``on_batch_end(batch, logs)``,
+    ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``, and ``close()``
+    however fit ends; ``on_step_end(step, result)`` of earlier versions too.
+    See docs/explanation/step.md for what each gets and returns.
 
     Hooks run in the order given, the trainer's before fit's callbacks; an
     exception raised in a step-level method propagates as it is, with a note

@@ -1,27 +1,16 @@
 """Cutting a batch into micro-batches. Pure NumPy.
 
-A batch is either
+A batch is a feed dict ``{placeholder: value}`` (the TF1 trainer) or a tuple
+such as ``(x, y)`` or ``(x, y, sample_weight)`` (the Keras trainer), each
+element a value or a dict ``{name: value}``. An *array* (at least one
+dimension; a list or tuple inside a dict) runs over samples on axis 0; every
+other value (a scalar, None) is passed unchanged to every micro-batch.
 
-* a feed dict ``{placeholder: value}`` (the TF1 trainer), or
-* a tuple such as ``(x, y)`` or ``(x, y, sample_weight)`` (the Keras
-  trainer), each element a value or a dict ``{name: value}`` (a multi-input
-  model's x).
+Blocks: ``blocks={key: b}`` says an array's rows are b blocks of the
+batch's samples one after another (a discriminator's real and fake labels);
+every micro-batch then gets the matching rows of each block.
 
-An *array* is a NumPy array with at least one dimension, or a list or tuple
-inside a dict (converted with ``np.asarray``); its axis 0 runs over samples.
-Every other value (a Python or NumPy scalar, a 0-d array: a learning rate, an
-``is_training`` flag; None) belongs to no sample and is passed unchanged to
-every micro-batch.
-
-Blocks: some programs feed one array whose rows are several blocks of the
-batch's samples one after another, such as the labels of a discriminator that
-sees ``tf.concat([real_images, generated_images], 0)``: 2 N labels for N
-samples. ``blocks={labels: 2}`` says so; every micro-batch then gets the
-matching rows of each block (real labels of its samples, then fake ones).
-The micro-batches ``split(..., blocks=)`` returns keep their blocks (``.blocks``;
-see :func:`blocks_of`), so ``step``, ``step_together`` and ``check`` tell their
-sizes; micro-batches cut by hand, whose arrays have different lengths, take
-``sizes=``. ``fit`` does all of that itself.
+See docs/guides/training.md for blocks and sizes in detail.
 """
 
 from __future__ import annotations

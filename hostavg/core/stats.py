@@ -3,26 +3,17 @@
 Notation, shared by every function here: ``G`` is a (k, D) array whose row i is
 micro-batch i's gradient g_i (the gradient of its MEAN loss), flattened; ``b``
 holds the k micro-batch sizes (or weights); B = sum_i b_i and
-Gbar = sum_i b_i g_i / B, the gradient of the whole batch. The per-sample
-gradients are modelled as having mean G_true and covariance Sigma, so that
-g_i has covariance Sigma / b_i. Everything is computed in float64.
+Gbar = sum_i b_i g_i / B, the gradient of the whole batch. Everything is
+computed in float64.
 
-* S = sum_i b_i |g_i - Gbar|^2 / (k - 1) is an unbiased estimate of tr(Sigma);
-* g2 = |Gbar|^2 - S / B is an unbiased estimate of |G_true|^2;
-* b_simple = S / g2 is the "simple noise scale" of McCandlish et al. (2018),
-  *An Empirical Model of Large-Batch Training*: the batch size around which
-  larger batches stop paying off. With equal sizes b these equal the paper's
-  two-batch-size estimators with B_small = b and B_big = k b.
+* S = sum_i b_i |g_i - Gbar|^2 / (k - 1) estimates tr(Sigma);
+* g2 = |Gbar|^2 - S / B estimates |G_true|^2;
+* b_simple = S / g2 is the "simple noise scale" of McCandlish et al. (2018).
 
-Single-step estimates are noisy: g2 can come out negative (then b_simple is
-negative too, and meaningless). Average over steps, e.g. with
-:class:`NoiseScale`, before reading them.
+Single-step estimates are noisy: average over steps (:class:`NoiseScale`).
 
-The tests of Byrd et al. (2012) and Bollapragada et al. (2017), as the Cockpit
-debugger uses them, say whether the batch is large enough for the gradient's
-norm (:func:`norm_test`), its inner product with the true gradient
-(:func:`inner_product_test`) and its direction (:func:`orthogonality_test`) to
-be trusted; values above 1 mean "too noisy for this batch size".
+See docs/explanation/computes.md for the model behind them and the batch-size
+tests.
 """
 
 from __future__ import annotations
@@ -63,13 +54,10 @@ class StepStats:
     """Statistics of one optimizer step, on every StepResult as ``result.stats``.
 
     Estimates that need two micro-batches are None when fewer were
-    accumulated. The noise scale and the norm test come from running sums
-    (sum_i b_i |g_i|^2 and the mean) in O(parameters) memory, in both modes.
-    Those marked "stack" need every micro-batch's gradients, so they are None
-    in ``accumulate="sum"``; in "stack" mode they are computed when first read
-    (one dot product per micro-batch and variable, and GSNR's per-coordinate
-    spread), so a step pays for them only if someone looks. Dropped micro-batches (see hooks) count in
-    ``micro_norms`` and ``micro_losses`` only.
+    accumulated; those marked "stack" are None in ``accumulate="sum"`` and, in
+    "stack" mode, computed when first read. Dropped micro-batches (see hooks)
+    count in ``micro_norms`` and ``micro_losses`` only. See
+    docs/explanation/computes.md for what each costs.
 
     Attributes:
       grad_norm: L2 norm of the applied mean gradient.
@@ -88,9 +76,7 @@ class StepStats:
       pairwise_cosines: (k_accumulated, k_accumulated) the cosine between
         every two accumulated micro-batches' gradients, g_i . g_j / (|g_i| |g_j|)
         over every variable (a read-only float64 array; 1 on the diagonal, NaN
-        in the row and column of a gradient of norm 0); stack only. Streamed
-        variable by variable in float64 blocks (no (k, D) copy), one Gram
-        matrix update per block; the same as
+        in the row and column of a gradient of norm 0); stack only. The same as
         ``hostavg.stats.pairwise_cosines(hostavg.stats.flatten(grads)[0])``.
     """
 

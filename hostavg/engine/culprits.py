@@ -1,29 +1,13 @@
 """Which samples make a micro-batch non-finite: looked for once it was, at most once per sample.
 
 When a micro-batch's own loss or gradients hold NaN or Inf, the engine looks
-at its samples (:meth:`hostavg.engine.step.Engine.step`, once every
-micro-batch of the step has run), the cheap way first:
+at its samples the cheap way first: :func:`in_inputs` names the samples
+whose inputs hold NaN or Inf (the others computed once together to confirm);
+else each other sample is computed alone (:func:`find`). The engine restores
+what these computes assign, so the model is as before. If no sample is
+non-finite alone, no sample is named. Pure NumPy.
 
-1. :func:`in_inputs`: with NumPy, every sample whose values in the feed's
-   arrays hold NaN or Inf, named by the array's key and where in the sample
-   ("x holds NaN in column 2"); if there are any, the other samples are
-   computed once together: when they are finite, that is all;
-2. else (and when every input is finite) each other sample computed alone,
-   one compute each, those whose loss or gradients are non-finite ("finite
-   inputs, non-finite loss").
-
-At most one compute per sample and one more (:func:`find`); the engine
-restores what these computes assign (moving statistics), so the model is as
-before.
-
-If no sample is non-finite alone, the micro-batch is non-finite only as a
-whole (an op over the batch, such as batch norm in training mode, or a sum over
-the samples that overflows) and no sample is named.
-
-Generic over feeds: the arrays of a feed dict (keyed by placeholders or
-their names) or of a batch tuple ``(x, y[, sample_weight])``, each named by its
-key; an array of b blocks of the samples (:mod:`hostavg.core.split`) is looked
-at block by block. Pure NumPy.
+See docs/guides/inspecting.md for the search in detail.
 """
 
 from __future__ import annotations

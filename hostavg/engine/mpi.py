@@ -1,37 +1,18 @@
 """Multi-worker training over MPI, through mpi4py: one reduction of the host sums per step.
 
 Imported only when a Trainer gets ``comm=``. Each rank accumulates its own
-micro-batches on the host as usual; then, per optimizer step:
+micro-batches on the host as usual; then, per optimizer step, one small
+``allgather`` of each rank's bookkeeping (or its error: then every rank
+raises), one ``Allreduce`` of the dense weighted sums, and an
+``Allgatherv`` of each sparse variable's touched rows. Every rank then
+applies the same mean, so all ranks keep identical weights. The "stack"-only
+statistics are None.
 
-1. one small ``allgather`` of each rank's bookkeeping: its micro-batches'
-   weights, squared norms and losses, and an error message if that rank
-   failed (then every rank raises, naming the rank, and nothing is applied
-   anywhere);
-2. one ``Allreduce`` (sum) of the dense weighted sums sum_i w_i g_i, packed
-   into one flat buffer per dtype (usually one);
-3. for sparse variables, an ``Allgatherv`` of each rank's touched rows
-   (indices and weighted sums), coalesced on every rank: never densified.
+The first step of each session compares the ranks' variables before rank
+0's values are broadcast; an uncaught exception on any rank calls
+``MPI_Abort``, so no rank waits forever.
 
-Every rank then divides by the global weight and applies the same mean, so
-all ranks keep identical weights. Noise-scale statistics use every rank's
-micro-batches; the "stack"-only ones (inner-product and orthogonality tests,
-GSNR, cosines) would need every rank's gradients on one host and are None.
-
-The first step of each session is agreed too: the ranks compare their
-variables (names, shapes, dtypes, which are trained) through one small
-``allgather`` before rank 0's values are broadcast, so a rank whose model
-differs raises on every rank, naming the difference, before anything changes.
-Every collective carries what the ranks are doing, so ranks that have fallen
-out of step (one starts a session's first step while another runs a step)
-raise on every rank instead of exchanging mismatched data.
-
-Faults: an uncaught exception on any rank calls ``MPI_Abort`` (as
-``python -m mpi4py`` does), so no rank waits forever in a collective for one
-that is gone; a rank killed outright is ended by ``mpiexec`` with the job. A
-rank that leaves a step, or fit, on its own (a Ctrl-C or SIGTERM, which fit
-turns into SystemExit, or ``sys.exit`` in a callback) ends the job when the
-process exits, after fit's checkpoint on the way out (SystemExit never
-reaches ``sys.excepthook``), and at once if it tries another step.
+See docs/guides/mpi.md for the collectives, the first step and faults.
 """
 
 from __future__ import annotations
@@ -101,7 +82,7 @@ class Distributed:
         backend.assign(dict(zip(names, self.broadcast([values[n] for n in names]))))
         self._synchronized.add(backend.target)
 
-    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+    def combine(self, tally: Tally | None, error: BaseException | None) -> Tally:
         """Every rank's tally together; if any rank failed, the same error on every rank."""
         message = None if error is None else str(error) if isinstance(error, HostavgError) \
             else f"{type(error).__name__}: {error}"
@@ -121,7 +102,7 @@ class Distributed:
                      None if None in loss_sums else math.fsum(loss_sums),
                      sum(t.size for t in tallies),
                      steps[0] if steps else None,
-                     _agreed_feed([t.apply_feed for t in tallies]))
+                     _shared_apply_feed([t.apply_feed for t in tallies]))
 
     def abandon(self, error: BaseException) -> None:
         """A KeyboardInterrupt or SystemExit leaving a step or fit is this rank's alone: the job
@@ -204,7 +185,7 @@ def _differences(kind: str, first: dict, other: dict, rank: int) -> list[str]:
                for n, f in first.items() if n in other and other[n] != f])
 
 
-def _agreed_feed(feeds: list) -> dict | None:
+def _shared_apply_feed(feeds: list) -> dict | None:
     """The apply feed of the ranks that ran micro-batches, which must be the same on each."""
     given = [(r, f) for r, f in enumerate(feeds) if f is not None]
     if not given:

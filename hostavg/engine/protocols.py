@@ -194,7 +194,7 @@ class Average(Protocol):
     def begin(self, backend: Backend) -> None:
         """Called before each step (over MPI: the first step of a target takes rank 0's values)."""
 
-    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+    def combine(self, tally: Tally | None, error: BaseException | None) -> Tally:
         """The step's tally; raises if this process (or any rank) failed with ``error``."""
 
     def reducer(self, backend: Backend, total: float) -> Reducer | None:
@@ -218,7 +218,7 @@ class HostAverage:
     def begin(self, backend: Backend) -> None:
         pass
 
-    def agree(self, tally: Tally | None, error: BaseException | None) -> Tally:
+    def combine(self, tally: Tally | None, error: BaseException | None) -> Tally:
         if error is not None:
             raise error
         return tally

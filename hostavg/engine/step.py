@@ -1,60 +1,21 @@
 """The step engine: one optimizer step over k micro-batches, for any framework. Pure NumPy.
 
-A step runs, in this order (:meth:`Engine.step`):
+A step (:meth:`Engine.step`) takes the rollback snapshot, checks every
+micro-batch's feed, computes each micro-batch (shown to the
+``on_micro_batch`` hooks, checked finite, added to the accumulator), has the
+averaging turn the sums into the sample-weighted mean (over MPI, one error on
+every rank), makes the statistics and the StepResult and runs the
+``on_step`` hooks, applies the mean once, and hands the result to the
+``on_applied`` hooks. If anything before the apply fails, the snapshot is
+restored and the error propagates: the model, the optimizer's state and the
+global step are as they were.
 
-1. the rollback snapshot is taken: the values of the variables that computing
-   a micro-batch may assign (batch-norm moving statistics);
-2. every micro-batch's feed is checked and sized before any of them runs;
-3. each micro-batch is computed (forward, backward, its UPDATE_OPS), shown to
-   the ``on_micro_batch`` hooks, checked finite and added to the accumulator,
-   weighted by its number of samples; once all have run, the samples that
-   make a non-finite one so are looked for (:mod:`hostavg.engine.culprits`:
-   its inputs, else each sample alone), for the error of one that failed the
-   step and for ``MicroBatch.culprits`` of those hooks dropped;
-4. the averaging agrees on the step (alone: nothing to agree on; over MPI:
-   every rank's bookkeeping, or one error on every rank) and turns the sums
-   into the sample-weighted mean;
-5. the step's statistics and :class:`~hostavg.StepResult` are made, the mean
-   is checked finite (finite micro-batches whose sum overflowed are named as
-   such, before any hook sees them) and the ``on_step`` hooks run;
-6. the mean is applied: the optimizer's train op runs once, fed the values
-   the micro-batches share that it reads (a learning-rate placeholder; see
-   :meth:`Backend.apply_feed`);
-7. the ``on_applied`` hooks get the final StepResult (with the update-to-weight
-   ratios and the learning rate the apply reported).
+The engine knows no framework: what it needs of one is a
+:class:`~hostavg.engine.protocols.Backend`, and where the mean is computed an
+:class:`~hostavg.engine.protocols.Average`. A trainer runs one step at a time.
 
-If anything in 2-6 fails, the snapshot is restored and the error propagates:
-the model, the optimizer's state and the global step are as they were, and
-no ``on_applied`` hook has heard of the step. A step whose micro-batches were
-all dropped by hooks is restored too. An exception in an ``on_applied`` hook
-propagates after the step was applied (its note says so).
-
-Non-finite micro-batches (NaN or Inf in the loss or gradients, not dropped by
-a hook) fail the step at 3, unless the backend's ``nonfinite`` is "optimizer"
-(a Keras ``LossScaleOptimizer``): then the step goes on, the non-finite mean
-goes to the optimizer at 6, and the optimizer skips it itself (lowering its
-loss scale); the result says why in ``skipped``, its ``step`` is unchanged,
-what the micro-batches assigned stays (as in the framework's own train step),
-and no ``on_applied`` hook hears of it.
-
-Signals: a Ctrl-C or SIGTERM that arrives before the apply interrupts the step
-at once (it is rolled back); one that arrives from the apply on waits until
-the step has returned (or, in fit, until the step is counted), so a step is
-applied completely or not at all (:mod:`hostavg.engine.signals`).
-
-The engine knows no framework. What it needs of one is a
-:class:`~hostavg.engine.protocols.Backend` (the TF1 session wiring,
-:mod:`hostavg.tf1`; a Keras model, :mod:`hostavg.keras`), and where the mean
-is computed is an :class:`~hostavg.engine.protocols.Average` chosen when the
-trainer is made (:class:`~hostavg.engine.protocols.HostAverage`: NumPy;
-``hostavg.tf1.average.GraphAverage``: a small graph in the session;
-``hostavg.engine.mpi.Distributed``: across MPI ranks).
-
-Threading: a trainer runs one step at a time. A second :meth:`Engine.step`
-while one is running (from another thread, or from a hook) raises
-:class:`~hostavg.HostavgError`; use one trainer per thread. ``compute`` and
-``apply`` keep no state between calls and may run beside a step, with the
-framework's own thread safety (a TF1 session's ``run`` is thread-safe).
+See docs/explanation/step.md for the order in detail, non-finite steps,
+signals and threads.
 """
 
 from __future__ import annotations
@@ -282,7 +243,7 @@ class Engine:
                                        apply_feed)
         except Exception as e:  # noqa: BLE001 - over MPI every rank must hear of it
             error, tally = e, None
-        tally = self.average.agree(tally, error)
+        tally = self.average.combine(tally, error)
         if not tally.norms:
             raise HostavgError("step got no micro-batches; pass at least one feed dict")
         global_step = backend.global_step() if tally.global_step is None else tally.global_step

@@ -2,36 +2,16 @@
 
 Format (version 2): a folder holding one file per recorded step,
 ``step-<global step, 10 digits>.npz``, a NumPy zip archive that loads with
-``allow_pickle=False``:
+``allow_pickle=False``: ``meta`` (a JSON string: the step, loss, statistics,
+each micro-batch's bookkeeping, the variables), ``mean/<name>`` (the applied
+mean gradient; ``.../indices`` and ``.../values`` for a sparse one) and,
+recorded with ``micro=True``, ``micro/<i>/<name>``.
 
-* ``meta``: a JSON string: ``format``, ``step``, ``loss``, ``size``,
-  ``stats`` (the step's scalar statistics, ``micro_norms``/``cosines``
-  lists, ``variable_norms`` (name -> norm of the applied mean's gradient)
-  and ``micro_variable_norms`` (per micro-batch, name -> norm, or null)),
-  ``update_ratios`` (name -> |update| / |weights|, or null),
-  ``learning_rate`` (or null), ``info`` (what hooks reported that JSON can
-  hold, such as ``micro_norms_before_clip``), ``micro`` (per micro-batch:
-  ``index``, ``start``, ``size``, ``loss``, ``dropped``, ``recorded``,
-  ``rows``: its data rows or null), ``variables`` (name -> ``{"sparse":
-  bool, "shape": [...]}``) and ``encoded`` (array key -> the name of its
-  ml_dtypes type, such as ``"bfloat16"``, for arrays stored as the unsigned
-  integers of their bits: :func:`hostavg.core.dtypes.encode`; absent when
-  none). Version 1 lacks the per-variable entries, ``update_ratios``,
-  ``learning_rate``, ``info`` and ``rows``; it reads as missing values;
-* ``mean/<name>``: the applied mean gradient of a dense variable, or
-  ``mean/<name>/indices`` and ``mean/<name>/values`` for a sparse one;
-* ``micro/<i>/<name>`` (and ``.../indices``, ``.../values``): micro-batch i's
-  gradients, when recorded with ``micro=True``.
+A step's file is written under a temporary name and renamed into place once
+complete, so a reader never sees a partial step; a damaged file raises
+HostavgError naming it when read.
 
-A step's file is written under a hidden temporary name, micro-batch by
-micro-batch (so memory stays O(parameters)), and renamed into place only once
-complete and flushed to disk: a crash mid-write leaves every earlier step
-readable, and a reader never sees a partial step. Temporaries of killed writers
-are deleted when the next writer starts (:mod:`hostavg.core.files`). A step's file
-damaged on disk raises HostavgError naming it when read, whatever the damage:
-every array is read whole, so that its CRC-32 is checked
-(:func:`hostavg.core.files.read_array`), and checked against the step's
-metadata; the other steps stay readable.
+See docs/guides/inspecting.md for every key of ``meta`` and the guarantees.
 """
 
 from __future__ import annotations

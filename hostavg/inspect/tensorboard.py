@@ -29,37 +29,11 @@ HISTOGRAM_BUCKETS = 30
 class TensorBoard:
     """Writes scalars every applied step and gradient histograms every ``histograms_every`` steps.
 
-    Every value is a plain TensorBoard summary at the step's global step: a
-    scalar (``simple_value``, what the Scalars tab and
-    ``EventAccumulator.Scalars(tag)`` read) or a histogram (``histo``;
-    ``EventAccumulator.Histograms(tag)``). The event file is flushed after
-    every step, so a reader sees each step as soon as it is applied, without
-    :meth:`close`.
-
-    Tags, every applied step (a value that is None, such as the tests of a
-    step of one micro-batch, is left out that step):
-
-    - ``hostavg/loss``: the step's sample-weighted mean loss;
-    - ``hostavg/grad_norm``: the applied mean gradient's norm;
-    - ``hostavg/learning_rate``: the optimizer's, where it exposes one;
-    - ``hostavg/dropped``: how many micro-batches hooks dropped;
-    - ``hostavg/b_simple``: the running noise scale (:class:`hostavg.NoiseScale`
-      with ``beta``); ``hostavg/b_simple_one_step``: the step's own estimate,
-      which swings wildly; ``hostavg/g2`` and ``hostavg/trace_sigma``: the
-      step's own |G|^2 and tr(Sigma) (two micro-batches or more);
-    - ``hostavg/norm_test``, and in ``accumulate="stack"``
-      ``hostavg/inner_product_test``, ``hostavg/orthogonality_test`` and
-      ``hostavg/gsnr``;
-    - ``grad_norm/<variable>``: each variable's applied mean gradient norm;
-      ``update_ratio/<variable>``: |update| / |weights| where measured
-      (``update_ratios_every``).
-
-    Per epoch of ``fit``, at the epoch's last step: ``epoch/loss``,
-    ``epoch/samples``, ``epoch/steps`` and the validation results
-    ``epoch/val_loss``, ``epoch/val_<metric>``. Every ``histograms_every``
-    steps: ``gradients/<variable>``, a histogram of the applied mean
-    gradient's values (a sparse variable's touched rows), in
-    :data:`HISTOGRAM_BUCKETS` buckets.
+    Tags, every applied step: ``hostavg/loss``, ``hostavg/grad_norm``, the
+    noise scale, the batch-size tests, ``grad_norm/<variable>`` and
+    ``update_ratio/<variable>``; per epoch of ``fit``, ``epoch/*``; every
+    ``histograms_every`` steps, ``gradients/<variable>`` histograms. The event file
+    is flushed after every step. See docs/guides/inspecting.md for every tag.
 
     Only applied steps are written (``on_applied``). ``fit`` closes the hook
     when it ends; after a hand-written loop call :meth:`close` (a later step

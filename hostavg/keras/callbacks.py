@@ -1,26 +1,12 @@
 """Keras callbacks in hostavg's fit: ``keras.callbacks.Callback`` objects, called as ``model.fit`` calls them.
 
 :class:`KerasCallbacks` holds them in Keras's own ``keras.callbacks.CallbackList``
-(which gives each the model and fit's parameters) and is one fit-level hook
-of hostavg's loop (:class:`~hostavg.core.results.Hook`), so they run beside
-hostavg's hooks, in ``model.fit``'s order:
+and is one fit-level hook of hostavg's loop (:class:`~hostavg.core.results.Hook`),
+so they run beside hostavg's hooks, in ``model.fit``'s order, with Keras's
+log names. ``model.stop_training``, set by a callback, ends fit after that
+step, the epoch's end still run, as in Keras.
 
-* ``on_train_begin`` once (``BackupAndRestore`` restores its backup there,
-  and training resumes at the epoch it says);
-* per epoch ``on_epoch_begin(epoch)``, then per optimizer step
-  ``on_train_batch_begin(batch)`` and ``on_train_batch_end(batch, logs)``,
-  then validation's ``on_test_begin``, ``on_test_batch_begin``/``_end`` per
-  chunk and ``on_test_end(logs)``, then ``on_epoch_end(epoch, logs)``;
-* ``on_train_end(logs)`` once fit is done (after the optimizer's
-  ``finalize_variable_values``, which the trainer's fit calls whatever its
-  callbacks, as Keras's fit: an EMA optimizer's averages become the weights).
-
-Logs carry Keras's names: "loss", each compiled metric, "val_*", and what a
-callback adds (``ReduceLROnPlateau``'s "learning_rate", which then reaches the
-History); not hostavg's bookkeeping ("epoch", "samples", "steps").
-``model.stop_training``, set by a callback (``EarlyStopping`` at an epoch's
-end, or any callback after a batch), ends fit after that step, the epoch's end
-(validation, ``on_epoch_end``) still run, as in Keras.
+See docs/guides/keras.md for the order of the calls and their logs.
 """
 
 from __future__ import annotations

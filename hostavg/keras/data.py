@@ -1,25 +1,15 @@
 """What ``hostavg.keras.Trainer.fit`` and ``evaluate`` take as data, as Keras's ``fit`` takes it.
 
 Two kinds of data, each made into batches ``(x, y[, sample_weight])`` of NumPy
-arrays (Keras's backend-neutral: nothing here needs Keras's TensorFlow backend):
+arrays (nothing here needs Keras's TensorFlow backend):
 
-* Samples: ``x`` a NumPy array, a list of them in the model's input order
-  or a dict of them by input name, a pandas DataFrame or Series, or a tensor
-  of any Keras backend (anything ``np.asarray`` reads); ``y`` and
-  ``sample_weight`` alike (a list or dict per output). fit cuts them into
-  batches of ``batch_size`` (shuffled by seed and data pass), each cut into
-  micro-batches. ``validation_split`` keeps the last fraction of the samples
-  (before shuffling) for validation, and ``class_weight`` turns each sample's
-  class into its weight, as Keras does.
-* Batches: ``x`` a batched ``tf.data.Dataset`` or a ``keras.utils.PyDataset``
-  whose every element is ``(x, y)`` or ``(x, y, sample_weight)`` (or ``x``
-  alone): one optimizer step's batch, cut into micro-batches. ``y``,
-  ``sample_weight`` and ``batch_size`` are then the data's own. A PyDataset's
-  batches are taken in an order shuffled by seed and data pass (as Keras
-  shuffles their order), its ``on_epoch_begin``/``on_epoch_end`` called around
-  each pass, one batch at a time in fit's thread (its ``workers`` and
-  ``use_multiprocessing`` are not used); a Dataset's order is its own (shuffle
-  it in its pipeline).
+* Samples (arrays, lists or dicts of them, pandas, any backend's tensors):
+  fit cuts them into batches of ``batch_size``, shuffled by seed and data
+  pass; ``validation_split`` and ``class_weight`` as Keras does.
+* Batches (a batched ``tf.data.Dataset`` or a ``keras.utils.PyDataset``):
+  each element one optimizer step's batch.
+
+See docs/guides/keras.md for each kind in detail.
 """
 
 from __future__ import annotations

@@ -1,59 +1,20 @@
 """hostavg.keras on Keras's JAX backend: :class:`KerasJaxBackend`, the engine's backend for a Keras model.
 
-Imports JAX and Keras, never TensorFlow. Per micro-batch, one compiled
-function (``jax.jit`` of ``jax.value_and_grad`` over ``model.stateless_call``
-with ``training=True``, as Keras's own JAX ``train_step`` takes its gradients)
-runs the forward pass and the loss as Keras's own JAX train step does
-(``model.compute_loss_and_updates``: the compiled loss through
-``compute_loss``, ``model.losses``, the optimizer's loss scale), the backward
-pass, the compiled metrics (``compute_metrics``) and the squared norm of every
-gradient, and returns the new values of the non-trainable variables the
-forward pass assigns (batch-norm moving statistics, dropout's seed state) and
-of the metrics' variables, which are then assigned to the model, as Keras's
-own step leaves them. One ``jax.jit`` is made per input structure;
-like Keras's own, it compiles once more for each new micro-batch size, since
-XLA compiles for fixed shapes (a shorter last micro-batch costs one compile).
+Imports JAX and Keras, never TensorFlow. Per micro-batch one ``jax.jit`` of
+``jax.value_and_grad`` over ``model.stateless_call`` (as Keras's own JAX
+``train_step`` takes its gradients) runs the forward pass, the loss, the
+backward pass, the compiled metrics and every gradient's squared norm; the
+new values of the variables the forward pass assigns are assigned to the
+model, as Keras's own step leaves them. The mean goes back through a second
+compiled function that applies it with the optimizer once, statelessly.
 
-**Gradients are dense.** JAX has no sparse gradient: an ``Embedding``'s
-gradient is its whole table, zeros but for the rows looked up, where
-TensorFlow gives ``IndexedSlices`` of those rows. Every variable's
-:class:`~hostavg.VariableSpec` says ``sparse=False``, and each micro-batch
-brings the whole table to the host and adds it there.
+Gradients are dense (JAX has no sparse gradient: an ``Embedding``'s gradient
+is its whole table). They come to NumPy without a copy where they lie in
+host memory, and output buffers are donated so that two sets serve every
+micro-batch in "sum" mode.
 
-**Host buffers.** The gradients come to NumPy without a copy where they
-already lie in host memory (``np.from_dlpack``: the CPU; on an accelerator,
-outputs placed in pinned host memory where JAX supports it and NumPy can view
-it), and are frozen. Each compute donates the output buffers of the compute
-two before it (``donate_argnums``), so XLA writes the new gradients into host
-memory it wrote before instead of allocating: in "sum" mode, once a
-micro-batch has been added, nothing holds its gradients any more, and two
-sets of buffers serve every micro-batch. JAX reuses a donated buffer only when
-no NumPy array views it, so gradients that are still held (by a hook, in
-"stack" mode, handed out by ``compute``) are never overwritten: the compute
-then allocates, as without donation. Elsewhere (an accelerator without that
-support) each micro-batch's gradients are copied into new host memory.
-
-The mean goes back through a second compiled function that applies it with
-the optimizer once, statelessly (``optimizer.apply`` in a
-``keras.StatelessScope`` over the trained variables and the optimizer's, as
-``optimizer.stateless_apply`` does, but for the variables that have a
-gradient only), donating the old values as Keras's own step does; the new
-values are assigned to the variables, and ``optimizer.iterations`` grows by
-one. A variable the loss does not depend on has no gradient and is not
-trained (:func:`hostavg.compat.jax.used_inputs`), as on TensorFlow.
-
-A ``LossScaleOptimizer`` (``mixed_float16``) is driven as on TensorFlow:
-each micro-batch's gradients of the scaled loss are divided by the scale on
-the device, the mean multiplied by it again for the optimizer, which unscales
-it, applies it with its inner optimizer, or, given a non-finite mean, skips
-the step and halves its scale (the step says so in ``skipped``).
-
-Evaluation runs Keras's own stateless JAX ``test_step`` per chunk, jitted per
-input structure; the metrics it updates are reported.
-
-Squared norms and update ratios are reduced on the device in float32 (float64
-with ``jax_enable_x64``), the variables' dtype or wider, as TF1's backend
-reduces them.
+See docs/guides/keras.md for host buffers, loss scaling, evaluation and
+numerics.
 """
 
 from __future__ import annotations
@@ -135,10 +96,10 @@ class KerasJaxBackend(CompiledModel):
         trainable = [v.value for v in model.trainable_variables]
         untrained = [v.value for v in model.non_trainable_variables]
         metric_values = [v.value for v in model.metrics_variables]
-        landing = self._landing()
+        donated = self._donated_gradient_buffers()
         with _jax_errors("compute"):
             loss, sq_norms, grads, assigned = function(
-                trainable, untrained, metric_values, self._slots(), np.float32(share), landing,
+                trainable, untrained, metric_values, self._slots(), np.float32(share), donated,
                 leaves)
             jax.block_until_ready(grads)
         for v, value in zip(assigns, assigned):
@@ -306,9 +267,9 @@ class KerasJaxBackend(CompiledModel):
             model.compute_metrics(x, y, y_pred, w)
 
     def _compiled_compute(self, loss):
-        """``(trainable, untrained, metric values, optimizer values, share, landing, leaves) ->
+        """``(trainable, untrained, metric values, optimizer values, share, donated, leaves) ->
         (loss, squared norms, gradients, the new values of the variables the forward pass and
-        the metrics assign)``, jitted; ``landing`` (gradient-shaped buffers) is donated. The
+        the metrics assign)``, jitted; ``donated`` (gradient-shaped buffers) is donated. The
         gradients are of the loss as the optimizer scales it, divided by its scale."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
@@ -321,7 +282,7 @@ class KerasJaxBackend(CompiledModel):
 
         gradient = jax.value_and_grad(of_kept, has_aux=True)
 
-        def compute(trainable, untrained, metric_values, slots, share, landing, flat):
+        def compute(trainable, untrained, metric_values, slots, share, donated, flat):
             (_, (value, new, metrics)), grads = gradient(
                 [trainable[i] for i in kept], trainable, untrained, metric_values, slots, share,
                 flat)
@@ -334,7 +295,7 @@ class KerasJaxBackend(CompiledModel):
         return jax.jit(compute, donate_argnums=5, keep_unused=True,
                        out_shardings=(None, None, self._outputs, None))
 
-    def _landing(self):
+    def _donated_gradient_buffers(self):
         """What a compute donates for its gradients: the buffers of the compute two before (or
         new ones while there are none yet), or nothing where buffers are not reused."""
         if not self.reuses_buffers:
@@ -416,10 +377,10 @@ def _host_outputs() -> tuple:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an unusable donation is a warning
-            land = jax.device_put(jnp.zeros(4, jnp.float32), sharding)
-            where = land.unsafe_buffer_pointer()
-            out = jax.jit(lambda a, land: a + 1, donate_argnums=1, keep_unused=True,
-                          out_shardings=sharding)(jnp.zeros(4, jnp.float32), land)
+            donated = jax.device_put(jnp.zeros(4, jnp.float32), sharding)
+            where = donated.unsafe_buffer_pointer()
+            out = jax.jit(lambda a, donated: a + 1, donate_argnums=1, keep_unused=True,
+                          out_shardings=sharding)(jnp.zeros(4, jnp.float32), donated)
             view = np.from_dlpack(out)
             if view.ctypes.data == out.unsafe_buffer_pointer() and view[0] == 1:
                 return ("host" if sharding is None else "pinned_host", sharding,

@@ -1,61 +1,21 @@
 """hostavg.keras on Keras's TensorFlow backend: :class:`KerasBackend`, the engine's backend for a Keras model.
 
-Per micro-batch, one compiled function (``tf.function``, traced once per
-input structure with the batch dimension left open, so micro-batches of any
-size share it) runs what Keras's own ``train_step`` runs up to the apply:
-the forward pass with ``training=True``, the model's ``compute_loss`` (its
-compiled loss plus ``model.losses``, or a subclass's own), scaled by the
-optimizer (a ``LossScaleOptimizer``'s dynamic scale) for the backward pass
-and the gradients unscaled again, divided by that scale as Keras divides
-them, and the compiled metrics' update (``compute_metrics``); then the
-squared norm of every gradient, and the optimizer's step. Its outputs cross
-to NumPy without a copy
-(``np.asarray`` of a CPU tensor; from a GPU, one copy to the host) and are
-frozen. A sparse gradient
-(``IndexedSlices``, as an ``Embedding`` gives) has its duplicate rows summed
-in the same function and stays sparse on the host.
-
-The mean goes back through a second compiled function that takes the
-gradients as inputs and calls ``optimizer.apply_gradients`` once, so
-``optimizer.iterations`` grows by one per step; when no gradient is sparse it
-is compiled with XLA, which fuses the optimizer's elementwise update into one
-pass per variable. Sparse means go back as
-``tf.IndexedSlices`` with unique indices: Keras 3's sparse update on
-TensorFlow squares each row it is given, so rows repeated within one
-IndexedSlices would make it differ from the dense step; with unique rows it
-equals the dense full-batch step.
-
-A ``LossScaleOptimizer`` gets the mean back multiplied by its scale, as it
-gets Keras's full-batch gradient of the scaled loss: it unscales it (exactly,
-for its power-of-two scales), applies it with its inner optimizer and grows
-the scale after its growth steps; given a non-finite mean (a micro-batch
-overflowed at this scale) it skips the step and halves the scale, and the
-step reports it skipped.
-
-Evaluation runs Keras's own ``test_step`` (a subclass's too) per chunk, in a
-compiled function per input structure. Metrics are reported only where a
-compiled function updates them (found in its traced graph), never at their
-initial value.
+Per micro-batch one ``tf.function`` (traced once per input structure, the
+batch dimension open) runs what Keras's own ``train_step`` runs up to the
+apply: the forward pass with ``training=True``, ``compute_loss`` (scaled by a
+``LossScaleOptimizer`` and unscaled again), the compiled metrics' update,
+every gradient's squared norm. A sparse gradient has its duplicate rows
+summed there and stays sparse on the host. The mean goes back through a
+second compiled function that calls ``optimizer.apply_gradients`` once (with
+XLA when no gradient is sparse); sparse means go back with unique indices,
+so the step equals the dense full-batch step.
 
 Batch norm (``batch_norm``, one of :data:`~hostavg.keras.common.BATCH_NORM_MODES`):
-in "micro", Keras's own behaviour, each BatchNormalization layer's moving mean
-and variance move once per micro-batch, by its moments. In "step" the gradient function leaves
-them as they were (it reads what the forward pass assigned, then assigns the
-old values back) and hands the micro-batch's updated values to the host; the
-apply moves them once, from where they were, by the whole batch's moments. With
-momentum a, micro-batch i of n_i samples (of N) moving the mean to
-``mm_i = a mm + (1 - a) m_i`` and the variance to ``mv_i = a mv + (1 - a) v_i``,
-the whole batch's mean M = sum_i n_i m_i / N and variance
-V = sum_i n_i (v_i + (m_i - M)^2) / N give, in float64::
+"micro" moves the moving statistics once per micro-batch, as Keras does;
+"step" moves them once per step, by the whole batch's moments.
 
-    mm' = a mm + (1 - a) M = sum_i (n_i / N) mm_i
-    mv' = a mv + (1 - a) V = sum_i (n_i / N) mv_i + sum_i (n_i / N) (mm_i - mm')^2 / (1 - a)
-
-for the layer's inputs as the micro-batches' forward passes made them: for a
-layer whose inputs no earlier batch norm normalised, what one full-batch
-``train_on_batch`` assigns (to float32 round-off). The forward pass still
-normalises each micro-batch by its own moments (so a later layer's inputs are
-not a full-batch pass's).
+See docs/guides/keras.md for loss scaling, evaluation, metrics and the
+batch-norm maths.
 """
 
 from __future__ import annotations

@@ -58,105 +58,29 @@ class Wiring:
             self.global_step = find_global_step(self.graph, global_step)
             self.increment = 1 if increment_global_step else 0
             self.update_ops = select_update_ops(self.graph, loss, update_ops)
-            try:
-                pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
-                         if g is not None]
-            except ValueError as e:  # TensorFlow's check of the variables' dtypes
-                raise HostavgError(
-                    f"the optimizer cannot train the variables the loss reaches ({first_line(e)}); "
-                    f"hostavg trains real floating-point variables: leave the others out with "
-                    f"var_list") from e
-            if not pairs:
-                raise HostavgError(
-                    "nothing to train: no variable in var_list has a gradient with respect "
-                    "to the loss (check var_list, and that the loss depends on trainable "
-                    "variables)")
+            pairs = _gradient_pairs(optimizer, loss, var_list)
             self.names = [v.op.name for _, v in pairs]
-            self.spec = {v.op.name: VariableSpec(
-                tuple(v.shape.as_list()), np.dtype(v.dtype.base_dtype.as_numpy_dtype),
-                isinstance(g, tf.IndexedSlices)) for g, v in pairs}
+            self.spec = _variable_specs(pairs)
             self._grads = [g for g, _ in pairs]
-            # Sparse rows leave the session coalesced: sorted, unique, duplicates summed there,
-            # by the same ops whatever the micro-batch, so that a gradient depends only on its
-            # feed and weights. (NumPy coalesces 512 rows in ~50 us in a loop of its own, but
-            # within a step, on rows fresh from the session, whole steps measured alike up to
-            # 512 rows, NumPy up to 30% faster at 2k-8k rows, the session up to 34% faster at
-            # 32k; the session also fetches only the unique rows.) Squared norms are reduced
-            # in the session where the values are fresh in cache and the work is spread over
-            # its threads (Eigen's tree reduction: ~1e-7 relative error in float32): the host
-            # then makes one pass per micro-batch (the add) instead of two. Half precision is
-            # summed in float32; a float32 sum that overflows (entries above ~1e19) is redone
-            # on the host in float64 (see compute).
-            with tf.name_scope("hostavg_coalesce"):
-                fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g
-                           for g in self._grads]
-            self._fetches = [loss, self.global_step.read_value()] + _flat(fetched)
-            with tf.name_scope("hostavg_norms"):
-                self._fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
-                                  for g in fetched]
-            if self.update_ops:
-                self._fetches.append(tf.group(*self.update_ops, name="hostavg_update_ops"))
+            self._fetches = _compute_fetches(loss, self.global_step, self._grads, self.update_ops)
             # What a failed step must restore: every variable the compute call may assign, read
             # into values of their own (a reference variable's read_value() is its buffer,
             # which the next compute's UPDATE_OPS assign in place).
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [value_now(v) for v in self.assigned]
-            variables = [v for _, v in pairs]
-            step = self.global_step if increment_global_step else None
-            # TF1's AdamOptimizer updates every row of its slots and variable on a sparse step
-            # too (m = beta1 * m, then a scatter-add of the rows; the same for v; then the whole
-            # variable), in about eight passes over the table; its dense kernel does the same
-            # arithmetic in one fused pass. The mean's rows (unique: coalesced) are therefore
-            # scattered into a dense gradient in the graph, where the table lives, and applied
-            # densely: 6.5 instead of 13.9 ms for a 50,000 x 64 table on 2 cores. Any other
-            # optimizer gets the rows as they are: its sparse update is its own semantics.
-            densify = type(optimizer) is v1.train.AdamOptimizer
-            self.train_op = optimizer.apply_gradients(_applied(pairs, densify), global_step=step)
-            # The update-to-weight ratios, measured in the apply's own session call by a
-            # second apply op of the same optimizer (same slots): the weights are read before
-            # it runs (its ops wait for the reads), and the norms of (after - before) and of
-            # before are reduced where the values live. Holding the reads makes the optimizer
-            # copy what it updates in place (a whole embedding table), so the plain train op
-            # above, which reads nothing first, serves the applies that do not measure.
-            with tf.name_scope("hostavg_update_ratios"):
-                before = [value_now(v) for v in variables]
-            with tf.control_dependencies(before):
-                fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
-                       if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in self._grads]
-            measured_train_op = optimizer.apply_gradients(_applied(zip(fed, variables), densify),
-                                                          global_step=step)
-            self._apply_feeds = tuple(
-                t for g in self._grads for t in
-                ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
-                 if isinstance(g, tf.IndexedSlices) else (g,)))
+            self._apply_feeds = _apply_feeds(self._grads)
+            self.train_op, measured_train_op, before = _train_ops(
+                optimizer, pairs, self.global_step if increment_global_step else None)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
+            self._apply_fetches, self.learning_rate = _apply_fetches(
+                optimizer, self.global_step, self.train_op, measured_train_op, pairs, before,
+                self._apply_feeds)
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
             self._tensors = sum(isinstance(f, tf.Tensor) for f in self._fetches)
             self.conform_feed = FeedConformer().conform
-            with tf.control_dependencies([self.train_op]):
-                step_after = self.global_step.read_value()
-            with tf.control_dependencies([measured_train_op]):
-                measured_step_after = self.global_step.read_value()
-                with tf.name_scope("hostavg_update_ratios"):
-                    after = [value_now(v) for v in variables]
-                    # One fetched vector: |after - before|^2 per variable, then |before|^2.
-                    sums = [_sum_squares(a, b) for a, b in zip(after, before)] + [
-                        _sum_squares(b) for b in before]
-                    if len({t.dtype for t in sums}) > 1:
-                        sums = [tf.cast(t, tf.float64) for t in sums]
-                    squares = [tf.stack(sums)]
-            self.learning_rate = learning_rate(optimizer, self.graph,
-                                               ops_run([self.train_op], self._apply_feeds))
-            # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
-            # cannot be fetched.)
-            lr = [] if self.learning_rate is None else [tf.identity(self.learning_rate)]
-            # What an apply fetches: the global step after it and the learning rate, and
-            # when measuring, the squared norms of each update and of each weight before it.
-            self._apply_fetches = {False: [step_after] + lr,
-                                   True: [measured_step_after] + lr + squares}
             self.reducer = GraphReducer(self.spec, accum_dtype, accumulate, session_threads) \
                 if average == "graph" else None
 
@@ -248,6 +172,135 @@ class Wiring:
             squares, k = out[-1].tolist(), len(self.names)
             ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
         return Applied(int(out[0]), ratios, lr)
+
+
+def _gradient_pairs(optimizer, loss, var_list) -> list:
+    """The optimizer's (gradient, variable) pairs for ``loss`` over ``var_list``, those without
+    a gradient left out; a HostavgError where no variable is left or one is no real float."""
+    try:
+        pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
+                 if g is not None]
+    except ValueError as e:  # TensorFlow's check of the variables' dtypes
+        raise HostavgError(
+            f"the optimizer cannot train the variables the loss reaches ({first_line(e)}); "
+            f"hostavg trains real floating-point variables: leave the others out with "
+            f"var_list") from e
+    if not pairs:
+        raise HostavgError(
+            "nothing to train: no variable in var_list has a gradient with respect "
+            "to the loss (check var_list, and that the loss depends on trainable "
+            "variables)")
+    return pairs
+
+
+def _variable_specs(pairs) -> dict:
+    """Each trained variable's name -> :class:`VariableSpec` (shape, dtype, whether sparse)."""
+    return {v.op.name: VariableSpec(tuple(v.shape.as_list()),
+                                    np.dtype(v.dtype.base_dtype.as_numpy_dtype),
+                                    isinstance(g, tf.IndexedSlices)) for g, v in pairs}
+
+
+def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> list:
+    """What a micro-batch's compute fetches: the loss, the global step, each gradient (a
+    sparse one coalesced, as its indices and values), each gradient's squared norm, and the
+    UPDATE_OPS.
+
+    Sparse rows leave the session coalesced (sorted, unique, duplicates summed) by the same
+    ops whatever the micro-batch, so that a gradient depends only on its feed and weights,
+    and only the unique rows are fetched. Squared norms are reduced in the session, where
+    the values are fresh in cache and the work is spread over its threads (Eigen's tree
+    reduction: ~1e-7 relative error in float32): the host then makes one pass per
+    micro-batch (the add) instead of two. Half precision is summed in float32; a float32 sum
+    that overflows (entries above ~1e19) is redone on the host in float64 (see
+    :meth:`Wiring.compute`). See docs/explanation/performance.md for the measurements.
+    """
+    with tf.name_scope("hostavg_coalesce"):
+        fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    fetches = [loss, global_step.read_value()] + _flat(fetched)
+    with tf.name_scope("hostavg_norms"):
+        fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
+                    for g in fetched]
+    if update_ops:
+        fetches.append(tf.group(*update_ops, name="hostavg_update_ops"))
+    return fetches
+
+
+def _apply_feeds(grads: list) -> tuple:
+    """The tensors an apply feeds, in order: each dense gradient, and a sparse one's indices,
+    values and (where it has one) dense shape."""
+    return tuple(t for g in grads for t in
+                 ((g.indices, g.values) + ((g.dense_shape,) if g.dense_shape is not None else ())
+                  if isinstance(g, tf.IndexedSlices) else (g,)))
+
+
+def _densifies_sparse(optimizer) -> bool:
+    """Whether a sparse gradient is applied dense: for TF1's AdamOptimizer itself.
+
+    Its sparse update touches every row of its slots and variable anyway
+    (m = beta1 * m, then a scatter-add of the rows; the same for v; then the
+    whole variable) in several passes, where its dense kernel does the same
+    arithmetic in one fused pass; the mean's rows (unique: coalesced) are
+    therefore scattered into a dense gradient in the graph, where the table
+    lives (docs/explanation/performance.md has the timings). Any other
+    optimizer, a subclass of Adam's too, gets the rows as they are: its
+    sparse update is its own semantics.
+    """
+    return type(optimizer) is v1.train.AdamOptimizer
+
+
+def _train_ops(optimizer, pairs: list, global_step) -> tuple:
+    """The train op, and a second apply op of the same optimizer (same slots) that measures
+    the update-to-weight ratios: ``(train_op, measured_train_op, before)``, ``before`` the
+    weights read before the measured op runs (its ops wait for the reads).
+
+    Holding the reads makes the optimizer copy what it updates in place (a
+    whole embedding table), so the plain train op, which reads nothing
+    first, serves the applies that do not measure.
+    """
+    variables = [v for _, v in pairs]
+    densify = _densifies_sparse(optimizer)
+    train_op = optimizer.apply_gradients(_applied(pairs, densify), global_step=global_step)
+    with tf.name_scope("hostavg_update_ratios"):
+        before = [value_now(v) for v in variables]
+    with tf.control_dependencies(before):
+        fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+               if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g, _ in pairs]
+    measured_train_op = optimizer.apply_gradients(_applied(zip(fed, variables), densify),
+                                                  global_step=global_step)
+    return train_op, measured_train_op, before
+
+
+def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
+                   before: list, apply_feeds: tuple) -> tuple[dict, tf.Tensor | None]:
+    """What an apply fetches, by whether it measures, and the optimizer's learning-rate
+    tensor (None where none is found).
+
+    An apply fetches the global step after it and the learning rate; one
+    that measures, the squared norms of each update and of each weight
+    before it too, as one vector.
+    """
+    with tf.control_dependencies([train_op]):
+        step_after = global_step.read_value()
+    with tf.control_dependencies([measured_train_op]):
+        measured_step_after = global_step.read_value()
+        squares = [_update_squares([v for _, v in pairs], before)]
+    rate = learning_rate(optimizer, train_op.graph, ops_run([train_op], apply_feeds))
+    # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
+    # cannot be fetched.)
+    lr = [] if rate is None else [tf.identity(rate)]
+    return {False: [step_after] + lr, True: [measured_step_after] + lr + squares}, rate
+
+
+def _update_squares(variables: list, before: list):
+    """One vector: |after - before|^2 per variable, then |before|^2, ``after`` the variables
+    read now (within the measured apply's control dependencies)."""
+    with tf.name_scope("hostavg_update_ratios"):
+        after = [value_now(v) for v in variables]
+        sums = [_sum_squares(a, b) for a, b in zip(after, before)] + [
+            _sum_squares(b) for b in before]
+        if len({t.dtype for t in sums}) > 1:
+            sums = [tf.cast(t, tf.float64) for t in sums]
+        return tf.stack(sums)
 
 
 def _fetched(fetches: tuple, values) -> tuple:

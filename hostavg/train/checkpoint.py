@@ -1,31 +1,16 @@
 """Checkpoints: every variable of the model, plus fit's position, in one atomic file.
 
-Format: one NumPy ``.npz`` file (loads with ``allow_pickle=False``). Each
-variable (model weights, optimizer slots, the global step) is the array
-``var/<name>``, by the name its backend gives it (:meth:`Backend.variables
-<hostavg.engine.protocols.Backend.variables>`): for a TF1 graph, each global
-variable by ``var.op.name``; for a Keras model, ``model/<i>`` and
-``optimizer/<i>`` by position (see :mod:`hostavg.keras`); the array ``meta`` is a JSON string with the format
-version, each variable's shape and dtype (NumPy's ``dtype.str``, or the name
-of an ml_dtypes type such as ``"bfloat16"``, whose array holds its bits as
-unsigned integers: :func:`hostavg.core.dtypes.encode`), and, when fit wrote it, fit's
-state: its position (``epoch``; ``batch`` and ``samples`` taken from the data
-in that epoch), the ``batch_size`` and ``seed`` it ran with, and its History
-(JSON).
+Format: one NumPy ``.npz`` file (loads with ``allow_pickle=False``): each
+variable as the array ``var/<name>``, by the name its backend gives it, and
+``meta``, a JSON string with the format version, each variable's shape and
+dtype and, when fit wrote it, fit's state (position, ``batch_size``,
+``seed``, History).
 
-Atomic: the file is written under a temporary name in the same folder,
-flushed to disk, then renamed into place, so a crash while saving never leaves
-a file under a checkpoint's name; temporaries left by killed processes are
-deleted by the folder's next save (:mod:`hostavg.core.files`). Only names
-``ckpt-<global step>.npz`` count as checkpoints of a folder.
+Atomic: written under a temporary name, flushed, then renamed into place.
+Restoring reads and checks everything first and changes nothing unless all
+of it is sound; a damaged file raises HostavgError naming it.
 
-Restoring reads and checks everything first (the metadata, every array
-against it, every variable against the model, fit's state) and changes
-nothing unless all of it is sound. Every array is read whole, so that its
-CRC-32 is checked (:func:`hostavg.core.files.read_array`): a damaged file
-raises HostavgError naming it, whatever the damage (a flipped bit in the
-data, a header, the zip's structure), and never loads other values. A
-``tf.train.Saver`` checkpoint is refused with the line that restores it.
+See docs/guides/training.md for the format and the checks in detail.
 """
 
 from __future__ import annotations

@@ -1,64 +1,27 @@
 """The training loop behind ``Trainer.fit``: batches, micro-batches, epochs, checkpoints.
 
 The loop knows no framework: it drives a :class:`Run` (a trainer bound to a
-TF1 session, or a Keras trainer) over a source of batches. A Keras trainer's
-data is arrays ``(x, y)`` or ``(x, y, sample_weight)``, cut by
-:class:`ArraySource`. For the TF1 trainer, three kinds of ``data`` exist:
+TF1 session, or a Keras trainer) over a source of batches
+(:class:`ArraySource`, :class:`IterableSource`, or a face's own). :func:`fit`
+checks its arguments, then runs named pieces around a :class:`FitState` (the
+position in the data, the History, the steps saved) and a :class:`FitPlan`
+(what it was asked to do): :func:`resume`, :func:`train_begin`,
+:func:`train_epoch`, :func:`train_step` and :func:`checkpoint`.
 
-* a Mapping ``{placeholder: array}``, every array of one length N: each epoch
-  is cut into batches of ``batch_size`` samples (shuffled with ``seed`` when
-  ``shuffle``), each batch into micro-batches of ``micro_batch_size``;
-* an iterable of batches, each a feed dict (a list, or a callable that returns
-  a fresh iterable each epoch; a one-shot generator serves one epoch only);
-  ``shuffle`` does not apply, the order is the iterable's;
-* a ``tf.data.Dataset`` of single samples made in eager mode (outside
-  ``graph.as_default()``), with ``inputs=`` mapping each element's keys (for
-  dict elements) or positions (for tuples) to placeholders; fit shuffles it
-  with ``seed`` and batches it.
+Every batch is weighted by its real number of samples. fit's position is the
+epoch and the samples (and batches) taken in it; a checkpoint stores it with
+the seed and the batch size, and a resumed run continues at that sample bit
+for bit. A step and its bookkeeping are one: a signal that arrives once the
+step's apply has begun waits until fit has counted the step.
 
-Every batch is weighted by its real number of samples, a short last batch too.
-Data that gives no batch (no samples, or only batches that ``drop_remainder``
-drops) is refused: an epoch must train at least one step.
-
-fit's position is the epoch and, within it, the samples (and batches) taken
-from the data so far. A checkpoint stores it with the seed and the batch size;
-a resumed run continues at that sample of the same epoch's order, with the
-same batch size bit for bit like a run that was never stopped, with another
-at the same sample all the same (an iterable's batches are its own: it
-continues at the next of them). A step and its bookkeeping are one: a Ctrl-C
-or SIGTERM that arrives once the step's apply has begun waits until fit has
-counted the step (see :mod:`hostavg.engine.signals`), so the position saved on the way
-out always matches the global step. A checkpoint folder that holds no
-checkpoint gets one of the start (weights, seed, position) before the first
-step, so a run killed before its first checkpoint resumes as itself too (and
-a :class:`~hostavg.hooks.Record` continues its record).
-
-Which programs resume bit for bit: those whose random state is in their
-variables or their seed. Stateful random ops of a TF1 graph
-(``tf.nn.dropout``'s RandomUniform, noise, candidate samplers) keep their
-state in the session's kernels, which no checkpoint can hold: a resumed run
-draws other numbers from them than an uninterrupted one, and fit warns
-(:class:`ResumeWarning`) when it resumes such a model
-(:attr:`hostavg.core.check.RandomOp.saved`). Keras 3 keeps its random state
-in variables (SeedGenerator), which checkpoints hold, as does
-``tf.random.Generator``.
-
-With a trainer made with ``comm=`` (several MPI processes), every rank runs
-fit on the same data: each batch is split into contiguous shares, one per
-rank, so each sample is seen once per epoch overall and one step averages
-over the whole batch. The seed is rank 0's; only rank 0 shows progress and
-writes checkpoints, and every rank resumes from them (the checkpoint folder
-must be one that every rank reads, such as a shared file system).
-Validation runs on every rank over all of the validation data. No rank waits
-for another forever: before training the ranks compare their data's size,
-arguments and position, and at every epoch's end they meet; a rank that
-differs (data of another size, an iterable with fewer batches, a checkpoint
-another rank does not see) makes every rank raise the same HostavgError.
+See docs/guides/training.md for the kinds of data, resuming, random state and
+MPI.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -80,8 +43,9 @@ from hostavg.core.results import StepResult
 from hostavg.engine.signals import hold, region, release
 from hostavg.core.split import feed_size, split, take
 
-__all__ = ["ArraySource", "IterableSource", "PROGRESS_MODES", "ResumeWarning", "Run", "check_sizes",
-           "fit"]
+__all__ = ["ArraySource", "FitPlan", "FitState", "IterableSource", "PROGRESS_MODES", "ResumeWarning",
+           "Run", "check_sizes", "checkpoint", "fit", "resume", "train_begin", "train_epoch",
+           "train_step"]
 
 
 class Run(Protocol):
@@ -166,6 +130,128 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     ``checkpoint_dir``, a one-shot iterator for more than one epoch.
     """
     check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
+    drop_remainder, seed, initial_epoch, steps_per_epoch = _checked_arguments(
+        progress, drop_remainder, seed, initial_epoch, steps_per_epoch, checkpoint_every,
+        checkpoint_dir)
+    source = _checked_source(source(), epochs, batch_size, drop_remainder)
+    callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
+    hooks = _fit_methods(run.hooks + callbacks)
+    checkpoints = CheckpointDir(checkpoint_dir, keep_checkpoints) \
+        if checkpoint_dir is not None else None
+    state = FitState(epoch=initial_epoch, data_pass=initial_epoch, seed=seed)
+    latest = None if checkpoints is None else checkpoints.latest()
+    if latest is not None:
+        resume(run, latest, hooks, state)
+    rank, size = (run.comm.Get_rank(), run.comm.Get_size()) if run.comm is not None else (0, 1)
+    plan = FitPlan(
+        batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+        drop_remainder=drop_remainder, steps_per_epoch=steps_per_epoch,
+        checkpoint_every=checkpoint_every, blocks=blocks, rank=rank, size=size,
+        num_batches=source.num_batches(drop_remainder), hooks=hooks,
+        # rank 0 writes the checkpoints; every rank reads them when resuming
+        checkpoints=checkpoints if rank == 0 else None)
+    state.seed = _shared_seed(run, plan, state, source.n)
+    if state.history.stopped is not None or state.epoch >= epochs:
+        return state.history
+    state.global_step = run.global_step()
+    if plan.checkpoints is not None:  # a folder without a checkpoint gets the start, seed and
+        # all: a run killed before its first checkpoint then resumes as itself, as one killed later
+        state.saved_step = state.global_step if latest is not None else checkpoint(run, plan, state)
+    bar = _Progress(progress if rank == 0 else False)
+    # A signal that arrives from a step's apply on waits until the step is counted (release).
+    with _sigterm_as_exit(), region(), run.hooked(callbacks):
+        try:
+            train_begin(hooks, state)
+            while state.epoch < epochs:
+                if train_epoch(run, source, plan, state, bar):
+                    break
+        except StopTraining as e:
+            state.history.stopped = str(e) or "stopped by a callback"
+        except BaseException as error:
+            _abandon(run, plan, state, bar, error)
+            raise
+    bar.close(None)
+    try:
+        if plan.checkpoints is not None:
+            checkpoint(run, plan, state)
+        for hook in hooks["on_train_end"]:
+            hook(state.history)
+    finally:
+        _close(hooks)
+    return state.history
+
+
+@dataclasses.dataclass
+class FitState:
+    """What fit changes as it trains: where it is in the data, its History, its steps.
+
+    Attributes:
+      epoch: the epoch under way (from 0, as Keras counts them).
+      data_pass: the passes over the data begun; the same as ``epoch``
+        without ``steps_per_epoch``. The data's order depends on (seed, pass).
+      batch: the batches taken from the pass so far.
+      samples: the samples taken from the pass so far.
+      seed: the seed of the data's order (None until fit draws one or takes rank 0's).
+      history: the History fit returns.
+      global_step: the global step the last step left (for error messages).
+      saved_step: the global step of the newest checkpoint fit wrote or
+        resumed from, or None.
+      batches: the batches of the pass under way (continued from epoch to
+        epoch), or None when the next batch starts a new iteration.
+    """
+
+    epoch: int
+    data_pass: int
+    batch: int = 0
+    samples: int = 0
+    seed: int | None = None
+    history: History = dataclasses.field(default_factory=History)
+    global_step: int = 0
+    saved_step: int | None = None
+    batches: Any = None
+
+    def saved(self, batch_size) -> dict:
+        """The fit state a checkpoint holds (see :mod:`hostavg.train.checkpoint`)."""
+        return {"epoch": self.epoch, "batch": self.batch, "samples": self.samples,
+                "pass": self.data_pass, "batch_size": batch_size, "seed": self.seed,
+                "history": self.history.to_json()}
+
+    def next_pass(self) -> None:
+        """Moves to the start of the next pass over the data."""
+        self.data_pass, self.batch, self.samples = self.data_pass + 1, 0, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """What fit was asked to do, fixed once its arguments are checked.
+
+    Attributes:
+      batch_size, micro_batch_size, epochs, drop_remainder, steps_per_epoch,
+        checkpoint_every, blocks: fit's arguments, checked.
+      rank, size: this process's rank and the number of processes (0 and 1 alone).
+      num_batches: the batches of a pass, or None where the source cannot tell.
+      hooks: the fit-level hook methods by name (see :func:`_fit_methods`).
+      checkpoints: where this process writes checkpoints, or None (no
+        ``checkpoint_dir``, or a rank other than 0).
+    """
+
+    batch_size: int | None
+    micro_batch_size: int
+    epochs: int
+    drop_remainder: bool
+    steps_per_epoch: int | None
+    checkpoint_every: int | None
+    blocks: dict | None
+    rank: int
+    size: int
+    num_batches: int | None
+    hooks: dict
+    checkpoints: CheckpointDir | None
+
+
+def _checked_arguments(progress, drop_remainder, seed, initial_epoch, steps_per_epoch,
+                       checkpoint_every, checkpoint_dir) -> tuple:
+    """fit's flags and counts, checked: (drop_remainder, seed, initial_epoch, steps_per_epoch)."""
     if not (isinstance(progress, (bool, np.bool_)) or (isinstance(progress, str)
                                                         and progress in PROGRESS_MODES)):
         raise HostavgError(f"progress must be True, False, 'always', 'epoch' or 'auto', "
@@ -178,7 +264,11 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     if checkpoint_every is not None and checkpoint_dir is None:
         raise HostavgError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
                            f"to write the checkpoints to")
-    source = source()
+    return drop_remainder, seed, initial_epoch, steps_per_epoch
+
+
+def _checked_source(source, epochs: int, batch_size, drop_remainder: bool):
+    """``source``, once it is known to give a batch in each of ``epochs`` epochs."""
     if source.one_shot and epochs > 1:
         raise HostavgError(
             f"data is a one-shot iterator, which serves one epoch, but fit was asked for "
@@ -189,170 +279,198 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
                            f"batch_size {batch_size}{' (drop_remainder)' if n else ''}; "
                            f"fit needs at least one batch")
-    callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
-    hooks = _fit_methods(run.hooks + callbacks)
-    ckpt = CheckpointDir(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
+    return source
 
-    history, epoch, batch, samples = History(), initial_epoch, 0, 0
-    data_pass = epoch  # passes over the data begun; the same as epochs without steps_per_epoch
-    latest = None if ckpt is None else ckpt.latest()
-    if latest is not None:
-        state = run.restore(latest)
-        if state is not None:
-            epoch, batch, samples, seed = (state[k] for k in ("epoch", "batch", "samples", "seed"))
-            data_pass = state.get("pass", epoch)  # checkpoints of earlier versions: one per epoch
-            history = History.from_json(state["history"])
-        resumed = run.global_step()
-        for on_resume in hooks["on_resume"]:
-            on_resume(resumed)
-        unsaved = [f"{op.api} ({op.tensor!r})" for op in run.random_ops() if not op.saved]
-        if unsaved:
-            warnings.warn(
-                f"fit resumed from {latest}, but the model runs stateful random ops "
-                f"({_few(unsaved)}) whose state lives in the session, which no "
-                f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
-                f"than a run never stopped would, so this run will not end with its weights bit "
-                f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
-                f"resume exactly", ResumeWarning, stacklevel=4)  # the face's fit's caller
-    comm = run.comm
-    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
-    if seed is None:
-        seed = int(np.random.SeedSequence().entropy % 2**63)
-    if comm is not None:  # before any rank trains, or returns: no rank may wait for another
-        seed = _agree(run, seed, {
-            "samples": n, "batches per epoch": source.num_batches(drop_remainder),
-            "batch_size": batch_size, "micro_batch_size": micro_batch_size, "epochs": epochs,
-            "drop_remainder": drop_remainder, "steps_per_epoch": steps_per_epoch,
-            "position (epoch, pass, batch, samples)": (epoch, data_pass, batch, samples),
-            "stopped": history.stopped is not None})
-    if rank != 0:
-        ckpt = None  # rank 0 writes the checkpoints; every rank reads them when resuming
-    if history.stopped is not None or epoch >= epochs:
-        return history
 
-    def checkpoint():
-        step = run.global_step()
-        state = {"epoch": epoch, "batch": batch, "samples": samples, "pass": data_pass,
-                 "batch_size": batch_size, "seed": seed, "history": history.to_json()}
-        ckpt.save(step, lambda path: run.save(path, state))
-        return step
+def resume(run: Run, latest, hooks: dict, state: FitState) -> None:
+    """Restores the checkpoint ``latest`` into ``run`` and its fit state into ``state``; calls
+    the hooks' ``on_resume``; warns (:class:`ResumeWarning`) where the model runs random ops
+    whose state no checkpoint holds."""
+    saved = run.restore(latest)
+    if saved is not None:
+        state.epoch, state.batch, state.samples, state.seed = (
+            saved[k] for k in ("epoch", "batch", "samples", "seed"))
+        state.data_pass = saved.get("pass", state.epoch)  # earlier versions: one pass per epoch
+        state.history = History.from_json(saved["history"])
+    resumed = run.global_step()
+    for on_resume in hooks["on_resume"]:
+        on_resume(resumed)
+    unsaved = [f"{op.api} ({op.tensor!r})" for op in run.random_ops() if not op.saved]
+    if unsaved:
+        warnings.warn(
+            f"fit resumed from {latest}, but the model runs stateful random ops "
+            f"({_few(unsaved)}) whose state lives in the session, which no "
+            f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
+            f"than a run never stopped would, so this run will not end with its weights bit "
+            f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
+            f"resume exactly", ResumeWarning, stacklevel=5)  # the face's fit's caller
 
+
+def _shared_seed(run: Run, plan: FitPlan, state: FitState, samples) -> int:
+    """The seed of the data's order: ``state.seed``, else a fresh one; over MPI rank 0's, once
+    every rank is known to run fit alike (else a HostavgError on every rank, before any rank
+    trains or returns: no rank may wait for another)."""
+    seed = state.seed if state.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+    if run.comm is None:
+        return seed
+    return _rank_0_seed_once_ranks_match(run, seed, {
+        "samples": samples, "batches per epoch": plan.num_batches,
+        "batch_size": plan.batch_size, "micro_batch_size": plan.micro_batch_size,
+        "epochs": plan.epochs, "drop_remainder": plan.drop_remainder,
+        "steps_per_epoch": plan.steps_per_epoch,
+        "position (epoch, pass, batch, samples)": (state.epoch, state.data_pass, state.batch,
+                                                   state.samples),
+        "stopped": state.history.stopped is not None})
+
+
+def checkpoint(run: Run, plan: FitPlan, state: FitState) -> int:
+    """Writes a checkpoint of ``run`` at its global step, holding ``state``; returns the step."""
     global_step = run.global_step()
-    saved_step = None
-    if ckpt is not None:  # a folder without a checkpoint gets the start, seed and all: a run
-        # killed before its first checkpoint then resumes as itself, as a run killed later does
-        saved_step = global_step if latest is not None else checkpoint()
-    num_batches = source.num_batches(drop_remainder)
-    total = steps_per_epoch if steps_per_epoch is not None else num_batches
-    bar = _Progress(progress if rank == 0 else False)
-    batch_logs = bool(hooks["on_batch_end"])  # the running logs cost metric reads: only if wanted
-    # A signal that arrives from a step's apply on waits until the step is counted (release).
-    with _sigterm_as_exit(), region(), run.hooked(callbacks):
-        try:
-            for on_train_begin in hooks["on_train_begin"]:
-                moved = on_train_begin()
-                if moved is not None:  # a hook restored a backup taken at the start of that epoch
-                    epoch = data_pass = non_negative_int("the epoch on_train_begin returned", moved)
-                    batch = samples = 0  # and the weights: what a checkpoint held from there on
-                    history.steps = [s for s in history.steps if s.epoch < epoch]  # is undone
-                    history.epochs = [e for e in history.epochs if e["epoch"] < epoch]
-            passes = None  # the batches of the pass under way, continued from epoch to epoch
-            while epoch < epochs:
-                run.reset_metrics()
-                for on_epoch_begin in hooks["on_epoch_begin"]:
-                    on_epoch_begin(epoch)
-                bar.start(f"epoch {epoch + 1}/{epochs}", total)
-                done = [s for s in history.steps if s.epoch == epoch]  # resumed mid-epoch
-                steps = len(done)
-                loss_sum = math.fsum(s.loss * s.size for s in done if _counts(s))
-                loss_n = sum(s.size for s in done if _counts(s))
-                pass_ended = fresh = False
-                while steps_per_epoch is None or steps < steps_per_epoch:
-                    if passes is None:
-                        passes = iter(source.batches(data_pass, seed, batch, samples))
-                    item = next(passes, None)
-                    if item is None:  # the pass is over: the epoch ends, or starts the next pass
-                        passes = None
-                        if steps or fresh or steps_per_epoch is None:
-                            pass_ended = True
-                            break
-                        data_pass, batch, samples, fresh = data_pass + 1, 0, 0, True
-                        continue
-                    feed, rows = item
-                    with _context(f"fit, epoch {epoch + 1}/{epochs}, batch {batch + 1}"
-                                  f"{'' if num_batches is None else f'/{num_batches}'}, "
-                                  f"global step {global_step}"):
-                        n = feed_size(feed, "the batch", blocks)
-                        if drop_remainder and n < batch_size:
-                            batch, samples = batch + 1, samples + n
-                            continue
-                        for on_batch_begin in hooks["on_batch_begin"]:
-                            on_batch_begin(steps)
-                        result = run.step(*_micro_batches(feed, n, micro_batch_size, rank, size,
-                                                          blocks, rows))
-                    batch, samples = batch + 1, samples + n
-                    global_step = result.step
-                    log = history.add(epoch, result)
-                    release()
-                    bar.update(result)
-                    if ckpt is not None and checkpoint_every and result.step % checkpoint_every == 0:
-                        saved_step = checkpoint()
-                    for hook in hooks["on_step_end"]:
-                        hook(result.step, result)
-                    if _counts(log):
-                        loss_sum, loss_n = loss_sum + log.loss * log.size, loss_n + log.size
-                    if batch_logs:
-                        logs = {"loss": loss_sum / loss_n if loss_n else math.nan, **run.metrics()}
-                        for on_batch_end in hooks["on_batch_end"]:
-                            on_batch_end(steps, logs)
-                    steps += 1
-                    if run.stop_requested() is not None:
-                        break
-                # Over MPI every rank ends the epoch here, or all raise: none waits for another.
-                run.gather(f"the end of epoch {epoch + 1} of fit", batch)
-                if not steps:
-                    raise HostavgError(
-                        f"epoch {epoch} trained no step: the data gave {batch} batches"
-                        f"{', every one shorter than batch_size and dropped (drop_remainder)' if batch else ''}"
-                        f"; fit needs at least one batch per epoch")
-                logs = _epoch_logs(history, epoch)
-                logs.update(run.metrics())
-                logs.update({f"val_{k}": v for k, v in run.validate(epoch).items()})
-                bar.close(logs)
-                hold()  # the epoch's logs and the next position, together
-                history.epochs.append(logs)
-                epoch += 1
-                if pass_ended:
-                    data_pass, batch, samples = data_pass + 1, 0, 0
-                release()
-                for hook in hooks["on_epoch_end"]:
-                    hook(epoch - 1, logs)
-                stop = run.stop_requested()
-                if stop is not None:
-                    history.stopped = stop
-                    break
-        except StopTraining as e:
-            history.stopped = str(e) or "stopped by a callback"
-        except BaseException as error:
-            with contextlib.suppress(AttributeError):  # an exception type with __slots__
-                error.history = history  # the loss curve up to the failure, to see what led to it
-            bar.close(None)
-            try:
-                if ckpt is not None and run.global_step() != saved_step:
-                    checkpoint()  # the last completed step: a step is atomic
-            finally:
-                _close(hooks)
-            run.abandon(error)  # over MPI, a rank leaving alone ends the job
-            raise
+    saved = state.saved(plan.batch_size)
+    plan.checkpoints.save(global_step, lambda path: run.save(path, saved))
+    return global_step
+
+
+def train_begin(hooks: dict, state: FitState) -> None:
+    """Calls the hooks' ``on_train_begin``; one that returns an epoch has restored a backup
+    taken at that epoch's start (the weights: what a checkpoint held from there on is undone),
+    so ``state`` moves back to it."""
+    for on_train_begin in hooks["on_train_begin"]:
+        moved = on_train_begin()
+        if moved is not None:
+            state.epoch = state.data_pass = non_negative_int("the epoch on_train_begin returned",
+                                                             moved)
+            state.batch = state.samples = 0
+            state.history.steps = [s for s in state.history.steps if s.epoch < state.epoch]
+            state.history.epochs = [e for e in state.history.epochs if e["epoch"] < state.epoch]
+
+
+def train_epoch(run: Run, source, plan: FitPlan, state: FitState, bar: _Progress) -> bool:
+    """Trains the epoch ``state.epoch``, then validates and logs it; returns whether training
+    stops there (a callback asked to)."""
+    hooks = plan.hooks
+    run.reset_metrics()
+    for on_epoch_begin in hooks["on_epoch_begin"]:
+        on_epoch_begin(state.epoch)
+    total = plan.steps_per_epoch if plan.steps_per_epoch is not None else plan.num_batches
+    bar.start(f"epoch {state.epoch + 1}/{plan.epochs}", total)
+    steps, pass_ended = _epoch_steps(run, source, plan, state, bar)
+    # Over MPI every rank ends the epoch here, or all raise: none waits for another.
+    run.gather(f"the end of epoch {state.epoch + 1} of fit", state.batch)
+    if not steps:
+        raise HostavgError(
+            f"epoch {state.epoch} trained no step: the data gave {state.batch} batches"
+            f"{', every one shorter than batch_size and dropped (drop_remainder)' if state.batch else ''}"
+            f"; fit needs at least one batch per epoch")
+    logs = _epoch_logs(state.history, state.epoch)
+    logs.update(run.metrics())
+    logs.update({f"val_{k}": v for k, v in run.validate(state.epoch).items()})
+    bar.close(logs)
+    hold()  # the epoch's logs and the next position, together
+    state.history.epochs.append(logs)
+    state.epoch += 1
+    if pass_ended:
+        state.next_pass()
+    release()
+    for hook in hooks["on_epoch_end"]:
+        hook(state.epoch - 1, logs)
+    stop = run.stop_requested()
+    if stop is not None:
+        state.history.stopped = stop
+    return stop is not None
+
+
+def _epoch_steps(run: Run, source, plan: FitPlan, state: FitState, bar: _Progress
+                 ) -> tuple[int, bool]:
+    """Steps through the epoch's batches: (the epoch's steps, whether its pass ended)."""
+    done = [s for s in state.history.steps if s.epoch == state.epoch]  # resumed mid-epoch
+    steps, loss = len(done), _RunningLoss(done)
+    fresh = False  # whether this epoch began a pass (one that gives no batch ends the epoch)
+    while plan.steps_per_epoch is None or steps < plan.steps_per_epoch:
+        if state.batches is None:
+            state.batches = iter(source.batches(state.data_pass, state.seed, state.batch,
+                                                state.samples))
+        item = next(state.batches, None)
+        if item is None:  # the pass is over: the epoch ends, or starts the next pass
+            state.batches = None
+            if steps or fresh or plan.steps_per_epoch is None:
+                return steps, True
+            state.next_pass()
+            fresh = True
+            continue
+        if not train_step(run, plan, state, bar, item, steps, loss):
+            continue  # dropped (drop_remainder)
+        steps += 1
+        if run.stop_requested() is not None:
+            break
+    return steps, False
+
+
+def train_step(run: Run, plan: FitPlan, state: FitState, bar: _Progress, item: tuple,
+               steps: int, loss: _RunningLoss) -> bool:
+    """Trains one step on the batch ``item`` (feed, data rows), the epoch's ``steps``-th; counts
+    it in ``state``, ``loss`` and the hooks. Returns False for a short batch dropped
+    (drop_remainder) untrained."""
+    hooks = plan.hooks
+    feed, rows = item
+    with _context(f"fit, epoch {state.epoch + 1}/{plan.epochs}, batch {state.batch + 1}"
+                  f"{'' if plan.num_batches is None else f'/{plan.num_batches}'}, "
+                  f"global step {state.global_step}"):
+        n = feed_size(feed, "the batch", plan.blocks)
+        if plan.drop_remainder and n < plan.batch_size:
+            state.batch, state.samples = state.batch + 1, state.samples + n
+            return False
+        for on_batch_begin in hooks["on_batch_begin"]:
+            on_batch_begin(steps)
+        result = run.step(*_micro_batches(feed, n, plan.micro_batch_size, plan.rank, plan.size,
+                                          plan.blocks, rows))
+    state.batch, state.samples = state.batch + 1, state.samples + n
+    state.global_step = result.step
+    log = state.history.add(state.epoch, result)
+    release()
+    bar.update(result)
+    if (plan.checkpoints is not None and plan.checkpoint_every
+            and result.step % plan.checkpoint_every == 0):
+        state.saved_step = checkpoint(run, plan, state)
+    for hook in hooks["on_step_end"]:
+        hook(result.step, result)
+    loss.add(log)
+    if hooks["on_batch_end"]:  # the running logs cost metric reads: only if wanted
+        logs = {"loss": loss.mean(), **run.metrics()}
+        for on_batch_end in hooks["on_batch_end"]:
+            on_batch_end(steps, logs)
+    return True
+
+
+def _abandon(run: Run, plan: FitPlan, state: FitState, bar: _Progress,
+             error: BaseException) -> None:
+    """fit ends with ``error``: hands it the history, checkpoints the last completed step (a
+    step is atomic), closes the hooks and tells ``run``."""
+    with contextlib.suppress(AttributeError):  # an exception type with __slots__
+        error.history = state.history  # the loss curve up to the failure, to see what led to it
     bar.close(None)
     try:
-        if ckpt is not None:
-            checkpoint()
-        for hook in hooks["on_train_end"]:
-            hook(history)
+        if plan.checkpoints is not None and run.global_step() != state.saved_step:
+            checkpoint(run, plan, state)
     finally:
-        _close(hooks)
-    return history
+        _close(plan.hooks)
+    run.abandon(error)  # over MPI, a rank leaving alone ends the job
+
+
+class _RunningLoss:
+    """The epoch's loss so far: the sample-weighted mean over its steps that count (see
+    :func:`_counts`), as ``on_batch_end``'s logs show it."""
+
+    def __init__(self, done: list):
+        self.total = math.fsum(s.loss * s.size for s in done if _counts(s))
+        self.samples = sum(s.size for s in done if _counts(s))
+
+    def add(self, log) -> None:
+        if _counts(log):
+            self.total, self.samples = self.total + log.loss * log.size, self.samples + log.size
+
+    def mean(self) -> float:
+        return self.total / self.samples if self.samples else math.nan
 
 
 def _counts(log) -> bool:
@@ -372,7 +490,7 @@ def _few(items: list, shown: int = 3) -> str:
                                        if len(items) > shown else "")
 
 
-def _agree(run: Run, seed: int, settings: dict) -> int:
+def _rank_0_seed_once_ranks_match(run: Run, seed: int, settings: dict) -> int:
     """Rank 0's ``seed``, once every rank's fit ``settings`` (its data's size, arguments and
     position) are the same; else a HostavgError on every rank, before anything trains."""
     everyone = run.gather("the start of fit", (seed, settings))
