@@ -58,9 +58,7 @@ class Trainer(BaseTrainer):
     - ``fit``'s ``validation_split``, ``class_weight``,
       ``validation_batch_size`` and ``validation_steps``, as Keras's, and
       Keras callbacks beside hostavg's hooks.
-
-    The Keras guide in the documentation says the rest (multi-output losses,
-    masked losses, mixed precision, batch norm).
+    The Keras guide says the rest (multi-output and masked losses, batch norm).
 
     Example::
 

@@ -58,20 +58,15 @@ class BaseTrainer:
       accum_dtype: the host accumulation dtype ("float64"); None: each variable's.
       hooks: objects with any of the hook methods of :class:`~hostavg.core.results.Hook`.
       comm: an mpi4py communicator to train over several processes; None: this one.
-      update_ratios_every: measure ``StepResult.update_ratios``
-        (|w_after - w_before| / |w_before| per variable) every that many global
-        steps; None: never.
+      update_ratios_every: measure ``StepResult.update_ratios`` (|w_after -
+        w_before| / |w_before|) every that many global steps; None: never.
       overlap: compute micro-batch i + 1 in a worker thread while the host
         handles micro-batch i; the same results bit for bit.
 
     Attributes:
-      micro_batch_size: as given.
-      accumulate: as given.
+      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap.
       accum_dtype: as a NumPy dtype, or None.
       hooks: a tuple, in the order they run.
-      comm: as given.
-      update_ratios_every: as given.
-      overlap: as given.
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
       rollback_variables: what a failed step restores: the variables that
         computing a micro-batch assigns (moving statistics, counters).
