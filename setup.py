@@ -23,8 +23,12 @@ LEGACY = ["tf-keras>=2.21,<2.22"]
 # Keras 3 on JAX (hostavg.keras on KERAS_BACKEND=jax), on the CPU; the version range the tests
 # run. For a GPU, install JAX's CUDA build instead (pip install "jax[cuda13]").
 JAX = ["jax[cpu]>=0.10,<0.11"]
-# The documentation site: `mkdocs build --strict` (the tests build it) or `mkdocs serve`.
-DOCS = ["mkdocs", "mkdocs-material", "mkdocstrings[python]"]
+# The documentation site: `mkdocs build --strict` (the tests build it) or `mkdocs serve`; the
+# ranges the site is built with (griffe, in the griffelib package, reads the docstrings; the
+# faces' methods show the docstring they inherit from BaseTrainer by griffe-inherited-docstrings).
+DOCS = ["mkdocs>=1.6,<1.7", "mkdocs-material>=9.8,<9.9", "mkdocstrings[python]>=1.0,<1.1",
+        "mkdocstrings-python>=2.0,<2.1", "griffelib>=2.4,<2.5",
+        "griffe-inherited-docstrings>=1.1,<1.2"]
 
 setup(
     name="hostavg",

@@ -256,8 +256,10 @@ def step_stats(mean: Mapping, weights: Sequence[float], sq_norms: Sequence[float
 
     Args:
       mean: the accumulated mean, name -> array or SparseGradient.
-      weights, sq_norms: b_i and |g_i|^2 of the k accumulated micro-batches.
-      micro_norms, micro_losses: one per micro-batch of the step, dropped ones included.
+      weights: b_i of the k accumulated micro-batches.
+      sq_norms: |g_i|^2 of the k accumulated micro-batches.
+      micro_norms: |g_i| of every micro-batch of the step, dropped ones included.
+      micro_losses: the loss of every micro-batch of the step, dropped ones included.
       stack: the k accumulated micro-batches' gradients ("stack" mode), or None.
       micro_variable_sq_norms: per micro-batch (dropped ones included), name ->
         squared norm of its gradient for that variable; or None.

@@ -50,8 +50,10 @@ class KerasJaxBackend(CompiledModel):
     """A compiled Keras model and its optimizer on Keras's JAX backend (:class:`hostavg.engine.protocols.Backend`).
 
     Args:
-      model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them;
-        the model is compiled with them (:func:`~hostavg.keras.common.compiled`).
+      model: as :class:`hostavg.keras.Trainer` takes it; compiled with ``loss``
+        and ``optimizer`` (:func:`~hostavg.keras.common.compiled`).
+      loss: as :class:`hostavg.keras.Trainer` takes it.
+      optimizer: as :class:`hostavg.keras.Trainer` takes it.
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the

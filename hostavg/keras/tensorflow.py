@@ -45,8 +45,10 @@ class KerasBackend(CompiledModel):
     """A compiled Keras model and its optimizer: the engine's Keras backend (:class:`hostavg.engine.protocols.Backend`).
 
     Args:
-      model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them;
-        the model is compiled with them (:func:`~hostavg.keras.common.compiled`).
+      model: as :class:`hostavg.keras.Trainer` takes it; compiled with ``loss``
+        and ``optimizer`` (:func:`~hostavg.keras.common.compiled`).
+      loss: as :class:`hostavg.keras.Trainer` takes it.
+      optimizer: as :class:`hostavg.keras.Trainer` takes it.
       batch_norm: one of :data:`~hostavg.keras.common.BATCH_NORM_MODES` (see the module
         docstring).
 
