@@ -1,11 +1,19 @@
-"""TensorFlow's start-up log lines, kept off the screen unless asked for."""
+"""TensorFlow as both its backends and the command line meet it: imported quietly, errors, read ops.
+
+Imports no TensorFlow itself (:func:`import_tensorflow` does, when called), so
+``import hostavg`` stays free of it.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 
-__all__ = ["import_tensorflow"]
+__all__ = ["READ_OPS", "first_line", "import_tensorflow"]
+
+#: Ops that take a variable (its resource handle) only to read it.
+READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+                      "VarIsInitializedOp", "IsVariableInitialized"})
 
 #: What TF_CPP_MIN_LOG_LEVEL becomes unless it was set: fatal errors only. TensorFlow's
 #: own errors reach Python as exceptions; what its C++ core logs at start-up ("failed
@@ -50,3 +58,13 @@ def import_tensorflow():
         os.dup2(saved, 2)
         os.close(saved)
     return tensorflow
+
+
+def first_line(error) -> str:
+    """The line of a TensorFlow error message that says what went wrong."""
+    for line in str(getattr(error, "message", error)).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ",
+                                         "Node: ")):
+            return line
+    return str(error)
