@@ -4,6 +4,8 @@
 :data:`hostavg.core.check.CAUSES` for what each cause means).
 """
 
+from hostavg.core import check
+
 __all__ = ["ADVICE"]
 
 #: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
@@ -28,3 +30,5 @@ ADVICE = {
                   "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
                   "dequeued tensors) that batch's arrays, which leaves the iterator alone",
 }
+
+check.ADVICE["tf1"] = ADVICE  # compatibility: the backend's framework attribute is the key
