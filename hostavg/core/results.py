@@ -237,8 +237,9 @@ class Hook(Protocol):
     - ``close()`` when fit ends, however it ends.
 
     ``on_step_end(step, result)``, the callback method of earlier versions, is
-    still called by fit after each step it counted (after ``on_applied``, once
-    the step is in the History and checkpointed); new code uses ``on_applied``.
+    deprecated (fit warns with a DeprecationWarning naming ``on_applied``) and
+    still called by fit after each step it counted, just before ``on_batch_end``
+    (after ``on_applied``, once the step is in the History and checkpointed).
 
     Hooks run in the order given, the trainer's before fit's callbacks; an
     exception raised in a step-level method propagates as it is, with a note
