@@ -24,9 +24,10 @@ The wrappers, each with its private API and its public fallback:
 
 Every fallback gives the same values, bit for bit (the same kernels run on
 the same inputs); what differs is the time per call (and a copy of each
-array, for :func:`eager_tensor`), and, for
-:func:`learning_rate`, which optimizers expose their rate (the fallback finds
-it only where an apply kernel takes it as an input).
+array, for :func:`eager_tensor`), and, for :func:`learning_rate`, which
+optimizers expose their rate: the fallback finds it only where an apply
+kernel takes it as an input, and elsewhere (GradientDescent's sparse update)
+the step reports its learning rate as None.
 """
 
 from __future__ import annotations
