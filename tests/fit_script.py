@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from models import AfterApply  # noqa: E402
+from models import AfterApply, AfterStep  # noqa: E402
 
 import hostavg  # noqa: E402
 from hostavg.cli import models  # noqa: E402
@@ -25,11 +25,11 @@ from hostavg.cli import models  # noqa: E402
 v1 = tf.compat.v1
 
 
-class Slow:
+class Slow(AfterStep):
     def __init__(self, seconds):
         self.seconds = seconds
 
-    def on_step_end(self, step, result):
+    def after(self, step):
         print(f"step {step}", flush=True)
         time.sleep(self.seconds)
 

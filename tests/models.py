@@ -250,13 +250,26 @@ class FetchSpy(v1.Session):
         return spy
 
 
-class FailAt:
+class AfterStep:
+    """A fit callback whose ``after(step)`` runs after each step fit counted, once the step is in
+    the History and checkpointed: ``on_applied`` notes the global step, ``on_batch_end`` calls."""
+
+    applied = None
+
+    def on_applied(self, result):
+        self.applied = result.step
+
+    def on_batch_end(self, batch, logs):
+        self.after(self.applied)
+
+
+class FailAt(AfterStep):
     """A fit callback that raises RuntimeError("stopped on purpose") after global step ``step``."""
 
     def __init__(self, step):
         self.step = step
 
-    def on_step_end(self, step, result):
+    def after(self, step):
         if step == self.step:
             raise RuntimeError("stopped on purpose")
 

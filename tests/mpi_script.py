@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from models import batches, build, cuts, keras_model, v1  # noqa: E402
+from models import AfterStep, batches, build, cuts, keras_model, v1  # noqa: E402
 
 import hostavg  # noqa: E402
 
@@ -140,11 +140,11 @@ def misconfigured():
              **dict(zip([v.op.name for v in variables], sess.run(variables))))
 
 
-class Report:
+class Report(AfterStep):
     def __init__(self, exit_at=None):
         self.exit_at = exit_at
 
-    def on_step_end(self, step, result):
+    def after(self, step):
         print(f"rank {rank} pid {os.getpid()} step {step}", flush=True)
         if step == self.exit_at and rank == 1:
             sys.exit(3)

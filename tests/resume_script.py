@@ -16,6 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from models import AfterStep  # noqa: E402
 
 import hostavg  # noqa: E402
 from hostavg.cli import models  # noqa: E402
@@ -23,11 +24,11 @@ from hostavg.cli import models  # noqa: E402
 v1 = tf.compat.v1
 
 
-class Kill:
+class Kill(AfterStep):
     def __init__(self, at):
         self.at = at
 
-    def on_step_end(self, step, result):
+    def after(self, step):
         print(f"step {step}", flush=True)
         if step == self.at:
             os.kill(os.getpid(), signal.SIGKILL)

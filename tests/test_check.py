@@ -3,8 +3,14 @@
 import numpy as np
 import pytest
 
-from hostavg.core.check import (ADVICE, FLOOR, TOLERANCE, RandomOp, diagnose,
-                                shows_fixed_batch)
+from hostavg.core.check import CAUSES, FLOOR, TOLERANCE, RandomOp, diagnose, shows_fixed_batch
+from hostavg.keras.common import CompiledModel
+from hostavg.tf1.session import SessionBackend
+
+#: Each backend's advice (its ``advice``: every Keras backend's is CompiledModel's), by the
+#: framework whose words it uses.
+ADVICE = {"keras": CompiledModel.advice, "tf1": SessionBackend.advice}
+TF1 = ADVICE["tf1"]
 
 
 def grads(**arrays):
@@ -14,7 +20,7 @@ def grads(**arrays):
 def test_round_off_in_a_variable_whose_true_gradient_is_zero_passes():
     whole = grads(w=[3.0, 4.0], key_bias=[0.0, 0.0])
     mean = grads(w=[3.0, 4.0], key_bias=[1e-8, -2e-8])  # round-off: 4e-9 of |W| = 5
-    report = diagnose(whole, whole, mean, 4)
+    report = diagnose(whole, whole, mean, 4, TF1)
     assert report.ok, report
     assert report.max_rel_diff["key_bias"] == pytest.approx(np.sqrt(5e-16) / (FLOOR * 5), rel=1e-3)
 
@@ -23,7 +29,7 @@ def test_a_difference_above_the_floor_in_a_small_variable_still_fails():
     # |whole['b']| = 1e-5 |W|: a sum loss scales it by 1/4 as every other variable.
     whole = grads(w=[3.0, 4.0], b=[5e-5])
     mean = {n: v / 4 for n, v in whole.items()}
-    report = diagnose(whole, whole, mean, 4)
+    report = diagnose(whole, whole, mean, 4, TF1)
     assert not report.ok
     assert report.max_rel_diff["b"] > TOLERANCE[np.dtype("float32")]
     assert "4 times the micro-batch mean" in report.cause and "tf.reduce_mean" in report.cause
@@ -33,18 +39,24 @@ def test_no_scale_is_claimed_where_the_gradients_agree_in_size():
     # One variable differs, the whole gradient's size does not: not "1 times".
     whole = grads(w=[300.0, 400.0], b=[1.0, 0.0])
     mean = grads(w=[300.0, 400.0], b=[0.9, 0.1])
-    report = diagnose(whole, whole, mean, 4)
+    report = diagnose(whole, whole, mean, 4, TF1)
     assert not report.ok and "times" not in report.cause
     assert "batch" in report.cause
+
+
+@pytest.mark.parametrize("framework", sorted(ADVICE))
+def test_every_backend_advises_on_every_cause(framework):
+    assert set(ADVICE[framework]) == set(CAUSES)
 
 
 @pytest.mark.parametrize("framework", sorted(ADVICE))
 def test_the_advice_speaks_the_framework_of_the_user(framework):
     whole = grads(w=[3.0, 4.0])
     noisy = grads(w=[3.5, 4.0])
-    random = diagnose(whole, noisy, noisy, 2, framework).cause
-    scaled = diagnose(whole, whole, {"w": whole["w"] / 2}, 2, framework).cause
-    batch = diagnose(whole, whole, grads(w=[4.0, 3.0]), 2, framework).cause
+    advice = ADVICE[framework]
+    random = diagnose(whole, noisy, noisy, 2, advice).cause
+    scaled = diagnose(whole, whole, {"w": whole["w"] / 2}, 2, advice).cause
+    batch = diagnose(whole, whole, grads(w=[4.0, 3.0]), 2, advice).cause
     if framework == "keras":
         assert "Dropout" in random and "keep_prob" not in random
         assert "sum_over_batch_size" in scaled and "tf.reduce_mean" not in scaled
@@ -59,11 +71,11 @@ def test_the_random_ops_a_backend_found_are_named_with_the_advice_for_their_kind
     whole, noisy = grads(w=[3.0, 4.0]), grads(w=[3.5, 4.0])
     found = [RandomOp("tf.nn.dropout", "dropout/random_uniform/RandomUniform:0", "random"),
              RandomOp("tf.random.normal", "z/RandomStandardNormal:0", "draw")]
-    cause = diagnose(whole, noisy, noisy, 2, "tf1", found).cause
+    cause = diagnose(whole, noisy, noisy, 2, TF1, found).cause
     assert ("random ops in training mode: tf.nn.dropout ('dropout/random_uniform/RandomUniform:0'), "
             "tf.random.normal ('z/RandomStandardNormal:0'). Turn them off") in cause
     assert "keep_prob" in cause and "feed 'z/RandomStandardNormal:0' a fixed array" in cause
-    many = diagnose(whole, noisy, noisy, 2, "tf1", [found[1]._replace(tensor=f"z{i}:0")
+    many = diagnose(whole, noisy, noisy, 2, TF1, [found[1]._replace(tensor=f"z{i}:0")
                                                     for i in range(5)]).cause
     assert "('z2:0') and 2 more. No feed turns them off" in many and "keep_prob" not in many
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 import hostavg
 from hostavg.cli import models
 from hostavg.train.checkpoint import CheckpointDir
-from models import ENV, FailAt
+from models import ENV, AfterStep, FailAt
 
 v1 = tf.compat.v1
 N = 250  # batches of 96: 96, 96 and a short 58
@@ -120,8 +120,8 @@ def test_validation_metrics_history_table_and_callbacks():
     calls = []
 
     class Recorder(hostavg.Callback):
-        def on_step_end(self, step, result):
-            calls.append(("step", step, result.size))
+        def on_applied(self, result):
+            calls.append(("step", result.step, result.size))
 
         def on_epoch_end(self, epoch, logs):
             calls.append(("epoch", epoch, sorted(logs)))
@@ -155,8 +155,8 @@ def test_early_stopping_and_stop_training_end_cleanly():
                           callbacks=[stopper], progress=False)
     assert len(history.epochs) == 2 and "early stopping: loss has not improved" in history.stopped
 
-    class StopAt:
-        def on_step_end(self, step, result):
+    class StopAt(AfterStep):
+        def after(self, step):
             if step == 2:
                 raise hostavg.StopTraining("enough")
 
@@ -167,6 +167,28 @@ def test_early_stopping_and_stop_training_end_cleanly():
     with pytest.raises(hostavg.HostavgError, match=r"monitors 'val_loss', which the epoch logs lack"):
         trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32,
                     callbacks=[hostavg.EarlyStopping()], progress=False)
+
+
+def test_on_step_end_is_deprecated_and_still_called_after_each_step_fit_counted(tmp_path):
+    """The callback method of earlier versions warns, naming on_applied, where fit is called; it
+    still runs once the step is in the History and checkpointed, and may stop training."""
+    model, trainer, sess = setup()
+    calls = []
+
+    class StopAt:
+        def on_step_end(self, step, result):
+            calls.append((step, result.step, sorted(p.name for p in tmp_path.glob("ckpt-*"))[-1]))
+            if step == 2:
+                raise hostavg.StopTraining("enough")
+
+    with pytest.warns(DeprecationWarning, match=r"^StopAt\.on_step_end\(step, result\) is "
+                                                r"deprecated; define on_applied\(result\)") as warned:
+        history = trainer.fit(sess, data(model), batch_size=96, micro_batch_size=32, epochs=5,
+                              callbacks=[StopAt()], progress=False, checkpoint_dir=tmp_path,
+                              checkpoint_every=1)
+    assert [w.filename for w in warned] == [__file__]
+    assert len(history.steps) == 2 and history.stopped == "enough"
+    assert calls == [(1, 1, "ckpt-0000000001.npz"), (2, 2, "ckpt-0000000002.npz")]
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -273,7 +295,7 @@ def test_an_error_inside_fit_names_rows_epoch_batch_and_global_step_and_keeps_th
     seen = []
 
     class Rows:
-        def on_step_end(self, step, result):
+        def on_applied(self, result):
             seen.append([m.rows for m in result.micro])
 
     with pytest.raises(hostavg.HostavgError) as raised:
@@ -318,7 +340,7 @@ def test_a_dataset_source_knows_its_rows():
     rows = []
 
     class Rows:
-        def on_step_end(self, step, result):
+        def on_applied(self, result):
             rows.extend(r for m in result.micro for r in m.rows)
 
     dataset = tf.data.Dataset.from_tensor_slices({"x": d[model.x], "y": d[model.y]})
@@ -327,7 +349,7 @@ def test_a_dataset_source_knows_its_rows():
     assert sorted(rows) == list(range(N)) and rows != list(range(N))  # shuffled, each row once
     trainer.fit(sess, [{model.x: d[model.x][:96], model.y: d[model.y][:96]}], batch_size=96,
                 micro_batch_size=32, callbacks=[type("Check", (), {
-                    "on_step_end": lambda self, step, result: rows.append(result.micro[0].rows)})()],
+                    "on_applied": lambda self, result: rows.append(result.micro[0].rows)})()],
                 progress=False)
     assert rows[-1] is None  # batches given as feed dicts: fit can't tell the rows
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hostavg.core.errors import HostavgError
-from hostavg.core.logs import import_tensorflow
+from hostavg.frameworks.tensorflow import import_tensorflow
 
 __all__ = ["main"]
 

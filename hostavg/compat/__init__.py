@@ -1,15 +1,19 @@
 """The private framework APIs hostavg uses: one module per framework, each API detected, each with a public fallback.
 
-A few private APIs of CPython and TensorFlow sit on hostavg's per-micro-batch
-path, where their public twins cost Python time on every call; one of JAX's
-tells which variables the loss depends on. Each is wrapped in one small named
-function in its framework's module (:mod:`hostavg.compat.python`,
-:mod:`hostavg.compat.tensorflow`, :mod:`hostavg.compat.jax`), which at import
-detects the private API and otherwise uses its public fallback. With
-``HOSTAVG_PUBLIC_API_ONLY=1`` set before hostavg is imported, every wrapper is
-its fallback and :func:`private_apis` is empty.
-
-This module itself is standard library only (and hostavg's one exception type).
+CPython's and TensorFlow's serve the per-micro-batch path (their public twins cost
+Python time per call); Keras's two tell what ``compile`` was given and where a
+restored backup resumes; JAX's tells which variables the loss uses. One small
+function each, in :mod:`~hostavg.compat.python`, :mod:`~hostavg.compat.tensorflow`,
+:mod:`~hostavg.compat.keras` or :mod:`~hostavg.compat.jax`, imported by the backend
+of that framework only (``python`` by the engine's signal guard). Importing the module
+detects each API on a small probe and makes each wrapper its private form or its
+public fallback. CPython's and TensorFlow's fallbacks give the same values (but a
+learning rate no apply kernel takes, which the step then reports as None); Keras's
+and JAX's do not, as their modules say: ``BackupAndRestore``'s epoch is not resumed,
+a model compiled again gets its metrics anew, a variable the loss does not use is
+trained on zeros. ``HOSTAVG_PUBLIC_API_ONLY=1``, set before hostavg is imported,
+makes every wrapper its fallback (``0`` or unset: private where they work).
+Standard library only (and hostavg's one exception type).
 
 Example::
 
@@ -91,9 +95,10 @@ def private_apis() -> tuple[str, ...]:
     """The private framework APIs this process uses, sorted by name.
 
     Covers the frameworks hostavg has imported so far: CPython's ``_signal``
-    from ``import hostavg``; TensorFlow's once a trainer module is imported
-    (``hostavg.Trainer`` or ``import hostavg.keras``). Empty with
-    ``HOSTAVG_PUBLIC_API_ONLY=1``.
+    from ``import hostavg``; Keras's from ``import hostavg.keras``; TensorFlow's
+    once its backend is imported (``hostavg.Trainer``, or the first
+    ``hostavg.keras.Trainer`` on Keras's TensorFlow backend); JAX's with the
+    first on Keras's JAX backend. Empty with ``HOSTAVG_PUBLIC_API_ONLY=1``.
 
     Example::
 

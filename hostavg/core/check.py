@@ -26,8 +26,8 @@ import numpy as np
 
 from hostavg.core.gradients import SparseGradient
 
-__all__ = ["ADVICE", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose", "fixed_batch_hint",
-           "shows_fixed_batch"]
+__all__ = ["ADVICE", "CAUSES", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose",
+           "fixed_batch_hint", "shows_fixed_batch"]
 
 #: Relative difference under which two gradients count as equal, by dtype:
 #: room for summation order (float32: ~1e-6 seen), far below any real cause.
@@ -41,10 +41,10 @@ TOLERANCE = {np.dtype("float16"): 1e-2, np.dtype("float32"): 1e-4, np.dtype("flo
 #: far more.
 FLOOR = 1e-3
 
-#: The kinds of random op a backend finds (:class:`RandomOp`), each advised on by the ADVICE
-#: key of its name. "random": one that a feed turns off (dropout's keep_prob or rate, a
-#: training flag). "sampled": the classes of a sampled loss (nce_loss). "draw": noise drawn in
-#: the forward pass (a variational autoencoder's), which no feed turns off.
+#: The kinds of random op a backend finds (:class:`RandomOp`), each advised on by the
+#: :data:`CAUSES` key of its name. "random": one that a feed turns off (dropout's keep_prob or
+#: rate, a training flag). "sampled": the classes of a sampled loss (nce_loss). "draw": noise
+#: drawn in the forward pass (a variational autoencoder's), which no feed turns off.
 RANDOM_KINDS = ("random", "sampled", "draw")
 
 
@@ -67,52 +67,17 @@ class RandomOp(NamedTuple):
     saved: bool = False
 
 
-#: What to do about each cause, in the words of the user's framework: cause -> advice.
-#: "draw" is formatted with the name of a tensor drawn (``{tensor}``).
-ADVICE = {
-    "tf1": {
-        "random": "Turn them off for the check (a keep_prob or dropout-rate placeholder fed "
-                  "1.0 or 0.0, a training placeholder fed False) and check again",
-        "sampled": "A sampled loss draws its classes anew each run, which no feed turns off: "
-                   "check with the full loss (such as tf.nn.sparse_softmax_cross_entropy_with_"
-                   "logits over every class), or expect each micro-batch to draw its own",
-        "draw": "No feed turns them off: for the check, feed {tensor!r} a fixed array (one row "
-                "per sample, such as zeros), which the check cuts with the rest of the feed, "
-                "and check again; a step draws anew in each micro-batch",
-        "scale": "Use the mean over the micro-batch's samples, tf.reduce_mean",
-        "batch": "such as batch norm in training mode (tf.compat.v1.layers.batch_normalization "
-                 "with training=True)",
-        "fixed": "(tf.reshape(x, [batch_size, ...]), tf.ones([batch_size, ...]), slices such as "
-                 "x[i * batch_size:(i + 1) * batch_size]); use tf.shape(x)[0], the rows the feed "
-                 "has, instead of batch_size",
-        "no_samples": "check runs one batch whole and in micro-batches: feed it that batch's "
-                      "arrays, such as {x: X[:256], y: Y[:256]}. A feed of scalars is one "
-                      "sample; for a graph that reads its batch from a tf.data iterator or a "
-                      "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
-                      "dequeued tensors) that batch's arrays, which leaves the iterator alone",
-    },
-    "keras": {
-        "random": "hostavg computes with training=True, so keras.layers.Dropout (and other "
-                  "random layers) draw anew each run: check a model built with their rate 0, "
-                  "or expect each micro-batch to draw its own mask",
-        "sampled": "A sampled loss draws its classes anew each run: check with the full loss, "
-                   "or expect each micro-batch to draw its own",
-        "draw": "Noise drawn in the forward pass ({tensor!r}) differs each run: check a model "
-                "that draws none, or expect each micro-batch to draw its own",
-        "scale": "Use a keras.losses.Loss with reduction='sum_over_batch_size' (the default), "
-                 "or a loss function that returns the mean over the batch",
-        "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
-                 "micro-batch by its own statistics, or a loss over masked outputs (after "
-                 "Embedding(mask_zero=True) or Masking), which Keras averages over each "
-                 "micro-batch's own unmasked entries: weigh each micro-batch by its unmasked "
-                 "entries, step(batches, sizes=[...]), and the step is the full batch's",
-        "fixed": "(keras.ops.reshape(x, (batch_size, ...)), keras.ops.ones((batch_size, ...)), "
-                 "an Input with batch_size=); use keras.ops.shape(x)[0], the rows the batch has, "
-                 "instead of batch_size",
-        "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
-                      "least one sample each, such as x[:256], y[:256]",
-    },
-}
+#: What a backend's advice (:attr:`hostavg.engine.protocols.Backend.advice`) says what to do
+#: about, in the words of its framework: cause -> advice. The random kinds (above; "draw" is
+#: formatted with the name of a tensor drawn, ``{tensor}``); "scale": a loss that grows with
+#: the feed's size; "batch": examples of an op that computes over the batch, after "such as";
+#: "fixed": examples of a size fixed in the graph, and what to use instead; "no_samples":
+#: what to give check when the feed held no array of samples.
+CAUSES = RANDOM_KINDS + ("scale", "batch", "fixed", "no_samples")
+
+#: Compatibility, until hostavg/train/trainer.py reads ``backend.advice``: each backend's
+#: advice under its ``framework`` attribute, added by the backend's module.
+ADVICE: dict[str, Mapping[str, str]] = {}
 
 
 @dataclass(frozen=True)
@@ -149,7 +114,7 @@ class CheckReport:
 
 
 def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
-             framework: str = "tf1", random_ops: Sequence[RandomOp] = ()) -> CheckReport:
+             advice: Mapping[str, str], random_ops: Sequence[RandomOp] = ()) -> CheckReport:
     """Compares the micro-batch mean with the whole feed's gradient, and says why they differ.
 
     Each variable's difference is ``|mean - whole| / max(|whole|, FLOOR * |W|)``
@@ -160,12 +125,12 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
       whole, again: the gradient of the whole feed, run twice from the same weights.
       mean: the sample-weighted mean of its micro-batches' gradients.
       micro_batches: how many there were.
-      framework: whose words the advice uses, a key of :data:`ADVICE`.
+      advice: what to do about each of :data:`CAUSES`, in the words of the
+        backend's framework (:attr:`~hostavg.engine.protocols.Backend.advice`).
       random_ops: the random ops the backend found in what a micro-batch
         computes: named, with the advice for their kinds, when the feed's
         gradient differs between runs.
     """
-    advice = ADVICE[framework]
     dense = {name: [_dense(g[name]) for g in (whole, again, mean)] for name in whole}
     floor = FLOOR * math.sqrt(math.fsum(float(w @ w) for w, _, _ in dense.values()))
     rel, noise, sq_whole, sq_mean, dot = {}, 0.0, 0.0, 0.0, 0.0
@@ -233,8 +198,8 @@ def shows_fixed_batch(message: str, n: int, whole: int) -> bool:
     return any(a % n == 0 and a // n * whole in numbers for a in numbers if a)
 
 
-def fixed_batch_hint(n: int, whole: int, framework: str) -> str:
+def fixed_batch_hint(n: int, whole: int, advice: Mapping[str, str]) -> str:
     """What to say of a micro-batch of ``n`` rows that fails where its batch of ``whole``
     would not (:func:`shows_fixed_batch`, or a loss alone not finite): a size fixed in the graph."""
     return (f"The graph likely builds a shape from the full batch ({whole} rows) where the "
-            f"micro-batch has {n} {ADVICE[framework]['fixed']}.")
+            f"micro-batch has {n} {advice['fixed']}.")

@@ -101,9 +101,9 @@ class Backend(Protocol):
     #: The object that holds the variables' values (a TF1 session, a Keras
     #: model): an Average keeps it weakly, to know whether it met it before.
     target: Any
-    #: Whose words errors and the check's advice use: a key of
-    #: :data:`hostavg.core.check.ADVICE` ("tf1", "keras").
-    framework: str
+    #: What to do about each cause a failed check finds, in the words of the framework:
+    #: cause -> advice, for every cause of :data:`hostavg.core.check.CAUSES`.
+    advice: Mapping[str, str]
     #: What a non-finite micro-batch does to a step: one of :data:`NONFINITE_MODES`.
     nonfinite: str
 

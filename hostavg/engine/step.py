@@ -144,9 +144,9 @@ class Engine:
                 g = self._compute(backend, micro_feed, size, f"check, {where}", n)[0]
                 acc.add_checked(dict(g), float(size), g.loss, check_finite(
                     g, f"check, {where}", g.loss, g.sq_norms,
-                    loss_hint=_loss_hint(g.loss, size, n, backend.framework)))
+                    loss_hint=_loss_hint(g.loss, size, n, backend.advice)))
             mean = acc.mean()
-        return diagnose(whole, again, mean, len(micro_feeds), backend.framework,
+        return diagnose(whole, again, mean, len(micro_feeds), backend.advice,
                         backend.random_ops())
 
     @contextlib.contextmanager
@@ -412,7 +412,7 @@ class Engine:
             its samples may explain: not a loss alone on a micro-batch smaller than the batch,
             which points at a batch size fixed in the graph (each sample alone would be too)."""
             grads_ok = math.isfinite(math.fsum((sq if grads is g else _sq_norms(g)).values()))
-            if grads_ok and _loss_hint(g.loss, n, whole, backend.framework) is not None:
+            if grads_ok and _loss_hint(g.loss, n, whole, backend.advice) is not None:
                 return False
             return not (grads_ok and math.isfinite(g.loss))
 
@@ -424,7 +424,7 @@ class Engine:
             if backend.nonfinite == "refuse":
                 try:
                     sq_norm = check_finite(grads, f"step, {where}", g.loss, sq, hint,
-                                           _loss_hint(g.loss, n, whole, backend.framework))
+                                           _loss_hint(g.loss, n, whole, backend.advice))
                 except HostavgError:
                     if nonfinite():
                         log.failed = i
@@ -454,7 +454,7 @@ class Engine:
         except HostavgError as e:
             said = f"{where}: {e}"
             if whole is not None and shows_fixed_batch(str(e), n, whole):
-                said = f"{said.rstrip('.')}. {fixed_batch_hint(n, whole, backend.framework)}"
+                said = f"{said.rstrip('.')}. {fixed_batch_hint(n, whole, backend.advice)}"
             raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
@@ -554,12 +554,12 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     return results
 
 
-def _loss_hint(loss: float, n: int, whole: int, framework: str) -> str | None:
+def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:
     """What a loss that alone is not finite, on a micro-batch of ``n`` of ``whole`` samples,
     points at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0)."""
     if n == whole or math.isfinite(loss):
         return None
-    return fixed_batch_hint(n, whole, framework)
+    return fixed_batch_hint(n, whole, advice)
 
 
 def _sq_norms(grads: Gradients) -> dict:

@@ -1,8 +1,10 @@
 """The TensorBoard hook: scalars every applied step, gradient histograms every so many.
 
 Written with the ``tensorboard`` package's own event-file writer and protocol
-buffers, imported when the hook writes its first step: no graph, no session,
-nothing of the model's framework.
+buffers, imported when the hook writes its first step: no graph, no session.
+That writer reaches files through ``tensorboard.compat.tf``, which imports
+TensorFlow where it is installed (else TensorBoard's stub): so the first write
+imports TensorFlow, on Keras's JAX backend too.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied
+from hostavg.keras.advice import ADVICE
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "Position",
            "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function", "metric_results",
@@ -301,7 +302,8 @@ class CompiledModel(ModelVariables):
         model is compiled with them (:func:`compiled`).
     """
 
-    framework = "keras"
+    advice = ADVICE
+    framework = "keras"  # compatibility: its key in hostavg.core.check.ADVICE
     increment = 1  # every apply moves optimizer.iterations by one
 
     def __init__(self, model, loss, optimizer):

@@ -32,11 +32,10 @@ from hostavg.compat.tensorflow import concrete_call, eager_tensor
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, Computed
+from hostavg.frameworks.tensorflow import READ_OPS, first_line
 from hostavg.keras.common import CompiledModel, loss_function, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
-from hostavg.tf1.session import first_line
-from hostavg.tf1.variables import READ_OPS
 
 __all__ = ["KerasBackend", "refuse_strategies"]
 

@@ -16,11 +16,13 @@ from hostavg.compat.tensorflow import session_call
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, Computed
+from hostavg.frameworks.tensorflow import first_line
+from hostavg.tf1.advice import ADVICE
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
 
-__all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend", "first_line"]
+__all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend"]
 
 v1 = tf.compat.v1
 
@@ -55,7 +57,8 @@ class SessionBackend:
     compute runs too, their values returned as ``Computed.fetched``.
     """
 
-    framework = "tf1"
+    advice = ADVICE
+    framework = "tf1"  # compatibility: its key in hostavg.core.check.ADVICE
     nonfinite = "refuse"  # a TF1 optimizer applies whatever it is given
 
     def __init__(self, wiring, sess, fetches: tuple = ()):
@@ -206,16 +209,6 @@ class _session_errors:
         if isinstance(error, (tf.errors.OpError, RuntimeError)):
             raise HostavgError(f"the session failed in {self.call} ({said})") from error
         return False
-
-
-def first_line(error) -> str:
-    """The line of a TensorFlow error message that says what went wrong."""
-    for line in str(getattr(error, "message", error)).splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Graph execution error", "Detected at node", "File ",
-                                         "Node: ")):
-            return line
-    return str(error)
 
 
 class Callables:

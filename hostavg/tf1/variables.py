@@ -6,16 +6,13 @@ import tensorflow as tf
 
 from hostavg.compat.tensorflow import input_types, is_ref_dtype
 from hostavg.core.errors import HostavgError
+from hostavg.frameworks.tensorflow import READ_OPS
 from hostavg.tf1.walk import ops_run, placeholders_read
 
-__all__ = ["READ_OPS", "assigned_variables", "find_global_step", "load_variables",
-           "select_update_ops", "value_now"]
+__all__ = ["assigned_variables", "find_global_step", "load_variables", "select_update_ops",
+           "value_now"]
 
 v1 = tf.compat.v1
-
-#: Ops that take a variable (its resource handle) only to read it.
-READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
-                      "VarIsInitializedOp", "IsVariableInitialized"})
 
 
 def find_global_step(graph, global_step):

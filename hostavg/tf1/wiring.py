@@ -19,9 +19,10 @@ from hostavg.compat.tensorflow import learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, Computed
+from hostavg.frameworks.tensorflow import first_line
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.feeds import FeedConformer
-from hostavg.tf1.session import Callables, first_line
+from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, value_now)
 from hostavg.tf1.walk import ops_run, placeholders_read, random_ops

@@ -1,4 +1,4 @@
-"""Callbacks: code that fit calls after each step, each epoch and at the end."""
+"""fit's callbacks: their base class, early stopping, and the exception that ends fit cleanly."""
 
 from __future__ import annotations
 
@@ -19,19 +19,12 @@ class StopTraining(Exception):
 
 
 class Callback:
-    """The callback protocol; subclass it, or write any object with some of these methods.
+    """A base for hooks and callbacks, with no methods of its own.
 
-    fit looks each method up once, when it starts; a missing one costs nothing.
+    A subclass defines the methods it needs of the one hook protocol,
+    :class:`~hostavg.hooks.Hook` (any object with some of them serves as well);
+    fit looks each method up once, when it starts, and a missing one costs nothing.
     """
-
-    def on_step_end(self, step: int, result) -> None:
-        """After every optimizer step: ``step`` is the global step, ``result`` the StepResult."""
-
-    def on_epoch_end(self, epoch: int, logs: dict) -> None:
-        """After every epoch (from 0): ``logs`` holds "loss", "samples", "steps" and "val_*"."""
-
-    def on_train_end(self, history) -> None:
-        """Once, when fit ends, however it ends short of an exception."""
 
 
 class EarlyStopping(Callback):

@@ -40,6 +40,7 @@ from hostavg.core.errors import HostavgError, flag, non_negative_int, object_lis
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS
 from hostavg.train.history import BOOKKEEPING, History
 from hostavg.core.results import StepResult
+from hostavg.engine.hooks import name_of
 from hostavg.engine.signals import hold, region, release
 from hostavg.core.split import feed_size, split, take
 
@@ -533,7 +534,13 @@ class _context:
 
 def _fit_methods(hooks) -> dict:
     """The fit-level methods of the trainer's hooks and fit's callbacks, looked up once:
-    name -> bound methods, the trainer's first."""
+    name -> bound methods, the trainer's first. Warns of each deprecated ``on_step_end``."""
+    for hook in hooks:
+        if callable(getattr(hook, "on_step_end", None)):
+            warnings.warn(f"{name_of(hook)}.on_step_end(step, result) is deprecated; define "
+                          f"on_applied(result) instead (result.step is the global step), or "
+                          f"on_batch_end(batch, logs) to run once the step is checkpointed",
+                          DeprecationWarning, stacklevel=5)  # the face's fit's caller
     return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in FIT_METHODS}
 
 

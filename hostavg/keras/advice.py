@@ -1,0 +1,34 @@
+"""What to do about each cause a failed check finds, in the words of a Keras 3 user.
+
+Every Keras backend carries it as its ``advice`` (:class:`~hostavg.keras.common.CompiledModel`;
+see :data:`hostavg.core.check.CAUSES` for what each cause means).
+"""
+
+from hostavg.core import check
+
+__all__ = ["ADVICE"]
+
+#: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
+ADVICE = {
+    "random": "hostavg computes with training=True, so keras.layers.Dropout (and other "
+              "random layers) draw anew each run: check a model built with their rate 0, "
+              "or expect each micro-batch to draw its own mask",
+    "sampled": "A sampled loss draws its classes anew each run: check with the full loss, "
+               "or expect each micro-batch to draw its own",
+    "draw": "Noise drawn in the forward pass ({tensor!r}) differs each run: check a model "
+            "that draws none, or expect each micro-batch to draw its own",
+    "scale": "Use a keras.losses.Loss with reduction='sum_over_batch_size' (the default), "
+             "or a loss function that returns the mean over the batch",
+    "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
+             "micro-batch by its own statistics, or a loss over masked outputs (after "
+             "Embedding(mask_zero=True) or Masking), which Keras averages over each "
+             "micro-batch's own unmasked entries: weigh each micro-batch by its unmasked "
+             "entries, step(batches, sizes=[...]), and the step is the full batch's",
+    "fixed": "(keras.ops.reshape(x, (batch_size, ...)), keras.ops.ones((batch_size, ...)), "
+             "an Input with batch_size=); use keras.ops.shape(x)[0], the rows the batch has, "
+             "instead of batch_size",
+    "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
+                  "least one sample each, such as x[:256], y[:256]",
+}
+
+check.ADVICE["keras"] = ADVICE  # compatibility: the backend's framework attribute is the key

@@ -1,0 +1,245 @@
+"""hostavg's layers, kept by a walk over every module's imports (imports inside functions too).
+
+Low to high; a module imports its own layer and those below, never one above:
+
+0. ``core``: NumPy only.
+1. ``compat`` and ``frameworks``: what hostavg needs of each framework, one module
+   per framework. ``compat`` wraps the frameworks' private APIs, each with a public
+   fallback; ``frameworks`` holds public helpers that several parts share (both
+   TensorFlow backends, the command line). Above ``core``, whose one exception type
+   ``compat`` raises; below the engine, whose signal guard uses ``compat.python``
+   (CPython's ``_signal``), and below the backends, which use the rest. Their
+   modules named for a framework import it, so the framework-free layers cannot
+   import them (rule 3): one place per private API, reached from the backends only.
+2. ``engine``: the step engine.
+3. ``train`` and ``inspect``: the fit loop, checkpoints, hooks; records, plots, TensorBoard.
+4. ``tf1`` and ``keras``: the backends and their faces.
+5. ``cli``: the command line.
+6. The public re-export layer: ``hostavg/__init__.py``, ``hooks.py``, ``plot.py``,
+   ``stats.py``, ``__main__.py``. Only its version number (``from hostavg import
+   __version__``, a constant) may be read from below.
+
+The rules:
+
+1. No module imports a layer above its own.
+2. ``keras/`` never reaches ``tf1/`` and ``tf1/`` never reaches ``keras/``, even through
+   another module: what both TensorFlow backends share is in ``frameworks.tensorflow``.
+3. ``core``, ``engine``, ``train`` and ``inspect`` reach no framework (TensorFlow,
+   Keras, JAX, tf_keras, torch), even through another hostavg module, and name none:
+   no string such as ``"tf1"`` or ``"keras"`` and no ``.framework`` read, the keys of
+   framework-specific words, which live on each backend (``Backend.advice``), so a new
+   backend needs no edit of these layers.
+
+"Reach" follows every import, at module level or inside a function, and the
+packages a module's import runs (``hostavg/__init__.py`` aside: rule 1 covers it).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "hostavg"
+
+#: Layer names, low to high; the modules at the top of the package are "public".
+LAYERS = (("core",), ("compat", "frameworks"), ("engine",), ("train", "inspect"),
+          ("tf1", "keras"), ("cli",), ("public",))
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+#: The modules at the top of the package: the public re-export layer.
+PUBLIC = ("hostavg", "hostavg.__main__", "hostavg.hooks", "hostavg.plot", "hostavg.stats")
+FACES = ("tf1", "keras")
+FRAMEWORK_FREE = ("core", "engine", "train", "inspect")
+#: Top-level packages that are a framework, and strings that name one.
+FRAMEWORKS = frozenset({"tensorflow", "keras", "jax", "jaxlib", "tf_keras", "torch"})
+FRAMEWORK_NAMES = FRAMEWORKS | {"tf", "tf1"}
+#: What every layer may read from the package root: constants, not code.
+ROOT_CONSTANTS = frozenset({"__version__"})
+#: Compatibility paths waiting on a change in a file this branch does not edit: (module, the
+#: module it imports or the name it says) -> that change. Each must still be found (the entry
+#: goes with its path).
+WAITING = {
+    ("hostavg.core.logs", "hostavg.frameworks.tensorflow"):
+        "hostavg/__init__.py imports import_tensorflow from hostavg.frameworks.tensorflow",
+    ("hostavg.train.trainer", ".framework"):
+        "hostavg/train/trainer.py says backend.advice['no_samples'], not ADVICE[backend.framework]",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+SOURCES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str:
+    if module in PUBLIC:
+        return "public"
+    return module.split(".")[1]
+
+
+def _is_module(name: str) -> bool:
+    return name in SOURCES
+
+
+class Imports(ast.NodeVisitor):
+    """What one module imports: hostavg modules (with the line), framework packages, and the
+    framework names it says."""
+
+    def __init__(self, module: str, is_package: bool):
+        self.package = module if is_package else module.rpartition(".")[0]
+        self.hostavg: list[tuple[str, int]] = []
+        self.frameworks: list[tuple[str, int]] = []
+        self.names: list[tuple[str, int]] = []
+        self.docstrings: set[int] = set()
+
+    def _add(self, name: str, line: int) -> None:
+        top = name.split(".")[0]
+        if top == "hostavg":
+            self.hostavg.append((name, line))
+        elif top in FRAMEWORKS:
+            self.frameworks.append((name, line))
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node):
+        base = node.module or ""
+        if node.level:
+            parent = self.package.split(".")
+            parent = parent[:len(parent) - node.level + 1]
+            base = ".".join(parent + ([base] if base else []))
+        for alias in node.names:
+            target = f"{base}.{alias.name}"
+            if _is_module(target):
+                self._add(target, node.lineno)
+            elif not (base == "hostavg" and alias.name in ROOT_CONSTANTS):
+                self._add(base, node.lineno)
+
+    def _skip_docstring(self, node):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            return
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            self.docstrings.add(id(body[0].value))
+
+    def visit(self, node):
+        self._skip_docstring(node)
+        return super().visit(node)
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and id(node) not in self.docstrings \
+                and node.value.lower() in FRAMEWORK_NAMES:
+            self.names.append((repr(node.value), node.lineno))
+
+    def visit_Attribute(self, node):
+        if node.attr == "framework":
+            self.names.append((".framework", node.lineno))
+        self.generic_visit(node)
+
+
+def _imports(module: str, source: str, is_package: bool = False) -> Imports:
+    found = Imports(module, is_package)
+    found.visit(ast.parse(source, module))
+    return found
+
+
+IMPORTS = {module: _imports(module, path.read_text(encoding="utf-8"), path.name == "__init__.py")
+           for module, path in SOURCES.items()}
+
+
+def _runs(module: str) -> list[str]:
+    """The hostavg modules that importing ``module`` runs directly: it and its packages, the
+    package root aside."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+
+
+def _edges(module: str) -> set[str]:
+    return {run for name, _ in IMPORTS[module].hostavg if (module, name) not in WAITING
+            for run in _runs(name)} | set(_runs(module)) - {module}
+
+
+def _path_to(module: str, found) -> list[str] | None:
+    """The shortest chain of imports from ``module`` to a module for which ``found`` is true."""
+    chains, seen = [[module]], {module}
+    while chains:
+        chain = chains.pop(0)
+        if found(chain[-1]):
+            return chain
+        for nxt in sorted(_edges(chain[-1]) - seen):
+            seen.add(nxt)
+            chains.append(chain + [nxt])
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert SOURCES, f"no modules found under {PACKAGE}"
+    unknown = sorted(m for m in SOURCES if layer_of(m) not in RANK)
+    assert not unknown, f"modules in no layer (add their package to LAYERS): {unknown}"
+
+
+@pytest.mark.parametrize("module", sorted(SOURCES))
+def test_no_module_imports_a_layer_above_its_own(module):
+    rank = RANK[layer_of(module)]
+    above = [f"line {line}: {name} ({layer_of(name)})" for name, line in IMPORTS[module].hostavg
+             if RANK[layer_of(name)] > rank and (module, name) not in WAITING]
+    assert not above, f"{module} ({layer_of(module)}) imports a higher layer: {above}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if layer_of(m) in FACES))
+def test_one_face_never_reaches_into_the_other(module):
+    other = next(face for face in FACES if face != layer_of(module))
+    chain = _path_to(module, lambda m: layer_of(m) == other)
+    assert chain is None, f"{module} reaches {other}/: {' -> '.join(chain)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if layer_of(m) in FRAMEWORK_FREE))
+def test_the_framework_free_layers_reach_no_framework(module):
+    chain = _path_to(module, lambda m: bool(IMPORTS[m].frameworks))
+    assert chain is None, (f"{module} reaches {IMPORTS[chain[-1]].frameworks[0][0]}: "
+                           f"{' -> '.join(chain)}")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if layer_of(m) in FRAMEWORK_FREE))
+def test_the_framework_free_layers_name_no_framework(module):
+    said = [f"line {line}: {name}" for name, line in IMPORTS[module].names
+            if (module, name) not in WAITING]
+    assert not said, (f"{module} names a framework {said}; framework-specific words belong on "
+                      f"the backend (Backend.advice)")
+
+
+def test_the_walk_sees_what_it_must():
+    """Imports inside functions, relative ones, the root's version, framework names in strings
+    and ``.framework`` reads are seen; docstrings are not read."""
+    found = _imports("hostavg.core.example", '''"""Advice for keras users lives elsewhere."""
+import numpy as np
+from hostavg import __version__
+from . import errors
+from .stats import StepStats
+
+
+def advise(backend):
+    """Names tf1 in a docstring only."""
+    import tensorflow as tf
+    from hostavg.tf1 import session
+    return ADVICE["tf1"][backend.framework], tf, session
+''')
+    assert found.hostavg == [("hostavg.core.errors", 4), ("hostavg.core.stats", 5),
+                             ("hostavg.tf1.session", 11)]
+    assert found.frameworks == [("tensorflow", 10)]
+    assert found.names == [("'tf1'", 12), (".framework", 12)]
+    chain = _path_to("hostavg.keras.tensorflow", lambda m: bool(IMPORTS[m].frameworks))
+    assert chain is not None and len(chain) <= 2
+
+
+@pytest.mark.parametrize("module, what", sorted(WAITING))
+def test_each_compatibility_path_still_waits(module, what):
+    found = {name for name, _ in IMPORTS[module].hostavg + IMPORTS[module].names}
+    assert what in found, (f"{module} no longer has {what}: remove its WAITING entry "
+                           f"({WAITING[module, what]}: done)")
