@@ -27,7 +27,7 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
 from hostavg.train.loop import ResumeWarning
-from hostavg.core.logs import import_tensorflow
+from hostavg.frameworks.tensorflow import import_tensorflow
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
 from hostavg.core.split import split

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
-from hostavg.core.check import ADVICE, CheckReport
+from hostavg.core.check import CheckReport
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
@@ -379,7 +379,7 @@ class BaseTrainer:
             found = ("arrays of 0 samples" if n == 0 else
                      f"only scalars: {', '.join(map(repr, leaves))}" if leaves else "an empty feed")
             raise HostavgError(f"check: the feed holds no array of samples to cut into "
-                               f"micro-batches ({found}). {ADVICE[backend.framework]['no_samples']}")
+                               f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
         return engine.check(backend, data, split(data, micro_batch_size, blocks=blocks), n)
 
