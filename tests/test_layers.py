@@ -56,15 +56,6 @@ FRAMEWORKS = frozenset({"tensorflow", "keras", "jax", "jaxlib", "tf_keras", "tor
 FRAMEWORK_NAMES = FRAMEWORKS | {"tf", "tf1"}
 #: What every layer may read from the package root: constants, not code.
 ROOT_CONSTANTS = frozenset({"__version__"})
-#: Compatibility paths waiting on a change in a file this branch does not edit: (module, the
-#: module it imports or the name it says) -> that change. Each must still be found (the entry
-#: goes with its path).
-WAITING = {
-    ("hostavg.core.logs", "hostavg.frameworks.tensorflow"):
-        "hostavg/__init__.py imports import_tensorflow from hostavg.frameworks.tensorflow",
-    ("hostavg.train.trainer", ".framework"):
-        "hostavg/train/trainer.py says backend.advice['no_samples'], not ADVICE[backend.framework]",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -161,8 +152,8 @@ def _runs(module: str) -> list[str]:
 
 
 def _edges(module: str) -> set[str]:
-    return {run for name, _ in IMPORTS[module].hostavg if (module, name) not in WAITING
-            for run in _runs(name)} | set(_runs(module)) - {module}
+    return {run for name, _ in IMPORTS[module].hostavg for run in _runs(name)} \
+        | set(_runs(module)) - {module}
 
 
 def _path_to(module: str, found) -> list[str] | None:
@@ -188,7 +179,7 @@ def test_every_module_has_a_layer():
 def test_no_module_imports_a_layer_above_its_own(module):
     rank = RANK[layer_of(module)]
     above = [f"line {line}: {name} ({layer_of(name)})" for name, line in IMPORTS[module].hostavg
-             if RANK[layer_of(name)] > rank and (module, name) not in WAITING]
+             if RANK[layer_of(name)] > rank]
     assert not above, f"{module} ({layer_of(module)}) imports a higher layer: {above}"
 
 
@@ -208,8 +199,7 @@ def test_the_framework_free_layers_reach_no_framework(module):
 
 @pytest.mark.parametrize("module", sorted(m for m in SOURCES if layer_of(m) in FRAMEWORK_FREE))
 def test_the_framework_free_layers_name_no_framework(module):
-    said = [f"line {line}: {name}" for name, line in IMPORTS[module].names
-            if (module, name) not in WAITING]
+    said = [f"line {line}: {name}" for name, line in IMPORTS[module].names]
     assert not said, (f"{module} names a framework {said}; framework-specific words belong on "
                       f"the backend (Backend.advice)")
 
@@ -236,10 +226,3 @@ def advise(backend):
     assert found.names == [("'tf1'", 12), (".framework", 12)]
     chain = _path_to("hostavg.keras.tensorflow", lambda m: bool(IMPORTS[m].frameworks))
     assert chain is not None and len(chain) <= 2
-
-
-@pytest.mark.parametrize("module, what", sorted(WAITING))
-def test_each_compatibility_path_still_waits(module, what):
-    found = {name for name, _ in IMPORTS[module].hostavg + IMPORTS[module].names}
-    assert what in found, (f"{module} no longer has {what}: remove its WAITING entry "
-                           f"({WAITING[module, what]}: done)")

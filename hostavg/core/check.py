@@ -26,8 +26,8 @@ import numpy as np
 
 from hostavg.core.gradients import SparseGradient
 
-__all__ = ["ADVICE", "CAUSES", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose",
-           "fixed_batch_hint", "shows_fixed_batch"]
+__all__ = ["CAUSES", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose", "fixed_batch_hint",
+           "shows_fixed_batch"]
 
 #: Relative difference under which two gradients count as equal, by dtype:
 #: room for summation order (float32: ~1e-6 seen), far below any real cause.
@@ -74,10 +74,6 @@ class RandomOp(NamedTuple):
 #: "fixed": examples of a size fixed in the graph, and what to use instead; "no_samples":
 #: what to give check when the feed held no array of samples.
 CAUSES = RANDOM_KINDS + ("scale", "batch", "fixed", "no_samples")
-
-#: Compatibility, until hostavg/train/trainer.py reads ``backend.advice``: each backend's
-#: advice under its ``framework`` attribute, added by the backend's module.
-ADVICE: dict[str, Mapping[str, str]] = {}
 
 
 @dataclass(frozen=True)

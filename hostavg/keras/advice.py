@@ -4,8 +4,6 @@ Every Keras backend carries it as its ``advice`` (:class:`~hostavg.keras.common.
 see :data:`hostavg.core.check.CAUSES` for what each cause means).
 """
 
-from hostavg.core import check
-
 __all__ = ["ADVICE"]
 
 #: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
@@ -30,5 +28,3 @@ ADVICE = {
     "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
                   "least one sample each, such as x[:256], y[:256]",
 }
-
-check.ADVICE["keras"] = ADVICE  # compatibility: the backend's framework attribute is the key

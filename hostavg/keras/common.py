@@ -303,7 +303,6 @@ class CompiledModel(ModelVariables):
     """
 
     advice = ADVICE
-    framework = "keras"  # compatibility: its key in hostavg.core.check.ADVICE
     increment = 1  # every apply moves optimizer.iterations by one
 
     def __init__(self, model, loss, optimizer):

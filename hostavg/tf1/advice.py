@@ -4,8 +4,6 @@
 :data:`hostavg.core.check.CAUSES` for what each cause means).
 """
 
-from hostavg.core import check
-
 __all__ = ["ADVICE"]
 
 #: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
@@ -30,5 +28,3 @@ ADVICE = {
                   "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
                   "dequeued tensors) that batch's arrays, which leaves the iterator alone",
 }
-
-check.ADVICE["tf1"] = ADVICE  # compatibility: the backend's framework attribute is the key

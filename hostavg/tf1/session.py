@@ -58,7 +58,6 @@ class SessionBackend:
     """
 
     advice = ADVICE
-    framework = "tf1"  # compatibility: its key in hostavg.core.check.ADVICE
     nonfinite = "refuse"  # a TF1 optimizer applies whatever it is given
 
     def __init__(self, wiring, sess, fetches: tuple = ()):
