@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
-from models import CLASSES, FEATURES, HIDDEN
+from models import CLASSES, FEATURES, HIDDEN, FailAt
 from models import keras_model as build
 
 import hostavg
@@ -979,11 +979,6 @@ def test_steps_per_epoch_resumes_from_a_checkpoint_mid_pass_bit_for_bit(tmp_path
     (which continues epoch 0's pass) resumes at the same batch of the same pass."""
     x, y = data(23)
 
-    class FailAt:
-        def on_step_end(self, step, result):
-            if step == 5:
-                raise RuntimeError("stopped on purpose")
-
     def fit(trainer, callbacks=(), ckpt=None):
         return trainer.fit(x, y, batch_size=32, micro_batch_size=MICRO, epochs=3,
                            steps_per_epoch=4, seed=2, verbose=0, callbacks=list(callbacks),
@@ -991,7 +986,7 @@ def test_steps_per_epoch_resumes_from_a_checkpoint_mid_pass_bit_for_bit(tmp_path
     straight = hostavg.keras.Trainer(compiled(build(names=False)))
     want = fit(straight)
     with pytest.raises(RuntimeError, match="stopped on purpose"):
-        fit(hostavg.keras.Trainer(compiled(build(names=False))), [FailAt()], tmp_path)
+        fit(hostavg.keras.Trainer(compiled(build(names=False))), [FailAt(5)], tmp_path)
     resumed = hostavg.keras.Trainer(compiled(build(names=False)))
     got = fit(resumed, ckpt=tmp_path)
     assert [s.loss for s in got.steps] == [s.loss for s in want.steps]

@@ -13,14 +13,8 @@ and JAX's do not, as their modules say: ``BackupAndRestore``'s epoch is not resu
 a model compiled again gets its metrics anew, a variable the loss does not use is
 trained on zeros. ``HOSTAVG_PUBLIC_API_ONLY=1``, set before hostavg is imported,
 makes every wrapper its fallback (``0`` or unset: private where they work).
-Standard library only (and hostavg's one exception type).
-
-Example::
-
-    import hostavg
-    hostavg.private_apis()  # ('_signal.getsignal', '_signal.signal')
-
-See docs/explanation/ownership.md for detection and the switch.
+Standard library only (and hostavg's one exception type). See
+docs/explanation/ownership.md for detection, the switch and an example.
 """
 
 from __future__ import annotations

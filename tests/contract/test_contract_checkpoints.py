@@ -3,7 +3,7 @@ fit stopped by an exception resumes to the weights of one never stopped, bit for
 
 import pytest
 from backends import BATCH, SIZES, same
-from models import FailAt, batches
+from models import AfterStep, FailAt, batches
 
 import hostavg
 
@@ -13,23 +13,23 @@ FIT = {"batch_size": 32, "micro_batch_size": 8, "epochs": 2, "seed": 3, "progres
 SAMPLES = 100
 
 
-class Steps:
-    """A fit callback that notes the global step after each step it sees."""
+class Steps(AfterStep):
+    """A fit callback that notes the global step after each step fit counts."""
 
     def __init__(self):
         self.seen = []
 
-    def on_step_end(self, step, result):
+    def after(self, step):
         self.seen.append(step)
 
 
-class StopAt:
+class StopAt(AfterStep):
     """A fit callback that raises StopTraining("enough") after global step ``step``."""
 
     def __init__(self, step):
         self.step = step
 
-    def on_step_end(self, step, result):
+    def after(self, step):
         if step == self.step:
             raise hostavg.StopTraining("enough")
 
