@@ -133,6 +133,11 @@ class StepResult:
         before the apply.
       fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
         rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
+      distributions: ``"gradient"``, ``"weight"``, ``"update"`` -> variable ->
+        the nine percentiles (:data:`~hostavg.core.distributions.PERCENTILES`)
+        of the applied mean gradient, the weights after the apply and the
+        update, on steps that keep them (``distributions_every``); else None
+        (``on_step`` hooks see None).
     """
 
     loss: float | None
@@ -146,6 +151,7 @@ class StepResult:
     update_ratios: dict | None = None
     learning_rate: float | None = None
     fetched: tuple = ()
+    distributions: dict | None = None
 
     @property
     def dropped(self) -> tuple:

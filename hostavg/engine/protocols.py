@@ -61,12 +61,17 @@ class Applied(NamedTuple):
         schedule's value at this step), or None where the optimizer exposes none.
       skipped: why the optimizer left the variables as they were (a backend whose
         ``nonfinite`` is "optimizer", given a non-finite mean), or None: applied.
+      weights, updates: name -> each trained variable's value after the apply, and
+        after minus before (NumPy arrays, read in the same call as the apply),
+        where the apply was asked for ``values``; else None.
     """
 
     global_step: int
     update_ratios: dict | None = None
     learning_rate: float | None = None
     skipped: str | None = None
+    weights: dict | None = None
+    updates: dict | None = None
 
 
 class SampleStats(NamedTuple):
@@ -133,11 +138,13 @@ class Backend(Protocol):
         optimizer needs one that ``feeds`` lack or give different values.
         """
 
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True,
+              values: bool = False) -> Applied:
         """Runs the optimizer once on ``mean`` (conformed; finite unless :attr:`nonfinite` is
         "optimizer"), fed ``feed`` (from :meth:`apply_feed`); returns the new global step, the
         learning rate and, when ``measure``, the update-to-weight ratios, measured in the same
-        call (None otherwise), or why the optimizer skipped the update."""
+        call (None otherwise), or why the optimizer skipped the update. With ``values``, the
+        weights after the apply and the updates too, read in that same call."""
 
     def global_step(self) -> int:
         """The global step now."""

@@ -29,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
+from hostavg.core import distributions
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import HostavgError, flag, positive_int
@@ -64,6 +65,10 @@ class Engine:
       update_ratios_every: measure the update-to-weight ratios in the applies
         of steps whose global step (after the apply) is a multiple of this;
         None: never. Measuring costs about one more apply.
+      distributions_every: keep ``StepResult.distributions`` (the percentiles of
+        each variable's applied mean gradient, weights after and update) for
+        steps whose global step is a multiple of this; None: never. The apply
+        of such a step returns every weight and update to the host.
       overlap: compute micro-batch i + 1 in a worker thread while this one
         shows micro-batch i to the hooks, checks it and adds it (the framework
         releases the GIL while it computes, NumPy while it adds large arrays).
@@ -76,7 +81,8 @@ class Engine:
 
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), average: Average | None = None,
-                 update_ratios_every: int | None = None, overlap: bool = False):
+                 update_ratios_every: int | None = None, overlap: bool = False,
+                 distributions_every: int | None = None):
         hooks = normalize_hooks(hooks)
         self.spec = spec
         self.hooks = hooks
@@ -84,6 +90,8 @@ class Engine:
         self._look_up_hooks(hooks)
         self.update_ratios_every = 0 if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
+        self.distributions_every = 0 if distributions_every is None else positive_int(
+            "distributions_every", distributions_every)
         self._keep_micro = accumulate == "stack"
         # The step's own accumulator: its buffers are allocated once and reused.
         self._acc = Accumulator(spec, accumulate=accumulate, accum_dtype=accum_dtype)
@@ -292,6 +300,20 @@ class Engine:
                 mine = False
         return result, self._checked(mean, what, hint, mine,
                                      finite=backend.nonfinite == "refuse"), tally.apply_feed
+
+    def _apply(self, backend, result: StepResult, mean: dict, feed) -> StepResult:
+        """Applies the checked ``mean`` of ``result``; the result as applied: the global step,
+        learning rate and, where due, the update ratios and the distributions, all read in
+        the apply's own call."""
+        ratios, seen = self.update_ratios_every, self.distributions_every
+        applied = backend.apply(mean, feed, bool(ratios) and result.step % ratios == 0,
+                                values=bool(seen) and result.step % seen == 0)
+        kept = applied.weights is not None and applied.skipped is None
+        return replace(result, step=applied.global_step,
+                       update_ratios=None if applied.skipped else applied.update_ratios,
+                       learning_rate=applied.learning_rate, skipped=applied.skipped,
+                       distributions=distributions.of_step(mean, applied.weights, applied.updates)
+                       if kept else None)
 
     def _micro_batches(self, backend, feeds, batches, log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
@@ -524,14 +546,7 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                         backend.restore(snapshot)
                         results.append(result)
                     else:
-                        every = engine.update_ratios_every
-                        applied = backend.apply(values, feed,
-                                                bool(every) and result.step % every == 0)
-                        results.append(replace(result, step=applied.global_step,
-                                               update_ratios=None if applied.skipped
-                                               else applied.update_ratios,
-                                               learning_rate=applied.learning_rate,
-                                               skipped=applied.skipped))
+                        results.append(engine._apply(backend, result, values, feed))
             except BaseException as error:
                 for backend, snapshot, *_ in reversed(done):
                     try:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hostavg.core import distributions
 from hostavg.core.dtypes import decode, encode
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.files import folder, read_array, remove_stale, temporary
@@ -150,6 +151,8 @@ class RecordedStep:
         ``micro_variable_norms``).
       update_ratios: name -> |update| / |weights| of the apply (or None).
       learning_rate: the optimizer's learning rate at the apply (or None).
+      distributions: quantity -> variable -> nine percentiles
+        (``StepResult.distributions``), or None (not kept that step).
       info: what hooks reported (``micro_norms_before_clip``, ...).
       micro: per micro-batch: index, start, size, loss, dropped, recorded, rows.
     """
@@ -163,6 +166,7 @@ class RecordedStep:
             self.stats, self.micro = dict(meta["stats"]), list(meta["micro"])
             self.update_ratios = meta.get("update_ratios")
             self.learning_rate = meta.get("learning_rate")
+            self.distributions = meta.get("distributions")  # absent from older records
             self.info = meta.get("info", {})
             self._variables = dict(meta["variables"])
             self._encoded = dict(meta.get("encoded", {}))
@@ -299,6 +303,12 @@ class RecordReader:
         return pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=names)
                             if micro else pd.Index(index, name="step"))
 
+    def distributions(self, variable: str, quantity: str = "gradient"):
+        """One variable's distribution over the recorded steps that kept one, as
+        :meth:`hostavg.History.distributions`: indexed by step, a column per percentile."""
+        return distributions.table([(s.step, s.distributions) for s in self], variable,
+                                   quantity, "RecordReader.distributions")
+
     def __repr__(self) -> str:
         return f"RecordReader({str(self.path)!r}, {len(self.steps)} steps)"
 
@@ -393,6 +403,7 @@ class Record:
                       "variable_norms": stats.variable_norms,
                       "micro_variable_norms": stats.micro_variable_norms},
             "update_ratios": result.update_ratios, "learning_rate": result.learning_rate,
+            "distributions": result.distributions,
             "info": jsonable(result.info),
             "micro": [{"index": m.index, "start": m.start, "size": m.size, "loss": m.loss,
                        "dropped": m.dropped, "recorded": m.index in self._recorded,

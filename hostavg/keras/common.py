@@ -362,11 +362,13 @@ class CompiledModel(ModelVariables):
         return spec
 
     def _report(self, before: int, after: int, learning_rate: float, squares, scales,
-                measure: bool) -> Applied:
+                measure: bool, values: tuple = ((), ())) -> Applied:
         """What an apply did: from ``optimizer.iterations`` ``before`` to ``after``, at
         ``learning_rate``; the update ratios from ``squares`` (the updates' squared norms,
-        then the weights') with ``measure``; or, for a LossScaleOptimizer that did not move,
-        that it skipped the step, with its scales before and after."""
+        then the weights') with ``measure``; the weights after and the updates from
+        ``values`` (two lists in the spec's order, empty unless asked for); or, for a
+        LossScaleOptimizer that did not move, that it skipped the step, with its scales
+        before and after."""
         if before == after and self.nonfinite == "optimizer":
             return Applied(after, None, learning_rate, skipped=(
                 f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
@@ -376,7 +378,11 @@ class CompiledModel(ModelVariables):
             squares, k = np.asarray(squares).tolist(), len(self.spec)
             ratios = {name: update_ratio(u, w)
                       for name, u, w in zip(self.spec, squares[:k], squares[k:])}
-        return Applied(after, ratios, learning_rate)
+        weights, updates = values
+        if not weights:
+            return Applied(after, ratios, learning_rate)
+        return Applied(after, ratios, learning_rate, None, dict(zip(self.spec, weights)),
+                       dict(zip(self.spec, updates)))
 
     def evaluate(self, chunks, metrics=None) -> dict:
         """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics

@@ -84,7 +84,7 @@ class KerasJaxBackend(CompiledModel):
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
-        self._applies = {}  # measure (bool) -> jitted apply
+        self._applies = {}  # (measure, values) -> jitted apply
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -119,25 +119,30 @@ class KerasJaxBackend(CompiledModel):
         """Nothing: a Keras optimizer reads no input besides the gradients."""
         return {}
 
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True,
+              values: bool = False) -> Applied:
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
         the apply used and, with ``measure``, the update-to-weight ratios, all from that one
-        compiled call (measuring reduces two norms per variable)."""
-        function = self._applies.get(measure)
+        compiled call (measuring reduces two norms per variable); with ``values``, the
+        weights after and the updates too."""
+        function = self._applies.get((measure, values))
         if function is None:
-            function = self._applies[measure] = self._application(measure)
+            function = self._applies[measure, values] = self._application(measure, values)
         trained = [self.model.trainable_variables[i] for i in self._kept]
         grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
         before = self.global_step()
         with _jax_errors("apply"):
-            values, slots, lr, squares, scales = function(
+            new, slots, lr, squares, scales, updates = function(
                 [v.value for v in trained], [v.value for v in self.optimizer.variables], grads)
-        for v, value in zip(trained, values):
+        # Copied to the host before the next apply donates the new values' buffers.
+        kept = ([np.array(w) for w in new], [np.asarray(u) for u in updates]) if values \
+            else ((), ())
+        for v, value in zip(trained, new):
             v.assign(value)
         for v, value in zip(self.optimizer.variables, slots):
             v.assign(value)
         return self._report(before, self.global_step(), float(lr), squares,
-                            np.asarray(scales).tolist(), measure)
+                            np.asarray(scales).tolist(), measure, kept)
 
     def global_step(self) -> int:
         return int(self.optimizer.iterations.value)
@@ -308,10 +313,12 @@ class KerasJaxBackend(CompiledModel):
         return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._outputs)
                 for s in self.spec.values()]
 
-    def _application(self, measure: bool):
+    def _application(self, measure: bool, values: bool):
         """``(trained values, optimizer values, mean) -> (new trained values, new optimizer
         values, learning rate, squared norms of the updates then of the weights before, the
-        loss scale before and after)``, jitted, the old values donated."""
+        loss scale before and after, the updates)``, jitted, the old values donated; the
+        norms only with ``measure``, the updates only with ``values``."""
+        keep_updates = values
         trained = [self.model.trainable_variables[i] for i in self._kept]
         optimizer, scales = self.optimizer, self._scales
         loss_scaling = self.nonfinite == "optimizer"  # a LossScaleOptimizer
@@ -337,7 +344,8 @@ class KerasJaxBackend(CompiledModel):
             if measure:
                 squares = jnp.stack([_sum_squares(a, b) for a, b in zip(new, values)]
                                     + [_sum_squares(b) for b in values])
-            return new, new_slots, lr, squares, jnp.stack([scale, after])
+            updates = [a - b for a, b in zip(new, values)] if keep_updates else []
+            return new, new_slots, lr, squares, jnp.stack([scale, after]), updates
 
         return jax.jit(apply, donate_argnums=(0, 1))
 

@@ -74,7 +74,7 @@ class KerasBackend(CompiledModel):
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
         self._evaluates = {}  # input signature -> compiled function
-        # measure (bool) -> the compiled apply; whether its XLA compile was tried yet
+        # (measure, values) -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._snapshot = _Snapshot()
         self.batch_norm = batch_norm
@@ -112,18 +112,20 @@ class KerasBackend(CompiledModel):
         """Nothing: a Keras optimizer reads no input besides the gradients."""
         return {}
 
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True,
+              values: bool = False) -> Applied:
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
         the apply used and, with ``measure``, the update-to-weight ratios, all from that one
         compiled call (measuring keeps each weight's value from before the update while the
         optimizer runs, and reduces two norms per variable); or that a
-        ``LossScaleOptimizer`` skipped the step, and the scale it left."""
-        out = self._apply_mean(mean, measure)
+        ``LossScaleOptimizer`` skipped the step, and the scale it left. With ``values``, the
+        weights after and the updates too, from that same call."""
+        out = self._apply_mean(mean, (measure, values))
         self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
         return self._report(out.before, out.after, out.learning_rate, out.squares,
-                            (out.scale_before, out.scale_after), measure)
+                            (out.scale_before, out.scale_after), measure, out.values)
 
-    def _apply_mean(self, mean: Mapping, measure: bool) -> _Applied:
+    def _apply_mean(self, mean: Mapping, measure: tuple) -> _Applied:
         """What one compiled apply of ``mean`` reports (see :class:`_Applied`)."""
         args = []
         for name, s in self.spec.items():
@@ -282,9 +284,10 @@ class KerasBackend(CompiledModel):
                 if s.sparse else [tf.TensorSpec(s.shape, dtype)]
         return specs
 
-    def _application(self, measure: bool):
+    def _application(self, measure: tuple):
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
         scales = self._scales
+        measure, values = measure  # (the ratios, the weights and updates)
 
         def apply(*flat):
             flat, grads = iter(flat), []
@@ -295,7 +298,7 @@ class KerasBackend(CompiledModel):
                 else:
                     grads.append(next(flat))
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
-            before = [tf.identity(v.value) for v in variables] if measure else []
+            before = [tf.identity(v.value) for v in variables] if measure or values else []
             step = tf.identity(optimizer.iterations)
             scale = tf.identity(_scale(optimizer)) if scales else tf.ones((), tf.float32)
             if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
@@ -306,8 +309,10 @@ class KerasBackend(CompiledModel):
             if measure:  # the reads of ``before`` precede the update: it waits for them
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
                                    + [_sum_squares(b) for b in before])
+            after = [tf.identity(v.value) for v in variables] if values else []
             return (step, tf.convert_to_tensor(optimizer.iterations), lr, squares, scale,
-                    _scale(optimizer) if scales else scale)
+                    _scale(optimizer) if scales else scale, after,
+                    [a - b for a, b in zip(after, before)])
         return apply
 
     def _evaluation(self, signature):
@@ -343,7 +348,8 @@ class KerasBackend(CompiledModel):
 class _Applied(NamedTuple):
     """What a compiled apply reports, on the host: ``optimizer.iterations`` before and after, the
     learning rate, the squared norms of the updates then of the weights before (empty unless
-    measured), and the loss scale before and after (1.0 without loss scaling)."""
+    measured), the loss scale before and after (1.0 without loss scaling), and the weights
+    after and the updates (empty unless asked for)."""
 
     before: int
     after: int
@@ -351,12 +357,14 @@ class _Applied(NamedTuple):
     squares: np.ndarray
     scale_before: float
     scale_after: float
+    values: tuple
 
 
 def _applied(out) -> _Applied:
-    before, after, lr, squares, scale_before, scale_after = out
+    before, after, lr, squares, scale_before, scale_after, weights, updates = out
     return _Applied(int(before), int(after), float(lr), np.asarray(squares), float(scale_before),
-                    float(scale_after))
+                    float(scale_after), ([np.asarray(w) for w in weights],
+                                         [np.asarray(u) for u in updates]))
 
 
 def _scale(optimizer):

@@ -69,12 +69,13 @@ class Trainer(BaseTrainer):
     def __init__(self, model, loss=None, optimizer=None, *, micro_batch_size: int | None = None,
                  accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
                  update_ratios_every: int | None = None, overlap: bool = False,
-                 batch_norm: str = "micro"):
+                 batch_norm: str = "micro", distributions_every: int | None = None):
         """Takes the model as compiled, compiling it with ``loss`` and ``optimizer`` where given.
 
         The keywords every face takes (``micro_batch_size``, ``accumulate``,
         ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
-        ``overlap``) are :class:`~hostavg.train.trainer.BaseTrainer`'s.
+        ``overlap``, ``distributions_every``) are
+        :class:`~hostavg.train.trainer.BaseTrainer`'s.
 
         Args:
           model: a ``keras.Model``, compiled or not; it is compiled with
@@ -116,7 +117,8 @@ class Trainer(BaseTrainer):
                                "batch_norm='micro'")
         super().__init__(micro_batch_size=micro_batch_size, accumulate=accumulate,
                          accum_dtype=accum_dtype, hooks=hooks, comm=comm,
-                         update_ratios_every=update_ratios_every, overlap=overlap)
+                         update_ratios_every=update_ratios_every, overlap=overlap,
+                         distributions_every=distributions_every)
         self.batch_norm = batch_norm
         if batch_norm != "micro" and keras.backend.backend() != "tensorflow":
             raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "

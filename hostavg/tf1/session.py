@@ -140,9 +140,9 @@ class SessionBackend:
             out[name] = first
         return out
 
-    def apply(self, mean, feed, measure: bool = True) -> Applied:
+    def apply(self, mean, feed, measure: bool = True, values: bool = False) -> Applied:
         with _session_errors("apply"):
-            return self.wiring.apply(self.session, mean, feed, measure)
+            return self.wiring.apply(self.session, mean, feed, measure, values)
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))

@@ -146,12 +146,14 @@ class Wiring:
         if values is not None:
             load_variables(sess, self.assigned, values)
 
-    def apply(self, sess, values: Mapping, feed: Mapping, measure: bool = True) -> Applied:
+    def apply(self, sess, values: Mapping, feed: Mapping, measure: bool = True,
+              weights: bool = False) -> Applied:
         """Feeds ``values`` through the gradient tensors (and ``feed``, name -> value, to
         :attr:`apply_inputs`), runs the train op once.
 
         Returns the new global step, the learning rate and, with ``measure``,
-        the update-to-weight ratios, all from that one session call.
+        the update-to-weight ratios (with ``weights``, the weights after and the
+        updates too), all from that one session call.
         Measuring keeps each weight's value from before the update alive
         while the optimizer runs (a copy of the weights) and reduces two norms
         per variable: about the cost of the apply itself again.
@@ -166,13 +168,18 @@ class Wiring:
             else:
                 args.append(value)
         keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
-        out = self._callables.get(sess, self._apply_fetches[measure], keys)(*args)
+        which = "weights" if weights else measure
+        out = self._callables.get(sess, self._apply_fetches[which], keys)(*args)
         lr = None if self.learning_rate is None else float(out[1])
-        ratios = None
+        ratios = after = None
+        k = len(self.names)
+        if weights:
+            out, after, updates = out[:-2 * k], out[-2 * k:-k], out[-k:]
+            after = (dict(zip(self.names, after)), dict(zip(self.names, updates)))
         if measure:
-            squares, k = out[-1].tolist(), len(self.names)
+            squares = out[-1].tolist()
             ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
-        return Applied(int(out[0]), ratios, lr)
+        return Applied(int(out[0]), ratios, lr, None, *(after or (None, None)))
 
 
 def _gradient_pairs(optimizer, loss, var_list) -> list:
@@ -278,25 +285,29 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
 
     An apply fetches the global step after it and the learning rate; one
     that measures, the squared norms of each update and of each weight
-    before it too, as one vector.
+    before it too, as one vector; one for ``"weights"``, then each weight
+    after it and each update.
     """
     with tf.control_dependencies([train_op]):
         step_after = global_step.read_value()
     with tf.control_dependencies([measured_train_op]):
         measured_step_after = global_step.read_value()
-        squares = [_update_squares([v for _, v in pairs], before)]
+        with tf.name_scope("hostavg_update_ratios"):
+            after = [value_now(v) for _, v in pairs]
+            updates = [a - b for a, b in zip(after, before)]
+        squares = [_update_squares(after, before)]
     rate = learning_rate(optimizer, train_op.graph, ops_run([train_op], apply_feeds))
     # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
-    return {False: [step_after] + lr, True: [measured_step_after] + lr + squares}, rate
+    return {False: [step_after] + lr, True: [measured_step_after] + lr + squares,
+            "weights": [measured_step_after] + lr + squares + after + updates}, rate
 
 
-def _update_squares(variables: list, before: list):
+def _update_squares(after: list, before: list):
     """One vector: |after - before|^2 per variable, then |before|^2, ``after`` the variables
-    read now (within the measured apply's control dependencies)."""
+    read after the measured apply."""
     with tf.name_scope("hostavg_update_ratios"):
-        after = [value_now(v) for v in variables]
         sums = [_sum_squares(a, b) for a, b in zip(after, before)] + [
             _sum_squares(b) for b in before]
         if len({t.dtype for t in sums}) > 1:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hostavg.core import distributions
 from hostavg.core.errors import HostavgError
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
@@ -40,6 +41,9 @@ class StepLog(NamedTuple):
       nonfinite_rows: the data rows of those dropped micro-batches' culprit
         samples (``MicroBatch.culprits``: the samples that made them
         non-finite), sorted; () where none was found or the rows are unknown.
+      micro_losses: each micro-batch's mean loss, dropped ones too, in order.
+      distributions: ``StepResult.distributions`` (quantity -> variable -> nine
+        percentiles) on steps that kept them (``distributions_every``), else None.
     """
 
     epoch: int
@@ -59,6 +63,8 @@ class StepLog(NamedTuple):
     update_ratios: tuple = ()
     dropped: tuple = ()
     nonfinite_rows: tuple = ()
+    micro_losses: tuple = ()
+    distributions: dict | None = None
 
 
 #: The keys of an epoch's logs that are fit's bookkeeping, not measurements (left out of
@@ -69,14 +75,14 @@ BOOKKEEPING = ("epoch", "samples", "steps")
 _SCALARS = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trace_sigma",
             "b_simple", "norm_test", "learning_rate")
 #: StepLog's per-step tuples, as :meth:`History.to_pandas` shows them.
-_TUPLES = ("micro_norms", "dropped", "nonfinite_rows")
+_TUPLES = ("micro_norms", "micro_losses", "dropped", "nonfinite_rows")
 
 
 class History:
     """The record fit returns, and keeps in its checkpoints.
 
-    Memory: per step, a few numbers plus one per micro-batch and two per
-    trained variable.
+    Memory: per step, a few numbers plus two per micro-batch and two per
+    trained variable (and 27 per variable on steps that keep distributions).
 
     Attributes:
       steps: one :class:`StepLog` per optimizer step.
@@ -136,7 +142,8 @@ class History:
                       tuple(st.micro_norms), None if before is None else tuple(before),
                       tuple(st.variable_norms.get(n, math.nan) for n in self.variables),
                       tuple(ratios.get(n, math.nan) for n in self.variables),
-                      result.dropped, tuple(culprits))
+                      result.dropped, tuple(culprits), tuple(m.loss for m in result.micro),
+                      result.distributions)
         self.steps.append(log)
         return log
 
@@ -189,6 +196,29 @@ class History:
         return pd.DataFrame([getattr(s, field) or [math.nan] * len(self.variables)
                              for s in self.steps], columns=list(self.variables),
                             index=pd.Index([s.step for s in self.steps], name="step"))
+
+    def distributions(self, variable: str, quantity: str = "gradient"):
+        """The distribution of one variable's ``quantity`` over steps, as TensorBoard draws it.
+
+        A pandas DataFrame indexed by global step, of the steps that kept
+        distributions (a trainer made with ``distributions_every=N``: every
+        N-th), one column per percentile of
+        :data:`~hostavg.core.distributions.PERCENTILES` (0, 6.68, 15.87,
+        30.85, 50, 69.15, 84.13, 93.32, 100). ``quantity``: ``"gradient"`` (the
+        applied mean gradient), ``"weight"`` (the weights after the step) or
+        ``"update"`` (weights after minus before). Drawn by
+        :func:`hostavg.plot.distributions`.
+
+        Raises:
+          HostavgError: for an unknown quantity or variable, or when no step
+            kept distributions.
+
+        Example::
+
+            history.distributions("dense/kernel", "update")[50]  # the median update per step
+        """
+        return distributions.table([(s.step, s.distributions) for s in self.steps], variable,
+                                   quantity, "History.distributions")
 
     def to_json(self) -> str:
         """The History as JSON (what a checkpoint holds); an array a metric logged (Keras's

@@ -62,9 +62,13 @@ class BaseTrainer:
         w_before| / |w_before|) every that many global steps; None: never.
       overlap: compute micro-batch i + 1 in a worker thread while the host
         handles micro-batch i; the same results bit for bit.
+      distributions_every: keep ``StepResult.distributions`` (nine percentiles of
+        each variable's mean gradient, weights and update; :meth:`History.distributions
+        <hostavg.History.distributions>`) every that many global steps; None: never.
 
     Attributes:
-      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap.
+      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap,
+        distributions_every.
       accum_dtype: as a NumPy dtype, or None.
       hooks: a tuple, in the order they run.
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
@@ -74,7 +78,7 @@ class BaseTrainer:
 
     def __init__(self, *, micro_batch_size: int | None = None, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, distributions_every: int | None = None):
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self.micro_batch_size = None if micro_batch_size is None else positive_int(
@@ -85,6 +89,8 @@ class BaseTrainer:
         self.update_ratios_every = None if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
         self.overlap = flag("overlap", overlap)
+        self.distributions_every = None if distributions_every is None else positive_int(
+            "distributions_every", distributions_every)
         self.comm = comm
         if comm is not None:
             from hostavg.engine.mpi import Distributed  # mpi4py is imported on use only
@@ -320,7 +326,8 @@ class BaseTrainer:
     def _make_engine(self, spec) -> Engine:
         self._engine = Engine(spec, accumulate=self.accumulate, accum_dtype=self.accum_dtype,
                               hooks=self.hooks, average=self._average,
-                              update_ratios_every=self.update_ratios_every, overlap=self.overlap)
+                              update_ratios_every=self.update_ratios_every, overlap=self.overlap,
+                              distributions_every=self.distributions_every)
         return self._engine
 
     def _engine_for(self, backend: Backend, sample, what: str) -> Engine:

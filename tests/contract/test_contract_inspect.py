@@ -121,3 +121,47 @@ def test_clipping_hooks_apply_the_clipped_mean(backend):
         for name in want:
             np.testing.assert_allclose(clipped[face][name], want[name], rtol=1e-6, atol=1e-9)
     assert clipped[whole].global_norm() == pytest.approx(0.05, rel=1e-5)
+
+
+class Reads:
+    """A hook that reads, through the public API, what a step's distributions are of: the
+    weights before (``on_step``, with the mean it is given) and after (``on_applied``)."""
+
+    def __init__(self):
+        self.face, self.seen = None, {}
+
+    def on_step(self, mean, result):
+        values = self.face.values()
+        self.seen[result.step] = {"gradient": {n: dense(g) for n, g in mean.items()},
+                                  "before": {n: values[n] for n in mean}}
+
+    def on_applied(self, result):
+        values, seen = self.face.values(), self.seen[result.step]
+        seen["weight"] = {n: values[n] for n in seen["gradient"]}
+        seen["update"] = {n: values[n] - seen["before"][n] for n in seen["gradient"]}
+
+
+def dense(g) -> np.ndarray:
+    return g.to_dense() if isinstance(g, hostavg.SparseGradient) else np.asarray(g)
+
+
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_distributions_are_the_percentiles_of_what_a_hook_reads(backend, model, tmp_path):
+    reads = Reads()
+    face = backend.make(model, distributions_every=2,
+                        hooks=[reads, Record(tmp_path / "rec", micro=False)])
+    reads.face = face
+    data = batches(12, 1, 3 * BATCH, sparse=model == "embedding")[0]
+    history = face.fit(data, batch_size=BATCH, micro_batch_size=8, progress=False)
+    steps = [s.step for s in history.steps]
+    assert steps == [1, 2, 3]
+    assert [s.distributions is not None for s in history.steps] == [False, True, False]
+    record = hostavg.load_record(tmp_path / "rec")
+    for name in face.trainer.spec:
+        for quantity in ("gradient", "weight", "update"):
+            want = np.percentile(np.asarray(reads.seen[2][quantity][name], np.float64),
+                                 [0, 6.68, 15.87, 30.85, 50, 69.15, 84.13, 93.32, 100])
+            for table in (history.distributions(name, quantity),
+                          record.distributions(name, quantity)):
+                assert list(table.index) == [2]
+                np.testing.assert_array_equal(table.loc[2].to_numpy(), want, err_msg=name)
