@@ -315,8 +315,10 @@ def test_norms_before_clipping_stay_aligned_with_micro_batches_when_one_is_dropp
     recorded = hostavg.load_record(tmp_path / "rec").micro_table()
     np.testing.assert_allclose(recorded["norm_before_clip"].to_numpy(), before, rtol=1e-12)
     ax = hostavg.plot.micro_norms([res])
-    assert [len(c.get_offsets()) for c in ax.collections] == [4, 4]
-    assert "before clipping" in ax.get_legend_handles_labels()[1][1]
+    # the norms, the dropped one's non-finite norm marked at the top edge, the norms before
+    assert [len(c.get_offsets()) for c in ax.collections] == [4, 1, 4]
+    labels = ax.get_legend_handles_labels()[1]
+    assert "infinite or NaN" in labels[1] and "before clipping" in labels[2]
 
 
 # --- Per-variable views ----------------------------------------------------------------------
@@ -449,3 +451,51 @@ def test_every_plot_takes_a_record_results_or_a_history_and_refuses_the_rest_bef
         assert plt.get_fignums() == [], plot.__name__  # nothing drawn
     with pytest.raises(hostavg.HostavgError, match="History that fit returns does not keep"):
         hostavg.plot.cosine_heatmap(history)
+
+
+@pytest.mark.slow
+def test_tensorboard_writes_on_keras_jax_without_importing_tensorflow(tmp_path):
+    script = """
+import sys, numpy as np, keras, hostavg.keras
+from hostavg.hooks import TensorBoard
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+hostavg.keras.Trainer(model, micro_batch_size=8, hooks=[TensorBoard(sys.argv[1], 1)]).fit(
+    x, np.arange(32) % 3, batch_size=16, epochs=1, verbose=0)
+print("tensorflow" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tb")], env=dict(
+        ENV, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]
+    assert [step for step, _ in events(tmp_path / "tb")["hostavg/loss"]] == [1, 2]
+
+
+def test_a_tensorboard_folder_of_another_run_is_refused_unless_overwritten(tmp_path):
+    s = Setup(hooks=[TensorBoard(tmp_path / "tb")])
+    s.trainer.step(s.sess, s.feeds)
+    s.trainer.hooks[0].close()
+    s.trainer.step(s.sess, s.feeds)  # the same hook again: its own folder, a second file
+    s.trainer.hooks[0].close()
+    again = Setup(hooks=[TensorBoard(tmp_path / "tb")])
+    with pytest.raises(hostavg.HostavgError, match=re.escape(
+            f"TensorBoard: the folder {str(tmp_path / 'tb')!r} already holds 2 event files")
+            + ".*another run's.*overwrite=True"):
+        again.trainer.step(again.sess, again.feeds)
+    assert [step for step, _ in events(tmp_path / "tb")["hostavg/loss"]] == [1, 2]
+    resumed = TensorBoard(tmp_path / "tb")
+    resumed.on_resume(2)  # fit resumed from a checkpoint: appends
+    fresh = Setup(hooks=[resumed, TensorBoard(tmp_path / "new", overwrite=True)])
+    fresh.trainer.step(fresh.sess, fresh.feeds)
+    over = Setup(hooks=[TensorBoard(tmp_path / "tb", overwrite=True)])
+    over.trainer.step(over.sess, over.feeds)
+    assert [step for step, _ in events(tmp_path / "tb")["hostavg/loss"]] == [1]
+    assert len(list((tmp_path / "tb").iterdir())) == 1
+
+
+def test_one_running_noise_scale_average_everywhere(tmp_path):
+    import inspect
+    beta = stats.NOISE_SCALE_BETA
+    assert hostavg.NoiseScale().beta == TensorBoard(tmp_path / "tb").noise_scale.beta == beta
+    assert inspect.signature(hostavg.plot.noise_scale).parameters["beta"].default == beta

@@ -1,6 +1,6 @@
 """hostavg.plot: several runs as {label: source}, one labelled line and colour per run drawn from
 each run's own numbers; the loss against samples seen; readable figures (a tight layout, whole
-step ticks, labels and titles, a cosine heatmap with values and a scale of its own)."""
+step ticks, labels and titles, a cosine heatmap with values on one fixed scale)."""
 
 import matplotlib
 
@@ -118,7 +118,7 @@ def test_figures_are_tight_with_whole_step_ticks_labels_and_titles(runs):
     assert left.get_tightbbox(renderer).x1 <= right.get_tightbbox(renderer).x0  # no overlap
 
 
-def test_the_cosine_heatmap_shows_each_value_on_a_scale_of_the_off_diagonal_cosines(tmp_path):
+def test_the_cosine_heatmap_shows_each_value_on_one_fixed_diverging_scale(tmp_path):
     trainer, sess, _, feeds = run(0.01, hooks=[SkipNonFinite()])
     bad = [dict(f) for f in feeds[:5]]
     x = next(k for k in bad[2] if k.name == "x:0")
@@ -130,8 +130,7 @@ def test_the_cosine_heatmap_shows_each_value_on_a_scale_of_the_off_diagonal_cosi
     ax = hostavg.plot.cosine_heatmap(res)
     image = ax.images[0]
     off = ~np.eye(4, dtype=bool)
-    assert image.norm.vmin == pytest.approx(want[off].min())
-    assert image.norm.vmax == pytest.approx(want[off].max())
+    assert (image.norm.vmin, image.norm.vmax, image.cmap.name) == (-1.0, 1.0, "RdBu_r")
     assert np.ma.getmaskarray(image.get_array()).diagonal().all()  # the diagonal: off the scale
     np.testing.assert_array_equal(image.get_array()[off], want[off])
     texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
@@ -142,5 +141,106 @@ def test_the_cosine_heatmap_shows_each_value_on_a_scale_of_the_off_diagonal_cosi
     axes = hostavg.plot.cosine_heatmap({"five": res, "three": other})
     assert [a.get_title() for a in axes] == [f"five, step {res.step}", f"three, step {other.step}"]
     assert axes[1].images[0].get_array().shape == (3, 3)
+    assert all((a.images[0].norm.vmin, a.images[0].norm.vmax) == (-1, 1) for a in axes)
+    both = np.concatenate([want[off], other.stats.pairwise_cosines[~np.eye(3, dtype=bool)]])
+    axes = hostavg.plot.cosine_heatmap({"five": res, "three": other}, vmin=None, vmax=None,
+                                       cmap="PuOr")
+    for a in axes:  # the panels' own range, one scale for both
+        assert a.images[0].norm.vmin == pytest.approx(both.min())
+        assert a.images[0].norm.vmax == pytest.approx(both.max())
+        assert a.images[0].cmap.name.startswith("PuOr")
+    ax = hostavg.plot.cosine_heatmap(res, vmin=-0.5, vmax=0.5)
+    assert (ax.images[0].norm.vmin, ax.images[0].norm.vmax) == (-0.5, 0.5)
+    with pytest.raises(hostavg.HostavgError, match="vmin must be below vmax, got 1 and 0"):
+        hostavg.plot.cosine_heatmap(res, vmin=1, vmax=0)
+    with pytest.raises(hostavg.HostavgError, match="cmap must be a matplotlib colormap's name, "
+                                                   "got 'nope'"):
+        hostavg.plot.cosine_heatmap(res, cmap="nope")
     with pytest.raises(hostavg.HostavgError, match="ax must be 2 axes, got 1"):
         hostavg.plot.cosine_heatmap({"five": res, "three": other}, ax=plt.gca())
+
+
+def distributed(tmp_path, lr=0.05):
+    """A small MLP fitted 3 epochs of 4 steps keeping distributions every 2nd step, with a
+    Record: (trainer, history, record)."""
+    model = models.mlp(6, [8], 3, seed=0)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(lr), distributions_every=2,
+                                  update_ratios_every=1, hooks=[Record(tmp_path / f"d{lr}")])
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    x = np.random.default_rng(0).normal(size=(128, 6)).astype(np.float32)
+    history = trainer.fit(sess, {model.x: x, model.y: (x[:, 0] > 0).astype(np.int32)},
+                          batch_size=32, micro_batch_size=8, epochs=3, seed=0, progress=False)
+    return trainer, history, hostavg.load_record(tmp_path / f"d{lr}")
+
+
+def test_distributions_are_drawn_as_bands_around_the_median_at_the_steps_that_kept_them(
+        tmp_path):
+    trainer, history, record = distributed(tmp_path)
+    name = "hidden0/kernel"
+    table = history.distributions(name, "update")
+    assert list(table.index) == list(range(2, 13, 2))
+    assert list(table.columns) == [0, 6.68, 15.87, 30.85, 50, 69.15, 84.13, 93.32, 100]
+    assert (np.diff(table.to_numpy(), axis=1) >= 0).all()  # percentiles in order
+    assert record.distributions(name, "update").equals(table)
+    for source in (history, record, {"a": history, "b": record}):
+        ax = hostavg.plot.distributions(source, name, "weight")
+        median = ax.lines[0]
+        np.testing.assert_array_equal(median.get_xdata(), table.index)
+        np.testing.assert_allclose(median.get_ydata(), history.distributions(name, "weight")[50])
+        assert len(ax.collections) >= 4  # the bands
+    assert ax.get_title().startswith(f"Distribution of the weight of {name}\n(bands: min-max")
+    with pytest.raises(hostavg.HostavgError, match=r"quantity must be one of \('gradient', "
+                                                   r"'weight', 'update'\), got 'norm'"):
+        history.distributions(name, "norm")
+    with pytest.raises(hostavg.HostavgError, match="no variable 'nope'; the trained variables"):
+        hostavg.plot.distributions(history, "nope")
+    plain = run(0.05)[2]
+    with pytest.raises(hostavg.HostavgError, match=r"run 'plain'.*distributions_every=N"):
+        hostavg.plot.distributions({"kept": history, "plain": plain}, name)
+    with pytest.raises(hostavg.HostavgError, match=r"distributions_every=N"):
+        plain.distributions(name)
+    assert hostavg.History.from_json(history.to_json()).distributions(name).equals(
+        history.distributions(name))
+
+
+def test_micro_batch_losses_are_kept_and_drawn_with_the_steps_loss(runs):
+    history = runs["fast"]
+    assert all(len(s.micro_losses) == 4 for s in history.steps)
+    for s in history.steps:  # the step's loss: the sample-weighted mean of equal micro-batches
+        assert s.loss == pytest.approx(np.mean(s.micro_losses), rel=1e-6)
+    ax = hostavg.plot.micro_losses(history)
+    np.testing.assert_allclose(ax.collections[0].get_offsets()[:, 1],
+                               [v for s in history.steps for v in s.micro_losses])
+    assert list(ax.lines[0].get_ydata()) == [s.loss for s in history.steps]
+    axes = hostavg.plot.micro_losses(runs)
+    assert [t.get_text() for t in axes.get_legend().get_texts()][:2] == [
+        "fast: micro-batch loss", "fast: the step's loss"]
+
+
+def test_noise_scale_draws_the_batch_size_and_marks_what_a_log_scale_cannot_show(runs):
+    ax = hostavg.plot.noise_scale(runs["fast"])
+    (batch,) = [line for line in ax.lines if line.get_label() == "batch size (32)"]
+    assert list(batch.get_ydata()) == [32, 32]
+    history = runs["fast"]
+    broken = hostavg.History.from_json(history.to_json())
+    broken.steps[0] = broken.steps[0]._replace(update_ratios=(np.inf,) * len(history.variables))
+    ax = hostavg.plot.variable_norms(broken, quantity="update_ratio")
+    (marks,) = [c for c in ax.collections if c.get_label().startswith("infinite or NaN")]
+    assert len(ax.collections) == len(history.variables)  # one mark per variable at step 1
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == [*history.variables, "infinite or NaN (at the top edge)"]
+
+
+def test_runs_by_variables_keep_one_key_per_variable_and_per_run_outside_the_data(runs):
+    ax = hostavg.plot.variable_norms(runs)
+    names = list(runs["fast"].variables)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == names + ["run fast", "run slow"]
+    styles = {line.get_label(): line.get_linestyle() for line in ax.lines}
+    assert styles[f"fast: {names[0]}"] == "-" and styles[f"slow: {names[0]}"] == "--"
+    ax.figure.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1  # beside the axes, not over the lines

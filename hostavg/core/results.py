@@ -133,11 +133,8 @@ class StepResult:
         before the apply.
       fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
         rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
-      distributions: ``"gradient"``, ``"weight"``, ``"update"`` -> variable ->
-        the nine percentiles (:data:`~hostavg.core.distributions.PERCENTILES`)
-        of the applied mean gradient, the weights after the apply and the
-        update, on steps that keep them (``distributions_every``); else None
-        (``on_step`` hooks see None).
+      distributions: ``"gradient"``, ``"weight"``, ``"update"`` -> variable -> nine
+        percentiles (:mod:`hostavg.core.distributions`) where kept, else None.
     """
 
     loss: float | None

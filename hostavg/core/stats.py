@@ -30,6 +30,7 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import BLOCK, SparseGradient, global_norm, squared_norm
 
 __all__ = [
+    "NOISE_SCALE_BETA",
     "NoiseScale",
     "NoiseScaleEstimate",
     "StepStats",
@@ -47,6 +48,10 @@ __all__ = [
 ]
 
 GSNR_EPS = 1e-5
+#: The running noise scale's decay per step, wherever one is kept (:class:`NoiseScale`, the
+#: TensorBoard hook, :func:`hostavg.plot.noise_scale`): bias-corrected averages over about the
+#: last 10 steps, which follow a short run and still smooth one step's noise.
+NOISE_SCALE_BETA = 0.9
 
 
 @dataclass(frozen=True)
@@ -448,13 +453,13 @@ class NoiseScale:
     :meth:`update` with each step's estimate.
 
     Attributes:
-      beta: the averages' decay per step.
+      beta: the averages' decay per step (default :data:`NOISE_SCALE_BETA`).
       trace_sigma, g2: the bias-corrected averages (None before any update).
       b_simple: trace_sigma / g2, or None before any update.
       history: (step, b_simple) after each update.
     """
 
-    def __init__(self, beta: float = 0.99):
+    def __init__(self, beta: float = NOISE_SCALE_BETA):
         if not 0 <= beta < 1:
             raise HostavgError(f"beta must be in [0, 1), got {beta!r}")
         self.beta = beta

@@ -24,11 +24,15 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError
 from hostavg.core.results import StepResult
-from hostavg.core.stats import NoiseScale, NoiseScaleEstimate, flatten, pairwise_cosines
+from hostavg.core import distributions as _distributions
+from hostavg.core.distributions import PERCENTILES
+from hostavg.core.stats import (NOISE_SCALE_BETA, NoiseScale, NoiseScaleEstimate, flatten,
+                                pairwise_cosines)
 from hostavg.inspect.record import Record, RecordedStep, RecordReader, check_quantity
 from hostavg.train.history import History
 
-__all__ = ["cosine_heatmap", "loss", "micro_norms", "noise_scale", "variable_norms"]
+__all__ = ["cosine_heatmap", "distributions", "loss", "micro_losses", "micro_norms", "noise_scale",
+           "variable_norms"]
 
 #: What every plot takes.
 SOURCES = ("a record (hostavg.load_record(path), or the Record hook), a list of StepResults, or "
@@ -37,6 +41,12 @@ SOURCES = ("a record (hostavg.load_record(path), or the Record hook), a list of 
 ANNOTATED = 16
 #: Line styles that tell runs apart where colours tell variables apart.
 STYLES = ("-", "--", ":", "-.")
+#: A legend with more entries than this is drawn beside the axes, outside the data.
+INSIDE = 4
+#: The cosine heatmap's default scale: every cosine there is, diverging around 0.
+COSINE_SCALE = (-1.0, 1.0, "RdBu_r")
+#: TensorBoard's bands: pairs of percentiles (indices into PERCENTILES), outermost first.
+BANDS = ((0, 8), (1, 7), (2, 6), (3, 5))
 
 
 class _Step(NamedTuple):
@@ -53,6 +63,9 @@ class _Step(NamedTuple):
     micro_norms_before_clip: tuple | None
     variable_norms: dict
     update_ratios: dict
+    size: int  # samples accumulated
+    micro_losses: tuple
+    distributions: dict | None
 
 
 class _Run(NamedTuple):
@@ -83,7 +96,8 @@ def _run(source, plot: str, label: str | None) -> _Run:
         names = source.variables
         out = [_Step(s.step, s.loss, s.samples, s.grad_norm, s.g2, s.trace_sigma, s.b_simple,
                      s.micro_norms, s.micro_norms_before_clip, dict(zip(names, s.variable_norms)),
-                     dict(zip(names, s.update_ratios))) for s in source.steps]
+                     dict(zip(names, s.update_ratios)), s.size, s.micro_losses, s.distributions)
+               for s in source.steps]
         last = {s.epoch: s.samples for s in source.steps}
         validation = [(last[e["epoch"]], e["val_loss"]) for e in source.epochs
                       if "val_loss" in e and e.get("epoch") in last]
@@ -109,13 +123,15 @@ def _of(s, samples: int) -> _Step:
         return _Step(s.step, s.loss, samples, st.get("grad_norm", math.nan), st.get("g2"),
                      st.get("trace_sigma"), st.get("b_simple"), tuple(st.get("micro_norms") or ()),
                      s.info.get("micro_norms_before_clip"), st.get("variable_norms") or {},
-                     s.update_ratios or {})
+                     s.update_ratios or {}, s.size, tuple(m["loss"] for m in s.micro),
+                     s.distributions)
     st = s.stats
     if s.skipped or st is None:
-        return _Step(s.step, math.nan, samples, math.nan, None, None, None, (), None, {}, {})
+        return _Step(s.step, math.nan, samples, math.nan, None, None, None, (), None, {}, {},
+                     s.size, (), None)
     return _Step(s.step, s.loss, samples, st.grad_norm, st.g2, st.trace_sigma, st.b_simple,
                  st.micro_norms, s.info.get("micro_norms_before_clip"), st.variable_norms,
-                 s.update_ratios or {})
+                 s.update_ratios or {}, s.size, tuple(m.loss for m in s.micro), s.distributions)
 
 
 def _described(source) -> str:
@@ -152,9 +168,37 @@ def _finish(ax, title: str, xlabel: str, ylabel: str, legend: bool = True,
     if integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if legend:
-        ax.legend(fontsize="small")
+        _legend(ax)
     _tight(ax.figure)
     return ax
+
+
+def _legend(ax, handles=None, labels=None) -> None:
+    """A legend of ``ax`` (its own entries by default): beside the axes, outside the data,
+    once it has more than :data:`INSIDE` entries."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if len(handles) > INSIDE:
+        ax.legend(handles, labels, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1),
+                  borderaxespad=0)
+    else:
+        ax.legend(handles, labels, fontsize="small")
+
+
+def _edge(ax, x, y, colour, marked: list, missing: bool = True) -> None:
+    """Marks along the top edge, in ``colour``, the points of ``y`` a plot cannot place: infinite
+    ones and (with ``missing``) NaN ones; the first marks of a figure get a legend entry
+    (``marked``, a list shared by one plot, remembers it)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    bad = np.isinf(y) | (np.isnan(y) if missing else np.zeros(y.shape, bool))
+    if not bad.any():
+        return
+    ax.scatter(x[bad], np.ones(int(bad.sum())), transform=ax.get_xaxis_transform(), marker="^",
+               s=30, color=colour, clip_on=False, zorder=3,
+               label=None if marked else "infinite or NaN (at the top edge)")
+    ax.dataLim.update_from_data_x(x[bad], ignore=False)  # the x axis reaches them
+    ax.autoscale_view()
+    marked.append(True)
 
 
 def _tight(figure) -> None:
@@ -180,13 +224,15 @@ def micro_norms(steps, ax=None):
     """
     runs = _runs(steps, "micro_norms")
     ax = _axes(ax, "micro_norms")
+    marked = []
     for i, run in enumerate(runs):
         rows = run.steps
         clipped = any(s.micro_norms_before_clip is not None for s in rows)
         xs = [s.step for s in rows for _ in s.micro_norms]
-        ax.scatter(xs, [n for s in rows for n in s.micro_norms], s=8, alpha=0.5,
-                   color=_colour(runs, i, "C0"),
+        ys = [n for s in rows for n in s.micro_norms]
+        ax.scatter(xs, ys, s=8, alpha=0.5, color=_colour(runs, i, "C0"),
                    label=_named(run, "micro-batch gradient norm" + (", clipped" if clipped else "")))
+        _edge(ax, xs, ys, _colour(runs, i, "C0"), marked)
         if clipped:
             before = [(s.step, n) for s in rows for n in (s.micro_norms_before_clip or ())]
             ax.scatter(*zip(*before), s=14, facecolors="none", alpha=0.6,
@@ -199,13 +245,16 @@ def micro_norms(steps, ax=None):
                    "L2 norm (log scale)")
 
 
-def noise_scale(steps, ax=None, beta: float = 0.9):
+def noise_scale(steps, ax=None, beta: float = NOISE_SCALE_BETA):
     """The simple noise scale B_simple over global steps: each step's estimate and a running one.
 
-    The running estimate is :class:`hostavg.NoiseScale` with ``beta``; steps
-    whose single estimate is negative (g2 < 0, which happens) are drawn as
-    missing points but still feed the running estimate. Several runs: one
-    colour per run.
+    The running estimate is :class:`hostavg.NoiseScale` with ``beta`` (the
+    same default as the class and the TensorBoard hook); steps whose single
+    estimate is negative (g2 < 0, which happens) are left out but still feed
+    the running estimate; an infinite one is marked at the top edge. A dotted
+    line is the batch size the steps used (their most common one): a batch
+    well below B_simple can grow with little loss of sample efficiency.
+    Several runs: one colour per run.
     """
     runs = _runs(steps, "noise_scale")
     drawn = [(run, [s for s in run.steps if s.trace_sigma is not None]) for run in runs]
@@ -215,17 +264,22 @@ def noise_scale(steps, ax=None, beta: float = 0.9):
         raise HostavgError(f"no step has a noise-scale estimate{which}: they need 2 or more "
                            f"micro-batches")
     ax = _axes(ax, "noise_scale")
+    marked = []
     for i, (run, rows) in enumerate(drawn):
         tracker = NoiseScale(beta)
         running = [tracker.update(NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple), s.step)
                    for s in rows]
-        single = [b if b is not None and b > 0 and math.isfinite(b) else np.nan
-                  for b in (s.b_simple for s in rows)]
+        single = [b if b is not None and b > 0 else np.nan for b in (s.b_simple for s in rows)]
         steps_x = [s.step for s in rows]
         ax.scatter(steps_x, single, s=8, alpha=0.4, color=_colour(runs, i, "C0"),
                    label=_named(run, "one step's estimate"))
         ax.plot(steps_x, running, color=_colour(runs, i, "black"),
                 label=_named(run, f"running estimate (beta={beta})"))
+        _edge(ax, steps_x + steps_x, single + running, _colour(runs, i, "C0"), marked, False)
+        sizes, counts = np.unique([s.size for s in rows], return_counts=True)
+        batch = int(sizes[np.argmax(counts)])
+        ax.axhline(batch, color=_colour(runs, i, "tab:green"), linestyle=":", linewidth=1.5,
+                   label=_named(run, f"batch size ({batch})"))
     ax.set_yscale("log")
     return _finish(ax, "Gradient noise scale", "global step", "B_simple (samples, log scale)")
 
@@ -258,13 +312,14 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
                        float)) for run in runs]
     positive = np.concatenate([v[np.isfinite(v) & (v > 0)] for _, _, v in table])
     floor = positive.min() / 3 if positive.size else 1e-12
-    zeros = False  # the first triangles drawn are labelled for the legend
+    zeros, marked = False, []  # the first marks drawn are labelled for the legend
     for r, (run, x, values) in enumerate(table):
         for j, name in enumerate(names):
             y = values[:, j]
             shown = np.isfinite(y) & (y > 0)  # NaN: not measured that step (update_ratios_every)
             ax.plot(x[shown], y[shown], label=_named(run, name), linewidth=1,
                     color=f"C{j % 10}", linestyle=STYLES[r % len(STYLES)])
+            _edge(ax, x, y, f"C{j % 10}", marked, missing=False)
             zero = y == 0
             if zero.any():  # each variable a little lower than the last, so that none hides another
                 ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v",
@@ -276,11 +331,83 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
     _finish(ax, f"Per variable: {what}", "global step",
             ("gradient norm" if quantity == "grad_norm" else "update ratio") + " (log scale)",
             legend=False)
-    handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("exactly 0"))
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize="small",
-              ncol=max(1, len(names) * len(runs) // 12))
+    _legend(ax, *_keys(ax, names, runs))
     return ax
+
+
+def _keys(ax, names: list, runs: list) -> tuple[list, list]:
+    """A legend's entries for runs x variables: a colour per variable, a line style per run
+    (for several), then the marks ``ax`` holds."""
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=f"C{j % 10}") for j in range(len(names))]
+    labels = list(names)
+    if len(runs) > 1:
+        handles += [Line2D([], [], color="0.3", linestyle=STYLES[r % len(STYLES)])
+                    for r in range(len(runs))]
+        labels += [f"run {run.label}" for run in runs]
+    marks = [(h, said) for h, said in zip(*ax.get_legend_handles_labels())
+             if not isinstance(h, Line2D)]  # the lines are in the keys above
+    return handles + [h for h, _ in marks], labels + [said for _, said in marks]
+
+
+def distributions(steps, variable: str, quantity: str = "gradient", ax=None):
+    """One variable's distribution over global steps, as TensorBoard's Distributions view.
+
+    Bands between TensorBoard's percentiles (:data:`~hostavg.core.distributions.PERCENTILES`:
+    min-max, then the spans of 1.5, 1 and 0.5 standard deviations of a normal
+    distribution, darker inwards) and the median as a line, at the steps that
+    kept distributions (a trainer made with ``distributions_every=N``).
+    Several runs: one colour per run.
+
+    Args:
+      variable: a trained variable's name.
+      quantity: ``"gradient"`` (the applied mean gradient), ``"weight"`` (the
+        weights after the step) or ``"update"`` (weights after minus before).
+
+    Example::
+
+        hostavg.plot.distributions(history, "dense/kernel", "update")
+    """
+    runs = _runs(steps, "distributions")
+    where = "hostavg.plot.distributions"
+    tables = [_distributions.table([(s.step, s.distributions) for s in run.steps], variable,
+                                   quantity, where if run.label is None
+                                   else f"{where}, run {run.label!r}") for run in runs]
+    ax = _axes(ax, "distributions")
+    marked = []
+    for i, (run, table) in enumerate(zip(runs, tables)):
+        colour = _colour(runs, i, "C0")
+        x, values = table.index.to_numpy(), table.to_numpy()
+        for depth, (low, high) in enumerate(BANDS):
+            ax.fill_between(x, values[:, low], values[:, high], color=colour, linewidth=0,
+                            alpha=0.15 + 0.12 * depth)
+        ax.plot(x, values[:, 4], color=colour, linewidth=1.2, marker="o" if len(x) < 8 else None,
+                markersize=3, label=_named(run, "median"))
+        _edge(ax, np.repeat(x, len(PERCENTILES)), values.ravel(), colour, marked, False)
+    return _finish(ax, f"Distribution of the {quantity} of {variable}\n(bands: min-max, then "
+                       f"a normal's +-1.5, +-1, +-0.5 sd)", "global step", quantity)
+
+
+def micro_losses(steps, ax=None):
+    """Each micro-batch's loss (dots) and the step's mean loss (line) over global steps.
+
+    A micro-batch whose loss stands apart from its step's others holds
+    unusual samples (``micro_table`` names its rows); dropped micro-batches
+    are drawn too, a non-finite loss marked at the top edge. Several runs:
+    one colour per run.
+    """
+    runs = _runs(steps, "micro_losses")
+    ax = _axes(ax, "micro_losses")
+    marked = []
+    for i, run in enumerate(runs):
+        xs = [s.step for s in run.steps for _ in s.micro_losses]
+        ys = [math.nan if v is None else v for s in run.steps for v in s.micro_losses]
+        colour = _colour(runs, i, "C0")
+        ax.scatter(xs, ys, s=8, alpha=0.5, color=colour, label=_named(run, "micro-batch loss"))
+        ax.plot([s.step for s in run.steps], [s.loss for s in run.steps],
+                color=_colour(runs, i, "black"), linewidth=1, label=_named(run, "the step's loss"))
+        _edge(ax, xs, ys, colour, marked)
+    return _finish(ax, "Loss: micro-batches, step", "global step", "loss")
 
 
 def loss(steps, ax=None):
@@ -298,18 +425,21 @@ def loss(steps, ax=None):
     """
     runs = _runs(steps, "loss")
     ax = _axes(ax, "loss")
+    marked = []
     for i, run in enumerate(runs):
         colour = _colour(runs, i, "C0")
         shown = [s for s in run.steps if math.isfinite(s.loss)]
         ax.plot([s.samples for s in shown], [s.loss for s in shown], color=colour, linewidth=1,
                 label=_named(run, "training loss (each step)"))
+        _edge(ax, [s.samples for s in run.steps], [s.loss for s in run.steps], colour, marked)
         if run.validation:
             ax.plot(*zip(*run.validation), "o--", color=colour if len(runs) > 1 else "C1",
                     label=_named(run, "validation loss (each epoch)"))
     return _finish(ax, "Loss", "samples seen", "loss")
 
 
-def cosine_heatmap(step, ax=None):
+def cosine_heatmap(step, ax=None, vmin: float | None = COSINE_SCALE[0],
+                   vmax: float | None = COSINE_SCALE[1], cmap: str = COSINE_SCALE[2]):
     """The cosine between every two accumulated micro-batches' gradients in one step.
 
     ``step`` is a ``StepResult`` of ``accumulate="stack"`` (its
@@ -318,13 +448,20 @@ def cosine_heatmap(step, ax=None):
     step. Dropped micro-batches are left out; the ticks are the micro-batches'
     indices in the step.
 
-    The colours span the off-diagonal cosines' own range (a diverging scale
-    centred on 0 where they have both signs), so that small differences
-    show; the diagonal (1, each micro-batch with itself) is grey and off the
-    scale. Each cell shows its value, up to :data:`ANNOTATED` micro-batches.
+    The colours span every cosine there is, -1 to 1, on a diverging scale
+    (red agrees, blue opposes, white is orthogonal), the same in every
+    figure and panel, so that a colour always means the same cosine; the
+    diagonal (1, each micro-batch with itself) is grey and off the scale.
+    Each cell shows its value, up to :data:`ANNOTATED` micro-batches.
 
     Several runs, ``{label: step}``: one panel per run, side by side (``ax``:
-    None, or that many axes); returns the list of axes.
+    None, or that many axes), on one scale; returns the list of axes.
+
+    Args:
+      vmin, vmax: the scale's ends; None: the smallest (largest) off-diagonal
+        cosine of every panel, to see small differences (centred on 0 where
+        they have both signs).
+      cmap: a matplotlib colormap's name; diverging ones suit cosines.
     """
     if isinstance(step, Mapping) and not isinstance(step, History):
         if not step:
@@ -340,13 +477,34 @@ def cosine_heatmap(step, ax=None):
             if len(axes) != len(found):
                 raise HostavgError(f"cosine_heatmap draws one panel per run: ax must be "
                                    f"{len(found)} axes, got {len(axes)}")
+        scale = _scale([m for _, m, _, _ in found], vmin, vmax, cmap)
         for a, (label, matrix, index, number) in zip(axes, found):
-            _heatmap(a, matrix, index, f"{label}, step {number}")
+            _heatmap(a, matrix, index, f"{label}, step {number}", *scale)
         axes[0].figure.suptitle("Cosine between micro-batch gradients")
         return list(axes)
     matrix, index, number = _cosines(step, "")
     return _heatmap(_axes(ax, "cosine_heatmap", (6, 5)), matrix, index,
-                    f"Cosine between micro-batch gradients, step {number}")
+                    f"Cosine between micro-batch gradients, step {number}",
+                    *_scale([matrix], vmin, vmax, cmap))
+
+
+def _scale(matrices: list, vmin, vmax, cmap: str) -> tuple:
+    """(norm, colormap) of the heatmaps of ``matrices``: from ``vmin`` to ``vmax``, an end
+    left None being their off-diagonal cosines' own, diverging around 0 where it lies between."""
+    from matplotlib import colors
+    found = np.concatenate([m[~np.eye(len(m), dtype=bool) & np.isfinite(m)] for m in matrices])
+    low = (float(found.min()) if found.size else -1.0) if vmin is None else float(vmin)
+    high = (float(found.max()) if found.size else 1.0) if vmax is None else float(vmax)
+    if not low < high:
+        if vmin is not None and vmax is not None:
+            raise HostavgError(f"cosine_heatmap: vmin must be below vmax, got {vmin} and {vmax}")
+        low, high = low - 5e-4, high + 5e-4  # all alike: a little room, so colours mean something
+    norm = colors.TwoSlopeNorm(0.0, low, high) if low < 0 < high else colors.Normalize(low, high)
+    try:
+        return norm, _colormap(cmap)
+    except (KeyError, ValueError):
+        raise HostavgError(f"cosine_heatmap: cmap must be a matplotlib colormap's name, got "
+                           f"{cmap!r}") from None
 
 
 def _cosines(step, said: str) -> tuple[np.ndarray, list, int]:
@@ -379,20 +537,10 @@ def _cosines(step, said: str) -> tuple[np.ndarray, list, int]:
     return matrix, index, step.step
 
 
-def _heatmap(ax, matrix: np.ndarray, index: list, title: str):
-    from matplotlib import colors
+def _heatmap(ax, matrix: np.ndarray, index: list, title: str, norm, palette):
     k = len(matrix)
     off = ~np.eye(k, dtype=bool)
-    values = matrix[off & np.isfinite(matrix)]
-    low, high = (float(values.min()), float(values.max())) if values.size else (-1.0, 1.0)
-    if high - low < 1e-3:  # all alike: a little room, so the colours still mean something
-        low, high = low - 5e-4, high + 5e-4
-    if low < 0 < high:
-        norm, cmap = colors.TwoSlopeNorm(0.0, low, high), "RdBu_r"
-    else:
-        norm, cmap = colors.Normalize(low, high), "viridis"
     shown = np.ma.masked_where(~off | ~np.isfinite(matrix), matrix)
-    palette = _colormap(cmap)
     image = ax.imshow(shown, norm=norm, cmap=palette)
     ax.figure.colorbar(image, ax=ax, label="cosine (off the diagonal)")
     if k <= ANNOTATED:

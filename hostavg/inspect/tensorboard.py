@@ -1,31 +1,41 @@
 """The TensorBoard hook: scalars every applied step, gradient histograms every so many.
 
-Written with the ``tensorboard`` package's own event-file writer and protocol
-buffers, imported when the hook writes its first step: no graph, no session.
-That writer reaches files through ``tensorboard.compat.tf``, which imports
-TensorFlow where it is installed (else TensorBoard's stub): so the first write
-imports TensorFlow, on Keras's JAX backend too.
+Written with the ``tensorboard`` package's protocol buffers and its record
+writer (the TFRecord framing and checksums, ``tensorboard.summary.writer.
+record_writer``), into a file this hook opens itself: no graph, no session, and
+TensorFlow is never imported (TensorBoard's ``EventFileWriter`` reaches files
+through ``tensorboard.compat.tf``, which imports TensorFlow where installed).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
+import itertools
+import os
+import socket
 import time
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.files import folder
 from hostavg.core.gradients import SparseGradient
-from hostavg.core.stats import NoiseScale, NoiseScaleEstimate
+from hostavg.core.stats import NOISE_SCALE_BETA, NoiseScale, NoiseScaleEstimate
 from hostavg.inspect.record import SCALARS
 
-__all__ = ["HISTOGRAM_BUCKETS", "TensorBoard"]
+__all__ = ["HISTOGRAM_BUCKETS", "HISTOGRAMS_EVERY", "TensorBoard"]
 
 #: Buckets of equal width between the smallest and the largest value, per histogram
 #: (as ``tf.summary.histogram`` makes them).
 HISTOGRAM_BUCKETS = 30
+#: The default ``histograms_every``: often enough that a run of a few dozen steps shows its
+#: gradients' distributions over time; a histogram costs a few passes over the gradients on
+#: the host (about 15 ms per million parameters), this often a few percent of a step.
+HISTOGRAMS_EVERY = 10
+#: What names an event file (as TensorBoard's own writers name them).
+_EVENTS = "events.out.tfevents."
+#: Numbers the event files this process opens (two in one second keep their names apart).
+_FILES = itertools.count()
 
 
 class TensorBoard:
@@ -41,6 +51,13 @@ class TensorBoard:
     when it ends; after a hand-written loop call :meth:`close` (a later step
     opens a new event file).
 
+    A folder that already holds event files belongs to another run (a cell
+    run twice): the first write raises HostavgError naming the folder, as
+    :class:`~hostavg.hooks.Record` does, unless ``overwrite=True``, which
+    deletes them; a resumed ``fit`` (``on_resume``) appends. ``beta`` is the
+    running noise scale's, :data:`~hostavg.core.stats.NOISE_SCALE_BETA` as
+    :class:`hostavg.NoiseScale`'s and :func:`hostavg.plot.noise_scale`'s.
+
     Example::
 
         board = hostavg.hooks.TensorBoard("runs/tb")
@@ -52,8 +69,10 @@ class TensorBoard:
       HostavgError: when made without the ``tensorboard`` package installed.
     """
 
-    def __init__(self, logdir, histograms_every: int = 100, beta: float = 0.99):
+    def __init__(self, logdir, histograms_every: int = HISTOGRAMS_EVERY,
+                 beta: float = NOISE_SCALE_BETA, overwrite: bool = False):
         positive_int("histograms_every", histograms_every)
+        self.overwrite = flag("overwrite", overwrite)
         if importlib.util.find_spec("tensorboard") is None:
             raise HostavgError("the TensorBoard hook writes for TensorBoard, which is not "
                                "installed: pip install tensorboard (or pip install "
@@ -63,6 +82,7 @@ class TensorBoard:
         self.noise_scale = NoiseScale(beta)
         self._writer = None
         self._last_step = 0
+        self._claimed = False  # whether the folder is this run's (written to, or resumed)
 
     def _write(self, step: int, scalars: dict, histograms: dict | None = None) -> None:
         """Writes ``scalars`` (tag -> number, None left out) and ``histograms`` (tag -> array) at
@@ -70,16 +90,42 @@ class TensorBoard:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
         if self._writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-            self._writer = EventFileWriter(self.logdir)
+            self._writer = self._open(Event)
         values = [Summary.Value(tag=tag, simple_value=float(value))
                   for tag, value in scalars.items() if value is not None]
         values += [Summary.Value(tag=tag, histo=_histogram(array))
                    for tag, array in (histograms or {}).items()]
-        self._writer.add_event(Event(wall_time=time.time(), step=step,
-                                     summary=Summary(value=values)))
+        self._writer.write(Event(wall_time=time.time(), step=step,
+                                 summary=Summary(value=values)).SerializeToString())
         self._writer.flush()
         self._last_step = step
+
+    def _open(self, event):
+        """A new event file's record writer, its first record the file version; the folder
+        claimed first (another run's event files refused, or with overwrite deleted)."""
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        if not self._claimed:
+            used = sorted(p for p in os.listdir(self.logdir) if p.startswith(_EVENTS))
+            if used and not self.overwrite:
+                raise HostavgError(
+                    f"TensorBoard: the folder {self.logdir!r} already holds {len(used)} event "
+                    f"file{'s' if len(used) != 1 else ''} ({used[0]}{', ...' if len(used) > 1 else ''}): "
+                    f"another run's, which TensorBoard would mix with this one. Pick another "
+                    f"folder (one per run, such as runs/tb/<name>), or pass TensorBoard(..., "
+                    f"overwrite=True) to delete them")
+            for name in used:
+                os.remove(os.path.join(self.logdir, name))
+            self._claimed = True
+        now = time.time()
+        path = os.path.join(self.logdir, f"{_EVENTS}{int(now):010d}.{socket.gethostname()}."
+                                         f"{os.getpid()}.{next(_FILES)}.hostavg")
+        writer = RecordWriter(open(path, "xb"))  # noqa: SIM115 - closed by close()
+        writer.write(event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+        return writer
+
+    def on_resume(self, step: int) -> None:
+        """fit resumed from a checkpoint: the folder's event files are this run's, appended to."""
+        self._claimed = True
 
     def on_applied(self, result):
         st = result.stats
@@ -129,6 +175,6 @@ def _histogram(values) -> object:
         counts, edges = np.array([flat.size]), np.array([low - 0.5, high + 0.5])
     else:
         counts, edges = np.histogram(flat, HISTOGRAM_BUCKETS, (low, high))
-    return HistogramProto(min=low, max=high, num=flat.size, sum=math.fsum(flat),
+    return HistogramProto(min=low, max=high, num=flat.size, sum=float(flat.sum()),
                           sum_squares=float(flat @ flat), bucket_limit=edges[1:].tolist(),
                           bucket=counts.astype(float).tolist())

@@ -62,13 +62,11 @@ class BaseTrainer:
         w_before| / |w_before|) every that many global steps; None: never.
       overlap: compute micro-batch i + 1 in a worker thread while the host
         handles micro-batch i; the same results bit for bit.
-      distributions_every: keep ``StepResult.distributions`` (nine percentiles of
-        each variable's mean gradient, weights and update; :meth:`History.distributions
-        <hostavg.History.distributions>`) every that many global steps; None: never.
+      distributions_every: keep ``StepResult.distributions`` (percentiles of each
+        variable's gradient, weights, update) every that many global steps; None: never.
 
     Attributes:
-      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap,
-        distributions_every.
+      micro_batch_size: as given; so are the other settings but accum_dtype.
       accum_dtype: as a NumPy dtype, or None.
       hooks: a tuple, in the order they run.
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
