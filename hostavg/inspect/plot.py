@@ -458,9 +458,10 @@ def cosine_heatmap(step, ax=None, vmin: float | None = COSINE_SCALE[0],
     None, or that many axes), on one scale; returns the list of axes.
 
     Args:
-      vmin, vmax: the scale's ends; None: the smallest (largest) off-diagonal
-        cosine of every panel, to see small differences (centred on 0 where
-        they have both signs).
+      vmin: the scale's low end; None: the smallest off-diagonal cosine of
+        every panel, to see small differences (diverging around 0 where the
+        cosines have both signs).
+      vmax: the scale's high end; None: the largest such cosine.
       cmap: a matplotlib colormap's name; diverging ones suit cosines.
     """
     if isinstance(step, Mapping) and not isinstance(step, History):
