@@ -23,14 +23,16 @@ from hostavg.engine.step import step_together as engine_step_together
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
 from hostavg.keras.common import BATCH_NORM_MODES, as_batch, structured
+from hostavg.keras.train_step import overrides_train_step
 from hostavg.train.history import History
 from hostavg.train.trainer import BaseTrainer, checked_verbose, together_entries
 
 __all__ = ["Trainer", "step_together"]
 
-#: Keras's backend -> (module, class) of hostavg's backend for it, imported when a trainer is made.
-_BACKENDS = {"tensorflow": ("hostavg.keras.tensorflow", "KerasBackend"),
-             "jax": ("hostavg.keras.jax", "KerasJaxBackend")}
+#: Keras's backend -> (module, class for a compiled model, class for a model with its own
+#: train_step) of hostavg's backend for it, imported when a trainer is made.
+_BACKENDS = {"tensorflow": ("hostavg.keras.tensorflow", "KerasBackend", "KerasTrainStepBackend"),
+             "jax": ("hostavg.keras.jax", "KerasJaxBackend", "KerasJaxTrainStepBackend")}
 
 
 class Trainer(BaseTrainer):
@@ -122,7 +124,8 @@ class Trainer(BaseTrainer):
             raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
                                f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
         extra = {"batch_norm": batch_norm} if batch_norm != "micro" else {}
-        self._backend = getattr(importlib.import_module(backend[0]), backend[1])(
+        kind = backend[2] if overrides_train_step(model) else backend[1]
+        self._backend = getattr(importlib.import_module(backend[0]), kind)(
             model, loss, optimizer, **extra)
         self.model, self.optimizer = model, self._backend.optimizer
 
