@@ -35,7 +35,9 @@ TRAIN_STEP_ADVICE = {
     "scale": "The train_step's loss grows with the batch (a term summed over samples, such as "
              "a VAE's KL divergence summed over the batch): make it a mean over samples "
              "(keras.ops.mean), so that micro-batches average to the batch",
-    "batch": "such as a loss that compares the samples of the batch with each other (a "
-             "contrastive loss whose negatives are the batch's other samples), or "
-             "keras.layers.BatchNormalization: each micro-batch sees only its own samples",
+    "batch": "such as a train_step's loss with a term summed over the batch beside a mean (a "
+             "VAE's KL divergence summed over samples: make it a mean), a loss that compares "
+             "the samples of the batch with each other (a contrastive loss whose negatives are "
+             "the batch's other samples: each micro-batch sees only its own), or "
+             "keras.layers.BatchNormalization",
 }

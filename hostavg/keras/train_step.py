@@ -38,7 +38,8 @@ def overrides_train_step(model) -> bool:
 def held_optimizers(model) -> dict:
     """Every optimizer ``model`` holds, by what it is to the model: ``model.optimizer`` and
     each attribute that is one (a GAN's ``d_optimizer``), each optimizer once."""
-    found = {} if model.optimizer is None else {id(model.optimizer): "model.optimizer"}
+    optimizer = getattr(model, "optimizer", None)  # an uncompiled model has none
+    found = {} if optimizer is None else {id(optimizer): "model.optimizer"}
     for name, value in sorted(vars(model).items()):
         if isinstance(value, keras.optimizers.Optimizer) and id(value) not in found:
             found[id(value)] = f"model.{name}"
@@ -84,7 +85,7 @@ def captured(model):
 def _objects(model) -> list:
     """``model.optimizer`` and the values of the model's attributes, each once."""
     seen = {}
-    for value in [model.optimizer, *vars(model).values()]:
+    for value in [getattr(model, "optimizer", None), *vars(model).values()]:
         seen.setdefault(id(value), value)
     return list(seen.values())
 
@@ -187,7 +188,7 @@ class OwnStep:
 
     def __init__(self, model, loss, optimizer, **kwargs):
         held = held_optimizers(model)
-        if optimizer is None and model.optimizer is None and len(held) > 1:
+        if optimizer is None and "model.optimizer" not in held.values() and len(held) > 1:
             raise several_optimizers(model, f"holds {' and '.join(held.values())} and is "
                                             f"compiled with none")
         super().__init__(model, loss, optimizer, **kwargs)
