@@ -252,6 +252,28 @@ def test_the_micro_batch_loss_is_what_it_added_to_the_loss_tracker():
                                         rel=1e-5)
 
 
+class KerasOwnStep(keras.Model):
+    """A train_step that is Keras's own, called by an override."""
+
+    def train_step(self, *args):
+        return super().train_step(*args)
+
+
+def test_kerass_own_train_step_called_by_an_override_steps_as_the_compiled_model():
+    """Issue 24, item 15 refused such a model; it now runs its train_step, Keras's own."""
+    x, y = data(9)
+    model, plain = classifier("adam"), classifier("adam")
+    model = KerasOwnStep(model.inputs, model.outputs)
+    model.compile(keras.optimizers.Adam(0.01), plain.loss, metrics=["accuracy"])
+    plain.compile(keras.optimizers.Adam(0.01), plain.loss, metrics=["accuracy"])
+    own, compiled = hostavg.keras.Trainer(model), hostavg.keras.Trainer(plain)
+    for _ in range(2):
+        got, want = own.step(cut(x, y)), compiled.step(cut(x, y))
+    assert_close(values(model), values(plain))
+    assert got.loss == pytest.approx(want.loss, rel=1e-6)
+    assert [m.loss for m in got.micro] == pytest.approx([m.loss for m in want.micro], rel=1e-6)
+
+
 # --- check: which train_steps are exact ----------------------------------------------------
 
 

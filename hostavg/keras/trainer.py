@@ -60,7 +60,7 @@ class Trainer(BaseTrainer):
     - ``fit``'s ``validation_split``, ``class_weight``,
       ``validation_batch_size`` and ``validation_steps``, as Keras's, and
       Keras callbacks beside hostavg's hooks.
-    The Keras guide says the rest (multi-output and masked losses, batch norm).
+    The Keras guide says the rest (custom train_step, masked losses, batch norm).
 
     Example::
 
@@ -98,8 +98,8 @@ class Trainer(BaseTrainer):
           batch_norm: as given.
 
         Raises:
-          HostavgError: for a model that overrides ``train_step``, a loss that
-            is not a micro-batch mean, an optimizer hostavg cannot drive, or a
+          HostavgError: for a model whose own ``train_step`` applies several
+            optimizers (or under loss scaling), a loss that is not a micro-batch mean, an optimizer hostavg cannot drive, or a
             model or trainer in a ``tf.distribute`` scope or under a
             ``keras.distribution`` (``comm=`` spans several devices).
         """
