@@ -4,7 +4,8 @@ Keras's backend is fixed per process. Under the test run's TensorFlow, the
 slow tests start processes with ``KERAS_BACKEND=jax``: one runs the contract
 suite (the keras-jax backend of tests/contract), Keras's own faces of
 tests/test_keras_native.py (compile, fit's data, Keras callbacks, mixed
-precision, evaluation, each against Keras's own fit on JAX) and this file's
+precision, evaluation, each against Keras's own fit on JAX), a model's own
+stateless train_step (tests/test_keras_train_step.py) and this file's
 JAX tests, one
 steps a model in a fresh process and finds TensorFlow never imported, one runs
 benchmarks/gpu.py with tiny sizes. Under
@@ -42,7 +43,8 @@ def run_on_jax(args: list, timeout: int) -> subprocess.CompletedProcess:
 @pytest.mark.slow  # about 2 minutes: every trainer compiles its functions per micro-batch size
 @pytest.mark.skipif(ON_JAX, reason="this process runs them itself")
 def test_the_contract_and_the_keras_native_tests_pass_on_jax():
-    out = run_on_jax(["-m", "pytest", "tests/contract", "tests/test_keras_native.py", __file__,
+    out = run_on_jax(["-m", "pytest", "tests/contract", "tests/test_keras_native.py",
+                      "tests/test_keras_train_step.py", __file__,
                       "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"], timeout=1500)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "[keras-jax]" not in out.stdout.split("short test summary")[-1].replace("XFAIL", ""), \

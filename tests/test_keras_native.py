@@ -216,22 +216,6 @@ def test_a_model_overriding_compute_loss_is_trained_through_it():
     assert_close(weights(model), weights(twin))
 
 
-class OwnTrainStep(keras.Model):
-    def train_step(self, data):
-        return super().train_step(data)
-
-
-def test_a_model_overriding_train_step_is_refused_naming_compute_loss():
-    """Issue 24, item 15: a train_step was skipped silently; now it is refused."""
-    plain = build()
-    model = compiled(OwnTrainStep(plain.inputs, plain.outputs))
-    with pytest.raises(hostavg.HostavgError, match=r"overrides train_step \(OwnTrainStep."
-                                                   r"train_step\), which hostavg never calls.* "
-                                                   r"Override compute_loss\(x, y, y_pred, "
-                                                   r"sample_weight, training\) instead"):
-        hostavg.keras.Trainer(model)
-
-
 # --- 2. fit's arguments and data -----------------------------------------------------------
 
 

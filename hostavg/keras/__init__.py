@@ -2,8 +2,9 @@
 
 The face is :mod:`hostavg.keras.trainer`; what every Keras backend shares is
 :mod:`hostavg.keras.common` (the compiled model, batches, metrics),
-:mod:`hostavg.keras.data` (what fit takes as data) and
-:mod:`hostavg.keras.callbacks` (Keras callbacks in fit); Keras's TensorFlow
+:mod:`hostavg.keras.data` (what fit takes as data),
+:mod:`hostavg.keras.callbacks` (Keras callbacks in fit) and
+:mod:`hostavg.keras.train_step` (a model's own train_step); Keras's TensorFlow
 backend is :mod:`hostavg.keras.tensorflow`, its JAX backend
 :mod:`hostavg.keras.jax`. The trainer uses the one Keras runs on
 (``keras.backend.backend()``); each backend module is imported when first

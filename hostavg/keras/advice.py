@@ -4,7 +4,7 @@ Every Keras backend carries it as its ``advice`` (:class:`~hostavg.keras.common.
 see :data:`hostavg.core.check.CAUSES` for what each cause means).
 """
 
-__all__ = ["ADVICE"]
+__all__ = ["ADVICE", "TRAIN_STEP_ADVICE"]
 
 #: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
 ADVICE = {
@@ -27,4 +27,17 @@ ADVICE = {
              "instead of batch_size",
     "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
                   "least one sample each, such as x[:256], y[:256]",
+}
+
+#: The same for a model with its own ``train_step``, whose loss the step itself computes.
+TRAIN_STEP_ADVICE = {
+    **ADVICE,
+    "scale": "The train_step's loss grows with the batch (a term summed over samples, such as "
+             "a VAE's KL divergence summed over the batch): make it a mean over samples "
+             "(keras.ops.mean), so that micro-batches average to the batch",
+    "batch": "such as a train_step's loss with a term summed over the batch beside a mean (a "
+             "VAE's KL divergence summed over samples: make it a mean), a loss that compares "
+             "the samples of the batch with each other (a contrastive loss whose negatives are "
+             "the batch's other samples: each micro-batch sees only its own), or "
+             "keras.layers.BatchNormalization",
 }

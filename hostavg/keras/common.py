@@ -30,6 +30,7 @@ from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied
 from hostavg.keras.advice import ADVICE
+from hostavg.keras.train_step import log_value, overrides_train_step
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "Position",
            "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function", "metric_results",
@@ -143,17 +144,9 @@ def compiled(model, loss, optimizer):
     the optimizer in a ``LossScaleOptimizer``, as Keras does.
 
     Raises:
-      HostavgError: for a model that overrides ``train_step`` (hostavg's step
-        replaces it; ``compute_loss`` is the place to customise), a loss that is
-        not a micro-batch mean, no optimizer, or an optimizer hostavg cannot drive.
+      HostavgError: for a loss that is not a micro-batch mean, no optimizer, or
+        an optimizer hostavg cannot drive.
     """
-    if type(model).train_step is not keras.Model.train_step:
-        raise HostavgError(
-            f"model {model.name!r} overrides train_step ({type(model).__qualname__}.train_step), "
-            f"which hostavg never calls: its step runs the forward and backward pass per "
-            f"micro-batch and applies the mean itself. Override compute_loss(x, y, y_pred, "
-            f"sample_weight, training) instead, which hostavg calls for every micro-batch (and "
-            f"compute_metrics for the metrics)")
     if loss is not None:
         _check_loss(loss)
     if optimizer is not None:
@@ -245,14 +238,7 @@ def metric_results(model, updated, skip=()) -> dict:
             continue
         result = metric.result()
         named = result.items() if isinstance(result, dict) else [(metric.name, result)]
-        for name, value in named:
-            if name in skip:
-                continue
-            if np.ndim(value) == 0:
-                out[name] = float(value)
-            else:  # F1Score's one value per class: an array, as Keras's logs hold it
-                out[name] = np.array(value)
-                out[name].flags.writeable = False
+        out.update({name: log_value(value) for name, value in named if name not in skip})
     return out
 
 
@@ -304,8 +290,15 @@ class CompiledModel(ModelVariables):
 
     advice = ADVICE
     increment = 1  # every apply moves optimizer.iterations by one
+    #: Whether compute runs the model's own train_step (:class:`~hostavg.keras.train_step.OwnStep`).
+    runs_train_step = False
 
     def __init__(self, model, loss, optimizer):
+        if overrides_train_step(model) and not self.runs_train_step:
+            raise HostavgError(
+                f"model {model.name!r} overrides train_step ({type(model).__qualname__}."
+                f"train_step), which {type(self).__name__} never calls: hostavg.keras.Trainer "
+                f"runs such a model with its own train_step per micro-batch")
         self.model = self.target = model
         self.refuse_strategies()
         self.optimizer = compiled(model, loss, optimizer)
@@ -383,6 +376,9 @@ class CompiledModel(ModelVariables):
             return Applied(after, ratios, learning_rate)
         return Applied(after, ratios, learning_rate, None, dict(zip(self.spec, weights)),
                        dict(zip(self.spec, updates)))
+
+    def _took(self, names, values) -> None:
+        """What a compute returned besides its gradients: the logs ``names`` (none here)."""
 
     def evaluate(self, chunks, metrics=None) -> dict:
         """Keras's own evaluation over ``chunks`` (batches; any iterable): the model's metrics

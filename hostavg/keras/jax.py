@@ -36,8 +36,9 @@ from hostavg.engine.protocols import Applied, Computed
 from hostavg.keras.common import CompiledModel, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
+from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
-__all__ = ["KerasJaxBackend"]
+__all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
 
 #: The dtype squared norms are reduced in on the device: float64 if JAX allows it, else float32.
 _WIDE = jax.dtypes.canonicalize_dtype(jnp.float64)
@@ -93,19 +94,20 @@ class KerasJaxBackend(CompiledModel):
     # --- The engine's protocol ------------------------------------------------------------
 
     def compute(self, feed, share: float = 1.0) -> Computed:
-        (function, assigns), leaves = feed
+        (function, assigns, names), leaves = feed
         model = self.model
         trainable = [v.value for v in model.trainable_variables]
         untrained = [v.value for v in model.non_trainable_variables]
         metric_values = [v.value for v in model.metrics_variables]
         donated = self._donated_gradient_buffers()
         with _jax_errors("compute"):
-            loss, sq_norms, grads, assigned = function(
+            loss, sq_norms, grads, assigned, logs = function(
                 trainable, untrained, metric_values, self._slots(), np.float32(share), donated,
                 leaves)
             jax.block_until_ready(grads)
         for v, value in zip(assigns, assigned):
             v.assign(value)
+        self._took(names, [np.asarray(v) for v in logs])  # a train_step's logs
         if self.reuses_buffers:
             with self._ring_lock:
                 self._ring.append(grads)
@@ -200,22 +202,13 @@ class KerasJaxBackend(CompiledModel):
     # --- Tracing --------------------------------------------------------------------------
 
     def _trace_compute(self, leaves, signature, what: str):
-        """(the gradient function, the variables it assigns) for one input signature; the
-        first one also fixes spec.
+        """(the gradient function, the variables it assigns, the names of the logs it returns:
+        none) for one input signature; the first one also fixes spec.
 
         Traced once here (``jax.make_jaxpr``) to learn what the loss depends on
         and what the forward pass assigns; compiled by ``jax.jit`` on its first call.
         """
-        x, _, _ = _rebuild(signature, leaves)
-        model = self.model
-        if not model.built:
-            with _model_errors(what):
-                model(x, training=False)  # creates the variables; assigns nothing
-        self.build_optimizer()
-        self._build_metrics(signature, leaves, what)
-        trainable = list(model.trainable_variables)
-        if not trainable:
-            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        model, trainable = self.model, self._built(leaves, signature, what)
         untrained = [v.value for v in model.non_trainable_variables]
         metric_variables = list(model.metrics_variables)
         seen = {}
@@ -252,14 +245,34 @@ class KerasJaxBackend(CompiledModel):
                     f"none of {unreached}; make them non-trainable (layer.trainable = False), "
                     f"or train without mixed_float16's loss scaling")
             self.spec, self._kept = spec, kept
-        assigns = [model.non_trainable_variables[i] for i in seen["assigned"]] + \
-            [metric_variables[i] for i in seen["metrics"]]
+        return self._compiled_compute(loss), self._adopt(seen["assigned"], seen["metrics"]), ()
+
+    def _built(self, leaves, signature, what: str) -> list:
+        """The model's trainable variables, the model, its optimizer and its metrics built on
+        the batch ``leaves`` (of ``signature``) first where they are not."""
+        x, _, _ = _rebuild(signature, leaves)
+        if not self.model.built:
+            with _model_errors(what):
+                self.model(x, training=False)  # creates the variables; assigns nothing
+        self.build_optimizer()
+        self._build_metrics(signature, leaves, what)
+        trainable = list(self.model.trainable_variables)
+        if not trainable:
+            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        return trainable
+
+    def _adopt(self, assigned: list, metrics: list) -> list:
+        """The variables a gradient function assigns, ``model.non_trainable_variables[assigned]``
+        then ``model.metrics_variables[metrics]``, added to the rollback set (and to the step's
+        snapshot) and their metrics to :attr:`trained_metrics`."""
+        assigns = [self.model.non_trainable_variables[i] for i in assigned] + \
+            [self.model.metrics_variables[i] for i in metrics]
         for v in assigns:
             if id(v) not in self.assigned:
                 self.assigned[id(v)] = v
                 self._snapshot[id(v)] = v.value  # the step being prepared has not computed yet
-        self.trained_metrics |= self._metrics_of(seen["metrics"])
-        return self._compiled_compute(loss), assigns
+        self.trained_metrics |= self._metrics_of(metrics)
+        return assigns
 
     def _build_metrics(self, signature, leaves, what: str) -> None:
         """Creates the compiled loss's and metrics' variables, which Keras makes on their first
@@ -276,7 +289,7 @@ class KerasJaxBackend(CompiledModel):
     def _compiled_compute(self, loss):
         """``(trainable, untrained, metric values, optimizer values, share, donated, leaves) ->
         (loss, squared norms, gradients, the new values of the variables the forward pass and
-        the metrics assign)``, jitted; ``donated`` (gradient-shaped buffers) is donated. The
+        the metrics assign, no logs)``, jitted; ``donated`` (gradient-shaped buffers) is donated. The
         gradients are of the loss as the optimizer scales it, divided by its scale."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
@@ -296,11 +309,10 @@ class KerasJaxBackend(CompiledModel):
             if scales:  # unscaled as Keras's optimizer unscales: g / scale (x share, see
                 scale = _scale(optimizer, slots) * share  # Backend.compute)
                 grads = [g / scale.astype(g.dtype) for g in grads]
-            sq = jnp.stack([jnp.sum(jnp.square(g.astype(_WIDE))) for g in grads])
-            return value, sq, grads, [*new, *metrics]
+            return value, _squares(grads), grads, [*new, *metrics], []
 
         return jax.jit(compute, donate_argnums=5, keep_unused=True,
-                       out_shardings=(None, None, self._outputs, None))
+                       out_shardings=(None, None, self._outputs, None, None))
 
     def _donated_gradient_buffers(self):
         """What a compute donates for its gradients: the buffers of the compute two before (or
@@ -366,6 +378,83 @@ class KerasJaxBackend(CompiledModel):
         return jax.jit(evaluation), changed
 
 
+class KerasJaxTrainStepBackend(OwnStep, KerasJaxBackend):
+    """A Keras model with its own stateless ``train_step`` and its optimizer, on JAX (:class:`hostavg.engine.protocols.Backend`).
+
+    Per micro-batch one ``jax.jit`` runs the model's ``train_step(state, data)``
+    with every optimizer's ``stateless_apply`` captured
+    (:mod:`hostavg.keras.train_step`): the gradients it is given are the
+    micro-batch's, the old weights and optimizer state go on, and the state's
+    new non-trainable and metric values are assigned to the model, as
+    :class:`KerasJaxBackend` assigns them. Takes its arguments.
+    """
+
+    def _slots(self) -> list:
+        """Every optimizer variable's value: a train_step's state holds them."""
+        return [v.value for v in self.optimizer.variables]
+
+    def _trace_compute(self, leaves, signature, what: str):
+        """(the function that runs train_step, the variables it assigns, the names of the logs
+        it returns) for one input signature; the first one also fixes spec."""
+        model, trainable = self.model, self._built(leaves, signature, what)
+        untrained = [v.value for v in model.non_trainable_variables]
+        metric_values = [v.value for v in model.metrics_variables]
+        step, seen = self._stepping(signature, what), {}
+        with _model_errors(what):
+            jax.make_jaxpr(lambda *args: step(*args, seen))(
+                [v.value for v in trainable], untrained, metric_values, self._slots(), leaves)
+        if seen["gradients"] != len(trainable):
+            raise HostavgError(f"{what}: model {model.name!r}'s train_step applies "
+                               f"{seen['gradients']} gradients, not one per trainable variable "
+                               f"({len(trainable)}), as stateless_apply takes them")
+        spec = self._traced_spec(what, (), trainable, [(i, False) for i in range(len(trainable))])
+        if self.spec is None:
+            self.spec, self._kept = spec, list(range(len(trainable)))
+
+        def compute(trainable, untrained, metric_values, slots, share, donated, flat):
+            loss, grads, new, metrics, logs = step(trainable, untrained, metric_values, slots,
+                                                   flat, {})
+            return loss, _squares(grads), grads, [*new, *metrics], logs
+
+        function = jax.jit(compute, donate_argnums=5, keep_unused=True,
+                           out_shardings=(None, None, self._outputs, None, None))
+        return function, self._adopt(seen["assigned"], seen["metrics"]), seen["names"]
+
+    def _stepping(self, signature, what: str):
+        """``(trainable, untrained, metric values, optimizer values, leaves, seen) -> (loss,
+        gradients, new values of the non-trainable and of the metric variables that changed,
+        logs)``: the model's train_step with the apply captured; ``seen`` gets the indices of
+        those variables, the logs' names and how many gradients it applied."""
+        model = self.model
+        variables = list(model.metrics_variables)
+        found = loss_tracker(model)
+        tracker = None if found is None else [_index(v, variables) for v in found]
+
+        def step(trainable, untrained, metric_values, slots, flat, seen):
+            x, y, w = _rebuild(signature, flat)
+            with captured(model) as calls:
+                logs, state = model.train_step((trainable, untrained, slots, metric_values),
+                                               keras.utils.pack_x_y_sample_weight(x, y, w))
+            logs = flat_logs(logs, model, what)
+            grads, _ = the_apply(calls, model, what)
+            _, new, _, metrics = state
+            seen["assigned"] = [i for i, (a, b) in enumerate(zip(new, untrained)) if a is not b]
+            seen["metrics"] = [i for i, (a, b) in enumerate(zip(metrics, metric_values))
+                               if a is not b]
+            seen["names"], seen["gradients"] = list(logs), len(grads)
+            pick = (lambda values: None) if tracker is None else \
+                (lambda values: [values[i] for i in tracker])
+            return (micro_loss(logs["loss"], pick(metric_values), pick(metrics)), list(grads),
+                    [new[i] for i in seen["assigned"]], [metrics[i] for i in seen["metrics"]],
+                    list(logs.values()))
+        return step
+
+
+def _index(variable, variables: list) -> int:
+    """The position of ``variable`` in ``variables`` (by identity)."""
+    return next(i for i, v in enumerate(variables) if v is variable)
+
+
 def _scale(optimizer, slots):
     """The optimizer's loss scale, with its variables' values ``slots``: a LossScaleOptimizer's
     dynamic scale, or the loss_scale_factor it was made with."""
@@ -408,6 +497,11 @@ def _host(array) -> np.ndarray:
         return np.from_dlpack(array)
     except (TypeError, BufferError, RuntimeError):
         return np.asarray(array)
+
+
+def _squares(grads):
+    """Each gradient's squared norm, in the wide dtype."""
+    return jnp.stack([jnp.sum(jnp.square(g.astype(_WIDE))) for g in grads])
 
 
 def _sum_squares(x, minus=None):

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -36,8 +37,9 @@ from hostavg.frameworks.tensorflow import READ_OPS, first_line
 from hostavg.keras.common import CompiledModel, loss_function, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
+from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
-__all__ = ["KerasBackend", "refuse_strategies"]
+__all__ = ["KerasBackend", "KerasTrainStepBackend", "refuse_strategies"]
 
 
 class KerasBackend(CompiledModel):
@@ -89,7 +91,7 @@ class KerasBackend(CompiledModel):
         return ()  # the check names Keras's random layers in its advice
 
     def compute(self, feed, share: float = 1.0) -> Computed:
-        function, leaves = feed
+        (function, names), leaves = feed
         args = [*map(eager_tensor, leaves)]
         if self._scales:  # the micro-batch's part of the step's loss scale (see Backend.compute)
             args.append(eager_tensor(np.float32(share)))
@@ -103,8 +105,10 @@ class KerasBackend(CompiledModel):
                 grads[name] = SparseGradient(indices, freeze(np.asarray(next(got))), s.shape)
             else:
                 grads[name] = freeze(np.asarray(next(got)))
+        rest = [np.asarray(v) for v in got]
+        self._took(names, rest)  # a train_step's logs
         if self._norms:  # "step": the moving values it would have assigned, for the apply
-            self._moved.append((len(leaves[0]), [np.asarray(v, np.float64) for v in got]))
+            self._moved.append((len(leaves[0]), [v.astype(np.float64) for v in rest]))
         return Computed(float(loss), grads, int(step),
                         dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
@@ -204,15 +208,9 @@ class KerasBackend(CompiledModel):
     # --- Tracing --------------------------------------------------------------------------
 
     def _trace_compute(self, leaves, signature, what: str):
-        """The gradient function for one input signature; the first one also fixes spec and apply."""
-        x, _, _ = _rebuild(signature, leaves)
-        if not self.model.built:
-            with _model_errors(what):
-                self.model(x, training=False)  # creates the variables; assigns nothing
-        self.build_optimizer()
-        trainable = list(self.model.trainable_variables)
-        if not trainable:
-            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        """(the gradient function for one input signature, the names of the logs it returns
+        after the gradients: none); the first one also fixes spec and apply."""
+        trainable = self._built(leaves, signature, what)
         if self.batch_norm == "step" and self.spec is None:
             self._norms = _batch_norms(self.model)
         moving = [v for mean, variance, _ in self._norms for v in (mean, variance)]
@@ -231,32 +229,37 @@ class KerasBackend(CompiledModel):
             after = [tf.identity(v.value) for v in moving]  # what the forward pass assigned
             for v, value in zip(moving, before):  # "step": the apply moves them, once
                 v.assign(value)
-            seen["loss_shape"], seen["kept"] = loss.shape, []
+            seen["loss_shape"] = loss.shape
             scale = _scale(optimizer) * share if scales else None
-            out, norms = [], []
-            for i, g in enumerate(tape.gradient(scaled, trainable)):
-                if g is None:
-                    continue
-                seen["kept"].append((i, isinstance(g, tf.IndexedSlices)))
-                if isinstance(g, tf.IndexedSlices):  # duplicate rows summed: unique rows
-                    unique, rows = tf.unique(g.indices)
-                    g = tf.math.unsorted_segment_sum(g.values, rows, tf.size(unique))
-                    out.append(unique)
-                if scale is not None:  # unscaled as Keras's optimizer unscales: g / scale (x share)
-                    g = g / tf.cast(scale, g.dtype)
-                out.append(g)
-                norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
+            seen["kept"], out, norms = _gradient_outputs(tape.gradient(scaled, trainable), scale)
             model.compute_metrics(x, y, y_pred, w)
-            return [loss, tf.convert_to_tensor(optimizer.iterations),
-                    tf.stack(norms) if norms else tf.zeros(0, tf.float64), *out, *after]
+            return [loss, tf.convert_to_tensor(optimizer.iterations), norms, *out, *after]
 
         function = self._trace(gradients, [*leaves, tf.TensorSpec((), tf.float32)] if scales
                                else leaves, what)
-        shape = seen["loss_shape"]
+        return self._adopted(function, what, seen["loss_shape"], trainable, seen["kept"]), ()
+
+    def _built(self, leaves, signature, what: str) -> list:
+        """The model's trainable variables, the model and its optimizer built on the batch
+        ``leaves`` (of ``signature``) first where they are not."""
+        x, _, _ = _rebuild(signature, leaves)
+        if not self.model.built:
+            with _model_errors(what):
+                self.model(x, training=False)  # creates the variables; assigns nothing
+        self.build_optimizer()
+        trainable = list(self.model.trainable_variables)
+        if not trainable:
+            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+        return trainable
+
+    def _adopted(self, function, what: str, shape, trainable: list, kept: list):
+        """``function``, a traced gradient function whose loss has ``shape`` and which gives
+        the gradients of ``trainable[i]`` for each ``(i, sparse)`` of ``kept``, checked; the
+        first fixes spec and the apply, and each adds what it assigns to the rollback set."""
         spec = self._traced_spec(what, shape if shape.rank is not None else (None,), trainable,
-                                 seen["kept"])
+                                 kept)
         if self.spec is None:
-            self.spec, self._trained = spec, [trainable[i] for i, _ in seen["kept"]]
+            self.spec, self._trained = spec, [trainable[i] for i, _ in kept]
             # XLA fuses the optimizer's elementwise update into one pass over each variable
             # (Adam on the 2M-parameter MLP: 3.8 ms against 9.6 ms); it needs fixed shapes,
             # so a model with sparse gradients (rows that vary in number) applies without it.
@@ -345,6 +348,55 @@ class KerasBackend(CompiledModel):
                 if any(id(v.value.handle) in handles for v in m.variables)}
 
 
+class KerasTrainStepBackend(OwnStep, KerasBackend):
+    """A Keras model with its own ``train_step`` and its optimizer (:class:`hostavg.engine.protocols.Backend`).
+
+    Per micro-batch one ``tf.function`` runs the model's ``train_step`` with
+    every optimizer's apply captured (:mod:`hostavg.keras.train_step`): what it
+    would apply is the micro-batch's gradients, the metrics it updates move,
+    and its logs come back with them. The mean is applied as
+    :class:`KerasBackend` applies it. Takes :class:`KerasBackend`'s arguments;
+    ``batch_norm`` only "micro" (the step's forward pass is the model's own).
+    """
+
+    def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
+        if batch_norm != "micro":
+            raise HostavgError(f"batch_norm={batch_norm!r} moves the statistics of hostavg's own "
+                               f"forward pass, but model {model.name!r} trains by its own "
+                               f"train_step: use batch_norm='micro'")
+        super().__init__(model, loss, optimizer)
+
+    def _trace_compute(self, leaves, signature, what: str):
+        """(the function that runs train_step on one input signature, the names of the logs it
+        returns after the gradients); the first one also fixes spec and apply."""
+        trainable = self._built(leaves, signature, what)
+        model, seen, tracker = self.model, {}, loss_tracker(self.model)
+
+        def step(*flat):
+            x, y, w = _rebuild(signature, flat)
+            before = None if tracker is None else [tf.identity(v.value) for v in tracker]
+            with captured(model) as calls:
+                logs = model.train_step(keras.utils.pack_x_y_sample_weight(x, y, w))
+            try:
+                logs = flat_logs(logs, model, what)
+                grads, variables = the_apply(calls, model, what)
+            except HostavgError as error:  # raised once traced: autograph would rewrite it
+                seen["refused"] = error
+                return tf.zeros(())
+            after = None if tracker is None else [tf.identity(v.value) for v in tracker]
+            seen["variables"] = trainable if variables is None else list(variables)
+            seen["kept"], out, norms = _gradient_outputs(grads, None)
+            seen["names"] = list(logs)
+            return [micro_loss(logs["loss"], before, after),
+                    tf.convert_to_tensor(self.optimizer.iterations), norms, *out, *logs.values()]
+
+        function = self._trace(step, leaves, what)
+        if "refused" in seen:  # without autograph's frames
+            raise HostavgError(*seen["refused"].args) from None
+        return self._adopted(function, what, tf.TensorShape(()), seen["variables"],
+                             seen["kept"]), seen["names"]
+
+
 class _Applied(NamedTuple):
     """What a compiled apply reports, on the host: ``optimizer.iterations`` before and after, the
     learning rate, the squared norms of the updates then of the weights before (empty unless
@@ -365,6 +417,27 @@ def _applied(out) -> _Applied:
     return _Applied(int(before), int(after), float(lr), np.asarray(squares), float(scale_before),
                     float(scale_after), ([np.asarray(w) for w in weights],
                                          [np.asarray(u) for u in updates]))
+
+
+def _gradient_outputs(grads, scale) -> tuple:
+    """What a gradient function returns of ``grads`` (one per variable, None where the loss
+    does not reach it): ((index, sparse) of each kept, the kept gradients, a sparse one as its
+    unique rows then their summed values, each divided by ``scale`` unless None, and their
+    squared norms in float64)."""
+    kept, out, norms = [], [], []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        kept.append((i, isinstance(g, tf.IndexedSlices)))
+        if isinstance(g, tf.IndexedSlices):  # duplicate rows summed: unique rows
+            unique, rows = tf.unique(g.indices)
+            g = tf.math.unsorted_segment_sum(g.values, rows, tf.size(unique))
+            out.append(unique)
+        if scale is not None:  # unscaled as Keras's optimizer unscales: g / scale (x share)
+            g = g / tf.cast(scale, g.dtype)
+        out.append(g)
+        norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
+    return kept, out, tf.stack(norms) if norms else tf.zeros(0, tf.float64)
 
 
 def _scale(optimizer):

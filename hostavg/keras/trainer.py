@@ -23,14 +23,16 @@ from hostavg.engine.step import step_together as engine_step_together
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
 from hostavg.keras.common import BATCH_NORM_MODES, as_batch, structured
+from hostavg.keras.train_step import overrides_train_step
 from hostavg.train.history import History
 from hostavg.train.trainer import BaseTrainer, checked_verbose, together_entries
 
 __all__ = ["Trainer", "step_together"]
 
-#: Keras's backend -> (module, class) of hostavg's backend for it, imported when a trainer is made.
-_BACKENDS = {"tensorflow": ("hostavg.keras.tensorflow", "KerasBackend"),
-             "jax": ("hostavg.keras.jax", "KerasJaxBackend")}
+#: Keras's backend -> (module, class for a compiled model, class for a model with its own
+#: train_step) of hostavg's backend for it, imported when a trainer is made.
+_BACKENDS = {"tensorflow": ("hostavg.keras.tensorflow", "KerasBackend", "KerasTrainStepBackend"),
+             "jax": ("hostavg.keras.jax", "KerasJaxBackend", "KerasJaxTrainStepBackend")}
 
 
 class Trainer(BaseTrainer):
@@ -58,7 +60,7 @@ class Trainer(BaseTrainer):
     - ``fit``'s ``validation_split``, ``class_weight``,
       ``validation_batch_size`` and ``validation_steps``, as Keras's, and
       Keras callbacks beside hostavg's hooks.
-    The Keras guide says the rest (multi-output and masked losses, batch norm).
+    The Keras guide says the rest (custom train_step, masked losses, batch norm).
 
     Example::
 
@@ -97,8 +99,8 @@ class Trainer(BaseTrainer):
           batch_norm: as given.
 
         Raises:
-          HostavgError: for a model that overrides ``train_step``, a loss that
-            is not a micro-batch mean, an optimizer hostavg cannot drive, or a
+          HostavgError: for a model whose own ``train_step`` applies several
+            optimizers (or under loss scaling), a loss that is not a micro-batch mean, an optimizer hostavg cannot drive, or a
             model or trainer in a ``tf.distribute`` scope or under a
             ``keras.distribution`` (``comm=`` spans several devices).
         """
@@ -124,7 +126,8 @@ class Trainer(BaseTrainer):
             raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
                                f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
         extra = {"batch_norm": batch_norm} if batch_norm != "micro" else {}
-        self._backend = getattr(importlib.import_module(backend[0]), backend[1])(
+        kind = backend[2] if overrides_train_step(model) else backend[1]
+        self._backend = getattr(importlib.import_module(backend[0]), kind)(
             model, loss, optimizer, **extra)
         self.model, self.optimizer = model, self._backend.optimizer
 
