@@ -320,6 +320,85 @@ def test_tensors_fetched_with_a_step_are_each_micro_batch_s_own_before_the_updat
     assert sess.run(trainer.global_step) == 3
 
 
+def test_a_fetch_that_changes_state_is_refused_before_anything_runs():
+    # Porting sess.run([train_op, summary, accuracy], feed) into fetches= ran the train op once
+    # per micro-batch: the weights moved k extra times, which a failed step could not undo.
+    rng = np.random.default_rng(13)
+    X, Y = rng.normal(size=(24, 10)).astype(np.float32), rng.integers(0, 3, 24)
+    graph, (x, y), loss, accuracy, summary, weights = summarized_classifier()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.5))
+        train_op = v1.train.AdamOptimizer(0.1).minimize(loss, name="train_op")  # the program's own
+        with tf.control_dependencies([train_op]):
+            after = tf.identity(loss, name="loss_after")
+        bump = v1.assign_add(trainer.global_step, 1, name="bump")
+        queue = v1.FIFOQueue(10, [tf.float32], shapes=[[]], name="queue")
+        enqueue, dequeued = queue.enqueue([1.0], name="put"), queue.dequeue(name="take")
+        queued = queue.size()
+        batch = v1.data.make_one_shot_iterator(tf.data.Dataset.range(5)).get_next(name="next")
+        mean_loss, update_mean = v1.metrics.mean(loss)  # a streaming metric: local variables
+        init = [v1.global_variables_initializer(), v1.local_variables_initializer()]
+    sess = session(graph, init)
+    feeds = hostavg.split({x: X, y: Y}, 8)
+    before = values(graph, sess)
+    for fetch, said in [
+            (train_op, r"'train_op' runs 'train_op/update_w/ApplyAdam' \(ApplyAdam\), which "
+                       r"assigns the variable 'w' \(an optimizer's update\)"),
+            (after, r"'loss_after:0' runs 'train_op/update_w/ApplyAdam' \(ApplyAdam\), which "
+                    r"assigns the variable 'w' \(an optimizer's update\)"),
+            (bump, r"'AssignAddVariableOp' runs 'AssignAddVariableOp' \(AssignAddVariableOp\), "
+                   r"which assigns the variable 'global_step'"),
+            (enqueue, r"'put' runs 'put' \(QueueEnqueueV2\), which adds to the queue 'queue'"),
+            (dequeued, r"'take:0' runs 'take' \(QueueDequeueV2\), which takes from the queue "
+                       r"'queue'"),
+            (batch, r"'next:0' runs 'next' \(IteratorGetNext\), which takes the next element of "
+                    r"the iterator 'OneShotIterator'")]:
+        fetches = [accuracy, fetch]
+        with pytest.raises(hostavg.HostavgError, match=r"^fetches\[1\]: " + said + r": fetched, it "
+                           r"would run with every micro-batch\. hostavg applies the step's update "
+                           r"itself, once per step; fetch what reads the graph \(summaries, "
+                           r"metrics, activations\), not what changes it$"):
+            trainer.step(sess, feeds, fetches=fetches)
+        with pytest.raises(hostavg.HostavgError, match=r"^fetches\[1\]: " + said):
+            trainer.fit(sess, {x: X, y: Y}, batch_size=12, progress=False, fetches=fetches)
+    assert_close(values(graph, sess), before, atol=0)
+    assert sess.run(queued) == 0 and sess.run(batch) == 0  # nothing taken, nothing added
+
+    # Summaries, metrics (a streaming one's update op counts each micro-batch's samples) and
+    # activations read the graph: allowed.
+    res = trainer.step(sess, feeds, fetches=[summary, accuracy, update_mean, weights])
+    assert res.step == 1 and len(res.fetched) == 3
+    assert sess.run(mean_loss) == pytest.approx(np.mean([m.loss for m in res.micro]), rel=1e-6)
+
+
+def test_a_fetch_that_runs_the_update_ops_a_micro_batch_runs_anyway_is_allowed():
+    # Batch norm's moving statistics in UPDATE_OPS, and an accuracy made after them (as programs
+    # make their train op): each micro-batch runs them once anyway, in the same session call.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits = dense(tf.nn.relu(batch_norm(dense(x, 8, "d1"), "bn")), 3, "d2")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        update_ops = v1.get_collection(v1.GraphKeys.UPDATE_OPS)
+        with tf.control_dependencies(update_ops):
+            accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        frozen = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1), update_ops=[])
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    rng = np.random.default_rng(14)
+    feeds = hostavg.split({x: rng.normal(size=(12, 6)).astype(np.float32),
+                           y: rng.integers(0, 3, 12)}, 4)
+    res = trainer.step(sess, feeds, fetches=[accuracy, update_ops[0]])
+    assert res.step == 1 and len(res.fetched) == 3
+    # A trainer told to run no update ops would have them run by the fetch: refused.
+    with pytest.raises(hostavg.HostavgError, match=r"^fetches\[0\]: 'Mean_1:0' runs "
+                                                   r"'AssignVariableOp' \(AssignVariableOp\), "
+                                                   r"which assigns the variable 'bn/moving_mean'"):
+        frozen.step(sess, feeds, fetches=[accuracy])
+
+
 # --- A GAN with batch norm in both networks -------------------------------------------------
 
 
