@@ -639,19 +639,21 @@ def fixed_batch_program(kind, batch_size=12):
     return graph, trainer, session(graph, init), feed
 
 
-FIXED = (r"The graph likely builds a shape from the full batch \(12 rows\) where the micro-batch "
-         r"has 3 \(tf\.reshape\(x, \[batch_size, \.\.\.\]\), tf\.ones\(\[batch_size, \.\.\.\]\), "
-         r"slices such as x\[i \* batch_size:\(i \+ 1\) \* batch_size\]\); use tf\.shape\(x\)\[0\], "
-         r"the rows the feed has, instead of batch_size\.$")
+FIXED = (r"the graph likely fixes the batch size: it builds a shape from the full batch \(12 "
+         r"rows\) where the micro-batch has 3 \(tf\.reshape\(x, \[batch_size, \.\.\.\]\), "
+         r"tf\.ones\(\[batch_size, \.\.\.\]\), slices such as x\[i \* batch_size:\(i \+ 1\) "
+         r"\* batch_size\]\); use tf\.shape\(x\)\[0\], the rows the feed has, instead of "
+         r"batch_size\.")
 
 
 @pytest.mark.parametrize("kind,said", [
-    ("reshape", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
-                r"\[12,1\]\); check that micro-batch's feed\. "),
-    ("ones", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. \[12,3\]\); "
-             r"check that micro-batch's feed\. "),
+    # The cause first; the session's own words after, without "check that micro-batch's feed".
+    ("reshape", FIXED + r" The session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
+                        r"\[12,1\]\)\.$"),
+    ("ones", FIXED + r" The session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
+                     r"\[12,3\]\)\.$"),
     # The second tower's slice is empty: its mean is NaN, its gradient 0.
-    ("towers", r"finite gradients but the loss is nan\. Nothing was applied\. "),
+    ("towers", r"finite gradients but the loss is nan\. Nothing was applied\. T" + FIXED[1:] + "$"),
 ])
 def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
     # The session's shape error blamed the feed, and a NaN loss with finite gradients
@@ -659,12 +661,46 @@ def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
     graph, trainer, sess, feed = fixed_batch_program(kind)
     before = values(graph, sess)
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^step, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+                       match=r"^step, micro-batch 0 of 4 \(samples 0:3\): " + said) as raised:
         trainer.step(sess, hostavg.split(feed, 3))
+    assert "check that micro-batch's feed" not in str(raised.value)
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+                       match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said):
         trainer.check(sess, feed, micro_batch_size=3)
     assert_close(values(graph, sess), before, atol=0)
+    assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
+
+
+def test_a_placeholder_of_a_fixed_batch_size_is_named_as_the_cause():
+    # word2vec's train_inputs = tf.placeholder(tf.int32, shape=[batch_size]) got the generic
+    # shape error, without the fixed-batch advice.
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = v1.placeholder(tf.int32, shape=[12], name="train_inputs")
+        labels = v1.placeholder(tf.int32, shape=[12, 1], name="train_labels")
+        embeddings = tf.Variable(np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32))
+        weights = tf.Variable(np.zeros((20, 4), np.float32))
+        loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(
+            weights, tf.zeros(20), tf.cast(labels, tf.int64), tf.nn.embedding_lookup(embeddings, inputs),
+            num_sampled=5, num_classes=20))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    rng = np.random.default_rng(1)
+    feed = {inputs: rng.integers(0, 20, 12), labels: rng.integers(0, 20, (12, 1))}
+    before = values(graph, sess)
+    said = (r"placeholder 'train_inputs:0' fixes the batch size: its shape is \(12,\), batches of "
+            r"exactly 12 rows, and this feed has 3\. Make its first dimension None "
+            r"\(tf\.compat\.v1\.placeholder\(\.\.\., shape=\[None, \.\.\.\]\)\), and use "
+            r"tf\.shape\(x\)\[0\], the rows the feed has, where the graph needs batch_size$")
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 4: " + said):
+        trainer.step(sess, hostavg.split(feed, 3))
+    with pytest.raises(hostavg.HostavgError, match=r"^check, micro-batch 0 of 4: " + said):
+        trainer.check(sess, feed, micro_batch_size=3)
+    assert_close(values(graph, sess), before, atol=0)
+    with pytest.raises(hostavg.HostavgError, match=r"feed 'train_labels:0' has shape \(12, 2\), "
+                                                   r"but it takes shape \(12, 1\)"):
+        trainer.step(sess, [{**feed, labels: np.zeros((12, 2), np.int32)}])  # not the batch size
     assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import session_call
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.frameworks.tensorflow import first_line
@@ -203,8 +203,8 @@ class _session_errors:
                 f"which creates the optimizer's slots and the global step") from error
         if isinstance(error, (tf.errors.InvalidArgumentError, ValueError, TypeError,
                               OverflowError)):
-            raise HostavgError(f"the session refused the {self.call} ({said}); check that "
-                               f"micro-batch's feed") from error
+            raise refused(f"the session refused the {self.call} ({said})",
+                          "check that micro-batch's feed") from error
         if isinstance(error, (tf.errors.OpError, RuntimeError)):
             raise HostavgError(f"the session failed in {self.call} ({said})") from error
         return False
