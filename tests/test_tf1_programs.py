@@ -206,7 +206,8 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, micro_batch_size=8)
     assert not report.ok and report.noise > 0.01
     assert "random ops in training mode: tf.nn.dropout ('dropout/random_uniform/" in report.cause
-    assert "keep_prob or dropout-rate placeholder fed 1.0" in report.cause
+    assert "'keep_prob:0' switches dropout here; feed it what turns it off (1.0 for a keep " \
+           "probability, 0.0 for a rate, False for a training flag)" in report.cause
     assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, micro_batch_size=8).ok
     for _ in range(4):
         trainer.step(sess, hostavg.split({x: X, y: Y, keep: 1.0}, 8))
@@ -220,6 +221,69 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     for _ in range(4):
         osess.run(train, {ox: X, oy: Y, okeep: 1.0})
     assert_close(values(graph, sess), values(oracle, osess), atol=1e-5)
+
+
+def switched_program(shared: bool):
+    """An MLP with batch norm and dropout switched between training and inference, as TF1
+    programs switched them: one ``training`` placeholder for both (``shared``), or dropout by a
+    keep_prob placeholder of its own."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        training = v1.placeholder_with_default(True, [], name="training")
+        h = dense(x, 8, "d1")
+        with v1.variable_scope("bn"):
+            moving_mean = v1.get_variable("moving_mean", [8], initializer=v1.zeros_initializer(),
+                                          trainable=False)
+            moving_var = v1.get_variable("moving_variance", [8], initializer=v1.ones_initializer(),
+                                         trainable=False)
+        m, v = tf.nn.moments(h, [0])
+        momentum = tf.where(training, 0.1, 0.0)  # out of training, the statistics stay
+        for moving, now in ((moving_mean, m), (moving_var, v)):
+            v1.add_to_collection(v1.GraphKeys.UPDATE_OPS,
+                                 moving.assign(moving + momentum * (now - moving)))
+        mean, var = tf.cond(training, lambda: (m, v),
+                            lambda: (tf.identity(moving_mean), tf.identity(moving_var)))
+        h = tf.nn.relu(tf.nn.batch_normalization(h, mean, var, None, None, 1e-3))
+        keep_prob = None
+        if shared:
+            rate = tf.cond(training, lambda: 0.5, lambda: 0.0)
+        else:
+            keep_prob = v1.placeholder_with_default(0.5, [], name="keep_prob")
+            rate = 1 - keep_prob
+        logits = dense(tf.nn.dropout(h, rate=rate, seed=1), 3, "d2")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    rng = np.random.default_rng(15)
+    feed = {x: rng.normal(size=(24, 6)).astype(np.float32), y: rng.integers(0, 3, 24)}
+    return trainer, session(graph, init), feed, training, keep_prob
+
+
+def test_the_check_names_every_training_mode_switch_and_one_that_switches_both():
+    # One training placeholder switched dropout and batch norm: the advised recheck with it fed
+    # False passed, hiding the batch-norm difference that keep_prob 1.0 alone shows.
+    trainer, sess, feed, training, _ = switched_program(shared=True)
+    report = trainer.check(sess, feed, micro_batch_size=6)
+    assert not report.ok and report.noise > 0.01
+    assert ("'training:0' switches dropout here; feed it what turns it off (1.0 for a keep "
+            "probability, 0.0 for a rate, False for a training flag) and check again. But "
+            "'training:0' switches batch norm too: fed that, batch norm uses its moving "
+            "statistics, and a check that then passes says nothing of batch norm in training "
+            "mode") in report.cause
+    assert trainer.check(sess, {**feed, training: False}, micro_batch_size=6).ok  # hides it
+
+    trainer, sess, feed, training, keep_prob = switched_program(shared=False)
+    report = trainer.check(sess, feed, micro_batch_size=6)
+    assert not report.ok and report.noise > 0.01
+    assert "'keep_prob:0' switches dropout here" in report.cause and "too" not in report.cause
+    assert ("'training:0' switches batch norm: leave it in training mode, so that the check "
+            "shows what batch norm changes") in report.cause
+    report = trainer.check(sess, {**feed, keep_prob: 1.0}, micro_batch_size=6)
+    assert not report.ok and report.noise < 1e-4  # batch norm's difference, shown
+    assert "an op that computes over the batch, such as batch norm in training mode" in report.cause
+    assert "here switched by 'training:0'" in report.cause
 
 
 def test_the_check_names_the_random_op_it_finds_and_what_turns_it_off():

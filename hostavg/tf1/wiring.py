@@ -20,12 +20,13 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.frameworks.tensorflow import first_line
+from hostavg.tf1.advice import advice_for
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, state_changes, value_now)
-from hostavg.tf1.walk import ops_run, placeholders_read, random_ops
+from hostavg.tf1.walk import ops_run, placeholders_read, random_ops, switches
 
 __all__ = ["Wiring"]
 
@@ -123,6 +124,14 @@ class Wiring:
     def random_ops(self) -> tuple:
         """The random ops :meth:`compute` runs (:func:`~hostavg.tf1.walk.random_ops`), found once."""
         return tuple(random_ops(self._fetches))
+
+    @functools.cached_property
+    def advice(self) -> dict:
+        """The check's advice, naming the training-mode switches :meth:`compute` reads
+        (:func:`~hostavg.tf1.advice.advice_for`); found once."""
+        dropout = [self.graph.get_tensor_by_name(r.tensor).op for r in self.random_ops
+                   if r.kind == "random"]
+        return advice_for(switches(self._fetches, dropout, frozenset(v.op for v in self.assigned)))
 
     def changes(self, fetch) -> tuple | None:
         """The first (op, what it changes) that running ``fetch`` (a tensor or an operation) in
