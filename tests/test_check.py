@@ -5,11 +5,12 @@ import pytest
 
 from hostavg.core.check import CAUSES, FLOOR, TOLERANCE, RandomOp, diagnose, shows_fixed_batch
 from hostavg.keras.common import CompiledModel
-from hostavg.tf1.session import SessionBackend
+from hostavg.tf1 import advice as tf1
 
-#: Each backend's advice (its ``advice``: every Keras backend's is CompiledModel's), by the
-#: framework whose words it uses.
-ADVICE = {"keras": CompiledModel.advice, "tf1": SessionBackend.advice}
+#: Each backend's advice (its ``advice``: every Keras backend's is CompiledModel's; the TF1
+#: backend's is tf1.ADVICE naming the graph's training-mode switches), by the framework whose
+#: words it uses.
+ADVICE = {"keras": CompiledModel.advice, "tf1": tf1.ADVICE}
 TF1 = ADVICE["tf1"]
 
 
@@ -126,3 +127,10 @@ def test_flags_that_are_not_bools_are_refused_before_anything_happens(tmp_path):
 def test_a_shape_error_in_the_ratio_of_micro_batch_to_batch_shows_a_fixed_batch_size(
         message, n, whole, fixed):
     assert shows_fixed_batch(message, n, whole) is fixed
+
+
+def test_the_tf1_advice_that_names_a_graph_s_switches_advises_on_every_cause():
+    named = tf1.advice_for({"keep_prob:0": ("dropout",), "training:0": ("batch norm",)})
+    assert set(named) == set(CAUSES)
+    assert "'keep_prob:0' switches dropout here" in named["random"]
+    assert named["batch"].endswith("here switched by 'training:0'")

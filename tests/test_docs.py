@@ -53,10 +53,11 @@ CHECKS = {
                                   and out.count("micro-batch loss") == 8
                                   and "optimizer.iterations: 1" in out and "'accuracy'" in out),
     # The TF1 guide's tf.data recipe: 4 steps of 4 micro-batches of 64 from the iterator, checked;
-    # fetches: a summary and a mean per micro-batch.
+    # a check on a copy; a queue's step, checked; fetches: a summary and a mean per micro-batch.
     "docs/guides/tf1.md": lambda ns, out: (
         ns["data_res"].step == 4 and [m.size for m in ns["data_res"].micro] == [64] * 4
-        and "4 256" in out and out.count("self-check passed") == 2
+        and "4 256" in out and out.count("self-check passed") == 4
+        and ns["q_res"].size == 256
         and [tuple(map(type, f)) for f in ns["res"].fetched] == [(bytes, np.float32)] * 4),
 }
 

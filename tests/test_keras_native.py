@@ -690,6 +690,48 @@ def test_a_lambda_callback_and_stop_training_in_a_batch_end_the_epoch_as_model_f
     assert_close(weights(model), weights(twin))
 
 
+def test_fit_leaves_its_history_on_the_model_as_keras_fit_does():
+    """Keras's fit leaves the History it returns on ``model.history`` (programs read
+    ``model.history.history["loss"]`` after fit; callbacks read it in on_train_end); a fit
+    stopped by an error leaves the epochs it finished, and one refused before training leaves
+    ``model.history`` as it was. hostavg's fit leaves the History it returns, alike."""
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self, fail_in_epoch=None):
+            super().__init__()
+            self.fail_in_epoch, self.seen = fail_in_epoch, None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == self.fail_in_epoch:
+                raise RuntimeError("stopped on purpose")
+
+        def on_train_end(self, logs=None):
+            self.seen = list(self.model.history.epoch)
+
+    got, model, (ours,), want, twin, (theirs,) = fit_callbacks(lambda: [Seen()], epochs=2)
+    assert twin.history is want and model.history is got
+    assert_history(model.history.history, twin.history.history)
+    assert model.history.epoch == twin.history.epoch == [0, 1]
+    assert ours.seen == theirs.seen == [0, 1]
+
+    x, y = data(21)
+    twin, model = compiled(), compiled()
+    trainer = hostavg.keras.Trainer(model)
+    for fail_in_epoch, epochs in ((1, [0]), (0, [])):
+        for fit, kw in ((twin.fit, {}), (trainer.fit, {"micro_batch_size": MICRO})):
+            with pytest.raises(RuntimeError, match="stopped on purpose"):
+                fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[Seen(fail_in_epoch)], **kw)
+        assert model.history.epoch == twin.history.epoch == epochs
+        assert_history(model.history.history, twin.history.history)
+    before, theirs = model.history, twin.history
+    with pytest.raises(ValueError):
+        twin.fit(x, y[:10], verbose=0)
+    with pytest.raises(hostavg.HostavgError):
+        trainer.fit(x, y[:10], verbose=0)
+    assert model.history is before and twin.history is theirs
+
+
 def test_keras_callbacks_and_hostavg_hooks_run_side_by_side():
     x, y = data(22)
     seen = []

@@ -206,7 +206,8 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     report = trainer.check(sess, {x: X, y: Y, keep: 0.5}, micro_batch_size=8)
     assert not report.ok and report.noise > 0.01
     assert "random ops in training mode: tf.nn.dropout ('dropout/random_uniform/" in report.cause
-    assert "keep_prob or dropout-rate placeholder fed 1.0" in report.cause
+    assert "'keep_prob:0' switches dropout here; feed it what turns it off (1.0 for a keep " \
+           "probability, 0.0 for a rate, False for a training flag)" in report.cause
     assert trainer.check(sess, {x: X, y: Y, keep: 1.0}, micro_batch_size=8).ok
     for _ in range(4):
         trainer.step(sess, hostavg.split({x: X, y: Y, keep: 1.0}, 8))
@@ -220,6 +221,69 @@ def test_dropout_fed_keep_prob_equals_full_batch_at_one_and_the_check_names_it_a
     for _ in range(4):
         osess.run(train, {ox: X, oy: Y, okeep: 1.0})
     assert_close(values(graph, sess), values(oracle, osess), atol=1e-5)
+
+
+def switched_program(shared: bool):
+    """An MLP with batch norm and dropout switched between training and inference, as TF1
+    programs switched them: one ``training`` placeholder for both (``shared``), or dropout by a
+    keep_prob placeholder of its own."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        training = v1.placeholder_with_default(True, [], name="training")
+        h = dense(x, 8, "d1")
+        with v1.variable_scope("bn"):
+            moving_mean = v1.get_variable("moving_mean", [8], initializer=v1.zeros_initializer(),
+                                          trainable=False)
+            moving_var = v1.get_variable("moving_variance", [8], initializer=v1.ones_initializer(),
+                                         trainable=False)
+        m, v = tf.nn.moments(h, [0])
+        momentum = tf.where(training, 0.1, 0.0)  # out of training, the statistics stay
+        for moving, now in ((moving_mean, m), (moving_var, v)):
+            v1.add_to_collection(v1.GraphKeys.UPDATE_OPS,
+                                 moving.assign(moving + momentum * (now - moving)))
+        mean, var = tf.cond(training, lambda: (m, v),
+                            lambda: (tf.identity(moving_mean), tf.identity(moving_var)))
+        h = tf.nn.relu(tf.nn.batch_normalization(h, mean, var, None, None, 1e-3))
+        keep_prob = None
+        if shared:
+            rate = tf.cond(training, lambda: 0.5, lambda: 0.0)
+        else:
+            keep_prob = v1.placeholder_with_default(0.5, [], name="keep_prob")
+            rate = 1 - keep_prob
+        logits = dense(tf.nn.dropout(h, rate=rate, seed=1), 3, "d2")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    rng = np.random.default_rng(15)
+    feed = {x: rng.normal(size=(24, 6)).astype(np.float32), y: rng.integers(0, 3, 24)}
+    return trainer, session(graph, init), feed, training, keep_prob
+
+
+def test_the_check_names_every_training_mode_switch_and_one_that_switches_both():
+    # One training placeholder switched dropout and batch norm: the advised recheck with it fed
+    # False passed, hiding the batch-norm difference that keep_prob 1.0 alone shows.
+    trainer, sess, feed, training, _ = switched_program(shared=True)
+    report = trainer.check(sess, feed, micro_batch_size=6)
+    assert not report.ok and report.noise > 0.01
+    assert ("'training:0' switches dropout here; feed it what turns it off (1.0 for a keep "
+            "probability, 0.0 for a rate, False for a training flag) and check again. But "
+            "'training:0' switches batch norm too: fed that, batch norm uses its moving "
+            "statistics, and a check that then passes says nothing of batch norm in training "
+            "mode") in report.cause
+    assert trainer.check(sess, {**feed, training: False}, micro_batch_size=6).ok  # hides it
+
+    trainer, sess, feed, training, keep_prob = switched_program(shared=False)
+    report = trainer.check(sess, feed, micro_batch_size=6)
+    assert not report.ok and report.noise > 0.01
+    assert "'keep_prob:0' switches dropout here" in report.cause and "too" not in report.cause
+    assert ("'training:0' switches batch norm: leave it in training mode, so that the check "
+            "shows what batch norm changes") in report.cause
+    report = trainer.check(sess, {**feed, keep_prob: 1.0}, micro_batch_size=6)
+    assert not report.ok and report.noise < 1e-4  # batch norm's difference, shown
+    assert "an op that computes over the batch, such as batch norm in training mode" in report.cause
+    assert "here switched by 'training:0'" in report.cause
 
 
 def test_the_check_names_the_random_op_it_finds_and_what_turns_it_off():
@@ -318,6 +382,85 @@ def test_tensors_fetched_with_a_step_are_each_micro_batch_s_own_before_the_updat
                                                    r"fetched"):
         trainer.step(sess, feeds, fetches=[x])
     assert sess.run(trainer.global_step) == 3
+
+
+def test_a_fetch_that_changes_state_is_refused_before_anything_runs():
+    # Porting sess.run([train_op, summary, accuracy], feed) into fetches= ran the train op once
+    # per micro-batch: the weights moved k extra times, which a failed step could not undo.
+    rng = np.random.default_rng(13)
+    X, Y = rng.normal(size=(24, 10)).astype(np.float32), rng.integers(0, 3, 24)
+    graph, (x, y), loss, accuracy, summary, weights = summarized_classifier()
+    with graph.as_default():
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.5))
+        train_op = v1.train.AdamOptimizer(0.1).minimize(loss, name="train_op")  # the program's own
+        with tf.control_dependencies([train_op]):
+            after = tf.identity(loss, name="loss_after")
+        bump = v1.assign_add(trainer.global_step, 1, name="bump")
+        queue = v1.FIFOQueue(10, [tf.float32], shapes=[[]], name="queue")
+        enqueue, dequeued = queue.enqueue([1.0], name="put"), queue.dequeue(name="take")
+        queued = queue.size()
+        batch = v1.data.make_one_shot_iterator(tf.data.Dataset.range(5)).get_next(name="next")
+        mean_loss, update_mean = v1.metrics.mean(loss)  # a streaming metric: local variables
+        init = [v1.global_variables_initializer(), v1.local_variables_initializer()]
+    sess = session(graph, init)
+    feeds = hostavg.split({x: X, y: Y}, 8)
+    before = values(graph, sess)
+    for fetch, said in [
+            (train_op, r"'train_op' runs 'train_op/update_w/ApplyAdam' \(ApplyAdam\), which "
+                       r"assigns the variable 'w' \(an optimizer's update\)"),
+            (after, r"'loss_after:0' runs 'train_op/update_w/ApplyAdam' \(ApplyAdam\), which "
+                    r"assigns the variable 'w' \(an optimizer's update\)"),
+            (bump, r"'AssignAddVariableOp' runs 'AssignAddVariableOp' \(AssignAddVariableOp\), "
+                   r"which assigns the variable 'global_step'"),
+            (enqueue, r"'put' runs 'put' \(QueueEnqueueV2\), which adds to the queue 'queue'"),
+            (dequeued, r"'take:0' runs 'take' \(QueueDequeueV2\), which takes from the queue "
+                       r"'queue'"),
+            (batch, r"'next:0' runs 'next' \(IteratorGetNext\), which takes the next element of "
+                    r"the iterator 'OneShotIterator'")]:
+        fetches = [accuracy, fetch]
+        with pytest.raises(hostavg.HostavgError, match=r"^fetches\[1\]: " + said + r": fetched, it "
+                           r"would run with every micro-batch\. hostavg applies the step's update "
+                           r"itself, once per step; fetch what reads the graph \(summaries, "
+                           r"metrics, activations\), not what changes it$"):
+            trainer.step(sess, feeds, fetches=fetches)
+        with pytest.raises(hostavg.HostavgError, match=r"^fetches\[1\]: " + said):
+            trainer.fit(sess, {x: X, y: Y}, batch_size=12, progress=False, fetches=fetches)
+    assert_close(values(graph, sess), before, atol=0)
+    assert sess.run(queued) == 0 and sess.run(batch) == 0  # nothing taken, nothing added
+
+    # Summaries, metrics (a streaming one's update op counts each micro-batch's samples) and
+    # activations read the graph: allowed.
+    res = trainer.step(sess, feeds, fetches=[summary, accuracy, update_mean, weights])
+    assert res.step == 1 and len(res.fetched) == 3
+    assert sess.run(mean_loss) == pytest.approx(np.mean([m.loss for m in res.micro]), rel=1e-6)
+
+
+def test_a_fetch_that_runs_the_update_ops_a_micro_batch_runs_anyway_is_allowed():
+    # Batch norm's moving statistics in UPDATE_OPS, and an accuracy made after them (as programs
+    # make their train op): each micro-batch runs them once anyway, in the same session call.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits = dense(tf.nn.relu(batch_norm(dense(x, 8, "d1"), "bn")), 3, "d2")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        update_ops = v1.get_collection(v1.GraphKeys.UPDATE_OPS)
+        with tf.control_dependencies(update_ops):
+            accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        frozen = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1), update_ops=[])
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    rng = np.random.default_rng(14)
+    feeds = hostavg.split({x: rng.normal(size=(12, 6)).astype(np.float32),
+                           y: rng.integers(0, 3, 12)}, 4)
+    res = trainer.step(sess, feeds, fetches=[accuracy, update_ops[0]])
+    assert res.step == 1 and len(res.fetched) == 3
+    # A trainer told to run no update ops would have them run by the fetch: refused.
+    with pytest.raises(hostavg.HostavgError, match=r"^fetches\[0\]: 'Mean_1:0' runs "
+                                                   r"'AssignVariableOp' \(AssignVariableOp\), "
+                                                   r"which assigns the variable 'bn/moving_mean'"):
+        frozen.step(sess, feeds, fetches=[accuracy])
 
 
 # --- A GAN with batch norm in both networks -------------------------------------------------
@@ -560,19 +703,21 @@ def fixed_batch_program(kind, batch_size=12):
     return graph, trainer, session(graph, init), feed
 
 
-FIXED = (r"The graph likely builds a shape from the full batch \(12 rows\) where the micro-batch "
-         r"has 3 \(tf\.reshape\(x, \[batch_size, \.\.\.\]\), tf\.ones\(\[batch_size, \.\.\.\]\), "
-         r"slices such as x\[i \* batch_size:\(i \+ 1\) \* batch_size\]\); use tf\.shape\(x\)\[0\], "
-         r"the rows the feed has, instead of batch_size\.$")
+FIXED = (r"the graph likely fixes the batch size: it builds a shape from the full batch \(12 "
+         r"rows\) where the micro-batch has 3 \(tf\.reshape\(x, \[batch_size, \.\.\.\]\), "
+         r"tf\.ones\(\[batch_size, \.\.\.\]\), slices such as x\[i \* batch_size:\(i \+ 1\) "
+         r"\* batch_size\]\); use tf\.shape\(x\)\[0\], the rows the feed has, instead of "
+         r"batch_size\.")
 
 
 @pytest.mark.parametrize("kind,said", [
-    ("reshape", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
-                r"\[12,1\]\); check that micro-batch's feed\. "),
-    ("ones", r"the session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. \[12,3\]\); "
-             r"check that micro-batch's feed\. "),
+    # The cause first; the session's own words after, without "check that micro-batch's feed".
+    ("reshape", FIXED + r" The session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
+                        r"\[12,1\]\)\.$"),
+    ("ones", FIXED + r" The session refused the compute \(InvalidArgumentError: .*\[3,3\] vs\. "
+                     r"\[12,3\]\)\.$"),
     # The second tower's slice is empty: its mean is NaN, its gradient 0.
-    ("towers", r"finite gradients but the loss is nan\. Nothing was applied\. "),
+    ("towers", r"finite gradients but the loss is nan\. Nothing was applied\. T" + FIXED[1:] + "$"),
 ])
 def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
     # The session's shape error blamed the feed, and a NaN loss with finite gradients
@@ -580,12 +725,46 @@ def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
     graph, trainer, sess, feed = fixed_batch_program(kind)
     before = values(graph, sess)
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^step, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+                       match=r"^step, micro-batch 0 of 4 \(samples 0:3\): " + said) as raised:
         trainer.step(sess, hostavg.split(feed, 3))
+    assert "check that micro-batch's feed" not in str(raised.value)
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said + FIXED):
+                       match=r"^check, micro-batch 0 of 4 \(samples 0:3\): " + said):
         trainer.check(sess, feed, micro_batch_size=3)
     assert_close(values(graph, sess), before, atol=0)
+    assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
+
+
+def test_a_placeholder_of_a_fixed_batch_size_is_named_as_the_cause():
+    # word2vec's train_inputs = tf.placeholder(tf.int32, shape=[batch_size]) got the generic
+    # shape error, without the fixed-batch advice.
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = v1.placeholder(tf.int32, shape=[12], name="train_inputs")
+        labels = v1.placeholder(tf.int32, shape=[12, 1], name="train_labels")
+        embeddings = tf.Variable(np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32))
+        weights = tf.Variable(np.zeros((20, 4), np.float32))
+        loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(
+            weights, tf.zeros(20), tf.cast(labels, tf.int64), tf.nn.embedding_lookup(embeddings, inputs),
+            num_sampled=5, num_classes=20))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    rng = np.random.default_rng(1)
+    feed = {inputs: rng.integers(0, 20, 12), labels: rng.integers(0, 20, (12, 1))}
+    before = values(graph, sess)
+    said = (r"placeholder 'train_inputs:0' fixes the batch size: its shape is \(12,\), batches of "
+            r"exactly 12 rows, and this feed has 3\. Make its first dimension None "
+            r"\(tf\.compat\.v1\.placeholder\(\.\.\., shape=\[None, \.\.\.\]\)\), and use "
+            r"tf\.shape\(x\)\[0\], the rows the feed has, where the graph needs batch_size$")
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 4: " + said):
+        trainer.step(sess, hostavg.split(feed, 3))
+    with pytest.raises(hostavg.HostavgError, match=r"^check, micro-batch 0 of 4: " + said):
+        trainer.check(sess, feed, micro_batch_size=3)
+    assert_close(values(graph, sess), before, atol=0)
+    with pytest.raises(hostavg.HostavgError, match=r"feed 'train_labels:0' has shape \(12, 2\), "
+                                                   r"but it takes shape \(12, 1\)"):
+        trainer.step(sess, [{**feed, labels: np.zeros((12, 2), np.int32)}])  # not the batch size
     assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
 
 

@@ -197,5 +197,5 @@ def shows_fixed_batch(message: str, n: int, whole: int) -> bool:
 def fixed_batch_hint(n: int, whole: int, advice: Mapping[str, str]) -> str:
     """What to say of a micro-batch of ``n`` rows that fails where its batch of ``whole``
     would not (:func:`shows_fixed_batch`, or a loss alone not finite): a size fixed in the graph."""
-    return (f"The graph likely builds a shape from the full batch ({whole} rows) where the "
-            f"micro-batch has {n} {advice['fixed']}.")
+    return (f"the graph likely fixes the batch size: it builds a shape from the full batch "
+            f"({whole} rows) where the micro-batch has {n} {advice['fixed']}.")

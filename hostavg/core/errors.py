@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 __all__ = ["HostavgError", "flag", "non_negative_int", "non_negative_number", "object_list",
-           "positive_int", "positive_number"]
+           "positive_int", "positive_number", "refused"]
 
 
 class HostavgError(ValueError):
@@ -17,6 +17,15 @@ class HostavgError(ValueError):
     variables, the optimizer's slots and the global step are as they were.
     A ``ValueError`` subclass, so ``except ValueError`` also catches it.
     """
+
+
+def refused(fact: str, advice: str) -> HostavgError:
+    """A HostavgError saying ``fact`` (what the framework refused), then ``advice`` (what to
+    check), with the fact alone kept as its ``fact``: a caller that knows the cause (a batch
+    size fixed in the graph) says it first, then the fact, without advice that misleads."""
+    error = HostavgError(f"{fact}; {advice}")
+    error.fact = fact
+    return error
 
 
 def positive_int(name: str, value) -> int:

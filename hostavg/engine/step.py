@@ -476,7 +476,10 @@ class Engine:
         except HostavgError as e:
             said = f"{where}: {e}"
             if whole is not None and shows_fixed_batch(str(e), n, whole):
-                said = f"{said.rstrip('.')}. {fixed_batch_hint(n, whole, backend.advice)}"
+                # the cause first; what the framework refused after, without its advice
+                # (refused's: "check that micro-batch's feed"), which the cause makes wrong
+                said = (f"{where}: {fixed_batch_hint(n, whole, backend.advice)} "
+                        f"{_capital(getattr(e, 'fact', str(e)))}.")
             raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
@@ -574,7 +577,12 @@ def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> st
     points at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0)."""
     if n == whole or math.isfinite(loss):
         return None
-    return fixed_batch_hint(n, whole, advice)
+    return _capital(fixed_batch_hint(n, whole, advice))
+
+
+def _capital(text: str) -> str:
+    """``text`` as a sentence: its first letter capital."""
+    return text[:1].upper() + text[1:]
 
 
 def _sq_norms(grads: Gradients) -> dict:

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from hostavg.compat.keras import compile_arguments
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
@@ -412,7 +412,6 @@ def model_errors(what: str, message):
     except HostavgError:
         raise
     except Exception as error:
-        raise HostavgError(
-            f"{what}: the model cannot run on this batch ({type(error).__name__}: "
-            f"{message(error)}); check its x and y against the model's inputs and the loss") \
-            from error
+        raise refused(f"{what}: the model cannot run on this batch ({type(error).__name__}: "
+                      f"{message(error)})",
+                      "check its x and y against the model's inputs and the loss") from error

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import concrete_call, eager_tensor
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.frameworks.tensorflow import READ_OPS, first_line
@@ -513,8 +513,8 @@ def _tensorflow_errors(call: str):
     except tf.errors.OpError as error:
         said = f"{type(error).__name__}: {first_line(error)}"
         if isinstance(error, tf.errors.InvalidArgumentError):
-            raise HostavgError(f"TensorFlow refused the {call} ({said}); check that "
-                               f"micro-batch's x and y") from error
+            raise refused(f"TensorFlow refused the {call} ({said})",
+                          "check that micro-batch's x and y") from error
         raise HostavgError(f"TensorFlow failed in the {call} ({said})") from error
 
 

@@ -58,8 +58,8 @@ class Trainer(BaseTrainer):
       lists or dicts of them, pandas, or a ``tf.data.Dataset``/``PyDataset``
       of batches;
     - ``fit``'s ``validation_split``, ``class_weight``,
-      ``validation_batch_size`` and ``validation_steps``, as Keras's, and
-      Keras callbacks beside hostavg's hooks.
+      ``validation_batch_size`` and ``validation_steps``, Keras callbacks
+      beside hostavg's hooks, and ``model.history``, as Keras's.
     The Keras guide says the rest (custom train_step, masked losses, batch norm).
 
     Example::
@@ -241,15 +241,22 @@ class Trainer(BaseTrainer):
 
         self.model.stop_training = False
         finalize = _Finalize(self.model)  # before the Keras callbacks hear of the end, as in Keras
-        return self._fit(self._backend, source, validate, batch_size=batch_size,
-                         micro_batch_size=micro_batch_size, epochs=epochs, verbose=verbose,
-                         progress=progress, validation_freq=validation_freq, seed=seed,
-                         drop_remainder=drop_remainder,
-                         callbacks=(*hooks, finalize) if keras_listeners is None
-                         else (*hooks, finalize, keras_listeners),
-                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         keep_checkpoints=keep_checkpoints, initial_epoch=initial_epoch,
-                         steps_per_epoch=steps_per_epoch)
+        try:
+            history = self._fit(self._backend, source, validate, batch_size=batch_size,
+                                 micro_batch_size=micro_batch_size, epochs=epochs,
+                                 verbose=verbose, progress=progress,
+                                 validation_freq=validation_freq, seed=seed,
+                                 drop_remainder=drop_remainder,
+                                 callbacks=(*hooks, finalize) if keras_listeners is None
+                                 else (*hooks, finalize, keras_listeners),
+                                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                                 keep_checkpoints=keep_checkpoints, initial_epoch=initial_epoch,
+                                 steps_per_epoch=steps_per_epoch)
+        except BaseException as error:  # one that stopped training carries its History
+            _leave_history(self.model, getattr(error, "history", None))
+            raise
+        _leave_history(self.model, history)
+        return history
 
     @staticmethod
     def _fit_data(x, y, sample_weight, class_weight, validation_split, validation_data):
@@ -316,14 +323,31 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
 
 
 class _Finalize:
-    """fit's end, as Keras's: ``optimizer.finalize_variable_values`` (an EMA optimizer's
-    averages become the weights), whatever callbacks fit was given."""
+    """fit's end, as Keras's, whatever callbacks fit was given: ``model.history``
+    (:func:`_leave_history`) and ``optimizer.finalize_variable_values`` (an EMA optimizer's
+    averages become the weights), before the Keras callbacks hear of the end."""
 
     def __init__(self, model):
         self.model = model
 
     def on_train_end(self, history) -> None:
+        _leave_history(self.model, history)
         self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
+
+
+def _leave_history(model, history) -> None:
+    """Sets ``model.history`` to fit's ``history`` where there is one, as Keras's fit leaves its
+    History there: at the end (Keras callbacks' ``on_train_end`` see it), and when an error
+    stops training, with the epochs it finished; an argument refused before training leaves
+    ``model.history`` as it was. (Keras sets it when training begins; hostavg's fit makes its
+    History then, so callbacks before the end see the previous fit's.)
+
+    It is hostavg's :class:`~hostavg.History`, the object fit returns, as Keras's fit returns
+    the one it leaves, rather than a ``keras.callbacks.History`` copy that could disagree with
+    it: its ``history`` and ``epoch`` are Keras's, and every step's statistics are there too.
+    """
+    if history is not None:
+        model.history = history
 
 
 def _input_count(model) -> int:

@@ -4,7 +4,7 @@
 :data:`hostavg.core.check.CAUSES` for what each cause means).
 """
 
-__all__ = ["ADVICE"]
+__all__ = ["ADVICE", "advice_for"]
 
 #: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
 ADVICE = {
@@ -28,3 +28,38 @@ ADVICE = {
                   "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
                   "dequeued tensors) that batch's arrays, which leaves the iterator alone",
 }
+
+
+def advice_for(switches: dict) -> dict:
+    """:data:`ADVICE`, naming the training-mode switches found (name -> the kinds it switches,
+    "dropout" and "batch norm": :func:`hostavg.tf1.walk.switches`), and warning of one that
+    switches both: turned off for dropout, it turns batch norm's training mode off too, which
+    then passes the check unseen."""
+    dropout = [name for name, kinds in switches.items() if "dropout" in kinds]
+    norm = [name for name, kinds in switches.items() if "batch norm" in kinds]
+    random, both = ADVICE["random"], [name for name in norm if name in dropout]
+    if dropout:
+        random = (f"Turn them off for the check: {_names(dropout)} switch"
+                  f"{'es' if len(dropout) == 1 else ''} dropout here; feed {_them(dropout)} what "
+                  f"turns it off (1.0 for a keep probability, 0.0 for a rate, False for a "
+                  f"training flag) and check again")
+    if both:
+        random += (f". But {_names(both)} switch{'es' if len(both) == 1 else ''} batch norm too: "
+                   f"fed that, batch norm uses its moving statistics, and a check that then "
+                   f"passes says nothing of batch norm in training mode, which computes over the "
+                   f"batch. To check it, give dropout a switch of its own (a rate placeholder fed "
+                   f"0.0) and leave {_them(both)} in training mode")
+    elif norm:
+        random += (f". {_names(norm)} switch{'es' if len(norm) == 1 else ''} batch norm: leave "
+                   f"{_them(norm)} in training mode, so that the check shows what batch norm "
+                   f"changes")
+    batch = f"{ADVICE['batch']}, here switched by {_names(norm)}" if norm else ADVICE["batch"]
+    return {**ADVICE, "random": random, "batch": batch}
+
+
+def _names(names: list) -> str:
+    return ", ".join(map(repr, names))
+
+
+def _them(names: list) -> str:
+    return "it" if len(names) == 1 else "them"

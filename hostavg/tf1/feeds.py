@@ -66,13 +66,24 @@ class FeedConformer:
                     None if shape.rank is None else tuple(shape.as_list()))
             dtype, shape = form
             array = feed_array(value, dtype, f"{what}: feed {key.name!r}")
-            if shape is not None and (array.ndim != len(shape) or any(
-                    want is not None and got != want for got, want in zip(array.shape, shape))):
+            if shape is not None and not _fits(array.shape, shape):
+                if array.ndim and array.ndim == len(shape) and _fits(array.shape[1:], shape[1:]):
+                    raise HostavgError(
+                        f"{what}: placeholder {key.name!r} fixes the batch size: its shape is "
+                        f"{tuple(shape)}, batches of exactly {shape[0]} rows, and this feed "
+                        f"has {len(array)}. Make its first dimension None "
+                        f"(tf.compat.v1.placeholder(..., shape=[None, ...])), and use "
+                        f"tf.shape(x)[0], the rows the feed has, where the graph needs batch_size")
                 raise HostavgError(
                     f"{what}: feed {key.name!r} has shape {array.shape}, but it takes shape "
                     f"{tuple(shape)} (None: any length)")
             out[key] = array
         return out
+
+
+def _fits(got: tuple, want: tuple) -> bool:
+    """Whether an array of shape ``got`` fits a placeholder of shape ``want`` (None: any length)."""
+    return len(got) == len(want) and all(w is None or g == w for g, w in zip(got, want))
 
 
 def feed_array(value, dtype, what: str) -> np.ndarray:

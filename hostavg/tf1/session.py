@@ -13,11 +13,10 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import session_call
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import HostavgError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.frameworks.tensorflow import first_line
-from hostavg.tf1.advice import ADVICE
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
@@ -57,7 +56,6 @@ class SessionBackend:
     compute runs too, their values returned as ``Computed.fetched``.
     """
 
-    advice = ADVICE
     nonfinite = "refuse"  # a TF1 optimizer applies whatever it is given
 
     def __init__(self, wiring, sess, fetches: tuple = ()):
@@ -69,6 +67,12 @@ class SessionBackend:
         self.wiring, self.session, self.fetches = wiring, sess, fetches
         self.spec = wiring.spec
         self.increment = wiring.increment
+
+    @property
+    def advice(self) -> dict:
+        """:data:`~hostavg.tf1.advice.ADVICE`, naming the graph's training-mode switches
+        (:attr:`Wiring.advice <hostavg.tf1.wiring.Wiring.advice>`)."""
+        return self.wiring.advice
 
     @property
     def target(self):
@@ -203,8 +207,8 @@ class _session_errors:
                 f"which creates the optimizer's slots and the global step") from error
         if isinstance(error, (tf.errors.InvalidArgumentError, ValueError, TypeError,
                               OverflowError)):
-            raise HostavgError(f"the session refused the {self.call} ({said}); check that "
-                               f"micro-batch's feed") from error
+            raise refused(f"the session refused the {self.call} ({said})",
+                          "check that micro-batch's feed") from error
         if isinstance(error, (tf.errors.OpError, RuntimeError)):
             raise HostavgError(f"the session failed in {self.call} ({said})") from error
         return False

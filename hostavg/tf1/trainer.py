@@ -27,6 +27,9 @@ from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, together_entr
 
 v1 = tf.compat.v1
 
+#: The op types that make a variable (a resource handle, a reference).
+VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
+
 __all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer", "step_together"]
 
 
@@ -49,8 +52,8 @@ class Trainer(BaseTrainer):
       samples, an iterable of batches or a ``tf.data.Dataset`` with ``inputs=``
       (element key or position -> placeholder);
     - ``apply(sess, grads, feed_dict)``: the placeholders the train op reads;
-    - ``step``/``fit`` ``fetches=``: tensors each micro-batch's session call
-      runs too (summaries, metrics), seen by hooks as ``MicroBatch.fetched``;
+    - ``step``/``fit`` ``fetches=``: what each micro-batch's call reads too
+      (summaries, metrics; no train op), as ``MicroBatch.fetched``;
     - ``check``/``fit`` ``blocks=``: {placeholder: b} for arrays of b blocks
       of the samples (a discriminator's real and fake labels);
     - ``evaluate``/``fit`` ``metrics=``: name -> scalar tensor, each the mean
@@ -284,6 +287,8 @@ class Trainer(BaseTrainer):
                 except (KeyError, ValueError, TypeError) as e:
                     raise HostavgError(f"{what}: {fetch!r} names nothing in the trainer's graph "
                                        f"({e})") from None
+            if isinstance(fetch, tf.Variable) and fetch.op.type not in VARIABLE_OPS:
+                fetch = fetch.op  # what a resource variable's assign returns: its op
             name = getattr(fetch, "name", None)
             if isinstance(fetch, tf.Variable):
                 raise HostavgError(f"{what}: {name!r} is a variable; fetch a tensor that reads it "
@@ -295,6 +300,13 @@ class Trainer(BaseTrainer):
                 raise HostavgError(f"{what}: {name or 'an eager tensor'!r} is not in the "
                                    f"trainer's graph; fetch tensors of the graph the loss was "
                                    f"built in")
+            change = self._wiring.changes(fetch)
+            if change is not None:
+                raise HostavgError(
+                    f"{what}: {name!r} runs {change[0].name!r} ({change[0].type}), which "
+                    f"{change[1]}: fetched, it would run with every micro-batch. hostavg applies "
+                    f"the step's update itself, once per step; fetch what reads the graph "
+                    f"(summaries, metrics, activations), not what changes it")
             out.append(fetch)
         return tuple(out)
 

@@ -1,4 +1,5 @@
-"""The variables of a TF1 trainer's graph: its global step, the UPDATE_OPS it runs, what a step assigns, loading values."""
+"""The variables of a TF1 trainer's graph: its global step, the UPDATE_OPS it runs, what a step
+assigns, what a fetch would change, loading values."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from hostavg.core.errors import HostavgError
 from hostavg.frameworks.tensorflow import READ_OPS
 from hostavg.tf1.walk import ops_run, placeholders_read
 
-__all__ = ["assigned_variables", "find_global_step", "load_variables", "select_update_ops",
-           "value_now"]
+__all__ = ["DATA_OPS", "assigned_variables", "find_global_step", "load_variables",
+           "select_update_ops", "state_changes", "value_now"]
 
 v1 = tf.compat.v1
 
@@ -73,14 +74,59 @@ def assigned_variables(graph, fetches) -> list:
     is only read (a frozen backbone, the weights) is not among them, so a
     step's rollback snapshot does not grow with it.
     """
-    by_op = {v.op: v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
-    found = set()
-    for op in ops_run(f.op if isinstance(f, tf.Tensor) else f for f in fetches):
-        for tensor, kind in zip(op.inputs, input_types(op)):
-            if tensor.op in by_op and (is_ref_dtype(kind) or (kind == tf.resource
-                                                              and op.type not in READ_OPS)):
-                found.add(tensor.op)
+    by_op = _by_op(graph)
+    found = {v.op for op in ops_run(f.op if isinstance(f, tf.Tensor) else f for f in fetches)
+             for v in _assigns(op, by_op)}
     return [v for op, v in by_op.items() if op in found]
+
+
+#: Op types that take or put a queue's or an iterator's data, by what they do to it.
+DATA_OPS = {
+    **dict.fromkeys(["QueueEnqueue", "QueueEnqueueV2", "QueueEnqueueMany", "QueueEnqueueManyV2"],
+                    "adds to the queue"),
+    **dict.fromkeys(["QueueDequeue", "QueueDequeueV2", "QueueDequeueMany", "QueueDequeueManyV2",
+                     "QueueDequeueUpTo", "QueueDequeueUpToV2"], "takes from the queue"),
+    **dict.fromkeys(["QueueClose", "QueueCloseV2"], "closes the queue"),
+    **dict.fromkeys(["IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional"],
+                    "takes the next element of the iterator"),
+    "MakeIterator": "restarts the iterator",
+}
+
+
+def state_changes(graph, fetches, done: frozenset) -> list:
+    """What running ``fetches`` (tensors and operations) changes beyond the ops ``done`` (what
+    runs anyway): (op, what it changes) for each op that assigns a global variable or takes or
+    puts a queue's or an iterator's data (:data:`DATA_OPS`); trained variables' first, then
+    by name. Local variables (a streaming metric's counts) are not among them."""
+    by_op = _by_op(graph)
+    trained = {v.op.name for v in graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)}
+    found = []
+    for op in ops_run(f.op if isinstance(f, tf.Tensor) else f for f in fetches):
+        if op in done:
+            continue
+        assigned = sorted(_assigns(op, by_op), key=lambda v: (v.op.name not in trained, v.op.name))
+        if assigned:
+            update = " (an optimizer's update)" if "Apply" in op.type else ""
+            found.append((assigned[0].op.name not in trained, op.name, op,
+                          f"assigns the variable {assigned[0].op.name!r}{update}"))
+        elif op.type in DATA_OPS:
+            handle = next((t.op.name for t in op.inputs
+                           if t.dtype == tf.resource or is_ref_dtype(t.dtype)), op.name)
+            found.append((True, op.name, op, f"{DATA_OPS[op.type]} {handle!r}"))
+    return [(op, what) for *_, op, what in sorted(found, key=lambda f: f[:2])]
+
+
+def _by_op(graph) -> dict:
+    """The global variables of ``graph`` by their ops."""
+    return {v.op: v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
+
+
+def _assigns(op, by_op: dict) -> list:
+    """The variables of ``by_op`` that ``op`` may assign: those it takes by reference
+    (``Assign``, ``AssignAdd``, scatters) or by resource handle for anything but a read."""
+    return [by_op[tensor.op] for tensor, kind in zip(op.inputs, input_types(op))
+            if tensor.op in by_op and (is_ref_dtype(kind) or (kind == tf.resource
+                                                              and op.type not in READ_OPS))]
 
 
 def load_variables(sess, variables, values) -> None:

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from hostavg.core.check import RandomOp
 
-__all__ = ["RANDOM_OPS", "SAVED_STATE", "ops_run", "placeholders_read", "random_ops", "reaches"]
+__all__ = ["RANDOM_OPS", "SAVED_STATE", "SELECT_OPS", "ops_run", "placeholders_read", "random_ops",
+           "reaches", "switches"]
 
 
 def ops_run(ops: Iterable, fed=()) -> Iterator:
@@ -86,6 +87,78 @@ def random_ops(fetches, fed=()) -> list:
                 api, kind = "tf.nn.dropout", "random"
             found.append(RandomOp(api, op.outputs[0].name, kind, op.type in SAVED_STATE))
     return sorted(found, key=lambda r: r.tensor)
+
+
+#: Op types that pick between their inputs by a predicate (``tf.cond``, ``tf.where``), by the
+#: predicate's input index.
+SELECT_OPS = {"If": 0, "StatelessIf": 0, "Select": 0, "SelectV2": 0, "Switch": 1}
+
+#: Op types that pass a variable on (its value or handle): through them a read is still its.
+PASS_OPS = frozenset({"Identity", "ReadVariableOp", "Enter", "Snapshot"})
+
+
+def switches(fetches, dropout: list, moving: frozenset) -> dict:
+    """The training-mode switches among the scalar placeholders that running ``fetches`` reads:
+    name -> the kinds it switches, a sorted tuple of "batch norm" and "dropout".
+
+    A placeholder switches dropout when it reaches, by a scalar, where the draws of
+    ``dropout`` (operations) meet the rate (a keep_prob, a rate, or a ``tf.cond`` on a
+    training flag that gives one: :func:`_beside`), and batch norm when it decides a
+    pick (:data:`SELECT_OPS`) of which an input is read from a variable of ``moving`` (the
+    moving statistics' ops, as the UPDATE_OPS assign them).
+    """
+    found = {}
+    for random in dropout:
+        for scalar in _beside(random):
+            for p in placeholders_read(scalar):
+                if p.shape.rank in (None, 0):
+                    found.setdefault(p.name, set()).add("dropout")
+    for p in placeholders_read(fetches):
+        if p.shape.rank in (None, 0) and _picks_moving(p.op, moving):
+            found.setdefault(p.name, set()).add("batch norm")
+    return {name: tuple(sorted(found[name])) for name in sorted(found)}
+
+
+#: Where a dropout's draw meets its rate (``draw >= rate``; ``floor(keep_prob + draw)``).
+_COMPARISONS = frozenset({"GreaterEqual", "Greater", "Less", "LessEqual", "Floor"})
+
+
+def _beside(random) -> list:
+    """The scalar tensors (rank 0 or unknown) combined with ``random``'s draw up to where it
+    meets the rate (:data:`_COMPARISONS`, at most 3 ops on), not themselves drawn from it: a
+    dropout's rate or keep_prob."""
+    drawn, todo, out = {random}, [(random, 0)], []
+    while todo:
+        op, depth = todo.pop()
+        if depth == 3 or op.type in _COMPARISONS:
+            continue
+        for consumer in {c for t in op.outputs for c in t.consumers()}:
+            if consumer not in drawn:
+                drawn.add(consumer)
+                todo.append((consumer, depth + 1))
+    for op in drawn - {random}:
+        out.extend(t for t in op.inputs if t.op not in drawn and t.shape.rank in (None, 0))
+    return out
+
+
+def _picks_moving(switch, moving: frozenset) -> bool:
+    """Whether ``switch`` (an operation) decides a pick between inputs of which one is read
+    from a variable of ``moving``."""
+    after, todo = {switch}, [switch]
+    while todo:
+        for consumer in {c for t in todo.pop().outputs for c in t.consumers()}:
+            if consumer not in after:
+                after.add(consumer)
+                todo.append(consumer)
+    for op in after:
+        if op.type in SELECT_OPS and op.inputs[SELECT_OPS[op.type]].op in after:
+            for i, t in enumerate(op.inputs):
+                source = t.op
+                while source.type in PASS_OPS and source.inputs:
+                    source = source.inputs[0].op
+                if i != SELECT_OPS[op.type] and source in moving:
+                    return True
+    return False
 
 
 def reaches(fetches, fed, types: frozenset) -> bool:

@@ -20,12 +20,13 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, Computed
 from hostavg.frameworks.tensorflow import first_line
+from hostavg.tf1.advice import advice_for
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
-                                   select_update_ops, value_now)
-from hostavg.tf1.walk import ops_run, placeholders_read, random_ops
+                                   select_update_ops, state_changes, value_now)
+from hostavg.tf1.walk import ops_run, placeholders_read, random_ops, switches
 
 __all__ = ["Wiring"]
 
@@ -80,6 +81,7 @@ class Wiring:
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
+            self._runs, self._changes = None, {}  # the ops compute runs; fetch -> its change
             self._tensors = sum(isinstance(f, tf.Tensor) for f in self._fetches)
             self.conform_feed = FeedConformer().conform
             self.reducer = GraphReducer(self.spec, accum_dtype, accumulate, session_threads) \
@@ -122,6 +124,27 @@ class Wiring:
     def random_ops(self) -> tuple:
         """The random ops :meth:`compute` runs (:func:`~hostavg.tf1.walk.random_ops`), found once."""
         return tuple(random_ops(self._fetches))
+
+    @functools.cached_property
+    def advice(self) -> dict:
+        """The check's advice, naming the training-mode switches :meth:`compute` reads
+        (:func:`~hostavg.tf1.advice.advice_for`); found once."""
+        dropout = [self.graph.get_tensor_by_name(r.tensor).op for r in self.random_ops
+                   if r.kind == "random"]
+        return advice_for(switches(self._fetches, dropout, frozenset(v.op for v in self.assigned)))
+
+    def changes(self, fetch) -> tuple | None:
+        """The first (op, what it changes) that running ``fetch`` (a tensor or an operation) in
+        :meth:`compute` would add to what a micro-batch changes anyway (its UPDATE_OPS, the
+        queue or iterator its loss reads): :func:`~hostavg.tf1.variables.state_changes`;
+        None where it adds nothing. Found once per fetch."""
+        if fetch not in self._changes:
+            if self._runs is None:
+                self._runs = frozenset(ops_run(f.op if isinstance(f, tf.Tensor) else f
+                                               for f in self._fetches))
+            self._changes[fetch] = next(iter(state_changes(self.graph, [fetch], self._runs)),
+                                        None)
+        return self._changes[fetch]
 
     def unfed(self, feed_keys: tuple, fetches: tuple = ()) -> tuple:
         """The placeholders (without a default) that :meth:`compute` (with ``fetches``) reads
