@@ -61,12 +61,18 @@ class Applied(NamedTuple):
         schedule's value at this step), or None where the optimizer exposes none.
       skipped: why the optimizer left the variables as they were (a backend whose
         ``nonfinite`` is "optimizer", given a non-finite mean), or None: applied.
+      nonfinite: the names of the trained variables and optimizer variables
+        (slots, moments, iterations, loss scale) that the update made NaN or
+        Inf, found in the apply's own call, which then undid the update: every
+        one of them, the global step too, is as before it. () where all are
+        finite, or the backend was made not to check.
     """
 
     global_step: int
     update_ratios: dict | None = None
     learning_rate: float | None = None
     skipped: str | None = None
+    nonfinite: tuple = ()
 
 
 class SampleStats(NamedTuple):
@@ -137,7 +143,10 @@ class Backend(Protocol):
         """Runs the optimizer once on ``mean`` (conformed; finite unless :attr:`nonfinite` is
         "optimizer"), fed ``feed`` (from :meth:`apply_feed`); returns the new global step, the
         learning rate and, when ``measure``, the update-to-weight ratios, measured in the same
-        call (None otherwise), or why the optimizer skipped the update."""
+        call (None otherwise), or why the optimizer skipped the update. A backend made to
+        check its applies (``check_applied``) checks the updated variables and optimizer
+        state for NaN and Inf in the same call and undoes the update there where it finds
+        any (:attr:`Applied.nonfinite`)."""
 
     def global_step(self) -> int:
         """The global step now."""

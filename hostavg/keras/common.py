@@ -300,13 +300,16 @@ class CompiledModel(ModelVariables):
     Args:
       model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them; the
         model is compiled with them (:func:`compiled`).
+      check_applied: whether applies check the weights and the optimizer's state
+        and undo a non-finite update (:attr:`Applied.nonfinite`).
     """
 
     advice = ADVICE
     increment = 1  # every apply moves optimizer.iterations by one
 
-    def __init__(self, model, loss, optimizer):
+    def __init__(self, model, loss, optimizer, check_applied: bool = True):
         self.model = self.target = model
+        self.check_applied = check_applied
         self.refuse_strategies()
         self.optimizer = compiled(model, loss, optimizer)
         scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -360,6 +363,17 @@ class CompiledModel(ModelVariables):
                 f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
                 f"batch the same structure")
         return spec
+
+    def _checks(self, variable) -> bool:
+        """Whether an apply checks ``variable`` finite: a float one, where applies check."""
+        return self.check_applied and np.dtype(variable.dtype).kind == "f"
+
+    def _undone(self, before: int, finite, trained: list) -> Applied:
+        """What an apply reports that found the variables it checks (of the ``trained`` ones,
+        then the optimizer's) not all ``finite`` and undid the update: their names, by path."""
+        trained = [v for v in trained if self._checks(v)]
+        held = trained + [v for v in self.optimizer.variables if self._checks(v)]
+        return Applied(before, nonfinite=tuple(v.path for v, ok in zip(held, finite) if not ok))
 
     def _report(self, before: int, after: int, learning_rate: float, squares, scales,
                 measure: bool) -> Applied:

@@ -54,6 +54,7 @@ class KerasJaxBackend(CompiledModel):
         and ``optimizer`` (:func:`~hostavg.keras.common.compiled`).
       loss: as :class:`hostavg.keras.Trainer` takes it.
       optimizer: as :class:`hostavg.keras.Trainer` takes it.
+      check_applied: as :class:`hostavg.keras.Trainer` takes it.
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the
@@ -79,8 +80,8 @@ class KerasJaxBackend(CompiledModel):
         without a copy and JAX donates such buffers).
     """
 
-    def __init__(self, model, loss, optimizer):
-        super().__init__(model, loss, optimizer)
+    def __init__(self, model, loss, optimizer, check_applied: bool = True):
+        super().__init__(model, loss, optimizer, check_applied)
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
@@ -130,12 +131,15 @@ class KerasJaxBackend(CompiledModel):
         grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
         before = self.global_step()
         with _jax_errors("apply"):
-            values, slots, lr, squares, scales = function(
+            values, slots, lr, squares, scales, finite = function(
                 [v.value for v in trained], [v.value for v in self.optimizer.variables], grads)
-        for v, value in zip(trained, values):
+        for v, value in zip(trained, values):  # the old values, where the update was undone
             v.assign(value)
         for v, value in zip(self.optimizer.variables, slots):
             v.assign(value)
+        finite = np.asarray(finite)
+        if not finite.all():
+            return self._undone(before, finite, trained)
         return self._report(before, self.global_step(), float(lr), squares,
                             np.asarray(scales).tolist(), measure)
 
@@ -311,9 +315,12 @@ class KerasJaxBackend(CompiledModel):
     def _application(self, measure: bool):
         """``(trained values, optimizer values, mean) -> (new trained values, new optimizer
         values, learning rate, squared norms of the updates then of the weights before, the
-        loss scale before and after)``, jitted, the old values donated."""
+        loss scale before and after, whether each checked variable is finite)``, jitted, the
+        old values donated; where a checked one is not finite (check_applied), the old values
+        come back as the new ones."""
         trained = [self.model.trainable_variables[i] for i in self._kept]
         optimizer, scales = self.optimizer, self._scales
+        checks = [self._checks(v) for v in trained + list(optimizer.variables)]
         loss_scaling = self.nonfinite == "optimizer"  # a LossScaleOptimizer
 
         def apply(values, slots, grads):
@@ -337,7 +344,12 @@ class KerasJaxBackend(CompiledModel):
             if measure:
                 squares = jnp.stack([_sum_squares(a, b) for a, b in zip(new, values)]
                                     + [_sum_squares(b) for b in values])
-            return new, new_slots, lr, squares, jnp.stack([scale, after])
+            finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a, check
+                                in zip([*new, *new_slots], checks) if check] or [jnp.bool_(True)])
+            new, new_slots = jax.lax.cond(jnp.all(finite), lambda: (new, new_slots),
+                                          lambda: (list(values), list(slots)))
+            return new, new_slots, lr, squares, jnp.stack([scale, after]), \
+                finite[:sum(checks)]
 
         return jax.jit(apply, donate_argnums=(0, 1))
 

@@ -50,6 +50,7 @@ class KerasBackend(CompiledModel):
       optimizer: as :class:`hostavg.keras.Trainer` takes it.
       batch_norm: one of :data:`~hostavg.keras.common.BATCH_NORM_MODES` (see the module
         docstring).
+      check_applied: as :class:`hostavg.keras.Trainer` takes it.
 
     Attributes:
       model: the model.
@@ -68,8 +69,9 @@ class KerasBackend(CompiledModel):
       batch_norm: as given.
     """
 
-    def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
-        super().__init__(model, loss, optimizer)
+    def __init__(self, model, loss, optimizer, batch_norm: str = "micro",
+                 check_applied: bool = True):
+        super().__init__(model, loss, optimizer, check_applied)
         self._loss = loss_function(model)
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
@@ -119,6 +121,8 @@ class KerasBackend(CompiledModel):
         optimizer runs, and reduces two norms per variable); or that a
         ``LossScaleOptimizer`` skipped the step, and the scale it left."""
         out = self._apply_mean(mean, measure)
+        if not out.finite.all():  # undone: the step fails, and its snapshot is restored
+            return self._undone(out.before, out.finite, self._trained)
         self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
         return self._report(out.before, out.after, out.learning_rate, out.squares,
                             (out.scale_before, out.scale_after), measure)
@@ -286,6 +290,10 @@ class KerasBackend(CompiledModel):
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
         scales = self._scales
 
+        # What an apply checks and undoes (check_applied): the weights and the optimizer's state.
+        held = variables + list(optimizer.variables) if self.check_applied else variables
+        checked = [v for v in held if self._checks(v)]
+
         def apply(*flat):
             flat, grads = iter(flat), []
             for s in spec:
@@ -295,7 +303,7 @@ class KerasBackend(CompiledModel):
                 else:
                     grads.append(next(flat))
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
-            before = [tf.identity(v.value) for v in variables] if measure else []
+            before = [tf.identity(v.value) for v in held] if measure or checked else []
             step = tf.identity(optimizer.iterations)
             scale = tf.identity(_scale(optimizer)) if scales else tf.ones((), tf.float32)
             if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
@@ -305,9 +313,10 @@ class KerasBackend(CompiledModel):
             squares = tf.zeros(0, tf.float64)
             if measure:  # the reads of ``before`` precede the update: it waits for them
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
-                                   + [_sum_squares(b) for b in before])
+                                   + [_sum_squares(b) for b in before[:len(variables)]])
+            finite = _undo_if_nonfinite(held, checked, before)
             return (step, tf.convert_to_tensor(optimizer.iterations), lr, squares, scale,
-                    _scale(optimizer) if scales else scale)
+                    _scale(optimizer) if scales else scale, finite)
         return apply
 
     def _evaluation(self, signature):
@@ -343,7 +352,8 @@ class KerasBackend(CompiledModel):
 class _Applied(NamedTuple):
     """What a compiled apply reports, on the host: ``optimizer.iterations`` before and after, the
     learning rate, the squared norms of the updates then of the weights before (empty unless
-    measured), and the loss scale before and after (1.0 without loss scaling)."""
+    measured), the loss scale before and after (1.0 without loss scaling), and whether each
+    checked variable was finite after the update (empty unless checked)."""
 
     before: int
     after: int
@@ -351,12 +361,27 @@ class _Applied(NamedTuple):
     squares: np.ndarray
     scale_before: float
     scale_after: float
+    finite: np.ndarray
 
 
 def _applied(out) -> _Applied:
-    before, after, lr, squares, scale_before, scale_after = out
+    before, after, lr, squares, scale_before, scale_after, finite = out
     return _Applied(int(before), int(after), float(lr), np.asarray(squares), float(scale_before),
-                    float(scale_after))
+                    float(scale_after), np.asarray(finite))
+
+
+def _undo_if_nonfinite(held: list, checked: list, before: list):
+    """Whether each of ``checked`` is finite now (after the update); where any is not, every
+    one of ``held`` is assigned its value ``before`` the update, in a ``tf.cond``."""
+    if not checked:
+        return tf.zeros(0, tf.bool)
+    finite = tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in checked])
+
+    def undo():
+        for v, b in zip(held, before):
+            v.assign(b)
+        return tf.identity(finite)
+    return tf.cond(tf.reduce_all(finite), lambda: tf.identity(finite), undo)
 
 
 def _scale(optimizer):

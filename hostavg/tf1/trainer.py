@@ -67,12 +67,13 @@ class Trainer(BaseTrainer):
                  accumulate: str = "sum", average: str = "host", accum_dtype=None,
                  global_step=None, increment_global_step: bool = True, update_ops=None,
                  hooks=(), comm=None, update_ratios_every: int | None = None,
-                 session_threads: str = "pool", overlap: bool = False):
+                 session_threads: str = "pool", overlap: bool = False,
+                 check_applied: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
 
         The keywords every face takes (``micro_batch_size``, ``accumulate``,
         ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
-        ``overlap``) are :class:`~hostavg.train.trainer.BaseTrainer`'s.
+        ``overlap``, ``check_applied``) are :class:`~hostavg.train.trainer.BaseTrainer`'s.
 
         Args:
           loss: scalar tensor, the MEAN of the per-sample losses of a micro-batch.
@@ -131,7 +132,8 @@ class Trainer(BaseTrainer):
                                "processes the mean is the MPI reduction of the host sums")
         super().__init__(micro_batch_size=micro_batch_size, accumulate=accumulate,
                          accum_dtype=accum_dtype, hooks=hooks, comm=comm,
-                         update_ratios_every=update_ratios_every, overlap=overlap)
+                         update_ratios_every=update_ratios_every, overlap=overlap,
+                         check_applied=check_applied)
         self.average = average
         if average == "graph" and self.accum_dtype is not None:
             try:
@@ -145,7 +147,8 @@ class Trainer(BaseTrainer):
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype, update_ops=update_ops,
                               increment_global_step=flag("increment_global_step", increment_global_step),
-                              session_threads=session_threads)
+                              session_threads=session_threads,
+                              check_applied=self.check_applied)
         self.graph = self._wiring.graph
         self.loss = loss
         self.global_step = self._wiring.global_step

@@ -64,8 +64,9 @@ def select_update_ops(graph, loss, update_ops) -> list:
             if set(placeholders_read(u, with_default=False)) <= needed]
 
 
-def assigned_variables(graph, fetches) -> list:
-    """The global variables that running ``fetches`` may assign, in collection order.
+def assigned_variables(graph, fetches, fed=()) -> list:
+    """The global variables that running ``fetches`` (``fed`` tensors fed) may assign, in
+    collection order.
 
     Walks back from the fetches through inputs and control inputs; a variable
     counts when an op reached takes it by reference (``Assign``, ``AssignAdd``,
@@ -75,7 +76,7 @@ def assigned_variables(graph, fetches) -> list:
     """
     by_op = {v.op: v for v in graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
     found = set()
-    for op in ops_run(f.op if isinstance(f, tf.Tensor) else f for f in fetches):
+    for op in ops_run((f.op if isinstance(f, tf.Tensor) else f for f in fetches), fed):
         for tensor, kind in zip(op.inputs, input_types(op)):
             if tensor.op in by_op and (is_ref_dtype(kind) or (kind == tf.resource
                                                               and op.type not in READ_OPS)):

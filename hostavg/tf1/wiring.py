@@ -53,7 +53,7 @@ class Wiring:
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
-                 session_threads: str = "pool"):
+                 session_threads: str = "pool", check_applied: bool = True):
         self.graph, self.loss = loss.graph, loss
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
@@ -74,9 +74,14 @@ class Wiring:
                 optimizer, pairs, self.global_step if increment_global_step else None)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
+            self._checked = []  # the variables an apply checks finite (check_applied), in order
+            if check_applied:
+                self._checked, measured_train_op, before = _checked_train_op(
+                    optimizer, pairs, self.global_step if increment_global_step else None,
+                    self.train_op, self._apply_feeds)
             self._apply_fetches, self.learning_rate = _apply_fetches(
                 optimizer, self.global_step, self.train_op, measured_train_op, pairs, before,
-                self._apply_feeds)
+                self._apply_feeds, bool(self._checked))
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -154,7 +159,11 @@ class Wiring:
         the update-to-weight ratios, all from that one session call.
         Measuring keeps each weight's value from before the update alive
         while the optimizer runs (a copy of the weights) and reduces two norms
-        per variable: about the cost of the apply itself again.
+        per variable: about the cost of the apply itself again. Checking
+        (``check_applied``) keeps every value the update writes (weights, slots,
+        the global step) alive the same way, and reads each written float once
+        more; the names of those it finds non-finite, after it undid the
+        update, come back as ``Applied.nonfinite``.
         """
         args = list(feed.values())
         for name, g in zip(self.names, self._grads):
@@ -168,11 +177,15 @@ class Wiring:
         keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
         out = self._callables.get(sess, self._apply_fetches[measure], keys)(*args)
         lr = None if self.learning_rate is None else float(out[1])
+        nonfinite = ()
+        if self._checked:
+            *out, finite = out
+            nonfinite = tuple(v.op.name for v, ok in zip(self._checked, finite) if not ok)
         ratios = None
         if measure:
             squares, k = out[-1].tolist(), len(self.names)
             ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
-        return Applied(int(out[0]), ratios, lr)
+        return Applied(int(out[0]), ratios, lr, nonfinite=nonfinite)
 
 
 def _gradient_pairs(optimizer, loss, var_list) -> list:
@@ -271,17 +284,50 @@ def _train_ops(optimizer, pairs: list, global_step) -> tuple:
     return train_op, measured_train_op, before
 
 
+def _checked_train_op(optimizer, pairs: list, global_step, train_op, apply_feeds: tuple) -> tuple:
+    """The apply that checks what it wrote: ``(checked, op, before)``, ``checked`` the float
+    variables it checks, ``op`` the train op that undoes its update where any of them went
+    NaN or Inf (its output: whether each is finite), ``before`` the weights' values before.
+
+    Every variable ``train_op`` writes (found by walking it: weights, slots, the
+    optimizer's counters, the global step) is read before a second apply op of the same
+    optimizer (its ops wait for the reads, so the update copies what it would write in
+    place); after it, each float one is checked, and a ``tf.cond`` assigns the reads back
+    where any is not finite: one session call, whatever it finds.
+    """
+    variables = [v for _, v in pairs]
+    ids = {id(v) for v in variables}
+    written = variables + [v for v in assigned_variables(train_op.graph, [train_op], apply_feeds)
+                           if id(v) not in ids]
+    with tf.name_scope("hostavg_check_applied"):
+        before = [value_now(v) for v in written]
+        with tf.control_dependencies(before):
+            fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                   if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g, _ in pairs]
+        applied = optimizer.apply_gradients(_applied(zip(fed, variables),
+                                                     _densifies_sparse(optimizer)),
+                                            global_step=global_step)
+        checked = [v for v in written if v.dtype.base_dtype.is_floating]
+        with tf.control_dependencies([applied]):
+            finite = tf.stack([tf.reduce_all(tf.math.is_finite(value_now(v))) for v in checked])
+
+        def undo():
+            with tf.control_dependencies([v.assign(b) for v, b in zip(written, before)]):
+                return tf.identity(finite)
+        return checked, tf.cond(tf.reduce_all(finite), lambda: tf.identity(finite), undo), \
+            before[:len(variables)]
+
+
 def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
-                   before: list, apply_feeds: tuple) -> tuple[dict, tf.Tensor | None]:
+                   before: list, apply_feeds: tuple, checked: bool) -> tuple[dict, tf.Tensor | None]:
     """What an apply fetches, by whether it measures, and the optimizer's learning-rate
     tensor (None where none is found).
 
     An apply fetches the global step after it and the learning rate; one
     that measures, the squared norms of each update and of each weight
-    before it too, as one vector.
+    before it too, as one vector. With ``checked``, ``measured_train_op`` is the
+    checked train op (:func:`_checked_train_op`) and serves both, fetched last.
     """
-    with tf.control_dependencies([train_op]):
-        step_after = global_step.read_value()
     with tf.control_dependencies([measured_train_op]):
         measured_step_after = global_step.read_value()
         squares = [_update_squares([v for _, v in pairs], before)]
@@ -289,6 +335,11 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
     # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
+    if checked:
+        return {False: [measured_step_after] + lr + [measured_train_op],
+                True: [measured_step_after] + lr + squares + [measured_train_op]}, rate
+    with tf.control_dependencies([train_op]):
+        step_after = global_step.read_value()
     return {False: [step_after] + lr, True: [measured_step_after] + lr + squares}, rate
 
 

@@ -62,9 +62,16 @@ class BaseTrainer:
         w_before| / |w_before|) every that many global steps; None: never.
       overlap: compute micro-batch i + 1 in a worker thread while the host
         handles micro-batch i; the same results bit for bit.
+      check_applied: check, in each apply's own call, the updated weights and
+        the optimizer's state (slots, moments, iterations, loss scale) for NaN
+        and Inf, and undo the update where any is found: the step raises a
+        HostavgError naming them, the micro-batch that drove it and its
+        culprit rows (or, with SkipNonFinite, goes on without it). False:
+        don't (the cost: the performance page).
 
     Attributes:
-      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap.
+      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap,
+        check_applied.
       accum_dtype: as a NumPy dtype, or None.
       hooks: a tuple, in the order they run.
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
@@ -74,7 +81,7 @@ class BaseTrainer:
 
     def __init__(self, *, micro_batch_size: int | None = None, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, check_applied: bool = True):
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self.micro_batch_size = None if micro_batch_size is None else positive_int(
@@ -85,6 +92,7 @@ class BaseTrainer:
         self.update_ratios_every = None if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
         self.overlap = flag("overlap", overlap)
+        self.check_applied = flag("check_applied", check_applied)
         self.comm = comm
         if comm is not None:
             from hostavg.engine.mpi import Distributed  # mpi4py is imported on use only
