@@ -239,9 +239,9 @@ def find(feed, n: int, start: int, rows, compute: Callable,
 NONE_FAILING = "No one sample of it is to blame ({how})."
 
 
-def failing(feed, n: int, start: int, rows, compute: Callable, error: type) -> tuple[tuple, str]:
-    """The samples of a micro-batch whose compute raised ``error``, sorted, and how they were
-    found: each computed alone (``compute(part, size)``), those that raise ``error`` named.
+def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) -> tuple[tuple, str]:
+    """The samples of a micro-batch whose compute raised ``refused``, sorted, and how they were
+    found: each computed alone (``compute(part, size)``), those that raise ``refused`` named.
 
     A lone sample is named without a compute; where every sample fails alone (the
     micro-batch's form, not a value of one row) none is named. At most ``n`` computes; the
@@ -254,7 +254,7 @@ def failing(feed, n: int, start: int, rows, compute: Callable, error: type) -> t
     for j in range(n):
         try:
             compute(take(feed, [j], n, blocks), 1)
-        except error:
+        except refused:
             found.append(_culprit(j, start, rows, "fails alone"))
     if len(found) == n:
         return (), f"each of its {n} samples fails alone too"

@@ -352,7 +352,7 @@ class Engine:
             elif log.raised is not None:
                 self._name_culprits(backend, feeds[log.raised], batches[log.raised], e,
                                     "fail", culprits.NONE_FAILING, search=culprits.failing,
-                                    error=HostavgError)
+                                    refused=HostavgError)
             raise
         for i in log.search:
             try:
