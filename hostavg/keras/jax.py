@@ -53,8 +53,7 @@ class KerasJaxBackend(CompiledModel):
       model: as :class:`hostavg.keras.Trainer` takes it; compiled with ``loss``
         and ``optimizer`` (:func:`~hostavg.keras.common.compiled`).
       loss: as :class:`hostavg.keras.Trainer` takes it.
-      optimizer: as :class:`hostavg.keras.Trainer` takes it.
-      check_applied: as :class:`hostavg.keras.Trainer` takes it.
+      optimizer, check_applied: as :class:`hostavg.keras.Trainer` takes them.
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the

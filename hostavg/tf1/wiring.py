@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import learning_rate
+from hostavg.compat.tensorflow import is_ref_dtype, learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, Computed
@@ -309,13 +309,26 @@ def _checked_train_op(optimizer, pairs: list, global_step, train_op, apply_feeds
                                             global_step=global_step)
         checked = [v for v in written if v.dtype.base_dtype.is_floating]
         with tf.control_dependencies([applied]):
-            finite = tf.stack([tf.reduce_all(tf.math.is_finite(value_now(v))) for v in checked])
-
-        def undo():
-            with tf.control_dependencies([v.assign(b) for v, b in zip(written, before)]):
-                return tf.identity(finite)
-        return checked, tf.cond(tf.reduce_all(finite), lambda: tf.identity(finite), undo), \
+            # (read_value: a new read within these dependencies, of a reference variable too)
+            finite = tf.stack([tf.reduce_all(tf.math.is_finite(v.read_value())) for v in checked])
+        return checked, _undo_where(tf.reduce_all(finite), finite, written, before), \
             before[:len(variables)]
+
+
+def _undo_where(ok, finite, written: list, before: list):
+    """``finite``, once every one of ``written`` is assigned its value ``before`` where ``ok``
+    is false: a resource variable in a ``tf.cond`` (only then), a reference variable (which
+    ``tf.cond`` cannot capture) by a ``tf.where`` of its two values each time."""
+    with tf.control_dependencies([finite]):  # after the update
+        kept = [v1.assign(v, tf.where(ok, v.read_value(), b)) for v, b in zip(written, before)
+                if is_ref_dtype(v.dtype)]
+
+    def undo():
+        with tf.control_dependencies([v.assign(b) for v, b in zip(written, before)
+                                      if not is_ref_dtype(v.dtype)]):
+            return tf.identity(finite)
+    with tf.control_dependencies(kept):
+        return tf.cond(ok, lambda: tf.identity(finite), undo)
 
 
 def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,

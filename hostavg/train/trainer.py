@@ -62,16 +62,11 @@ class BaseTrainer:
         w_before| / |w_before|) every that many global steps; None: never.
       overlap: compute micro-batch i + 1 in a worker thread while the host
         handles micro-batch i; the same results bit for bit.
-      check_applied: check, in each apply's own call, the updated weights and
-        the optimizer's state (slots, moments, iterations, loss scale) for NaN
-        and Inf, and undo the update where any is found: the step raises a
-        HostavgError naming them, the micro-batch that drove it and its
-        culprit rows (or, with SkipNonFinite, goes on without it). False:
-        don't (the cost: the performance page).
+      check_applied: check the updated weights and optimizer state for NaN and Inf in
+        each apply's call, undoing a non-finite update; False: don't (cost: performance page).
 
     Attributes:
-      micro_batch_size: as given; so are accumulate, comm, update_ratios_every, overlap,
-        check_applied.
+      micro_batch_size: as given; so are the other arguments.
       accum_dtype: as a NumPy dtype, or None.
       hooks: a tuple, in the order they run.
       spec: name -> :class:`~hostavg.VariableSpec` of every trained variable.
