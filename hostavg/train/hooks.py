@@ -38,7 +38,7 @@ class SkipNonFinite:
     ``micro[i].dropped``. If every micro-batch is dropped the step is skipped:
     nothing is applied, the global step stays, and ``result.skipped`` says so.
     ``fit`` stops with an error naming the rows once every micro-batch of
-    :data:`~hostavg.train.loop.EMPTY_STEPS` steps in a row was dropped.
+    5 steps in a row (``hostavg.train.loop.EMPTY_STEPS``) was dropped.
     """
 
     def on_micro_batch(self, record):
