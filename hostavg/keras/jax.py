@@ -53,12 +53,13 @@ class KerasJaxBackend(CompiledModel):
       model: as :class:`hostavg.keras.Trainer` takes it; compiled with ``loss``
         and ``optimizer`` (:func:`~hostavg.keras.common.compiled`).
       loss: as :class:`hostavg.keras.Trainer` takes it.
-      optimizer, check_applied: as :class:`hostavg.keras.Trainer` takes them.
+      optimizer: as :class:`hostavg.keras.Trainer` takes it.
+      check_applied: as :class:`hostavg.keras.Trainer` takes it.
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the
         first batch is prepared); dense for every variable.
-      model: the model.
+      model, target: the model.
       optimizer: the optimizer that trains (``model.optimizer``).
       assigned: id -> variable, for every non-trainable variable of the model,
         and every metric variable, that the traced gradient functions may
@@ -66,7 +67,6 @@ class KerasJaxBackend(CompiledModel):
       trained_metrics, evaluated_metrics: the ids of the model's metrics (of
         ``model.metrics``) that the gradient functions, and the evaluation
         functions, update.
-      target: the model.
       nonfinite: "optimizer" for a ``LossScaleOptimizer`` (it skips a
         non-finite step and lowers its scale), else "refuse".
       host_memory: where the compiled gradients are placed for the host to
