@@ -176,7 +176,7 @@ def test_without_rows_the_samples_are_named_by_their_place_in_the_step():
     assert str(error).endswith(
         "found in its inputs:\n  sample 13 of the step: x holds Inf in column 1 and -Inf in "
         "column 3\n  sample 17 of the step: x holds NaN in 4 columns [0, 1, 2, 3]"), str(error)
-    assert error.culprit_rows is None and [c.sample for c in error.culprits] == [13, 17]
+    assert error.culprit_rows == [] and [c.sample for c in error.culprits] == [13, 17]
 
 
 def test_a_micro_batch_non_finite_only_as_a_whole_names_no_sample():
@@ -191,7 +191,7 @@ def test_a_micro_batch_non_finite_only_as_a_whole_names_no_sample():
                                "samples alone): only the micro-batch as a whole, as with an op "
                                "over the batch (batch norm in training mode) or a sum over its "
                                "samples that overflows."), str(error)
-    assert error.culprits == () and error.culprit_rows.tolist() == []
+    assert error.culprits == () and error.culprit_rows == []
     after = case.values()
     for name in before:
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)

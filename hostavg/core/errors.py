@@ -16,7 +16,18 @@ class HostavgError(ValueError):
     Raised before anything is changed: when it reaches the caller, the model's
     variables, the optimizer's slots and the global step are as they were.
     A ``ValueError`` subclass, so ``except ValueError`` also catches it.
+
+    Attributes:
+      culprits: the :class:`~hostavg.core.results.Culprit` samples that made
+        a step fail (non-finite, blowing the apply up, or refused by the
+        framework), sorted; () where none apply.
+      culprit_rows: their data rows, sorted (ints); ``[]`` where none apply
+        or the step was not told its rows.
     """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.culprits, self.culprit_rows = (), []
 
 
 def refused(fact: str, advice: str) -> HostavgError:

@@ -80,7 +80,8 @@ class MicroBatch:
         int64 array of ``size``), where the caller said them (``fit`` does
         for a dict of arrays and a ``tf.data.Dataset``); else None.
       culprits: for a micro-batch whose own loss or gradients were
-        non-finite and that a hook dropped (:class:`~hostavg.hooks.SkipNonFinite`),
+        non-finite, or that drove an apply non-finite (``overflows``), and that
+        a hook dropped (:class:`~hostavg.hooks.SkipNonFinite`),
         the :class:`Culprit` samples that make it so, sorted (empty when no
         sample is non-finite alone); None for every other micro-batch, and
         in what ``on_micro_batch`` hooks see (the samples are looked at once
@@ -101,6 +102,7 @@ class MicroBatch:
     rows: np.ndarray | None = field(default=None, repr=False, compare=False)
     culprits: tuple | None = field(default=None, repr=False, compare=False)
     fetched: tuple = field(default=(), repr=False, compare=False)
+    overflows: str | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

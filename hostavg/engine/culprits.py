@@ -1,11 +1,12 @@
-"""Which samples make a micro-batch non-finite: looked for once it was, at most once per sample.
+"""Which samples make a micro-batch fail: looked for once it did, at most once per sample.
 
-When a micro-batch's own loss or gradients hold NaN or Inf, the engine looks
-at its samples the cheap way first: :func:`in_inputs` names the samples
-whose inputs hold NaN or Inf (the others computed once together to confirm);
-else each other sample is computed alone (:func:`find`). The engine restores
-what these computes assign, so the model is as before. If no sample is
-non-finite alone, no sample is named. Pure NumPy.
+When a micro-batch's own loss or gradients hold NaN or Inf (:class:`NonFinite`),
+or it drove an apply non-finite (:class:`Extreme`), the engine looks at its
+samples the cheap way first: the samples whose inputs hold NaN or Inf (or
+extreme values), the others computed once together to confirm; else each
+other sample is computed alone (:func:`find`). A micro-batch whose compute
+raised has each sample computed alone (:func:`failing`). The engine restores
+what these computes assign, so the model is as before. Pure NumPy.
 
 See docs/guides/inspecting.md for the search in detail.
 """
@@ -21,7 +22,8 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.results import Culprit
 from hostavg.core.split import arrays, take
 
-__all__ = ["describe", "find", "in_inputs", "key_name", "rows_of"]
+__all__ = ["EXTREME", "NONE_FAILING", "Extreme", "NonFinite", "describe", "failing", "find", "in_inputs", "key_name",
+           "rows_of", "short"]
 
 #: The names of a batch tuple's parts, by position.
 PARTS = ("x", "y", "sample_weight")
@@ -108,62 +110,175 @@ def _where(positions: np.ndarray) -> str:
     return f" at {len(positions)} entries [{', '.join(map(str, listed))}{more}]"
 
 
-def find(feed, n: int, start: int, rows, compute: Callable) -> tuple[tuple, str]:
-    """The culprit samples of a non-finite micro-batch's ``feed``, sorted, and how they were found.
+class NonFinite:
+    """What :func:`find` looks for in a non-finite micro-batch: samples whose inputs hold NaN
+    or Inf, else samples whose loss or gradients are non-finite alone."""
+
+    none_alone = ("No sample of it is non-finite alone ({how}): only the micro-batch as a "
+                  "whole, as with an op over the batch (batch norm in training mode) or a sum "
+                  "over its samples that overflows.")
+
+    def inputs(self, laid: dict, n: int, start: int, rows) -> tuple:
+        return _in_inputs(laid, n, start, rows)
+
+    def clear(self, loss: float, sq_norm: float) -> bool:
+        """Whether samples computed together are free of what is looked for."""
+        return math.isfinite(loss) and math.isfinite(sq_norm)
+
+    def reason(self, loss: float, sq_norm: float, others: list) -> str | None:
+        """Why one sample computed alone is a culprit (None: it is not); ``others``: the other
+        samples' squared gradient norms."""
+        if not math.isfinite(loss):
+            return "finite inputs, non-finite loss" + ("" if math.isfinite(sq_norm)
+                                                       else " and gradients")
+        return None if math.isfinite(sq_norm) else "finite inputs, finite loss, non-finite gradients"
+
+
+class Extreme(NonFinite):
+    """What :func:`find` looks for in the micro-batch that drove an apply non-finite: samples
+    whose inputs hold values over :data:`EXTREME` times the other samples' (the median of each
+    sample's largest magnitude) or NaN or Inf, else samples whose gradient norm is non-finite
+    or over :data:`EXTREME` times the median of the others'.
+
+    ``limit``: the largest gradient norm of the other samples together that clears them (the
+    step's other micro-batches' largest times :data:`EXTREME`; inf where it had none).
+    """
+
+    none_alone = ("No sample of it stands out alone ({how}): its gradient is large as a whole; "
+                  "lower the learning rate, or clip the gradients (hostavg.hooks.ClipGlobalNorm).")
+
+    def __init__(self, limit: float):
+        self.limit = limit
+
+    def inputs(self, laid: dict, n: int, start: int, rows) -> tuple:
+        return _in_inputs(laid, n, start, rows) or _in_extremes(laid, n, start, rows)
+
+    def clear(self, loss: float, sq_norm: float) -> bool:
+        return super().clear(loss, sq_norm) and math.sqrt(sq_norm) <= self.limit
+
+    def reason(self, loss: float, sq_norm: float, others: list) -> str | None:
+        said = super().reason(loss, sq_norm, others)
+        typical = math.sqrt(float(np.median(others))) if others else math.nan
+        if said is None and math.sqrt(sq_norm) > EXTREME * typical:
+            said = f"gradient norm {short(math.sqrt(sq_norm))}, the others' median {short(typical)}"
+        return said
+
+
+#: How many times larger than the other samples' a value or a gradient norm must be to stand
+#: out as what drove an apply non-finite.
+EXTREME = 1e6
+
+
+def _in_extremes(laid: dict, n: int, start: int, rows) -> tuple:
+    """The culprit samples whose float inputs hold a value over :data:`EXTREME` times the median
+    over the other samples of their largest magnitude (of the same input), sorted."""
+    reasons = {}
+    for path, blocks in laid.items():
+        if blocks.dtype.kind != "f" or not blocks.size or n < 2:
+            continue
+        size = np.abs(np.moveaxis(blocks, 1, 0).reshape(n, -1).astype(np.float64))
+        peaks = size.max(axis=1)
+        order = np.sort(peaks)
+        for j in np.flatnonzero(peaks > EXTREME * order[(n - 1) // 2]):
+            typical = np.median(np.delete(peaks, j))
+            if peaks[j] > EXTREME * typical:
+                values = np.moveaxis(blocks, 1, 0)[j].ravel()
+                reasons.setdefault(int(j), []).append(
+                    _large(key_name(path), values, size[j] > EXTREME * typical, blocks.ndim > 3))
+    return tuple(_culprit(j, start, rows, "; ".join(said)) for j, said in sorted(reasons.items()))
+
+
+def _large(name: str, values: np.ndarray, big: np.ndarray, deep: bool) -> str:
+    """``"x holds 1e30 in 64 of 64 columns"``: the extreme entries of one sample's ``values``."""
+    found = np.unique(values[big])
+    what = short(found[0]) if len(found) == 1 else \
+        f"values up to {short(np.abs(values[big]).max())} in magnitude"
+    return f"{name} holds {what} in {int(big.sum())} of {big.size} {'entries' if deep else 'columns'}"
+
+
+def short(value: float) -> str:
+    """A number in 3 digits, exponents as ``1e30``."""
+    return f"{float(value):.3g}".replace("e+", "e")
+
+
+def find(feed, n: int, start: int, rows, compute: Callable,
+         judge: NonFinite = NonFinite()) -> tuple[tuple, str]:
+    """The culprit samples of a micro-batch's ``feed``, sorted, and how they were found.
 
     ``n`` samples, the first the step's sample ``start``, of data ``rows`` (or
     None). ``compute(part, size)`` computes a feed of ``size`` of them (cut with
     :func:`hostavg.core.split.take`) and gives (loss, squared gradient norm).
-    First the samples whose inputs are non-finite (:func:`in_inputs`); if there
-    are any, the others are computed once together, and if they are finite that
-    is all; else (and when every input is finite) each of the others is computed
-    alone. At most ``n + 1`` computes, none when every sample's inputs are bad;
-    the caller restores what they assign.
+    ``judge`` says what a culprit is (:class:`NonFinite`, :class:`Extreme`).
+    First the samples its inputs name; if there are any, the others are
+    computed once together, and if the judge clears them that is all; else
+    (and when no input is named) each of the others is computed alone. At most
+    ``n + 1`` computes, none when every sample's inputs are named; the caller
+    restores what they assign.
     """
     laid = _samples(feed, n)
     blocks = {path: a.shape[0] for path, a in laid.items() if a.shape[0] > 1}
-    found = _in_inputs(laid, n, start, rows)
+    found = judge.inputs(laid, n, start, rows)
     named = {c.sample - start for c in found}
     others = [j for j in range(n) if j not in named]
     if not found:
         how = f"computing each of its {n} samples alone"
-    elif not others or all(map(math.isfinite, compute(take(feed, others, n, blocks), len(others)))):
+    elif not others or judge.clear(*compute(take(feed, others, n, blocks), len(others))):
         return found, "in its inputs"
     else:
         how = f"in its inputs, then computing each of its {len(others)} others alone"
-    for j in others:
-        loss, sq_norm = compute(take(feed, [j], n, blocks), 1)
-        if not math.isfinite(loss):
-            said = "non-finite loss" + ("" if math.isfinite(sq_norm) else " and gradients")
-        elif not math.isfinite(sq_norm):
-            said = "finite loss, non-finite gradients"
-        else:
-            continue
-        found += (_culprit(j, start, rows, f"finite inputs, {said}"),)
+    alone = [compute(take(feed, [j], n, blocks), 1) for j in others]
+    squares = [sq for _, sq in alone]
+    for k, (j, (loss, sq_norm)) in enumerate(zip(others, alone)):
+        said = judge.reason(loss, sq_norm, squares[:k] + squares[k + 1:])
+        if said is not None:
+            found += (_culprit(j, start, rows, said),)
     return tuple(sorted(found, key=lambda c: c.sample)), how
+
+
+#: What an error says where no one sample of a micro-batch whose compute raised is to blame.
+NONE_FAILING = "No one sample of it is to blame ({how})."
+
+
+def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) -> tuple[tuple, str]:
+    """The samples of a micro-batch whose compute raised ``refused``, sorted, and how they were
+    found: each computed alone (``compute(part, size)``), those that raise ``refused`` named.
+
+    A lone sample is named without a compute; where every sample fails alone (the
+    micro-batch's form, not a value of one row) none is named. At most ``n`` computes; the
+    caller restores what they assign.
+    """
+    if n == 1:
+        return (_culprit(0, start, rows, "fails: the micro-batch's only sample"),), "at once"
+    blocks = {path: a.shape[0] for path, a in _samples(feed, n).items() if a.shape[0] > 1}
+    found = []
+    for j in range(n):
+        try:
+            compute(take(feed, [j], n, blocks), 1)
+        except refused:
+            found.append(_culprit(j, start, rows, "fails alone"))
+    if len(found) == n:
+        return (), f"each of its {n} samples fails alone too"
+    how = f"computing each of its {n} samples alone"
+    return tuple(found), how + ("" if found else ", none fails")
 
 
 def _culprit(j: int, start: int, rows, reason: str) -> Culprit:
     return Culprit(start + j, None if rows is None else int(rows[j]), reason)
 
 
-def describe(found: tuple, how: str) -> str:
-    """The lines an error gains: the culprits (a handful), or that no sample is non-finite alone."""
+def describe(found: tuple, how: str, what: str = "make it non-finite",
+             none: str = NonFinite.none_alone) -> str:
+    """The lines an error gains: the culprits (a handful) that ``what``, or ``none`` (a format
+    of ``how``) where there are none."""
     if not found:
-        return (f"\nNo sample of it is non-finite alone ({how}): only the micro-batch as a "
-                f"whole, as with an op over the batch (batch norm in training mode) or a sum "
-                f"over its samples that overflows.")
+        return "\n" + none.format(how=how)
     lines = [f"  {c}" for c in found[:LISTED]]
     if len(found) > LISTED:
         lines.append(f"  ... and {len(found) - LISTED} more (the exception's .culprits holds all)")
-    return f"\nThe samples that make it non-finite, found {how}:\n" + "\n".join(lines)
+    return f"\nThe samples that {what}, found {how}:\n" + "\n".join(lines)
 
 
-def rows_of(found: tuple, rows) -> np.ndarray | None:
-    """The culprits' data rows, sorted (a read-only int64 array); None where the rows are unknown."""
-    if rows is None:
-        return None
-    out = np.sort(np.array([c.row for c in found], np.int64))
-    out.flags.writeable = False
-    return out
+def rows_of(found: tuple) -> list:
+    """The culprits' data rows, sorted ints; [] where the rows are unknown."""
+    return sorted(c.row for c in found if c.row is not None)
 

@@ -64,6 +64,11 @@ class Applied(NamedTuple):
       weights, updates: name -> each trained variable's value after the apply, and
         after minus before (NumPy arrays, read in the same call as the apply),
         where the apply was asked for ``values``; else None.
+      nonfinite: the names of the trained variables and optimizer variables
+        (slots, moments, iterations, loss scale) that the update made NaN or
+        Inf, found in the apply's own call, which then undid the update: every
+        one of them, the global step too, is as before it. () where all are
+        finite, or the backend was made not to check.
     """
 
     global_step: int
@@ -72,6 +77,7 @@ class Applied(NamedTuple):
     skipped: str | None = None
     weights: dict | None = None
     updates: dict | None = None
+    nonfinite: tuple = ()
 
 
 class SampleStats(NamedTuple):
@@ -144,7 +150,10 @@ class Backend(Protocol):
         "optimizer"), fed ``feed`` (from :meth:`apply_feed`); returns the new global step, the
         learning rate and, when ``measure``, the update-to-weight ratios, measured in the same
         call (None otherwise), or why the optimizer skipped the update. With ``values``, the
-        weights after the apply and the updates too, read in that same call."""
+        weights after the apply and the updates too, read in that same call. A backend made
+        to check its applies (``check_applied``) checks the updated variables and optimizer
+        state for NaN and Inf in the same call and undoes the update there where it finds
+        any (:attr:`Applied.nonfinite`)."""
 
     def global_step(self) -> int:
         """The global step now."""

@@ -39,6 +39,7 @@ from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
 from hostavg.engine.batches import prepare
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
+from hostavg.engine.overflow import overflowed
 from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
@@ -236,9 +237,13 @@ class Engine:
         """Tells the averaging that the loop around the steps ends with ``error`` (see :meth:`Average.abandon`)."""
         self.average.abandon(error)
 
-    def _step(self, backend, feeds, sizes, rows) -> tuple[StepResult, dict | None, dict | None]:
-        """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), and the apply's feed."""
-        acc, log = self._acc, _StepLog(self._keep_micro)
+    def _step(self, backend, feeds, sizes, rows, flagged: Mapping
+              ) -> tuple[StepResult, dict | None, dict | None, tuple]:
+        """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), the
+        apply's feed, and the micro-batches (their feeds as given, and as prepared). ``flagged``: index -> :class:`_Overflow`
+        of the micro-batches that drove an earlier try of this step's apply non-finite."""
+        acc, log = self._acc, _StepLog(self._keep_micro, flagged)
+        batches = []
         acc.reset()
         micro = log.micro
         try:
@@ -260,7 +265,7 @@ class Engine:
                               StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
                               skipped=f"all {len(tally.norms)} micro-batches were dropped; "
                                       f"nothing was applied",
-                              fetched=tuple(m.fetched for m in micro)), None, None
+                              fetched=tuple(m.fetched for m in micro)), None, None, (feeds, batches)
 
         reducer = self.average.reducer(backend, tally.total)
         mean = acc.mean(reducer)
@@ -299,21 +304,7 @@ class Engine:
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
                 mine = False
         return result, self._checked(mean, what, hint, mine,
-                                     finite=backend.nonfinite == "refuse"), tally.apply_feed
-
-    def _apply(self, backend, result: StepResult, mean: dict, feed) -> StepResult:
-        """Applies the checked ``mean`` of ``result``; the result as applied: the global step,
-        learning rate and, where due, the update ratios and the distributions, all read in
-        the apply's own call."""
-        ratios, seen = self.update_ratios_every, self.distributions_every
-        applied = backend.apply(mean, feed, bool(ratios) and result.step % ratios == 0,
-                                values=bool(seen) and result.step % seen == 0)
-        kept = applied.weights is not None and applied.skipped is None
-        return replace(result, step=applied.global_step,
-                       update_ratios=None if applied.skipped else applied.update_ratios,
-                       learning_rate=applied.learning_rate, skipped=applied.skipped,
-                       distributions=distributions.of_step(mean, applied.weights, applied.updates)
-                       if kept else None)
+                                     finite=backend.nonfinite == "refuse"), tally.apply_feed, (feeds, batches)
 
     def _micro_batches(self, backend, feeds, batches, log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
@@ -350,7 +341,11 @@ class Engine:
             with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
                 for i, batch in enumerate(batches):
                     try:
-                        before, computed = ahead.take(i)
+                        try:
+                            before, computed = ahead.take(i)
+                        except HostavgError as e:
+                            log.raised = i if e.__cause__ is not None else None  # the framework's
+                            raise
                         global_step = self._micro_batch(i, batch, computed, backend, log, whole)
                         if log.micro[-1].dropped is not None and before is not None:
                             ahead.redo(lambda: backend.restore(before))
@@ -362,6 +357,10 @@ class Engine:
         except HostavgError as e:
             if log.failed is not None:
                 self._name_culprits(backend, feeds[log.failed], batches[log.failed], e)
+            elif log.raised is not None:
+                self._name_culprits(backend, feeds[log.raised], batches[log.raised], e,
+                                    "fail", culprits.NONE_FAILING, search=culprits.failing,
+                                    refused=HostavgError)
             raise
         for i in log.search:
             try:
@@ -373,9 +372,10 @@ class Engine:
                     f"failed: {type(failed).__name__}: {failed})"))
         return global_step
 
-    def _culprits(self, backend, feed, batch) -> tuple[tuple, str]:
-        """The culprit samples of a non-finite micro-batch, and how they were found
-        (:func:`~hostavg.engine.culprits.find`); what computing its samples assigns is restored."""
+    def _culprits(self, backend, feed, batch, search=culprits.find, **how) -> tuple[tuple, str]:
+        """The culprit samples of a micro-batch, and how they were found (``search``:
+        :func:`~hostavg.engine.culprits.find` or :func:`~hostavg.engine.culprits.failing`,
+        given ``how``); what computing its samples assigns is restored."""
         _, n, start, where, rows = batch
         snapshot = []
 
@@ -388,23 +388,27 @@ class Engine:
             return g.loss, math.fsum(_sq_norms(g).values())
 
         try:
-            return culprits.find(feed, n, start, rows, compute)
+            return search(feed, n, start, rows, compute, **how)
         finally:
             if snapshot:
                 backend.restore(snapshot[0])
 
-    def _name_culprits(self, backend, feed, batch, error: HostavgError) -> None:
-        """Adds the culprit samples of the micro-batch that failed the step to its ``error``:
-        lines in the message, ``.culprits`` and ``.culprit_rows`` (sorted data rows, or None
-        where the rows are unknown)."""
+    def _name_culprits(self, backend, feed, batch, error: HostavgError,
+                       what: str = "make it non-finite", none: str = culprits.NonFinite.none_alone,
+                       **search) -> None:
+        """Adds the culprit samples (that ``what``; ``none`` where there are none) of the
+        micro-batch that failed the step to its ``error``: lines in the message, ``.culprits``
+        and ``.culprit_rows`` (sorted data rows; [] where the rows are unknown). ``search``:
+        :meth:`_culprits`'s."""
         try:
-            found, how = self._culprits(backend, feed, batch)
+            found, how = self._culprits(backend, feed, batch, **search)
         except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
-            error.add_note(f"hostavg: looking for the samples that made it non-finite failed "
+            error.add_note(f"hostavg: looking for the samples that {what} failed "
                            f"({type(failed).__name__}: {failed})")
             return
-        error.culprits, error.culprit_rows = found, culprits.rows_of(found, batch[4])
-        error.args = (f"{error.args[0]}{culprits.describe(found, how)}", *error.args[1:])
+        error.culprits, error.culprit_rows = found, culprits.rows_of(found)
+        error.args = (f"{error.args[0]}{culprits.describe(found, how, what, none)}",
+                      *error.args[1:])
 
     def _micro_batch(self, i, batch, computed, backend, log: _StepLog, whole: int) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
@@ -413,8 +417,10 @@ class Engine:
         g, global_step, fetched = computed
         step = global_step + backend.increment
         grads, dropped, changed_by = g, None, None
+        flag = log.flagged.get(i)
         if self._micro_hooks:
-            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows, fetched=fetched)
+            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows, fetched=fetched,
+                                overflows=None if flag is None else flag.reason)
             for hook, on_micro_batch in self._micro_hooks:
                 out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
                 if isinstance(out, Drop):
@@ -438,6 +444,8 @@ class Engine:
                 return False
             return not (grads_ok and math.isfinite(g.loss))
 
+        if dropped is None and flag is not None:
+            raise flag.error  # no hook dropped what drove the apply non-finite before
         if dropped is None:
             hint = INPUTS_HINT if changed_by is None else (
                 f"They were finite before on_micro_batch hook {name_of(changed_by)} "
@@ -463,7 +471,8 @@ class Engine:
             if nonfinite():
                 log.search.append(i)
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
-                                    dropped=dropped, rows=rows, fetched=fetched))
+                                    dropped=dropped, rows=rows, fetched=fetched,
+                                    culprits=None if flag is None else flag.culprits))
         return global_step
 
     def _compute(self, backend, feed, n: int, where: str,
@@ -501,14 +510,19 @@ class _StepLog:
       search: the dropped ones whose own loss or gradients were non-finite: their
         culprit samples are looked for once every micro-batch has run.
       failed: the one whose own non-finite values failed the step, or None.
+      raised: the one whose compute raised the framework's error, or None.
+      flagged: index -> :class:`_Overflow` of those that drove an earlier try of the
+        step's apply non-finite.
     """
 
-    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "failed")
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "failed", "raised",
+                 "flagged")
 
-    def __init__(self, keep: bool):
+    def __init__(self, keep: bool, flagged: Mapping):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
         self.kept = [] if keep else None
-        self.failed = None
+        self.failed = self.raised = None
+        self.flagged = flagged
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
@@ -521,13 +535,29 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     one step: if any computation, hook or check fails, every snapshot is
     restored and nothing is applied; a signal arriving once the applies have
     begun waits until they are done. (The applies run only once every mean
-    was checked; a session failing inside a later apply cannot undo an
-    earlier one.) Once every apply succeeded, each engine's ``on_applied``
-    hooks get its final result.
+    was checked; a session failing inside a later apply, or a later apply
+    found non-finite and undone, cannot undo an earlier one.) Once every apply
+    succeeded, each engine's ``on_applied`` hooks get its final result.
+
+    A lone step (one entry, averaged on this host) whose apply went non-finite
+    is tried again from its snapshot, the micro-batch that drove it shown to
+    the ``on_micro_batch`` hooks with ``MicroBatch.overflows`` set: if one
+    drops it, the step goes on without it (again, for each micro-batch that
+    drives a try non-finite); else its error is raised.
 
     Returns:
       one :class:`~hostavg.StepResult` per entry, in order.
     """
+    flagged = {}
+    while True:
+        try:
+            return _together(steps, flagged)
+        except _Retry as retry:
+            flagged[retry.index] = retry.overflow
+
+
+def _together(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult]:
+    """One try of :func:`step_together`, the micro-batches ``flagged`` by earlier tries."""
     held, done = [], []
     try:
         with region():
@@ -541,15 +571,11 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                     held.append(engine)
                     engine.average.begin(backend)
                     done.append((backend, backend.snapshot()))
-                    done[-1] += engine._step(backend, feeds, sizes, rows[0] if rows else None)
+                    done[-1] += engine._step(backend, feeds, sizes, rows[0] if rows else None,
+                                             flagged)
                 hold()  # from here on a signal waits for the steps to be returned whole
-                results = []
-                for engine, (backend, snapshot, result, values, feed) in zip(held, done):
-                    if values is None:  # skipped: every micro-batch was dropped
-                        backend.restore(snapshot)
-                        results.append(result)
-                    else:
-                        results.append(engine._apply(backend, result, values, feed))
+                results = [_apply(engine, *entry, alone=len(steps) == 1)
+                           for engine, entry in zip(held, done)]
             except BaseException as error:
                 for backend, snapshot, *_ in reversed(done):
                     try:
@@ -570,6 +596,40 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                       applied=True)
     return results
+
+
+def _apply(engine: Engine, backend, snapshot, result, values, feed, sources,
+           alone: bool) -> StepResult:
+    """Applies one engine's checked mean ``values`` (restores a skipped step's ``snapshot``);
+    the final result. An apply the backend found non-finite (and undid) raises its
+    :func:`~hostavg.engine.overflow.overflowed` error, or a :class:`_Retry`."""
+    if values is None:  # skipped: every micro-batch was dropped
+        backend.restore(snapshot)
+        return result
+    every, seen = engine.update_ratios_every, engine.distributions_every
+    applied = backend.apply(values, feed, bool(every) and result.step % every == 0,
+                            values=bool(seen) and result.step % seen == 0)
+    if applied.nonfinite:
+        backend.restore(snapshot)  # the samples are computed from the state before the step
+        error, overflow = overflowed(engine, backend, result, applied.nonfinite, sources)
+        if overflow is not None and alone and engine._micro_hooks \
+                and engine.average.sees_every_micro_batch:
+            raise _Retry(overflow.index, overflow)
+        raise error
+    kept = applied.weights is not None and applied.skipped is None
+    return replace(result, step=applied.global_step,
+                   update_ratios=None if applied.skipped else applied.update_ratios,
+                   learning_rate=applied.learning_rate, skipped=applied.skipped,
+                   distributions=distributions.of_step(values, applied.weights, applied.updates)
+                   if kept else None)
+
+
+class _Retry(Exception):
+    """A lone step's apply went non-finite: try the step again, micro-batch ``index`` flagged."""
+
+    def __init__(self, index: int, overflow):
+        super().__init__(index)
+        self.index, self.overflow = index, overflow
 
 
 def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:

@@ -286,6 +286,8 @@ class CompiledModel(ModelVariables):
     Args:
       model, loss, optimizer: as :class:`hostavg.keras.Trainer` takes them; the
         model is compiled with them (:func:`compiled`).
+      check_applied: whether applies check the weights and the optimizer's state
+        and undo a non-finite update (:attr:`Applied.nonfinite`).
     """
 
     advice = ADVICE
@@ -293,13 +295,14 @@ class CompiledModel(ModelVariables):
     #: Whether compute runs the model's own train_step (:class:`~hostavg.keras.train_step.OwnStep`).
     runs_train_step = False
 
-    def __init__(self, model, loss, optimizer):
+    def __init__(self, model, loss, optimizer, check_applied: bool = True):
         if overrides_train_step(model) and not self.runs_train_step:
             raise HostavgError(
                 f"model {model.name!r} overrides train_step ({type(model).__qualname__}."
                 f"train_step), which {type(self).__name__} never calls: hostavg.keras.Trainer "
                 f"runs such a model with its own train_step per micro-batch")
         self.model = self.target = model
+        self.check_applied = check_applied
         self.refuse_strategies()
         self.optimizer = compiled(model, loss, optimizer)
         scaling = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -353,6 +356,17 @@ class CompiledModel(ModelVariables):
                 f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
                 f"batch the same structure")
         return spec
+
+    def _checks(self, variable) -> bool:
+        """Whether an apply checks ``variable`` finite: a float one, where applies check."""
+        return self.check_applied and np.dtype(variable.dtype).kind == "f"
+
+    def _undone(self, before: int, finite, trained: list) -> Applied:
+        """What an apply reports that found the variables it checks (of the ``trained`` ones,
+        then the optimizer's) not all ``finite`` and undid the update: their names, by path."""
+        trained = [v for v in trained if self._checks(v)]
+        held = trained + [v for v in self.optimizer.variables if self._checks(v)]
+        return Applied(before, nonfinite=tuple(v.path for v, ok in zip(held, finite) if not ok))
 
     def _report(self, before: int, after: int, learning_rate: float, squares, scales,
                 measure: bool, values: tuple = ((), ())) -> Applied:

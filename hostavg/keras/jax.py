@@ -55,11 +55,12 @@ class KerasJaxBackend(CompiledModel):
         and ``optimizer`` (:func:`~hostavg.keras.common.compiled`).
       loss: as :class:`hostavg.keras.Trainer` takes it.
       optimizer: as :class:`hostavg.keras.Trainer` takes it.
+      check_applied: as :class:`hostavg.keras.Trainer` takes it.
 
     Attributes:
       spec: name -> VariableSpec of every trained variable (None until the
         first batch is prepared); dense for every variable.
-      model: the model.
+      model, target: the model.
       optimizer: the optimizer that trains (``model.optimizer``).
       assigned: id -> variable, for every non-trainable variable of the model,
         and every metric variable, that the traced gradient functions may
@@ -67,7 +68,6 @@ class KerasJaxBackend(CompiledModel):
       trained_metrics, evaluated_metrics: the ids of the model's metrics (of
         ``model.metrics``) that the gradient functions, and the evaluation
         functions, update.
-      target: the model.
       nonfinite: "optimizer" for a ``LossScaleOptimizer`` (it skips a
         non-finite step and lowers its scale), else "refuse".
       host_memory: where the compiled gradients are placed for the host to
@@ -80,8 +80,8 @@ class KerasJaxBackend(CompiledModel):
         without a copy and JAX donates such buffers).
     """
 
-    def __init__(self, model, loss, optimizer):
-        super().__init__(model, loss, optimizer)
+    def __init__(self, model, loss, optimizer, check_applied: bool = True):
+        super().__init__(model, loss, optimizer, check_applied)
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
@@ -134,15 +134,18 @@ class KerasJaxBackend(CompiledModel):
         grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
         before = self.global_step()
         with _jax_errors("apply"):
-            new, slots, lr, squares, scales, updates = function(
+            new, slots, lr, squares, scales, updates, finite = function(
                 [v.value for v in trained], [v.value for v in self.optimizer.variables], grads)
         # Copied to the host before the next apply donates the new values' buffers.
         kept = ([np.array(w) for w in new], [np.asarray(u) for u in updates]) if values \
             else ((), ())
-        for v, value in zip(trained, new):
+        for v, value in zip(trained, new):  # the old values, where the update was undone
             v.assign(value)
         for v, value in zip(self.optimizer.variables, slots):
             v.assign(value)
+        finite = np.asarray(finite)
+        if not finite.all():
+            return self._undone(before, finite, trained)
         return self._report(before, self.global_step(), float(lr), squares,
                             np.asarray(scales).tolist(), measure, kept)
 
@@ -328,11 +331,14 @@ class KerasJaxBackend(CompiledModel):
     def _application(self, measure: bool, values: bool):
         """``(trained values, optimizer values, mean) -> (new trained values, new optimizer
         values, learning rate, squared norms of the updates then of the weights before, the
-        loss scale before and after, the updates)``, jitted, the old values donated; the
-        norms only with ``measure``, the updates only with ``values``."""
+        loss scale before and after, the updates, whether each checked variable is
+        finite)``, jitted, the old values donated; the norms only with ``measure``, the
+        updates only with ``values``; where a checked one is not finite (check_applied), the
+        old values come back as the new ones."""
         keep_updates = values
         trained = [self.model.trainable_variables[i] for i in self._kept]
         optimizer, scales = self.optimizer, self._scales
+        checks = [self._checks(v) for v in trained + list(optimizer.variables)]
         loss_scaling = self.nonfinite == "optimizer"  # a LossScaleOptimizer
 
         def apply(values, slots, grads):
@@ -357,7 +363,12 @@ class KerasJaxBackend(CompiledModel):
                 squares = jnp.stack([_sum_squares(a, b) for a, b in zip(new, values)]
                                     + [_sum_squares(b) for b in values])
             updates = [a - b for a, b in zip(new, values)] if keep_updates else []
-            return new, new_slots, lr, squares, jnp.stack([scale, after]), updates
+            finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a, check
+                                in zip([*new, *new_slots], checks) if check] or [jnp.bool_(True)])
+            new, new_slots = jax.lax.cond(jnp.all(finite), lambda: (new, new_slots),
+                                          lambda: (list(values), list(slots)))
+            return new, new_slots, lr, squares, jnp.stack([scale, after]), updates, \
+                finite[:sum(checks)]
 
         return jax.jit(apply, donate_argnums=(0, 1))
 

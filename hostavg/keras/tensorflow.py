@@ -52,6 +52,7 @@ class KerasBackend(CompiledModel):
       optimizer: as :class:`hostavg.keras.Trainer` takes it.
       batch_norm: one of :data:`~hostavg.keras.common.BATCH_NORM_MODES` (see the module
         docstring).
+      check_applied: as :class:`hostavg.keras.Trainer` takes it.
 
     Attributes:
       model: the model.
@@ -70,8 +71,9 @@ class KerasBackend(CompiledModel):
       batch_norm: as given.
     """
 
-    def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
-        super().__init__(model, loss, optimizer)
+    def __init__(self, model, loss, optimizer, batch_norm: str = "micro",
+                 check_applied: bool = True):
+        super().__init__(model, loss, optimizer, check_applied)
         self._loss = loss_function(model)
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
@@ -125,6 +127,8 @@ class KerasBackend(CompiledModel):
         ``LossScaleOptimizer`` skipped the step, and the scale it left. With ``values``, the
         weights after and the updates too, from that same call."""
         out = self._apply_mean(mean, (measure, values))
+        if not out.finite.all():  # undone: the step fails, and its snapshot is restored
+            return self._undone(out.before, out.finite, self._trained)
         self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
         return self._report(out.before, out.after, out.learning_rate, out.squares,
                             (out.scale_before, out.scale_after), measure, out.values)
@@ -292,6 +296,10 @@ class KerasBackend(CompiledModel):
         scales = self._scales
         measure, values = measure  # (the ratios, the weights and updates)
 
+        # What an apply checks and undoes (check_applied): the weights and the optimizer's state.
+        held = variables + list(optimizer.variables) if self.check_applied else variables
+        checked = [v for v in held if self._checks(v)]
+
         def apply(*flat):
             flat, grads = iter(flat), []
             for s in spec:
@@ -301,7 +309,7 @@ class KerasBackend(CompiledModel):
                 else:
                     grads.append(next(flat))
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
-            before = [tf.identity(v.value) for v in variables] if measure or values else []
+            before = [tf.identity(v.value) for v in held] if measure or values or checked else []
             step = tf.identity(optimizer.iterations)
             scale = tf.identity(_scale(optimizer)) if scales else tf.ones((), tf.float32)
             if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
@@ -311,11 +319,12 @@ class KerasBackend(CompiledModel):
             squares = tf.zeros(0, tf.float64)
             if measure:  # the reads of ``before`` precede the update: it waits for them
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
-                                   + [_sum_squares(b) for b in before])
+                                   + [_sum_squares(b) for b in before[:len(variables)]])
             after = [tf.identity(v.value) for v in variables] if values else []
+            finite = _undo_if_nonfinite(held, checked, before)
             return (step, tf.convert_to_tensor(optimizer.iterations), lr, squares, scale,
                     _scale(optimizer) if scales else scale, after,
-                    [a - b for a, b in zip(after, before)])
+                    [a - b for a, b in zip(after, before)], finite)
         return apply
 
     def _evaluation(self, signature):
@@ -400,8 +409,9 @@ class KerasTrainStepBackend(OwnStep, KerasBackend):
 class _Applied(NamedTuple):
     """What a compiled apply reports, on the host: ``optimizer.iterations`` before and after, the
     learning rate, the squared norms of the updates then of the weights before (empty unless
-    measured), the loss scale before and after (1.0 without loss scaling), and the weights
-    after and the updates (empty unless asked for)."""
+    measured), the loss scale before and after (1.0 without loss scaling), the weights
+    after and the updates (empty unless asked for), and whether each checked variable was
+    finite after the update (empty unless checked)."""
 
     before: int
     after: int
@@ -410,13 +420,14 @@ class _Applied(NamedTuple):
     scale_before: float
     scale_after: float
     values: tuple
+    finite: np.ndarray
 
 
 def _applied(out) -> _Applied:
-    before, after, lr, squares, scale_before, scale_after, weights, updates = out
+    before, after, lr, squares, scale_before, scale_after, weights, updates, finite = out
     return _Applied(int(before), int(after), float(lr), np.asarray(squares), float(scale_before),
                     float(scale_after), ([np.asarray(w) for w in weights],
-                                         [np.asarray(u) for u in updates]))
+                                         [np.asarray(u) for u in updates]), np.asarray(finite))
 
 
 def _gradient_outputs(grads, scale) -> tuple:
@@ -438,6 +449,20 @@ def _gradient_outputs(grads, scale) -> tuple:
         out.append(g)
         norms.append(tf.cast(2 * tf.nn.l2_loss(g), tf.float64))  # one pass, no temporary
     return kept, out, tf.stack(norms) if norms else tf.zeros(0, tf.float64)
+
+
+def _undo_if_nonfinite(held: list, checked: list, before: list):
+    """Whether each of ``checked`` is finite now (after the update); where any is not, every
+    one of ``held`` is assigned its value ``before`` the update, in a ``tf.cond``."""
+    if not checked:
+        return tf.zeros(0, tf.bool)
+    finite = tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in checked])
+
+    def undo():
+        for v, b in zip(held, before):
+            v.assign(b)
+        return tf.identity(finite)
+    return tf.cond(tf.reduce_all(finite), lambda: tf.identity(finite), undo)
 
 
 def _scale(optimizer):

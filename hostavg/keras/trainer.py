@@ -71,12 +71,13 @@ class Trainer(BaseTrainer):
     def __init__(self, model, loss=None, optimizer=None, *, micro_batch_size: int | None = None,
                  accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
                  update_ratios_every: int | None = None, overlap: bool = False,
-                 batch_norm: str = "micro", distributions_every: int | None = None):
+                 batch_norm: str = "micro", distributions_every: int | None = None,
+                 check_applied: bool = True):
         """Takes the model as compiled, compiling it with ``loss`` and ``optimizer`` where given.
 
         The keywords every face takes (``micro_batch_size``, ``accumulate``,
         ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
-        ``overlap``, ``distributions_every``) are
+        ``overlap``, ``distributions_every``, ``check_applied``) are
         :class:`~hostavg.train.trainer.BaseTrainer`'s.
 
         Args:
@@ -120,12 +121,14 @@ class Trainer(BaseTrainer):
         super().__init__(micro_batch_size=micro_batch_size, accumulate=accumulate,
                          accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
-                         distributions_every=distributions_every)
+                         distributions_every=distributions_every,
+                         check_applied=check_applied)
         self.batch_norm = batch_norm
         if batch_norm != "micro" and keras.backend.backend() != "tensorflow":
             raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
                                f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
         extra = {"batch_norm": batch_norm} if batch_norm != "micro" else {}
+        extra["check_applied"] = self.check_applied
         kind = backend[2] if overrides_train_step(model) else backend[1]
         self._backend = getattr(importlib.import_module(backend[0]), kind)(
             model, loss, optimizer, **extra)

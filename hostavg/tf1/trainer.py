@@ -71,12 +71,12 @@ class Trainer(BaseTrainer):
                  global_step=None, increment_global_step: bool = True, update_ops=None,
                  hooks=(), comm=None, update_ratios_every: int | None = None,
                  session_threads: str = "pool", overlap: bool = False,
-                 distributions_every: int | None = None):
+                 distributions_every: int | None = None, check_applied: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
 
         The keywords every face takes (``micro_batch_size``, ``accumulate``,
         ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
-        ``overlap``, ``distributions_every``) are
+        ``overlap``, ``distributions_every``, ``check_applied``) are
         :class:`~hostavg.train.trainer.BaseTrainer`'s.
 
         Args:
@@ -137,7 +137,8 @@ class Trainer(BaseTrainer):
         super().__init__(micro_batch_size=micro_batch_size, accumulate=accumulate,
                          accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
-                         distributions_every=distributions_every)
+                         distributions_every=distributions_every,
+                         check_applied=check_applied)
         self.average = average
         if average == "graph" and self.accum_dtype is not None:
             try:
@@ -151,7 +152,8 @@ class Trainer(BaseTrainer):
                               accumulate=accumulate, average=average,
                               accum_dtype=self.accum_dtype, update_ops=update_ops,
                               increment_global_step=flag("increment_global_step", increment_global_step),
-                              session_threads=session_threads)
+                              session_threads=session_threads,
+                              check_applied=self.check_applied)
         self.graph = self._wiring.graph
         self.loss = loss
         self.global_step = self._wiring.global_step

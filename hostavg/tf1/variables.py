@@ -65,8 +65,9 @@ def select_update_ops(graph, loss, update_ops) -> list:
             if set(placeholders_read(u, with_default=False)) <= needed]
 
 
-def assigned_variables(graph, fetches) -> list:
-    """The global variables that running ``fetches`` may assign, in collection order.
+def assigned_variables(graph, fetches, fed=()) -> list:
+    """The global variables that running ``fetches`` (``fed`` tensors fed) may assign, in
+    collection order.
 
     Walks back from the fetches through inputs and control inputs; a variable
     counts when an op reached takes it by reference (``Assign``, ``AssignAdd``,
@@ -75,7 +76,7 @@ def assigned_variables(graph, fetches) -> list:
     step's rollback snapshot does not grow with it.
     """
     by_op = _by_op(graph)
-    found = {v.op for op in ops_run(f.op if isinstance(f, tf.Tensor) else f for f in fetches)
+    found = {v.op for op in ops_run((f.op if isinstance(f, tf.Tensor) else f for f in fetches), fed)
              for v in _assigns(op, by_op)}
     return [v for op, v in by_op.items() if op in found]
 

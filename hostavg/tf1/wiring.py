@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import learning_rate
+from hostavg.compat.tensorflow import is_ref_dtype, learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, Computed
@@ -54,7 +54,7 @@ class Wiring:
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
-                 session_threads: str = "pool"):
+                 session_threads: str = "pool", check_applied: bool = True):
         self.graph, self.loss = loss.graph, loss
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
@@ -75,9 +75,14 @@ class Wiring:
                 optimizer, pairs, self.global_step if increment_global_step else None)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
+            self._checked = []  # the variables an apply checks finite (check_applied), in order
+            if check_applied:
+                self._checked, measured_train_op, before = _checked_train_op(
+                    optimizer, pairs, self.global_step if increment_global_step else None,
+                    self.train_op, self._apply_feeds)
             self._apply_fetches, self.learning_rate = _apply_fetches(
                 optimizer, self.global_step, self.train_op, measured_train_op, pairs, before,
-                self._apply_feeds)
+                self._apply_feeds, bool(self._checked))
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -179,7 +184,11 @@ class Wiring:
         updates too), all from that one session call.
         Measuring keeps each weight's value from before the update alive
         while the optimizer runs (a copy of the weights) and reduces two norms
-        per variable: about the cost of the apply itself again.
+        per variable: about the cost of the apply itself again. Checking
+        (``check_applied``) keeps every value the update writes (weights, slots,
+        the global step) alive the same way, and reads each written float once
+        more; the names of those it finds non-finite, after it undid the
+        update, come back as ``Applied.nonfinite``.
         """
         args = list(feed.values())
         for name, g in zip(self.names, self._grads):
@@ -194,6 +203,10 @@ class Wiring:
         which = "weights" if weights else measure
         out = self._callables.get(sess, self._apply_fetches[which], keys)(*args)
         lr = None if self.learning_rate is None else float(out[1])
+        nonfinite = ()
+        if self._checked:
+            *out, finite = out
+            nonfinite = tuple(v.op.name for v, ok in zip(self._checked, finite) if not ok)
         ratios = after = None
         k = len(self.names)
         if weights:
@@ -202,7 +215,8 @@ class Wiring:
         if measure:
             squares = out[-1].tolist()
             ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
-        return Applied(int(out[0]), ratios, lr, None, *(after or (None, None)))
+        return Applied(int(out[0]), ratios, lr, None, *(after or (None, None)),
+                       nonfinite=nonfinite)
 
 
 def _gradient_pairs(optimizer, loss, var_list) -> list:
@@ -301,18 +315,64 @@ def _train_ops(optimizer, pairs: list, global_step) -> tuple:
     return train_op, measured_train_op, before
 
 
+def _checked_train_op(optimizer, pairs: list, global_step, train_op, apply_feeds: tuple) -> tuple:
+    """The apply that checks what it wrote: ``(checked, op, before)``, ``checked`` the float
+    variables it checks, ``op`` the train op that undoes its update where any of them went
+    NaN or Inf (its output: whether each is finite), ``before`` the weights' values before.
+
+    Every variable ``train_op`` writes (found by walking it: weights, slots, the
+    optimizer's counters, the global step) is read before a second apply op of the same
+    optimizer (its ops wait for the reads, so the update copies what it would write in
+    place); after it, each float one is checked, and a ``tf.cond`` assigns the reads back
+    where any is not finite: one session call, whatever it finds.
+    """
+    variables = [v for _, v in pairs]
+    ids = {id(v) for v in variables}
+    written = variables + [v for v in assigned_variables(train_op.graph, [train_op], apply_feeds)
+                           if id(v) not in ids]
+    with tf.name_scope("hostavg_check_applied"):
+        before = [value_now(v) for v in written]
+        with tf.control_dependencies(before):
+            fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                   if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g, _ in pairs]
+        applied = optimizer.apply_gradients(_applied(zip(fed, variables),
+                                                     _densifies_sparse(optimizer)),
+                                            global_step=global_step)
+        checked = [v for v in written if v.dtype.base_dtype.is_floating]
+        with tf.control_dependencies([applied]):
+            # (read_value: a new read within these dependencies, of a reference variable too)
+            finite = tf.stack([tf.reduce_all(tf.math.is_finite(v.read_value())) for v in checked])
+        return checked, _undo_where(tf.reduce_all(finite), finite, written, before), \
+            before[:len(variables)]
+
+
+def _undo_where(ok, finite, written: list, before: list):
+    """``finite``, once every one of ``written`` is assigned its value ``before`` where ``ok``
+    is false: a resource variable in a ``tf.cond`` (only then), a reference variable (which
+    ``tf.cond`` cannot capture) by a ``tf.where`` of its two values each time."""
+    with tf.control_dependencies([finite]):  # after the update
+        kept = [v1.assign(v, tf.where(ok, v.read_value(), b)) for v, b in zip(written, before)
+                if is_ref_dtype(v.dtype)]
+
+    def undo():
+        with tf.control_dependencies([v.assign(b) for v, b in zip(written, before)
+                                      if not is_ref_dtype(v.dtype)]):
+            return tf.identity(finite)
+    with tf.control_dependencies(kept):
+        return tf.cond(ok, lambda: tf.identity(finite), undo)
+
+
 def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
-                   before: list, apply_feeds: tuple) -> tuple[dict, tf.Tensor | None]:
+                   before: list, apply_feeds: tuple, checked: bool) -> tuple[dict, tf.Tensor | None]:
     """What an apply fetches, by whether it measures, and the optimizer's learning-rate
     tensor (None where none is found).
 
     An apply fetches the global step after it and the learning rate; one
     that measures, the squared norms of each update and of each weight
     before it too, as one vector; one for ``"weights"``, then each weight
-    after it and each update.
+    after it and each update. With ``checked``, ``measured_train_op`` is the
+    checked train op (:func:`_checked_train_op`) and serves all, fetched last.
     """
-    with tf.control_dependencies([train_op]):
-        step_after = global_step.read_value()
     with tf.control_dependencies([measured_train_op]):
         measured_step_after = global_step.read_value()
         with tf.name_scope("hostavg_update_ratios"):
@@ -323,8 +383,15 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
     # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
+    weights = [measured_step_after] + lr + squares + after + updates
+    if checked:
+        return {False: [measured_step_after] + lr + [measured_train_op],
+                True: [measured_step_after] + lr + squares + [measured_train_op],
+                "weights": weights + [measured_train_op]}, rate
+    with tf.control_dependencies([train_op]):
+        step_after = global_step.read_value()
     return {False: [step_after] + lr, True: [measured_step_after] + lr + squares,
-            "weights": [measured_step_after] + lr + squares + after + updates}, rate
+            "weights": weights}, rate
 
 
 def _update_squares(after: list, before: list):

@@ -100,6 +100,11 @@ class Run(Protocol):
         """fit ends with ``error`` (over MPI, a rank leaving alone ends the job)."""
 
 
+#: How many steps in a row may have every micro-batch dropped (by hooks such as
+#: :class:`~hostavg.hooks.SkipNonFinite`) before fit stops with an error naming their culprit
+#: rows: a run that learns nothing goes no further.
+EMPTY_STEPS = 5
+
 #: What fit shows while it trains: True: a progress bar on a terminal or in Jupyter, nothing
 #: elsewhere; "always": a bar anywhere; "epoch": one line per epoch on stdout; "auto": a bar
 #: on a terminal or in Jupyter, one line per epoch elsewhere; False: nothing.
@@ -429,6 +434,7 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: _Progress, item: t
     state.global_step = result.step
     log = state.history.add(state.epoch, result)
     release()
+    _refuse_empty_steps(state.history.steps, result)
     bar.update(result)
     if (plan.checkpoints is not None and plan.checkpoint_every
             and result.step % plan.checkpoint_every == 0):
@@ -456,6 +462,24 @@ def _abandon(run: Run, plan: FitPlan, state: FitState, bar: _Progress,
     finally:
         _close(plan.hooks)
     run.abandon(error)  # over MPI, a rank leaving alone ends the job
+
+
+def _refuse_empty_steps(steps: list, result) -> None:
+    """Raises HostavgError once every micro-batch of the last :data:`EMPTY_STEPS` steps was
+    dropped, naming their culprit rows (``.culprit_rows``) and the last reason."""
+    last = steps[-EMPTY_STEPS:]
+    if len(last) < EMPTY_STEPS or any(s.size for s in last):
+        return
+    rows = sorted({r for s in last for r in s.nonfinite_rows})
+    error = HostavgError(
+        f"every micro-batch of the last {EMPTY_STEPS} steps was dropped, so nothing was trained "
+        f"since global step {result.step}: "
+        + (f"the data rows {rows[:20]}{' ...' if len(rows) > 20 else ''} made them non-finite "
+           f"(the exception's .culprit_rows holds all); remove them from the data"
+           if rows else f"no one data row is to blame; the last reason: "
+                        f"{result.micro[-1].dropped}"))
+    error.culprit_rows = rows
+    raise error
 
 
 class _RunningLoss:

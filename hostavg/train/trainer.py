@@ -49,22 +49,6 @@ class BaseTrainer:
     ``g = sum_i n_i g_i / sum_i n_i`` (g_i the gradient of micro-batch i's MEAN
     loss, n_i its samples), which equals the full-batch step for any optimizer.
 
-    Args:
-      micro_batch_size: samples per micro-batch, used by :meth:`fit` and
-        :meth:`check` when they are not given their own; None: they must be.
-      accumulate: one of :data:`~hostavg.ACCUMULATE_MODES`: "sum" keeps a
-        running sum (one gradient's memory), "stack" keeps every micro-batch's
-        gradients (``StepResult.micro[i].grads`` and the statistics needing them).
-      accum_dtype: the host accumulation dtype ("float64"); None: each variable's.
-      hooks: objects with any of the hook methods of :class:`~hostavg.core.results.Hook`.
-      comm: an mpi4py communicator to train over several processes; None: this one.
-      update_ratios_every: measure ``StepResult.update_ratios`` (|w_after -
-        w_before| / |w_before|) every that many global steps; None: never.
-      overlap: compute micro-batch i + 1 in a worker thread while the host
-        handles micro-batch i; the same results bit for bit.
-      distributions_every: keep ``StepResult.distributions`` (percentiles of each
-        variable's gradient, weights, update) every that many global steps; None: never.
-
     Attributes:
       micro_batch_size: as given; so are the other settings but accum_dtype.
       accum_dtype: as a NumPy dtype, or None.
@@ -76,7 +60,28 @@ class BaseTrainer:
 
     def __init__(self, *, micro_batch_size: int | None = None, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 overlap: bool = False, distributions_every: int | None = None):
+                 overlap: bool = False, distributions_every: int | None = None,
+                 check_applied: bool = True):
+        """The settings every face takes, by keyword.
+
+        Args:
+          micro_batch_size: samples per micro-batch, used by :meth:`fit` and
+            :meth:`check` when they are not given their own; None: they must be.
+          accumulate: one of :data:`~hostavg.ACCUMULATE_MODES`: "sum" keeps a
+            running sum (one gradient's memory), "stack" keeps every micro-batch's
+            gradients (``StepResult.micro[i].grads`` and the statistics needing them).
+          accum_dtype: the host accumulation dtype ("float64"); None: each variable's.
+          hooks: objects with any of the hook methods of :class:`~hostavg.core.results.Hook`.
+          comm: an mpi4py communicator to train over several processes; None: this one.
+          update_ratios_every: measure ``StepResult.update_ratios`` (|w_after -
+            w_before| / |w_before|) every that many global steps; None: never.
+          overlap: compute micro-batch i + 1 in a worker thread while the host
+            handles micro-batch i; the same results bit for bit.
+          distributions_every: keep ``StepResult.distributions`` (percentiles of each
+            variable's gradient, weights, update) every that many global steps; None: never.
+          check_applied: check the updated weights and optimizer state for NaN and Inf in
+            each apply's call, undoing a non-finite update; False: don't (cost: performance page).
+        """
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self.micro_batch_size = None if micro_batch_size is None else positive_int(
@@ -89,6 +94,7 @@ class BaseTrainer:
         self.overlap = flag("overlap", overlap)
         self.distributions_every = None if distributions_every is None else positive_int(
             "distributions_every", distributions_every)
+        self.check_applied = flag("check_applied", check_applied)
         self.comm = comm
         if comm is not None:
             from hostavg.engine.mpi import Distributed  # mpi4py is imported on use only
