@@ -368,12 +368,13 @@ class KerasTrainStepBackend(OwnStep, KerasBackend):
     ``batch_norm`` only "micro" (the step's forward pass is the model's own).
     """
 
-    def __init__(self, model, loss, optimizer, batch_norm: str = "micro"):
+    def __init__(self, model, loss, optimizer, batch_norm: str = "micro",
+                 check_applied: bool = True):
         if batch_norm != "micro":
             raise HostavgError(f"batch_norm={batch_norm!r} moves the statistics of hostavg's own "
                                f"forward pass, but model {model.name!r} trains by its own "
                                f"train_step: use batch_norm='micro'")
-        super().__init__(model, loss, optimizer)
+        super().__init__(model, loss, optimizer, check_applied=check_applied)
 
     def _trace_compute(self, leaves, signature, what: str):
         """(the function that runs train_step on one input signature, the names of the logs it
