@@ -63,8 +63,8 @@ def cut(micro_batch_size=None, micro_batches=None) -> Cut | None:
       HostavgError: for both given, or either not an integer >= 1.
     """
     if micro_batch_size is not None and micro_batches is not None:
-        raise HostavgError(f"give micro_batch_size or micro_batches, not both; got "
-                           f"micro_batch_size={micro_batch_size!r}, micro_batches={micro_batches!r}")
+        raise HostavgError(f"give micro_batch_size or micro_batches, not both; got micro_batch_"
+                           f"size={micro_batch_size!r}, micro_batches={micro_batches!r}")
     if micro_batches is not None:
         return Cut(None, positive_int("micro_batches", micro_batches))
     if micro_batch_size is not None:

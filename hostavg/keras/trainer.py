@@ -69,9 +69,9 @@ class Trainer(BaseTrainer):
     """
 
     def __init__(self, model, loss=None, optimizer=None, *, micro_batch_size: int | None = None,
-                 micro_batches: int | None = None, accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = None, overlap: bool = False,
-                 batch_norm: str = "micro"):
+                 micro_batches: int | None = None, accumulate: str = "sum", accum_dtype=None,
+                 hooks=(), comm=None, update_ratios_every: int | None = None,
+                 overlap: bool = False, batch_norm: str = "micro"):
         """Takes the model as compiled, compiling it with ``loss`` and ``optimizer`` where given.
 
         The keywords every face takes (``micro_batch_size``, ``micro_batches``,

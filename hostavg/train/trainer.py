@@ -390,7 +390,8 @@ class BaseTrainer:
             raise HostavgError(f"check: the feed holds no array of samples to cut into "
                                f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
-        return engine.check(backend, data, split(data, how.size, micro_batches=how.count, blocks=blocks), n)
+        micro = split(data, how.size, micro_batches=how.count, blocks=blocks)
+        return engine.check(backend, data, micro, n)
 
     def _per_sample(self, backend: Backend, data):
         pd = pandas("per_sample")
