@@ -79,8 +79,8 @@ class BaseTrainer:
                  update_ratios_every: int | None = None, overlap: bool = False):
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        self._cut = cut(micro_batch_size, micro_batches)
-        self.micro_batch_size, self.micro_batches = self._cut or (None, None)
+        self.micro_batch_size, self.micro_batches = cut(micro_batch_size, micro_batches) or (
+            None, None)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
         self.hooks = normalize_hooks(hooks)
@@ -349,13 +349,13 @@ class BaseTrainer:
     def _cut_for(self, micro_batch_size, what: str) -> Cut:
         """How ``what`` cuts a batch: by its own ``micro_batch_size`` where given, else as the
         trainer does; an error naming both where neither says."""
-        if micro_batch_size is not None:
-            return cut(micro_batch_size)
-        if self._cut is None:
+        how = cut(micro_batch_size) if micro_batch_size is not None else cut(
+            self.micro_batch_size, self.micro_batches)  # attributes a user may have set since
+        if how is None:
             raise HostavgError(f"{what} needs micro_batch_size: pass it to {what}, or "
                                f"micro_batch_size or micro_batches to the trainer "
                                f"(Trainer(..., micro_batch_size=32))")
-        return self._cut
+        return how
 
     # --- The implementations, once, over a backend and its feeds -----------------------------
 
