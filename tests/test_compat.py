@@ -34,7 +34,8 @@ TENSORFLOW_APIS = {
 }
 PYTHON_APIS = {"get_handler": "_signal.getsignal", "set_handler": "_signal.signal"}
 KERAS_APIS = {"compile_arguments": "keras.Model._compile_config",
-              "initial_epoch": "keras.Model._initial_epoch"}
+              "initial_epoch": "keras.Model._initial_epoch",
+              "unbuilt": "keras.Model._symbolic_build"}
 JAX_APIS = {"used_inputs": "jax.extend.core.Jaxpr (walked back from the loss)"}
 
 
@@ -380,6 +381,22 @@ def test_where_backup_and_restore_resumes_is_read_by_the_private_form_only(tmp_p
     backup._save_model()  # pylint: disable=protected-access
     backup.on_train_begin()
     assert private(model) == 3 and public(model) is None
+
+
+def test_whether_keras_fit_would_build_a_model_first_is_read_alike_but_for_the_compiled_loss():
+    """Keras's fit on JAX builds (reading a first batch) a model whose layers, compiled loss or
+    compiled metrics are not built; the fallback does not see the compiled loss alone."""
+    import keras
+    private, public = forms("keras.Model._symbolic_build")
+    x, y = np.zeros((4, 3), np.float32), np.zeros((4, 2), np.float32)
+    for metrics in (["mae"], None):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse", metrics=metrics)
+        assert private(model) and public(model) is (metrics is not None)
+        model.train_on_batch(x, y)
+        assert not private(model) and not public(model)
+    model = keras.Sequential([keras.layers.Dense(2)])
+    assert private(model) and public(model)
 
 
 # --- Whole runs, with the switch on and off (one process each) --------------------------------

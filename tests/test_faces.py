@@ -105,9 +105,10 @@ def test_both_faces_have_the_same_public_attributes():
                               micro_batch_size=4)
     keras_face = hostavg.keras.Trainer(keras_model(), "sparse_categorical_crossentropy", "sgd",
                                        micro_batch_size=4)
-    shared = ("micro_batch_size", "accumulate", "accum_dtype", "hooks", "comm",
-              "update_ratios_every", "overlap", "distributions_every", "loss", "rollback_variables")
+    shared = ("micro_batch_size", "micro_batches", "accumulate", "accum_dtype", "hooks", "comm",
+              "update_ratios_every", "overlap", "distributions_every", "check_applied", "loss",
+              "rollback_variables")
     for trainer in (tf1, keras_face):
         for name in shared:
             getattr(trainer, name)
-        assert trainer.micro_batch_size == 4
+        assert (trainer.micro_batch_size, trainer.micro_batches) == (4, None)

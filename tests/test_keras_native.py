@@ -4,6 +4,8 @@ the History, mixed precision, distribution strategies, evaluation metrics (issue
 Keras's TensorFlow backend, and on JAX (tests/test_keras_jax.py runs it there)."""
 
 import csv
+import itertools
+import re
 import warnings
 
 import keras
@@ -326,16 +328,181 @@ def test_initial_epoch_and_an_endless_dataset_with_steps_per_epoch():
     assert_close(weights(model), weights(twin))
 
 
-def test_verbose_2_prints_one_line_per_epoch_and_0_nothing(capsys):
+def test_an_endless_dataset_without_steps_per_epoch_is_refused_before_anything_changes():
+    """Refused before a batch is read: the weights, the step, and the dataset's reshuffles are
+    as they were, so fitting it then with steps_per_epoch trains as Keras's fit does."""
+    x, y = data(12)
+
+    def endless():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=4).repeat().batch(BATCH)
+
+    model, ds = compiled(), endless()
+    before = weights(model)
+    trainer = hostavg.keras.Trainer(model, micro_batch_size=MICRO)
+    with pytest.raises(hostavg.HostavgError, match=r"^the data never ends \(a dataset of infinite "
+                                                   r"cardinality.*; pass steps_per_epoch="):
+        trainer.fit(ds, epochs=2, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+    assert_close(weights(model), before, atol=0)
+    ours, theirs = BatchLosses(), BatchLosses()
+    trainer.fit(ds, epochs=2, steps_per_epoch=5, verbose=0, callbacks=[ours])
+    twin = compiled()
+    twin.fit(endless(), epochs=2, steps_per_epoch=5, verbose=0, callbacks=[theirs])
+    np.testing.assert_allclose(ours.losses, theirs.losses, rtol=1e-5)
+    assert_close(weights(model), weights(twin))
+
+
+def reshuffled(n=N, seed=3):
+    """A dataset that reshuffles on every iterator, seeded: each pass another order."""
+    x, y = data(20)
+    return tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).shuffle(n, seed=seed).batch(BATCH)
+
+
+def per_batch(running: list, sizes: list) -> list:
+    """Each batch's own loss, from one epoch's running means as fit reports them (Keras's loss
+    tracker weighs each batch by its samples)."""
+    totals = [mean * seen for mean, seen in zip(running, itertools.accumulate(sizes))]
+    return [(total - before) / n for total, before, n in zip(totals, [0.0, *totals[:-1]], sizes)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"steps_per_epoch": 3}, {"validation_steps": 2}],
+                         ids=["passes", "steps_per_epoch", "validation_steps"])
+def test_a_reshuffling_dataset_trains_in_the_order_keras_fit_reads_it(kw):
+    """Over 3 epochs, each batch's loss as in Keras's fit (Keras opens an iterator per pass,
+    and more: hostavg opens the same ones); validation on a reshuffling dataset too."""
+    theirs = BatchLosses()
+    twin = compiled(optimizer=keras.optimizers.SGD(0.1))
+    want = twin.fit(reshuffled(), epochs=3, verbose=0, callbacks=[theirs],
+                    validation_data=reshuffled(150, 5), **kw)
+    model = compiled(optimizer=keras.optimizers.SGD(0.1))
+    got = hostavg.keras.Trainer(model, micro_batch_size=MICRO).fit(
+        reshuffled(), epochs=3, verbose=0, validation_data=reshuffled(150, 5), **kw)
+    epochs = [[s for s in got.steps if s.epoch == e] for e in range(3)]
+    running = [theirs.losses[sum(map(len, epochs[:e])):][:len(epochs[e])] for e in range(3)]
+    keras_losses = [loss for e in range(3)
+                    for loss in per_batch(running[e], [s.size for s in epochs[e]])]
+    np.testing.assert_allclose([s.loss for s in got.steps], keras_losses, rtol=1e-4)
+    assert_history(got.history, want.history, rel=1e-4)
+    assert_close(weights(model), weights(twin))
+
+
+@pytest.mark.parametrize("cut", [{"micro_batch_size": 16}, {"micro_batches": 3}],
+                         ids=["micro_batch_size", "micro_batches"])
+def test_a_published_fit_call_runs_unchanged_once_model_fit_is_the_trainers(tmp_path, cut):
+    """``model.fit(ds, epochs=..., callbacks=[...], validation_data=val_ds)`` as keras-io
+    programs write it; the one change: ``model.fit`` becomes ``Trainer(model, <cut>).fit``. The
+    same History, weights and files as Keras's own fit, a reshuffling dataset included."""
+    def published(fit, folder):
+        folder.mkdir()
+        return fit(reshuffled(), epochs=4, validation_data=reshuffled(150, 5), callbacks=[
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=2,
+                                          restore_best_weights=True),
+            keras.callbacks.ModelCheckpoint(str(folder / "best.keras"), save_best_only=True),
+            keras.callbacks.CSVLogger(str(folder / "log.csv"))])
+
+    twin, model = compiled(), compiled()
+    want = published(twin.fit, tmp_path / "keras")
+    got = published(hostavg.keras.Trainer(model, **cut).fit, tmp_path / "ours")
+    assert_history(got.history, want.history, rel=1e-4)
+    assert_close(weights(model), weights(twin))
+    rows = [list(csv.DictReader(open(tmp_path / name / "log.csv"))) for name in ("ours", "keras")]
+    assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]]
+    assert_close(weights(keras.models.load_model(tmp_path / "ours" / "best.keras")),
+                 weights(keras.models.load_model(tmp_path / "keras" / "best.keras")))
+
+
+class MicroSizes:
+    """Each step's micro-batch sizes, as applied."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def on_applied(self, result):
+        self.sizes.append([m.size for m in result.micro])
+
+
+class EvaluatedChunks(keras.callbacks.Callback):
+    """How many chunks each evaluation announces."""
+
+    def __init__(self):
+        super().__init__()
+        self.chunks = 0
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.chunks += 1
+
+
+def test_micro_batches_cut_each_batch_into_k_for_fit_its_validation_and_check():
+    """micro_batches=3: 64 samples in 22, 21, 21, the last batch's 8 in 3, 3, 2 (as
+    hostavg.split cuts them); validation in chunks of ceil(64 / 3) = 22; the same weights as
+    Keras's fit; check cuts as fit does; fit's own micro_batch_size wins."""
+    x, y = data(21)
+    sizes, chunks = MicroSizes(), EvaluatedChunks()
+    model, twin = compiled(), compiled()
+    trainer = hostavg.keras.Trainer(model, micro_batches=3, hooks=[sizes])
+    assert (trainer.micro_batch_size, trainer.micro_batches) == (None, 3)
+    got = trainer.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[chunks],
+                      validation_data=(x[:50], y[:50]))
+    want = twin.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                    validation_data=(x[:50], y[:50]))
+    assert sizes.sizes == [[22, 21, 21]] * 3 + [[3, 3, 2]] and chunks.chunks == 3
+    assert_history(got.history, want.history)
+    assert_close(weights(model), weights(twin))
+    assert trainer.check(x[:10], y[:10]).micro_batches == 3
+    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=32, verbose=0, epochs=1)
+    assert sizes.sizes[-4:] == [[32, 32]] * 3 + [[8]]
+
+
+def test_micro_batch_size_and_micro_batches_together_are_refused_naming_both():
+    for cut in ({"micro_batch_size": 8, "micro_batches": 2}, {"micro_batches": 0}):
+        with pytest.raises(hostavg.HostavgError, match="micro_batches"):
+            hostavg.keras.Trainer(compiled(), **cut)
+    with pytest.raises(hostavg.HostavgError, match=r"^give micro_batch_size or micro_batches, "
+                                                   r"not both; got micro_batch_size=8, "
+                                                   r"micro_batches=2$"):
+        hostavg.keras.Trainer(compiled(), micro_batch_size=8, micro_batches=2)
+    x, y = data(22)
+    with pytest.raises(hostavg.HostavgError, match=r"micro_batches \(65\) is more than "
+                                                   r"batch_size \(64\)"):
+        hostavg.keras.Trainer(compiled(), micro_batches=65).fit(x, y, batch_size=BATCH, verbose=0)
+    with pytest.raises(hostavg.HostavgError, match=r"fit needs micro_batch_size: .* or "
+                                                   r"micro_batch_size or micro_batches to the "
+                                                   r"trainer"):
+        hostavg.keras.Trainer(compiled()).fit(x, y, verbose=0)
+
+
+def shown(text: str) -> str:
+    """What a progress display printed, with its colours, backspaces, numbers and time units
+    masked: its layout."""
+    text = re.sub(r"\x1b\[[0-9;]*m|\x08", "", text)
+    return re.sub(r"N(ms|us|s)/step", "T/step", re.sub(r"\d+(\.\d+)?", "N", text))
+
+
+def test_verbose_shows_keras_progress_bar_as_model_fit(capsys):
+    """verbose=2: Keras's one line per epoch, as model.fit prints it; 1 and "auto": Keras's
+    Progbar (steps, time per step, metrics); 0: nothing. hostavg's own display stays off."""
     x, y = data(13)
-    trainer = hostavg.keras.Trainer(compiled())
-    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, epochs=2, verbose=2,
-                validation_data=(x[:20], y[:20]))
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("epoch 1/2: 4 steps in ")
-    assert "loss=" in lines[0] and "accuracy=" in lines[0] and "val_loss=" in lines[1]
-    trainer.fit(x, y, batch_size=BATCH, micro_batch_size=MICRO, verbose=0)
+    kw = dict(batch_size=BATCH, epochs=2, validation_data=(x[:20], y[:20]))
+    trainer = hostavg.keras.Trainer(compiled(), micro_batch_size=MICRO)
+    trainer.fit(x, y, verbose=2, **kw)
+    ours = capsys.readouterr()
+    compiled().fit(x, y, verbose=2, **kw)
+    assert ours.err == "" and shown(ours.out) == shown(capsys.readouterr().out)
+    assert shown(ours.out).splitlines() == [
+        "Epoch N/N", "N/N - Ns - T/step - accuracy: N - loss: N - val_accuracy: N - val_loss: N"] * 2
+    for verbose in (1, "auto"):
+        trainer.fit(x, y, verbose=verbose, **kw)
+        out = capsys.readouterr().out
+        assert out.startswith("Epoch 1/2\n") and "━" in out, out
+        last = out.splitlines()[-1].split("\r")[-1]
+        assert shown(last).startswith("N/N ━") and "4/4" in last and " - loss: " in last, last
+        assert shown(last).endswith(" T/step - accuracy: N - loss: N - val_accuracy: N - "
+                                    "val_loss: N"), last
+    trainer.fit(x, y, verbose=0, **kw)
     assert capsys.readouterr() == ("", "")
+    trainer.fit(x, y, verbose=1, progress="epoch", **kw)  # hostavg's own display, where asked
+    assert capsys.readouterr().out.startswith("epoch 1/2: 4 steps in ")
 
 
 def test_fit_argument_errors_are_found_before_training():

@@ -19,10 +19,10 @@ v1 = tf.compat.v1
 N = 250  # batches of 96: 96, 96 and a short 58
 
 
-def setup(seed=1, hidden=(16,)):
+def setup(seed=1, hidden=(16,), **trainer_kw):
     model = models.mlp(10, list(hidden), 3, seed=seed)
     with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), **trainer_kw)
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=model.graph)
     sess.run(init)
@@ -68,6 +68,49 @@ def test_fit_equals_a_hand_written_loop_of_steps_with_a_short_last_batch():
     assert epoch0["samples"] == N and epoch0["steps"] == 3
     assert epoch0["loss"] == pytest.approx(
         sum(s.loss * s.size for s in history.steps[:3]) / N, rel=1e-12)
+
+
+def test_micro_batches_on_the_trainer_cut_each_batch_into_k_as_split_does():
+    """micro_batches=3: batches of 96 in 32 each, the short 58 in 20, 19, 19: bit for bit the
+    steps over hostavg.split(batch, micro_batches=3); fit's own micro_batch_size wins."""
+    model, trainer, sess = setup(micro_batches=3)
+    d = data(model)
+    history = trainer.fit(sess, d, batch_size=96, shuffle=False, progress=False,
+                          validation_data=d)
+    want_model, want_trainer, want_sess = setup()
+    sizes = []
+    for start in range(0, N, 96):
+        rows = slice(start, start + 96)
+        batch = {want_model.x: d[model.x][rows], want_model.y: d[model.y][rows]}
+        result = want_trainer.step(want_sess, hostavg.split(batch, micro_batches=3))
+        sizes.append([m.size for m in result.micro])
+    assert sizes == [[32, 32, 32], [32, 32, 32], [20, 19, 19]]
+    assert [len(s.micro_norms) for s in history.steps] == [3, 3, 3]
+    assert_bitwise_equal(weights(model, sess), weights(want_model, want_sess))
+    assert "val_loss" in history.history
+    small = {model.x: d[model.x][:10], model.y: d[model.y][:10]}
+    assert trainer.check(sess, small).micro_batches == 3
+    history = trainer.fit(sess, d, batch_size=96, micro_batch_size=48, progress=False)
+    assert [len(s.micro_norms) for s in history.steps] == [2, 2, 2]
+    with pytest.raises(hostavg.HostavgError, match=r"^give micro_batch_size or micro_batches, "
+                                                   r"not both; got micro_batch_size=4, "
+                                                   r"micro_batches=2$"):
+        setup(micro_batch_size=4, micro_batches=2)
+
+
+def test_an_endless_dataset_without_steps_per_epoch_is_refused_before_anything_changes():
+    model, trainer, sess = setup(micro_batch_size=32)
+    d = data(model)
+    endless = tf.data.Dataset.from_tensor_slices({"x": d[model.x], "y": d[model.y]}).repeat()
+    before = weights(model, sess)
+    with pytest.raises(hostavg.HostavgError, match=r"^the data never ends \(a dataset of infinite "
+                                                   r"cardinality.*; pass steps_per_epoch="):
+        trainer.fit(sess, endless, inputs={"x": model.x, "y": model.y}, batch_size=96,
+                    progress=False)
+    assert_bitwise_equal(weights(model, sess), before)  # the global step among them
+    history = trainer.fit(sess, endless, inputs={"x": model.x, "y": model.y}, batch_size=96,
+                          steps_per_epoch=4, epochs=2, progress=False)
+    assert [s.size for s in history.steps] == [96] * 8
 
 
 def test_drop_remainder_and_shuffle_seed():

@@ -200,7 +200,8 @@ def test_tf1_fit_shows_what_verbose_asks_unless_progress_is_given(tf1, capsys, v
 def test_fit_and_check_take_the_trainers_micro_batch_size_and_need_one(tf1):
     model, trainer, sess, feed = tf1
     with pytest.raises(hostavg.HostavgError, match=r"^fit needs micro_batch_size: pass it to fit, "
-                                                   r"or to the trainer"):
+                                                   r"or micro_batch_size or micro_batches to the "
+                                                   r"trainer"):
         trainer.fit(sess, feed, batch_size=10, verbose=0)
     with pytest.raises(hostavg.HostavgError, match=r"^check needs micro_batch_size"):
         trainer.check(sess, feed)
@@ -208,6 +209,9 @@ def test_fit_and_check_take_the_trainers_micro_batch_size_and_need_one(tf1):
     history = trainer.fit(sess, feed, batch_size=10, verbose=0)
     assert [len(s.micro_norms) for s in history.steps] == [2, 2]
     assert trainer.check(sess, feed).ok
+    trainer.micro_batch_size, trainer.micro_batches = None, 5
+    history = trainer.fit(sess, feed, batch_size=10, verbose=0)
+    assert [len(s.micro_norms) for s in history.steps] == [5, 5]
 
 
 def test_array_source_refuses_a_shuffle_that_is_no_bool():

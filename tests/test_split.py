@@ -16,10 +16,37 @@ def test_split_cuts_arrays_and_shares_scalars():
     assert np.shares_memory(parts[1]["x"], x)
 
 
-@pytest.mark.parametrize("size", [0, -3, 2.5, True, None])
+@pytest.mark.parametrize("size", [0, -3, 2.5, True])
 def test_split_refuses_a_bad_micro_batch_size(size):
     with pytest.raises(HostavgError, match=rf"micro_batch_size must be an integer >= 1, got {size!r}"):
         split({"x": np.zeros(4)}, size)
+    with pytest.raises(HostavgError, match=rf"micro_batches must be an integer >= 1, got {size!r}"):
+        split({"x": np.zeros(4)}, micro_batches=size)
+
+
+def test_split_takes_micro_batch_size_or_micro_batches_exactly():
+    with pytest.raises(HostavgError, match=r"^split needs micro_batch_size .* or micro_batches "
+                                           r".*, got neither$"):
+        split({"x": np.zeros(4)})
+    with pytest.raises(HostavgError, match=r"^give micro_batch_size or micro_batches, not both; "
+                                           r"got micro_batch_size=2, micro_batches=3$"):
+        split({"x": np.zeros(4)}, 2, micro_batches=3)
+
+
+@pytest.mark.parametrize("n", range(1, 26))
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7])
+def test_micro_batches_are_k_of_sizes_differing_by_at_most_one_the_larger_first(n, k):
+    """Brute force: every sample once, in order; min(k, n) parts; sizes differing by at most one,
+    never growing; and the largest is ceil(n / k), as Cut.largest says."""
+    from hostavg.core.split import Cut
+    x = np.arange(n)
+    parts = split((x, x * 2), micro_batches=k)
+    sizes = [len(a) for a, _ in parts]
+    assert len(parts) == min(k, n) and max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True) == Cut(None, k).sizes(n)
+    assert max(sizes) == -(-n // k) == Cut(None, k).largest(n)
+    np.testing.assert_array_equal(np.concatenate([a for a, _ in parts]), x)
+    np.testing.assert_array_equal(np.concatenate([b for _, b in parts]), x * 2)
 
 
 def test_split_refuses_arrays_of_different_lengths_and_empty_feeds():

@@ -406,8 +406,9 @@ def _train(args) -> int:
                            f"the folder to write the checkpoints to")
     watchers = _watchers(args)
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
+    from hostavg.core.split import cut
     from hostavg.train.loop import check_sizes
-    check_sizes(args.batch_size, args.micro_batch_size, args.epochs, args.checkpoint_every)
+    check_sizes(args.batch_size, cut(args.micro_batch_size), args.epochs, args.checkpoint_every)
     if args.engine == "keras" and args.average != "host":
         raise HostavgError(f"--average {args.average} is for the TF1 engine; the Keras engine "
                            f"averages on the host")

@@ -1,8 +1,9 @@
 """The private framework APIs hostavg uses: one module per framework, each API detected, each with a public fallback.
 
 CPython's and TensorFlow's serve the per-micro-batch path (their public twins cost
-Python time per call); Keras's two tell what ``compile`` was given and where a
-restored backup resumes; JAX's tells which variables the loss uses. One small
+Python time per call); Keras's three tell what ``compile`` was given, where a
+restored backup resumes and whether fit builds the model first; JAX's tells which
+variables the loss uses. One small
 function each, in :mod:`~hostavg.compat.python`, :mod:`~hostavg.compat.tensorflow`,
 :mod:`~hostavg.compat.keras` or :mod:`~hostavg.compat.jax`, imported by the backend
 of that framework only (``python`` by the engine's signal guard). Importing the module
@@ -11,7 +12,7 @@ public fallback. CPython's and TensorFlow's fallbacks give the same values (but 
 learning rate no apply kernel takes, which the step then reports as None); Keras's
 and JAX's do not, as their modules say: ``BackupAndRestore``'s epoch is not resumed,
 a model compiled again gets its metrics anew, a variable the loss does not use is
-trained on zeros. ``HOSTAVG_PUBLIC_API_ONLY=1``, set before hostavg is imported,
+trained on zeros, a dataset may be reshuffled once less than by Keras's fit on JAX. ``HOSTAVG_PUBLIC_API_ONLY=1``, set before hostavg is imported,
 makes every wrapper its fallback (``0`` or unset: private where they work).
 Standard library only (and hostavg's one exception type). See
 docs/explanation/ownership.md for detection, the switch and an example.

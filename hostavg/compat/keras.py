@@ -1,13 +1,10 @@
 """Keras's private APIs that hostavg uses, each detected at import, each with a public fallback.
 
-Imported by :mod:`hostavg.keras` only (it imports Keras). Each wrapper below is
-the private form where, when this module is imported, the private API exists
-(Keras's own code still reads or writes it), and else its public fallback;
-with ``HOSTAVG_PUBLIC_API_ONLY=1`` set before hostavg is imported, every
-wrapper is its public fallback (see :mod:`hostavg.compat`). Detection reads
-Keras's code objects only: it makes no variable, so it initialises no device.
-
-The wrappers, each with its private API and its public fallback:
+Imported by :mod:`hostavg.keras` only. Each wrapper is the private form where
+the private API exists (Keras's own code still reads or writes it), else its
+public fallback; ``HOSTAVG_PUBLIC_API_ONLY=1`` makes it the fallback (see
+:mod:`hostavg.compat`). Detection reads Keras's code objects only: it makes
+no variable, so it initialises no device. Each, private API; fallback:
 
 * :func:`compile_arguments`: ``Model._compile_config``, the arguments
   ``compile`` was given, as given (the very metric objects); the public
@@ -18,6 +15,8 @@ The wrappers, each with its private API and its public fallback:
   ``BackupAndRestore`` callback says training resumes (Keras's own fit reads
   it after ``on_train_begin``); the fallback says None: the backup's weights
   are restored, but training starts at fit's ``initial_epoch``.
+* :func:`unbuilt`: ``Model._symbolic_build``'s test (a layer, the compiled
+  loss or metrics not built); the fallback sees no unbuilt compiled loss.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import keras
 
 from hostavg.compat import choose
 
-__all__ = ["compile_arguments", "initial_epoch"]
+__all__ = ["compile_arguments", "initial_epoch", "unbuilt"]
 
 
 def _names(function) -> tuple:
@@ -79,3 +78,30 @@ def _initial_epoch_works() -> bool:
 
 initial_epoch = choose("keras.Model._initial_epoch", _initial_epoch_private,
                        _initial_epoch_public, _initial_epoch_works)
+
+
+# --- Whether Keras's fit would build the model from a first batch ----------------------------
+
+
+def _unbuilt_private(model) -> bool:
+    """Whether Keras's ``Model._symbolic_build`` builds something (and so, in Keras's fit on
+    JAX, reads a first batch): a layer (``_flatten_layers``), the compiled loss
+    (``_compile_loss``) or the compiled metrics (``_compile_metrics``) not built."""
+    # pylint: disable=protected-access
+    loss, metrics = model._compile_loss, model._compile_metrics
+    return (not all(layer.built for layer in model._flatten_layers())
+            or (metrics is not None and not metrics.built) or (loss is not None and not loss.built))
+
+
+def _unbuilt_public(model) -> bool:
+    """Whether the model, or a metric of ``model.metrics`` (its compiled metrics), is not built;
+    a compiled loss not yet built goes unseen."""
+    return not model.built or any(getattr(m, "built", True) is False for m in model.metrics)
+
+
+def _unbuilt_works() -> bool:
+    return {"_flatten_layers", "_compile_loss", "_compile_metrics"} <= set(
+        _names(keras.Model._symbolic_build))
+
+
+unbuilt = choose("keras.Model._symbolic_build", _unbuilt_private, _unbuilt_public, _unbuilt_works)

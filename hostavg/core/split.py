@@ -16,12 +16,60 @@ See docs/guides/training.md for blocks and sizes in detail.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 
-__all__ = ["arrays", "blocks_of", "feed_size", "sample_count", "split", "take"]
+__all__ = ["Cut", "arrays", "blocks_of", "cut", "feed_size", "sample_count", "split", "take"]
+
+
+class Cut(NamedTuple):
+    """How a batch of n samples is cut into micro-batches: by ``size`` or by ``count``.
+
+    ``size``: micro-batches of ``size`` samples, the last one the rest
+    (ceil(n / size) of them). ``count``: min(count, n) micro-batches whose
+    sizes differ by at most one, the larger first (as ``numpy.array_split``):
+    n = 10, count = 4 gives 3, 3, 2, 2. Exactly one of the two is set
+    (:func:`cut` makes it).
+    """
+
+    size: int | None
+    count: int | None
+
+    def sizes(self, n: int) -> list[int]:
+        """The micro-batch sizes of a batch of ``n`` >= 1 samples, in order."""
+        if self.size is not None:
+            return [min(self.size, n - start) for start in range(0, n, self.size)]
+        k = min(self.count, n)
+        return [n // k + 1] * (n % k) + [n // k] * (k - n % k)
+
+    def largest(self, n: int) -> int:
+        """The largest micro-batch of a batch of ``n`` samples: ``size``, or ceil(n / count)."""
+        return self.size if self.size is not None else -(-n // self.count)
+
+    def __str__(self) -> str:
+        return f"micro_batch_size={self.size}" if self.size is not None \
+            else f"micro_batches={self.count}"
+
+
+def cut(micro_batch_size=None, micro_batches=None) -> Cut | None:
+    """The :class:`Cut` of ``micro_batch_size`` or ``micro_batches``, or None where neither is
+    given.
+
+    Raises:
+      HostavgError: for both given, or either not an integer >= 1.
+    """
+    if micro_batch_size is not None and micro_batches is not None:
+        raise HostavgError(f"give micro_batch_size or micro_batches, not both; got micro_batch_"
+                           f"size={micro_batch_size!r}, micro_batches={micro_batches!r}")
+    if micro_batches is not None:
+        return Cut(None, positive_int("micro_batches", micro_batches))
+    if micro_batch_size is not None:
+        return Cut(positive_int("micro_batch_size", micro_batch_size), None)
+    return None
 
 
 class _BlockedFeed(dict):
@@ -138,7 +186,8 @@ def take(batch, rows, n: int | None = None, blocks: Mapping | None = None):
         if path in blocks else array[rows] for path, array in arrays(batch).items()})
 
 
-def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> list:
+def split(batch, micro_batch_size: int | None = None, *, micro_batches: int | None = None,
+          blocks: Mapping | None = None) -> list:
     """Cuts every array of ``batch`` along axis 0 into micro-batches.
 
     Args:
@@ -147,22 +196,35 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
         arrays of N samples each.
       micro_batch_size: samples per micro-batch, >= 1. The last micro-batch
         holds the remaining N mod micro_batch_size samples when that is not 0.
+      micro_batches: instead of ``micro_batch_size``, the number of
+        micro-batches: min(micro_batches, N) of sizes that differ by at most
+        one, the larger first (10 samples in 4: 3, 3, 2, 2).
       blocks: {key: b} for arrays of b blocks of N rows (see the module
         docstring); each micro-batch gets its rows of every block.
 
     Returns:
-      ceil(N / micro_batch_size) batches of the same form (feed dicts with
-      the same keys, or tuples); slices are views, scalars are shared. Cut
-      with ``blocks``, each keeps them (:func:`blocks_of`), so that step
-      tells its size (a copy such as ``dict(batch)`` does not keep them).
+      the micro-batches (ceil(N / micro_batch_size) of them), batches of the
+      same form (feed dicts with the same keys, or tuples); slices are views,
+      scalars are shared. Cut with ``blocks``, each keeps them
+      (:func:`blocks_of`), so that step tells its size (a copy such as
+      ``dict(batch)`` does not keep them).
+
+    Raises:
+      HostavgError: for both ``micro_batch_size`` and ``micro_batches``, or
+        neither, or arrays of different lengths, or no samples.
 
     Example:
       >>> [len(f["x"]) for f in split({"x": np.zeros((10, 3)), "lr": 0.1}, 4)]
       [4, 4, 2]
+      >>> [len(f["x"]) for f in split({"x": np.zeros((10, 3))}, micro_batches=4)]
+      [3, 3, 2, 2]
       >>> [(len(x["a"]), len(y)) for x, y in split(({"a": np.zeros((5, 2))}, np.ones(5)), 3)]
       [(3, 3), (2, 2)]
     """
-    positive_int("micro_batch_size", micro_batch_size)
+    how = cut(micro_batch_size, micro_batches)
+    if how is None:
+        raise HostavgError("split needs micro_batch_size (samples per micro-batch) or "
+                           "micro_batches (their number), got neither")
     if not isinstance(batch, (Mapping, tuple)):
         raise HostavgError(f"split takes a feed dict {{placeholder: array}} or a tuple (x, y), got "
                            f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
@@ -170,9 +232,10 @@ def split(batch, micro_batch_size: int, *, blocks: Mapping | None = None) -> lis
     if not n:
         raise HostavgError(
             "split: the batch holds no samples (no array, or arrays of length 0)")
-    cut = [take(batch, slice(start, start + micro_batch_size), n, blocks)
-           for start in range(0, n, micro_batch_size)]
-    return [_blocked(b, blocks) for b in cut] if blocks else cut
+    sizes = how.sizes(n)
+    parts = [take(batch, slice(start - size, start), n, blocks)
+             for start, size in zip(accumulate(sizes), sizes)]
+    return [_blocked(b, blocks) for b in parts] if blocks else parts
 
 
 def _key_name(key) -> str:

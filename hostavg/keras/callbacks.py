@@ -38,6 +38,8 @@ class KerasCallbacks:
       model: the model they get (``callback.model``).
       epochs, steps, verbose: fit's parameters, as ``model.fit`` gives them
         (``callback.params``); ``steps`` is None where unknown.
+      progbar: add Keras's ``ProgbarLogger`` (its progress bar, as ``verbose``
+        says), as ``model.fit`` does unless ``verbose`` is 0.
       validation_logs: a function returning the validation metrics so far (the
         logs of ``on_test_batch_end``).
 
@@ -46,10 +48,10 @@ class KerasCallbacks:
     """
 
     def __init__(self, callbacks, model, *, epochs: int, steps: int | None, verbose,
-                 validation_logs):
-        self._last = _LastLogs()  # last in the list, as Keras's History is in model.fit
+                 progbar: bool, validation_logs):
+        self._last = _LastLogs()  # where Keras's History is in model.fit: before the progbar
         self.callbacks = keras.callbacks.CallbackList(
-            [*callbacks, self._last], add_history=False, add_progbar=False, model=model,
+            [*callbacks, self._last], add_history=False, add_progbar=progbar, model=model,
             verbose=verbose, epochs=epochs, steps=steps)
         self.model, self._validation_logs = model, validation_logs
 

@@ -7,7 +7,8 @@ arrays (nothing here needs Keras's TensorFlow backend):
   fit cuts them into batches of ``batch_size``, shuffled by seed and data
   pass; ``validation_split`` and ``class_weight`` as Keras does.
 * Batches (a batched ``tf.data.Dataset`` or a ``keras.utils.PyDataset``):
-  each element one optimizer step's batch.
+  each element one optimizer step's batch, a dataset read through one
+  iterator per pass, as Keras's fit reads it (a ``.shuffle()`` keeps its order).
 
 See docs/guides/keras.md for each kind in detail.
 """
@@ -22,13 +23,14 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 
+from hostavg.compat.keras import unbuilt
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.split import feed_size, split, take
 from hostavg.keras.common import as_batch, positions
 from hostavg.train.loop import ArraySource
 
-__all__ = ["BatchSource", "checked_batch_size", "chunks", "is_batches", "samples", "source",
-           "split_validation", "validation", "weighted"]
+__all__ = ["BatchSource", "checked_batch_size", "chunks", "is_batches", "read_as_keras", "samples",
+           "source", "split_validation", "validation", "weighted"]
 
 
 def is_batches(x) -> bool:
@@ -109,9 +111,9 @@ def split_validation(batch: tuple, validation_split) -> tuple:
 
 def validation(validation_data, what: str = "validation_data"):
     """``validation_data`` made ready: a batch ``(x, y[, sample_weight])`` of NumPy arrays, or a
-    dataset (its own batches); checked before any training."""
+    dataset's :class:`BatchSource`; checked before any training."""
     if is_batches(validation_data):
-        return validation_data
+        return BatchSource(validation_data)
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise HostavgError(f"{what} must be (x, y), (x, y, sample_weight), a tf.data.Dataset "
                            f"or a keras.utils.PyDataset, got {type(validation_data).__name__}")
@@ -119,54 +121,87 @@ def validation(validation_data, what: str = "validation_data"):
     return samples(x, y, w, what=f"{what}'s x")
 
 
-def chunks(data, size: int | None, steps: int | None = None):
-    """The batches to evaluate ``data`` (a batch of samples, or a dataset) in: chunks of ``size``
-    samples (a dataset's elements each cut so, or kept whole with ``size`` None); only the first
-    ``steps`` chunks (of samples) or elements (of a dataset), where given."""
-    if not is_batches(data):
+def chunks(data, size: int | None, count: int | None = None, steps: int | None = None):
+    """The batches to evaluate ``data`` (a batch of samples, or a :class:`BatchSource`) in:
+    chunks of ``size`` samples, or ``count`` chunks (as :func:`hostavg.split` cuts), of the
+    samples or of each of the source's batches (kept whole where neither is given); only the
+    first ``steps`` chunks (of samples) or batches (of a source), where given."""
+    if not isinstance(data, BatchSource):
         yield from itertools.islice(split(data, size), steps)
         return
-    elements = BatchSource(data, shuffle=False).batches(0, 0, 0, 0)
-    for batch, _ in itertools.islice(elements, steps):
-        yield from ([batch] if size is None else split(batch, size))
+    for batch, _ in itertools.islice(data.batches(0, 0, 0, 0), steps):
+        yield from ([batch] if size is None and count is None
+                    else split(batch, size, micro_batches=count))
 
 
 class BatchSource:
     """The batches of a ``tf.data.Dataset`` or a ``keras.utils.PyDataset``, as fit's source
-    (:mod:`hostavg.train.loop`): each element one step's batch; rows unknown."""
+    (:mod:`hostavg.train.loop`): each element one step's batch; rows unknown.
+
+    A dataset is read through one iterator per pass (each iterator of a
+    ``.shuffle()`` dataset reshuffles); :meth:`first` reads from the iterator
+    the next pass then continues. Where Keras's fit on TensorFlow (and its
+    evaluate) opens one more iterator at a pass's end, which only
+    ``steps_per_epoch`` would continue (a dataset of known cardinality), so does
+    a pass here (``reopens``), so that every pass has Keras's order; see also
+    :func:`read_as_keras`. ``endless``: a dataset of infinite cardinality, or a
+    PyDataset whose ``num_batches`` is None.
+    """
 
     n = None  # the samples are the data's own: fit does not batch them
     one_shot = False  # a dataset is iterated afresh every pass
 
-    def __init__(self, data, shuffle: bool = False, class_weight=None):
+    def __init__(self, data, shuffle: bool = False, class_weight=None,
+                 steps_per_epoch: int | None = None):
         self.data, self.shuffle, self.class_weight = data, shuffle, class_weight
         self.py = isinstance(data, keras.utils.PyDataset)
+        self._opened = None  # (element 0, the iterator first() read it from): the next pass's
         if self.py:
             self._len = data.num_batches
+            self.endless, self.reopens = self._len is None, False
         else:
             cardinality = int(data.cardinality())
             self._len = cardinality if cardinality >= 0 else None  # infinite, or unknown
+            self.endless = cardinality == -1  # tf.data.INFINITE_CARDINALITY; -2 is unknown
+            self.reopens = (keras.backend.backend() == "tensorflow" and steps_per_epoch is None
+                            and self._len is not None)
 
     def num_batches(self, drop_remainder):
         return self._len
 
     def first(self) -> tuple:
-        """The first batch (made ready), to learn the model's variables from."""
+        """The first batch of the next pass (made ready), to learn the model's variables from."""
         if self.py:
             if self._len == 0:
                 raise HostavgError("the PyDataset gives no batch (num_batches 0)")
             return self._batch(self.data[0], "batch 0 of the PyDataset")
-        for element in self.data.take(1):
-            return self._batch(element, "element 0 of the dataset")
-        raise HostavgError("the dataset gives no batch (it is empty)")
+        if self._opened is None:
+            elements = iter(self.data)
+            head = next(elements, None)
+            if head is None:
+                raise HostavgError("the dataset gives no batch (it is empty)")
+            self._opened = head, elements
+        return self._batch(self._opened[0], "element 0 of the dataset")
+
+    def open_iterator(self) -> None:
+        """Opens an iterator over the dataset and leaves it unread, as Keras's fit does: a
+        ``.shuffle()`` dataset draws its next order for it."""
+        iter(self.data)
 
     def batches(self, data_pass, seed, batch, samples):
         """(batch, None) of the pass's elements from element ``batch`` on."""
         if self.py:
             yield from self._py_batches(data_pass, seed, batch)
             return
-        for i, element in enumerate(self.data.skip(batch), batch):
+        opened, self._opened = self._opened, None
+        if opened is None:
+            elements = iter(self.data.skip(batch) if batch else self.data)
+        else:
+            elements = itertools.islice(itertools.chain([opened[0]], opened[1]), batch, None)
+        for i, element in enumerate(elements, batch):
             yield self._batch(element, f"element {i} of the dataset"), None
+        if self.reopens:
+            self.open_iterator()
 
     def _py_batches(self, data_pass, seed, batch):
         self.data.on_epoch_begin()
@@ -206,8 +241,18 @@ def checked_batch_size(batch_size, data) -> int | None:
     return 32 if batch_size is None else positive_int("batch_size", batch_size)
 
 
-def source(data, batch_size, shuffle, class_weight):
+def read_as_keras(source, model):
+    """``source``, after what Keras's own fit and evaluate read of it before their first step,
+    so that a ``.shuffle()`` dataset gives every pass Keras's order: on Keras's JAX backend,
+    for a model whose layers, compiled loss or metrics are not built, they open an iterator
+    to build them on its first element (a PyDataset: none, hostavg orders its batches)."""
+    if keras.backend.backend() == "jax" and not source.py and unbuilt(model):
+        source.open_iterator()
+    return source
+
+
+def source(data, batch_size, shuffle, class_weight, steps_per_epoch):
     """fit's source of batches for ``data``: a dataset's own, or an array batch cut by fit."""
     if is_batches(data):
-        return BatchSource(data, shuffle, class_weight)
+        return BatchSource(data, shuffle, class_weight, steps_per_epoch)
     return ArraySource(data, batch_size, shuffle)

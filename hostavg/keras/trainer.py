@@ -10,6 +10,7 @@ TensorFlow, :mod:`hostavg.keras.jax` on JAX).
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Mapping, Sequence
 
 import keras
@@ -25,7 +26,8 @@ from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
 from hostavg.keras.common import BATCH_NORM_MODES, as_batch, structured
 from hostavg.keras.train_step import overrides_train_step
 from hostavg.train.history import History
-from hostavg.train.trainer import BaseTrainer, checked_verbose, together_entries
+from hostavg.train.loop import refuse_endless
+from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, checked_verbose, together_entries
 
 __all__ = ["Trainer", "step_together"]
 
@@ -69,14 +71,14 @@ class Trainer(BaseTrainer):
     """
 
     def __init__(self, model, loss=None, optimizer=None, *, micro_batch_size: int | None = None,
-                 accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
-                 update_ratios_every: int | None = None, overlap: bool = False,
-                 batch_norm: str = "micro", distributions_every: int | None = None,
-                 check_applied: bool = True):
+                 micro_batches: int | None = None, accumulate: str = "sum", accum_dtype=None,
+                 hooks=(), comm=None, update_ratios_every: int | None = None,
+                 overlap: bool = False, batch_norm: str = "micro",
+                 distributions_every: int | None = None, check_applied: bool = True):
         """Takes the model as compiled, compiling it with ``loss`` and ``optimizer`` where given.
 
-        The keywords every face takes (``micro_batch_size``, ``accumulate``,
-        ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
+        The keywords every face takes (``micro_batch_size``, ``micro_batches``,
+        ``accumulate``, ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
         ``overlap``, ``distributions_every``, ``check_applied``) are
         :class:`~hostavg.train.trainer.BaseTrainer`'s.
 
@@ -118,8 +120,8 @@ class Trainer(BaseTrainer):
             raise HostavgError("batch_norm='step' combines the moments of every micro-batch of a "
                                "step, but with comm= each rank sees only its own: use "
                                "batch_norm='micro'")
-        super().__init__(micro_batch_size=micro_batch_size, accumulate=accumulate,
-                         accum_dtype=accum_dtype, hooks=hooks, comm=comm,
+        super().__init__(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                         accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
                          distributions_every=distributions_every,
                          check_applied=check_applied)
@@ -169,11 +171,12 @@ class Trainer(BaseTrainer):
     def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
                  sample_weight=None) -> dict:
         if keras_data.is_batches(x):
-            data, size = x, None if batch_size is None else positive_int("batch_size", batch_size)
+            data = keras_data.read_as_keras(keras_data.BatchSource(x), self.model)
+            size = None if batch_size is None else positive_int("batch_size", batch_size)
         else:
             data = keras_data.samples(x, y, sample_weight)
             size = keras_data.checked_batch_size(batch_size, data)
-        return self._evaluated(keras_data.chunks(data, size), data, None)
+        return self._evaluated(keras_data.chunks(data, size), None)
 
     def _batch(self, x, y, sample_weight, call: str):
         """One batch as the backend takes it, from Keras's ``x, y, sample_weight``."""
@@ -187,12 +190,17 @@ class Trainer(BaseTrainer):
                                f"one tuple of {len(x)} as x; unpack the batch: {call}(*batch)")
         return structured(as_batch(x, y, sample_weight))
 
-    def _evaluated(self, chunks, data, callbacks) -> dict:
-        """The evaluation of ``chunks`` (of ``data``), announced to Keras ``callbacks`` if any."""
-        engine = self._engine_for(self._backend, lambda: keras_data.BatchSource(data).first()
-                                  if keras_data.is_batches(data) else take(data, slice(0, 1)),
-                                  "evaluate")
-        with engine.leaving_no_trace(self._backend, "evaluate"):
+    def _evaluated(self, chunks, callbacks) -> dict:
+        """The evaluation of ``chunks``, announced to Keras ``callbacks`` if any; a trainer that
+        has not seen a batch learns the model's variables from the first chunk."""
+        chunks = iter(chunks)
+        if self._engine is None:
+            first = next(chunks, None)
+            if first is None:
+                raise HostavgError("evaluate: the data gives no batch (it is empty)")
+            self._engine_for(self._backend, take(first, slice(0, 1)), "evaluate")
+            chunks = itertools.chain([first], chunks)
+        with self._engine.leaving_no_trace(self._backend, "evaluate"):
             if callbacks is None:
                 return self._backend.evaluate(chunks)
             logs = self._backend.evaluate(callbacks.validating(chunks))
@@ -214,52 +222,66 @@ class Trainer(BaseTrainer):
                                                validation_split, validation_data)
         batch_size = keras_data.checked_batch_size(batch_size, data)
         val = None if validation_data is None else keras_data.validation(validation_data)
-        val_size = None if validation_batch_size is None else positive_int(
-            "validation_batch_size", validation_batch_size)
-        val_steps = None if validation_steps is None else positive_int("validation_steps",
-                                                                        validation_steps)
         batches = keras_data.source(data, batch_size, shuffle,
-                                    class_weight if keras_data.is_batches(data) else None)
-        keras_listeners = None if not keras_callbacks else KerasCallbacks(
-            keras_callbacks, self.model, epochs=epochs, verbose=checked_verbose(verbose),
+                                    class_weight if keras_data.is_batches(data) else None,
+                                    steps_per_epoch)
+        verbose = checked_verbose(verbose)
+        progbar = progress is None and verbose != 0  # Keras's own; hostavg's display off
+        keras_listeners = None if not (keras_callbacks or progbar) else KerasCallbacks(
+            keras_callbacks, self.model, epochs=epochs, verbose=verbose, progbar=progbar,
             steps=steps_per_epoch or batches.num_batches(drop_remainder),
             validation_logs=self._backend.evaluation_results)
 
         def source():
+            refuse_endless(batches, steps_per_epoch)  # before anything reads the data
+            if keras_data.is_batches(data):
+                keras_data.read_as_keras(batches, self.model)
             self._engine_for(self._backend, lambda: take(data, slice(0, 1))
                              if batch_size is not None else batches.first(), "fit, data")
             if val is not None:  # its first sample, before any epoch trains
-                first = keras_data.BatchSource(val).first() if keras_data.is_batches(val) else val
+                first = val.first() if isinstance(val, keras_data.BatchSource) else val
                 try:
-                    self._evaluated([take(first, slice(0, 1))], val, None)
+                    self._evaluated([take(first, slice(0, 1))], None)
                 except HostavgError as e:
                     raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
             return batches
 
-        def validate(epoch, micro_batch_size):
-            if val is None:
-                return {}
-            chunks = keras_data.chunks(val, val_size or micro_batch_size, val_steps)
-            return self._evaluated(chunks, val, keras_listeners)
-
         self.model.stop_training = False
         finalize = _Finalize(self.model)  # before the Keras callbacks hear of the end, as in Keras
         try:
-            history = self._fit(self._backend, source, validate, batch_size=batch_size,
-                                 micro_batch_size=micro_batch_size, epochs=epochs,
-                                 verbose=verbose, progress=progress,
-                                 validation_freq=validation_freq, seed=seed,
-                                 drop_remainder=drop_remainder,
-                                 callbacks=(*hooks, finalize) if keras_listeners is None
-                                 else (*hooks, finalize, keras_listeners),
-                                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                 keep_checkpoints=keep_checkpoints, initial_epoch=initial_epoch,
-                                 steps_per_epoch=steps_per_epoch)
+            history = self._fit(self._backend, source, self._validator(
+                val, batch_size, validation_batch_size, validation_steps, keras_listeners),
+                batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+                verbose=verbose, progress=False if progbar else progress,
+                validation_freq=validation_freq, seed=seed, drop_remainder=drop_remainder,
+                callbacks=(*hooks, finalize) if keras_listeners is None
+                else (*hooks, finalize, keras_listeners),
+                checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                keep_checkpoints=keep_checkpoints, initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch)
         except BaseException as error:  # one that stopped training carries its History
             _leave_history(self.model, getattr(error, "history", None))
             raise
         _leave_history(self.model, history)
         return history
+
+    def _validator(self, val, batch_size, validation_batch_size, validation_steps, listeners):
+        """fit's ``validate(epoch, cut)``: ``val`` evaluated ({} without it), in chunks of
+        ``validation_batch_size``, else cut as fit cuts its batches (see ``fit``'s
+        ``validation_data``), over its first ``validation_steps`` chunks or batches."""
+        size = None if validation_batch_size is None else positive_int(
+            "validation_batch_size", validation_batch_size)
+        steps = None if validation_steps is None else positive_int("validation_steps",
+                                                                    validation_steps)
+
+        def validate(epoch, cut):
+            if val is None:
+                return {}
+            if size is not None or not isinstance(val, keras_data.BatchSource):
+                cut = size or cut.largest(batch_size or DEFAULT_BATCH_SIZE), None
+            return self._evaluated(keras_data.chunks(val, *cut, steps=steps), listeners)
+
+        return validate
 
     @staticmethod
     def _fit_data(x, y, sample_weight, class_weight, validation_split, validation_data):

@@ -48,6 +48,7 @@ class DatasetSource:
                 "fit reads a tf.data.Dataset eagerly, but this one is in graph mode: make it, and "
                 "call fit, outside `with graph.as_default():`") from None
         self.n = n if n >= 0 else None
+        self.endless = n == tf.data.INFINITE_CARDINALITY  # .repeat(): fit needs steps_per_epoch
 
     def num_batches(self, drop_remainder):
         if self.n is None:

@@ -67,15 +67,15 @@ class Trainer(BaseTrainer):
     """
 
     def __init__(self, loss, optimizer, var_list=None, *, micro_batch_size: int | None = None,
-                 accumulate: str = "sum", average: str = "host", accum_dtype=None,
-                 global_step=None, increment_global_step: bool = True, update_ops=None,
-                 hooks=(), comm=None, update_ratios_every: int | None = None,
+                 micro_batches: int | None = None, accumulate: str = "sum", average: str = "host",
+                 accum_dtype=None, global_step=None, increment_global_step: bool = True,
+                 update_ops=None, hooks=(), comm=None, update_ratios_every: int | None = None,
                  session_threads: str = "pool", overlap: bool = False,
                  distributions_every: int | None = None, check_applied: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
 
-        The keywords every face takes (``micro_batch_size``, ``accumulate``,
-        ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
+        The keywords every face takes (``micro_batch_size``, ``micro_batches``,
+        ``accumulate``, ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
         ``overlap``, ``distributions_every``, ``check_applied``) are
         :class:`~hostavg.train.trainer.BaseTrainer`'s.
 
@@ -134,8 +134,8 @@ class Trainer(BaseTrainer):
         if comm is not None and average == "graph":
             raise HostavgError("average='graph' cannot be combined with comm=: with several "
                                "processes the mean is the MPI reduction of the host sums")
-        super().__init__(micro_batch_size=micro_batch_size, accumulate=accumulate,
-                         accum_dtype=accum_dtype, hooks=hooks, comm=comm,
+        super().__init__(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                         accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
                          distributions_every=distributions_every,
                          check_applied=check_applied)
@@ -219,11 +219,11 @@ class Trainer(BaseTrainer):
         if validation_data is not None:  # its keys, shapes and dtypes, before an epoch trains
             feed_size(backend.conform(validation_data, "validation_data"), "validation_data")
 
-        def validate(epoch, micro_batch_size):
+        def validate(epoch, cut):
             if validation_data is None:
                 return {}
-            return self.evaluate(sess, validation_data, batch_size=micro_batch_size,
-                                 metrics=metrics)
+            return self.evaluate(sess, validation_data, metrics=metrics,
+                                 batch_size=cut.largest(batch_size or DEFAULT_BATCH_SIZE))
 
         return self._fit(
             backend, lambda: feed_source(self.graph, data, inputs, batch_size, shuffle, blocks),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import signal
 import sys
@@ -42,11 +43,11 @@ from hostavg.train.history import BOOKKEEPING, History
 from hostavg.core.results import StepResult
 from hostavg.engine.hooks import name_of
 from hostavg.engine.signals import hold, region, release
-from hostavg.core.split import feed_size, split, take
+from hostavg.core.split import Cut, feed_size, split, take
 
 __all__ = ["ArraySource", "FitPlan", "FitState", "IterableSource", "PROGRESS_MODES", "ResumeWarning",
-           "Run", "check_sizes", "checkpoint", "fit", "resume", "train_begin", "train_epoch",
-           "train_step"]
+           "Run", "check_sizes", "checkpoint", "fit", "refuse_endless", "resume", "train_begin",
+           "train_epoch", "train_step"]
 
 
 class Run(Protocol):
@@ -111,7 +112,7 @@ EMPTY_STEPS = 5
 PROGRESS_MODES = (True, False, "always", "epoch", "auto")
 
 
-def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
+def fit(run: Run, source, *, batch_size, cut: Cut, epochs=1, seed=None,
         drop_remainder=False, callbacks=(), progress=True, checkpoint_dir=None,
         checkpoint_every=None, keep_checkpoints=3, blocks=None, initial_epoch=0,
         steps_per_epoch=None) -> History:
@@ -120,8 +121,9 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
     ``source`` is a callable that returns the batch source (called after
     the arguments are checked), with ``n`` (its samples, None where unknown or
     where it gives its own batches), ``one_shot`` (it serves one pass only),
-    ``num_batches(drop_remainder)`` and ``batches(data_pass, seed, batch,
-    samples)``. ``batch_size`` is None for a source that gives its own batches.
+    ``endless`` (its passes are known never to end), ``num_batches(drop_remainder)``
+    and ``batches(data_pass, seed, batch, samples)``. ``batch_size`` is None for a
+    source that gives its own batches; ``cut`` cuts each batch into micro-batches.
     ``blocks``: {key: b} for arrays of b blocks of the samples (see
     :mod:`hostavg.core.split`).
 
@@ -133,13 +135,14 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
 
     Every argument is checked before anything trains: a seed that is no
     integer >= 0, flags that are not bools, ``checkpoint_every`` without
-    ``checkpoint_dir``, a one-shot iterator for more than one epoch.
+    ``checkpoint_dir``, a one-shot iterator for more than one epoch, an endless
+    source without ``steps_per_epoch``.
     """
-    check_sizes(batch_size, micro_batch_size, epochs, checkpoint_every)
+    check_sizes(batch_size, cut, epochs, checkpoint_every)
     drop_remainder, seed, initial_epoch, steps_per_epoch = _checked_arguments(
         progress, drop_remainder, seed, initial_epoch, steps_per_epoch, checkpoint_every,
         checkpoint_dir)
-    source = _checked_source(source(), epochs, batch_size, drop_remainder)
+    source = _checked_source(source(), epochs, batch_size, drop_remainder, steps_per_epoch)
     callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
     hooks = _fit_methods(run.hooks + callbacks)
     checkpoints = CheckpointDir(checkpoint_dir, keep_checkpoints) \
@@ -150,7 +153,7 @@ def fit(run: Run, source, *, batch_size, micro_batch_size, epochs=1, seed=None,
         resume(run, latest, hooks, state)
     rank, size = (run.comm.Get_rank(), run.comm.Get_size()) if run.comm is not None else (0, 1)
     plan = FitPlan(
-        batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+        batch_size=batch_size, cut=cut, epochs=epochs,
         drop_remainder=drop_remainder, steps_per_epoch=steps_per_epoch,
         checkpoint_every=checkpoint_every, blocks=blocks, rank=rank, size=size,
         num_batches=source.num_batches(drop_remainder), hooks=hooks,
@@ -232,8 +235,10 @@ class FitPlan:
     """What fit was asked to do, fixed once its arguments are checked.
 
     Attributes:
-      batch_size, micro_batch_size, epochs, drop_remainder, steps_per_epoch,
-        checkpoint_every, blocks: fit's arguments, checked.
+      batch_size, epochs, drop_remainder, steps_per_epoch, checkpoint_every,
+        blocks: fit's arguments, checked.
+      cut: how each batch is cut into micro-batches (fit's or the trainer's
+        ``micro_batch_size``, or the trainer's ``micro_batches``).
       rank, size: this process's rank and the number of processes (0 and 1 alone).
       num_batches: the batches of a pass, or None where the source cannot tell.
       hooks: the fit-level hook methods by name (see :func:`_fit_methods`).
@@ -242,7 +247,7 @@ class FitPlan:
     """
 
     batch_size: int | None
-    micro_batch_size: int
+    cut: Cut
     epochs: int
     drop_remainder: bool
     steps_per_epoch: int | None
@@ -273,8 +278,10 @@ def _checked_arguments(progress, drop_remainder, seed, initial_epoch, steps_per_
     return drop_remainder, seed, initial_epoch, steps_per_epoch
 
 
-def _checked_source(source, epochs: int, batch_size, drop_remainder: bool):
-    """``source``, once it is known to give a batch in each of ``epochs`` epochs."""
+def _checked_source(source, epochs: int, batch_size, drop_remainder: bool, steps_per_epoch):
+    """``source``, once it is known to give a batch in each of ``epochs`` epochs, and each
+    epoch to end."""
+    refuse_endless(source, steps_per_epoch)
     if source.one_shot and epochs > 1:
         raise HostavgError(
             f"data is a one-shot iterator, which serves one epoch, but fit was asked for "
@@ -321,7 +328,7 @@ def _shared_seed(run: Run, plan: FitPlan, state: FitState, samples) -> int:
         return seed
     return _rank_0_seed_once_ranks_match(run, seed, {
         "samples": samples, "batches per epoch": plan.num_batches,
-        "batch_size": plan.batch_size, "micro_batch_size": plan.micro_batch_size,
+        "batch_size": plan.batch_size, "micro-batches": str(plan.cut),
         "epochs": plan.epochs, "drop_remainder": plan.drop_remainder,
         "steps_per_epoch": plan.steps_per_epoch,
         "position (epoch, pass, batch, samples)": (state.epoch, state.data_pass, state.batch,
@@ -428,8 +435,8 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: _Progress, item: t
             return False
         for on_batch_begin in hooks["on_batch_begin"]:
             on_batch_begin(steps)
-        result = run.step(*_micro_batches(feed, n, plan.micro_batch_size, plan.rank, plan.size,
-                                          plan.blocks, rows))
+        result = run.step(*_micro_batches(feed, n, plan.cut, plan.rank, plan.size, plan.blocks,
+                                          rows))
     state.batch, state.samples = state.batch + 1, state.samples + n
     state.global_step = result.step
     log = state.history.add(state.epoch, result)
@@ -568,7 +575,7 @@ def _fit_methods(hooks) -> dict:
     return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in FIT_METHODS}
 
 
-def _micro_batches(batch, n: int, micro_batch_size: int, rank: int, size: int,
+def _micro_batches(batch, n: int, cut: Cut, rank: int, size: int,
                    blocks: dict | None, rows) -> tuple[list, list, list | None]:
     """This rank's micro-batches of a batch of ``n`` samples (its contiguous share, cut up),
     their sizes, and their data rows (None where the source can't tell)."""
@@ -576,25 +583,39 @@ def _micro_batches(batch, n: int, micro_batch_size: int, rank: int, size: int,
     if lo == hi:
         return [], [], None if rows is None else []
     share = batch if size == 1 else take(batch, slice(lo, hi), n, blocks)
-    starts = range(0, hi - lo, micro_batch_size)
-    sizes = [min(micro_batch_size, hi - lo - start) for start in starts]
-    micro_rows = None if rows is None else [rows[lo + a:lo + a + b] for a, b in zip(starts, sizes)]
-    return split(share, micro_batch_size, blocks=blocks), sizes, micro_rows
+    sizes = cut.sizes(hi - lo)
+    ends = list(itertools.accumulate(sizes))
+    micro_rows = None if rows is None else [rows[lo + end - b:lo + end]
+                                            for end, b in zip(ends, sizes)]
+    return split(share, cut.size, micro_batches=cut.count, blocks=blocks), sizes, micro_rows
 
 
-def check_sizes(batch_size, micro_batch_size, epochs=1, checkpoint_every=None) -> None:
+def check_sizes(batch_size, cut: Cut, epochs=1, checkpoint_every=None) -> None:
     """Raises HostavgError unless the sizes make sense together (``batch_size`` None: the data
     gives its own batches)."""
     if batch_size is not None:
         positive_int("batch_size", batch_size)
-    positive_int("micro_batch_size", micro_batch_size)
     positive_int("epochs", epochs)
     if checkpoint_every is not None:
         positive_int("checkpoint_every", checkpoint_every)
-    if batch_size is not None and micro_batch_size > batch_size:
+    if batch_size is not None and cut.size is not None and cut.size > batch_size:
         raise HostavgError(
-            f"micro_batch_size ({micro_batch_size}) is larger than batch_size ({batch_size}); "
+            f"micro_batch_size ({cut.size}) is larger than batch_size ({batch_size}); "
             f"a batch is cut into micro-batches, so use micro_batch_size <= batch_size")
+    if batch_size is not None and cut.count is not None and cut.count > batch_size:
+        raise HostavgError(
+            f"micro_batches ({cut.count}) is more than batch_size ({batch_size}); a batch is cut "
+            f"into micro-batches of at least one sample, so use micro_batches <= batch_size")
+
+
+def refuse_endless(source, steps_per_epoch) -> None:
+    """Raises HostavgError for a source known never to end (a dataset's ``.repeat()``) without
+    ``steps_per_epoch``: its first epoch would never end."""
+    if source.endless and steps_per_epoch is None:
+        raise HostavgError(
+            "the data never ends (a dataset of infinite cardinality: .repeat() without a "
+            "count), so without steps_per_epoch the first epoch would never end; pass "
+            "steps_per_epoch=, the number of steps (batches) per epoch")
 
 
 def _epoch_logs(history: History, epoch: int) -> dict:
@@ -613,7 +634,7 @@ class ArraySource:
     The order depends only on (seed, epoch).
     """
 
-    one_shot = False
+    one_shot = endless = False
 
     def __init__(self, data, batch_size, shuffle, blocks=None):
         self.shuffle = flag("shuffle", shuffle)
@@ -640,6 +661,7 @@ class IterableSource:
     ``conform(batch, what)``; its rows are the iterable's own, so fit can't tell them."""
 
     n = None  # how many samples its batches hold is unknown until read
+    endless = False  # an iterable may never end, but nothing tells beforehand
 
     def __init__(self, data, conform):
         self.data, self.conform = data, conform

@@ -22,7 +22,7 @@ from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
 from hostavg.core.results import StepResult
-from hostavg.core.split import sample_count, split, take
+from hostavg.core.split import Cut, cut, sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
 from hostavg.engine.protocols import Backend, HostAverage
 from hostavg.engine.step import Engine
@@ -44,10 +44,9 @@ DEFAULT_BATCH_SIZE = 32
 class BaseTrainer:
     """What every trainer face shares: the engine, its settings, and each public method.
 
-    A step runs k micro-batches forward and backward, fetches each one's
-    gradients to NumPy and applies their sample-weighted mean once:
-    ``g = sum_i n_i g_i / sum_i n_i`` (g_i the gradient of micro-batch i's MEAN
-    loss, n_i its samples), which equals the full-batch step for any optimizer.
+    A step computes k micro-batches' gradients on the host and applies their
+    sample-weighted mean once, ``g = sum_i n_i g_i / sum_i n_i`` (g_i of
+    micro-batch i's MEAN loss, n_i its samples): the full-batch step.
 
     Attributes:
       micro_batch_size: as given; so are the other settings but accum_dtype.
@@ -58,17 +57,21 @@ class BaseTrainer:
         computing a micro-batch assigns (moving statistics, counters).
     """
 
-    def __init__(self, *, micro_batch_size: int | None = None, accumulate: str = "sum",
-                 accum_dtype=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 overlap: bool = False, distributions_every: int | None = None,
-                 check_applied: bool = True):
+    def __init__(self, *, micro_batch_size: int | None = None, micro_batches: int | None = None,
+                 accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
+                 update_ratios_every: int | None = None, overlap: bool = False,
+                 distributions_every: int | None = None, check_applied: bool = True):
         """The settings every face takes, by keyword.
 
         Args:
-          micro_batch_size: samples per micro-batch, used by :meth:`fit` and
-            :meth:`check` when they are not given their own; None: they must be.
+          micro_batch_size: samples per micro-batch, for :meth:`fit` (and its
+            validation) and :meth:`check` where not given their own.
+          micro_batches: or instead, how many micro-batches (k) a batch is cut
+            into: k of sizes differing by at most one, as :func:`hostavg.split`
+            cuts them (64 samples in 3: 22, 21, 21); with ``comm``, each
+            process's share. Both given is an error; neither: fit and check need one.
           accumulate: one of :data:`~hostavg.ACCUMULATE_MODES`: "sum" keeps a
-            running sum (one gradient's memory), "stack" keeps every micro-batch's
+            running sum (one gradient's memory), "stack" every micro-batch's
             gradients (``StepResult.micro[i].grads`` and the statistics needing them).
           accum_dtype: the host accumulation dtype ("float64"); None: each variable's.
           hooks: objects with any of the hook methods of :class:`~hostavg.core.results.Hook`.
@@ -84,8 +87,8 @@ class BaseTrainer:
         """
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        self.micro_batch_size = None if micro_batch_size is None else positive_int(
-            "micro_batch_size", micro_batch_size)
+        self.micro_batch_size, self.micro_batches = cut(micro_batch_size, micro_batches) or (
+            None, None)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
         self.hooks = normalize_hooks(hooks)
@@ -194,7 +197,8 @@ class BaseTrainer:
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
-          micro_batch_size: samples per micro-batch; default the trainer's.
+          micro_batch_size: samples per micro-batch; default the trainer's
+            (its ``micro_batch_size`` or ``micro_batches``).
 
         Returns:
           a :class:`~hostavg.core.check.CheckReport`: ``.ok``, the largest
@@ -257,7 +261,8 @@ class BaseTrainer:
             ``model.fit`` takes them, or a dataset of batches.
           batch_size: samples per step; default 32 for samples (as Keras),
             None where the data gives its own batches.
-          micro_batch_size: samples per micro-batch; default the trainer's.
+          micro_batch_size: samples per micro-batch; default the trainer's
+            (its ``micro_batch_size`` or ``micro_batches``).
           epochs: train until this epoch (counted from ``initial_epoch``).
           verbose: "auto" (a bar on a terminal or in Jupyter, a line per epoch
             elsewhere), 0 (nothing), 1 (a bar), 2 (a line per epoch), as Keras.
@@ -265,8 +270,11 @@ class BaseTrainer:
             after the trainer's; on the Keras face Keras callbacks too.
             Raising :class:`~hostavg.StopTraining` ends training cleanly.
           validation_data: evaluated at the end of each due epoch
-            (:meth:`evaluate`, in chunks of ``micro_batch_size``) into
-            ``val_loss`` and ``val_<metric>``; checked before the first epoch.
+            (:meth:`evaluate`) into ``val_loss`` and ``val_<metric>``, in
+            chunks of ``micro_batch_size``, or with the trainer's
+            ``micro_batches`` of ceil(batch_size / micro_batches) samples (32
+            / micro_batches where the data gives its batches; a dataset's
+            batches each cut into micro_batches); checked before the first epoch.
           validation_freq: validate every that many epochs (an int), or after
             the epochs listed (counted from 1), as Keras.
           shuffle: reorder samples each epoch by a permutation from
@@ -350,14 +358,16 @@ class BaseTrainer:
                 f"batch: run compute (or step, fit, evaluate) on a batch first")
         return self._engine
 
-    def _micro_batch_size(self, given, what: str) -> int:
-        """``given``, or the trainer's micro_batch_size; an error naming both where neither is."""
-        if given is None:
-            if self.micro_batch_size is None:
-                raise HostavgError(f"{what} needs micro_batch_size: pass it to {what}, or to the "
-                                   f"trainer (Trainer(..., micro_batch_size=32))")
-            return self.micro_batch_size
-        return positive_int("micro_batch_size", given)
+    def _cut_for(self, micro_batch_size, what: str) -> Cut:
+        """How ``what`` cuts a batch: by its own ``micro_batch_size`` where given, else as the
+        trainer does; an error naming both where neither says."""
+        how = cut(micro_batch_size) if micro_batch_size is not None else cut(
+            self.micro_batch_size, self.micro_batches)  # attributes a user may have set since
+        if how is None:
+            raise HostavgError(f"{what} needs micro_batch_size: pass it to {what}, or "
+                               f"micro_batch_size or micro_batches to the trainer "
+                               f"(Trainer(..., micro_batch_size=32))")
+        return how
 
     # --- The implementations, once, over a backend and its feeds -----------------------------
 
@@ -383,7 +393,7 @@ class BaseTrainer:
 
     def _check(self, backend: Backend, data, micro_batch_size: int | None,
                blocks: Mapping | None = None) -> CheckReport:
-        micro_batch_size = self._micro_batch_size(micro_batch_size, "check")
+        how = self._cut_for(micro_batch_size, "check")
         n = sample_count(data, "check", blocks)
         if not n:
             leaves = [getattr(k, "name", k) for k in data] if isinstance(data, Mapping) else []
@@ -392,7 +402,8 @@ class BaseTrainer:
             raise HostavgError(f"check: the feed holds no array of samples to cut into "
                                f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
-        return engine.check(backend, data, split(data, micro_batch_size, blocks=blocks), n)
+        micro = split(data, how.size, micro_batches=how.count, blocks=blocks)
+        return engine.check(backend, data, micro, n)
 
     def _per_sample(self, backend: Backend, data):
         pd = pandas("per_sample")
@@ -415,14 +426,14 @@ class BaseTrainer:
     def _fit(self, backend: Backend, source, validate, *, micro_batch_size, verbose, progress,
              validation_freq, **kwargs) -> History:
         """fit over ``source`` (a callable returning the batch source, after the arguments are
-        checked); ``validate(epoch)`` gives the epoch's validation results, called at the
-        epochs ``validation_freq`` makes due."""
+        checked); ``validate(epoch, cut)`` gives the epoch's validation results (evaluated in
+        micro-batches as ``cut`` says), called at the epochs ``validation_freq`` makes due."""
         due = validation_due(validation_freq)
-        micro_batch_size = self._micro_batch_size(micro_batch_size, "fit")
+        how = self._cut_for(micro_batch_size, "fit")
         progress = VERBOSE[checked_verbose(verbose)] if progress is None else progress
-        return fit_loop(TrainerRun(self, backend, lambda epoch: validate(epoch, micro_batch_size)
+        return fit_loop(TrainerRun(self, backend, lambda epoch: validate(epoch, how)
                                    if due(epoch + 1) else {}),
-                        source, micro_batch_size=micro_batch_size, progress=progress, **kwargs)
+                        source, cut=how, progress=progress, **kwargs)
 
     def _save(self, backend: Backend, path, fit: dict | None = None) -> None:
         checkpoint.save(backend, path, fit=fit)
