@@ -37,9 +37,11 @@ __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
                            "full-batch", "hostavg-keras", "keras-accum")
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
-                                             "hostavg-caller", "hostavg-keras-overlap")
+                                             "hostavg-caller", "hostavg-unchecked",
+                                             "hostavg-keras-overlap", "hostavg-keras-unchecked")
 #: The implementations that run on any Keras backend (the others are TF1 graphs).
-KERAS_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
+KERAS_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "hostavg-keras-unchecked",
+                         "keras-accum")
 #: What runs by default on a Keras backend other than TensorFlow.
 KERAS_DEFAULT_IMPLEMENTATIONS = ("hostavg-keras", "keras-accum")
 #: What ``hostavg bench --grid gpu`` runs unless told otherwise.
@@ -322,11 +324,14 @@ def _make(name: str, config: Config, session_config=None):
             "hostavg-overlap": lambda: _Hostavg(config, trainer_kw={"overlap": True}, **kw),
             "hostavg-caller": lambda: _Hostavg(config, trainer_kw={"session_threads": "caller"},
                                                **kw),
+            "hostavg-unchecked": lambda: _Hostavg(config, trainer_kw={"check_applied": False},
+                                                  **kw),
             "in-graph": lambda: _InGraph(config, **kw),
             "plain-host": lambda: _PlainHost(config, **kw),
             "full-batch": lambda: _FullBatch(config, **kw),
             "hostavg-keras": lambda: _HostavgKeras(config),
             "hostavg-keras-overlap": lambda: _HostavgKeras(config, overlap=True),
+            "hostavg-keras-unchecked": lambda: _HostavgKeras(config, check_applied=False),
             "keras-accum": lambda: _KerasAccumulation(config)}[name]()
 
 

@@ -236,9 +236,10 @@ def _bench_selection_options(group) -> None:
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
                             "hostavg-stack+stats, hostavg-overlap, hostavg-caller, "
-                            "hostavg-keras-overlap. With KERAS_BACKEND=jax only hostavg-keras, "
-                            "hostavg-keras-overlap and keras-accum run (default the first and "
-                            "the last), and TensorFlow is not imported")
+                            "hostavg-unchecked, hostavg-keras-overlap, hostavg-keras-unchecked. "
+                            "With KERAS_BACKEND=jax only the hostavg-keras ones and keras-accum "
+                            "run (default hostavg-keras and keras-accum), and TensorFlow is not "
+                            "imported")
     group.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
 
