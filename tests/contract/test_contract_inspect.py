@@ -43,7 +43,7 @@ def test_per_sample_is_each_sample_computed_alone_and_changes_nothing(backend):
     before = face.values()
     table = face.per_sample(sample)
     same(face.values(), before)  # moving statistics and the counter too
-    assert list(table.columns) == ["loss", "norm", "cosine"]
+    assert list(table.columns) == ["loss", "norm", "cosine", "cosine_to_rest", "error"]
     assert table.index.name == "sample" and list(table.index) == list(range(6))
 
     alone = [face.compute(m) for m in face.cut(sample, 1)]
