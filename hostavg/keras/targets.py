@@ -51,7 +51,7 @@ def of(model, signature, flat) -> tuple[Target, ...]:
     shapes symbolically, or where no such loss matches a y array."""
     layout = signature[0]
     if model.loss is None or type(model).compute_loss is not keras.Model.compute_loss \
-            or layout[1] == "absent":
+            or not (layout[1] is None or isinstance(layout[1], tuple)):  # y absent
         return ()
     try:
         outputs = _outputs(model, signature, flat)
@@ -128,7 +128,8 @@ def _loss_of(loss, i: int, name: str | None):
 
 
 def _sparse(loss) -> tuple[bool, int | None]:
-    """Whether ``loss`` is a sparse categorical cross-entropy, and its ``ignore_class``."""
+    """Whether ``loss`` is a sparse categorical cross-entropy over the last axis, and its
+    ``ignore_class``."""
     if isinstance(loss, str):
         try:
             loss = keras.losses.get(loss)
@@ -137,7 +138,9 @@ def _sparse(loss) -> tuple[bool, int | None]:
     if loss is keras.losses.sparse_categorical_crossentropy:
         return True, None
     if getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy:  # a Loss
-        return True, loss.get_config().get("ignore_class")
+        config = loss.get_config()
+        if config.get("axis", -1) == -1:  # its classes along the output's last axis
+            return True, config.get("ignore_class")
     return False, None
 
 
