@@ -358,10 +358,17 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
     with pytest.raises(hostavg.HostavgError, match=r"a batch is a tuple \(x, y\) or \(x, y, "
                                                    r"sample_weight\), got dict"):
         trainer.step([{"x": x, "y": y}])
-    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 1 \(samples 0:40\): TensorFlow refused "
-                                                   r"the compute \(InvalidArgumentError: .*\); "
-                                                   r"check that micro-batch's x and y"):
-        trainer.step([(x, np.full(BATCH, 7))])  # a label past the 3 classes
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 1: 40 samples hold "
+                                                   r"a target out of range .*\n  sample 0 of the "
+                                                   r"batch: y holds 7; .* 3 classes \(0\.\.2\)"):
+        trainer.step([(x, np.full(BATCH, 7))])  # a label past the 3 classes, refused on the host
+    own = hostavg.keras.Trainer(build(), lambda y, logits: keras.losses.sparse_categorical_crossentropy(
+        y, logits, from_logits=True), keras.optimizers.Adam(0.01))  # a function: not checked
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 0 of 1 \(samples 0:40\): "
+                                                   r"TensorFlow refused the compute \("
+                                                   r"InvalidArgumentError: .*\); check that "
+                                                   r"micro-batch's x and y"):
+        own.step([(x, np.full(BATCH, 7))])
     with pytest.raises(hostavg.HostavgError, match=r"^check: the feed holds no array of samples to "
                                                    r"cut into micro-batches \(arrays of 0 samples\)\. "
                                                    r"check runs one batch whole and in micro-batches: "

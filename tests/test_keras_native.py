@@ -218,6 +218,56 @@ def test_a_model_overriding_compute_loss_is_trained_through_it():
     assert_close(weights(model), weights(twin))
 
 
+@pytest.mark.parametrize("loss", [logits_loss(), "sparse_categorical_crossentropy"],
+                         ids=["Loss", "string"])
+def test_a_target_out_of_range_is_refused_before_any_compute_naming_its_data_row(loss):
+    """Keras's own fit fails inside the compute on TensorFlow, naming no sample, and trains on
+    it silently on JAX; hostavg refuses it on the host on both, and nothing changes."""
+    x, y = data(7)
+    y[9] = 15  # of 3 classes
+    model = compiled(loss=loss)
+    trainer = hostavg.keras.Trainer(model)
+    before = weights(model)
+    with pytest.raises(hostavg.HostavgError) as e:  # one step of all N samples, shuffled
+        trainer.fit(x, y, batch_size=N, micro_batch_size=MICRO, seed=3, verbose=0)
+    assert list(e.value.culprit_rows) == [9]
+    said = f"data row 9: y holds 15; the model's output '{model.output_names[0]}' has 3 " \
+           f"classes (0..2)"
+    assert "1 sample holds a target out of range of its sparse categorical loss" in str(e.value)
+    assert said in str(e.value), str(e.value)
+    assert_close(weights(model), before, atol=0)  # the optimizer's iterations too: 0
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+    y[[20, 30, 41]] = [-1, 3, 5]  # micro-batch 1 of 4
+    with pytest.raises(hostavg.HostavgError) as e:  # no data rows: places in the batch
+        trainer.step(hostavg.split((x[16:64], y[16:64]), MICRO))
+    assert str(e.value).startswith("step, micro-batch 0 of 3: 2 samples hold")  # the first
+    assert [(c.sample, c.row) for c in e.value.culprits] == [(4, None), (14, None)]  # 20, 30
+    assert e.value.culprit_rows == [] and "sample 4 of the batch: y holds -1" in str(e.value)
+    assert_close(weights(model), before, atol=0)
+    y[[9, 20, 30, 41]] = [2, 2, 0, 1]
+    trainer.step(hostavg.split((x[:64], y[:64].astype(np.float32)), MICRO))  # floats as Keras
+
+
+def test_only_the_targets_of_a_sparse_loss_are_checked_each_against_its_output():
+    """Two outputs: only "label"'s sparse loss checks its targets (against its 3 classes), with
+    its ignore_class allowed; "size"'s mse takes any number."""
+    x, y = data(8, n=64)
+    model = two_outputs()
+    model.compile(optimizer="adam", loss={
+        "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1),
+        "size": "mse"})
+    trainer = hostavg.keras.Trainer(model)
+    y[5] = -1
+    trainer.compute(x, {"label": y, "size": x[:, :1] * 100.0})
+    y[7] = 3
+    with pytest.raises(hostavg.HostavgError, match=r"compute: 1 sample holds .*\n  sample 7 of "
+                                                   r"the batch: y\['label'\] holds 3; the model's "
+                                                   r"output 'label' has 3 classes \(0\.\.2, and "
+                                                   r"ignore_class -1\)$"):
+        trainer.compute(x, {"label": y, "size": x[:, :1]})
+
+
 # --- 2. fit's arguments and data -----------------------------------------------------------
 
 

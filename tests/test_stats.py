@@ -141,10 +141,42 @@ def test_step_stats_pairwise_cosines_equal_brute_force_over_dense_blocks_and_spa
     assert np.isnan(got[2]).all() and np.isnan(got[:, 2]).all()  # a gradient of norm 0
     assert not got.flags.writeable and got.dtype == np.float64
     np.testing.assert_allclose(got, stats.pairwise_cosines(stats.flatten(stack)[0]), rtol=1e-9)
+    # From the mean as accumulated (float32 here): within its rounding, ~1e-7 of the sum.
+    np.testing.assert_allclose(st.cosines_to_rest, rest_cosines(dense, [3, 1, 2, 5]), rtol=1e-6,
+                               atol=1e-6)
     summed = Accumulator(spec)
     for g in stack[:2]:
         summed.add(g, weight=1)
     assert stats.step_stats(summed.mean(), summed.weights, summed.sq_norms, [0.0] * 2,
                             [0.0] * 2).pairwise_cosines is None  # "sum" mode keeps no stack
     one = stats.step_stats(acc.mean(), [1.0], [1.0], [0.0], [0.0], stack[:1])
-    assert one.pairwise_cosines is None
+    assert one.pairwise_cosines is None and one.cosines_to_rest is None
+
+
+def rest_cosines(G, b) -> np.ndarray:
+    """Brute force: each row against the b-weighted mean of the other rows (NaN at a norm 0)."""
+    G, b = np.asarray(G, np.float64), np.asarray(b, np.float64)
+    out = []
+    for i in range(len(G)):
+        others = [j for j in range(len(G)) if j != i]
+        rest = b[others] @ G[others] / b[others].sum()
+        norms = np.linalg.norm(G[i]) * np.linalg.norm(rest)
+        out.append(G[i] @ rest / norms if norms else np.nan)
+    return np.array(out)
+
+
+def test_cosines_to_rest_equal_brute_force_and_a_dominant_row_is_not_its_own_mean():
+    rng = np.random.default_rng(4)
+    G, b = rng.normal(size=(6, D)), rng.uniform(1, 9, 6)
+    np.testing.assert_allclose(stats.cosines_to_rest(G, b), rest_cosines(G, b), rtol=1e-10)
+    # One row 1e4 times the others, against them: its cosine with the mean it makes is ~1,
+    # with the others' mean -1; theirs with the rest (that row) is what each makes with it.
+    G = np.vstack([-1e4 * np.ones(D), rng.normal(1, 0.1, (5, D))])
+    got = stats.cosines_to_rest(G, np.ones(6))
+    np.testing.assert_allclose(got, rest_cosines(G, np.ones(6)), rtol=1e-9)
+    assert stats.cosines(G, np.ones(6))[0] > 0.99 and got[0] < -0.99
+    assert (stats.cosines(G, np.ones(6)) >= got - 1e-12).all()  # the mean leans to each row
+    # The others sum to 0: no direction to be against (and none a rounding error makes).
+    assert np.isnan(stats.cosines_to_rest([[1.0, 2.0], [0.0, 0.0]], [1, 1])).all()
+    got = stats.cosines_to_rest([[0.1, 0.3], [-0.2, -0.6], [3.0, 1.0]], [2, 1, 1])
+    assert np.isnan(got[2]) and np.isfinite(got[:2]).all()

@@ -335,7 +335,8 @@ def test_per_sample_is_each_sample_alone_against_the_feeds_mean_and_changes_noth
     after = case.values()
     for name in before:
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
-    assert list(table.columns) == ["loss", "norm", "cosine"] and len(table) == 10
+    assert list(table.columns) == ["loss", "norm", "cosine", "cosine_to_rest", "error"]
+    assert len(table) == 10 and table["error"].isna().all()
     alone = [case.trainer.compute(case.sess, f) for f in hostavg.split(feed, 1)]
     whole = case.trainer.compute(case.sess, feed)
     flat = lambda g: np.concatenate([np.ravel(g[n]) for n in case.trainer.spec])  # noqa: E731
@@ -352,7 +353,9 @@ def test_per_sample_is_each_sample_alone_against_the_feeds_mean_and_changes_noth
     bad[x][6, 2] = np.nan
     table = case.trainer.per_sample(case.sess, bad)
     assert np.isnan(table["norm"][6]) and np.isnan(table["cosine"][6])
-    assert np.isfinite(table.drop(index=6).to_numpy()).all()  # the mean of the other nine
+    assert np.isnan(table["cosine_to_rest"][6]) and table["error"].isna().all()  # not an error
+    numbers = table.drop(index=6).drop(columns="error")
+    assert np.isfinite(numbers.to_numpy(float)).all()  # the mean of the other nine
 
 
 def test_update_ratios_are_measured_every_so_many_steps_or_never():

@@ -35,6 +35,7 @@ __all__ = [
     "NoiseScaleEstimate",
     "StepStats",
     "cosines",
+    "cosines_to_rest",
     "flatten",
     "from_sums",
     "gsnr",
@@ -52,6 +53,10 @@ GSNR_EPS = 1e-5
 #: TensorBoard hook, :func:`hostavg.plot.noise_scale`): bias-corrected averages over about the
 #: last 10 steps, which follow a short run and still smooth one step's noise.
 NOISE_SCALE_BETA = 0.9
+
+#: Below this share of |S|^2 + |b_i g_i|^2, the others' squared sum is rounding (see
+#: :func:`cosines_to_rest`).
+REST_EPS = 1e-10
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,9 @@ class StepStats:
       inner_product_test, orthogonality_test, gsnr: stack only.
       cosines: (k_accumulated,) each accumulated micro-batch's cosine with the
         mean; stack only.
+      cosines_to_rest: (k_accumulated,) each accumulated micro-batch's cosine
+        with the weighted mean of the OTHERS (:func:`cosines_to_rest`), which
+        it does not sway however large it is; stack only.
       pairwise_cosines: (k_accumulated, k_accumulated) the cosine between
         every two accumulated micro-batches' gradients, g_i . g_j / (|g_i| |g_j|)
         over every variable (a read-only float64 array; 1 on the diagonal, NaN
@@ -143,6 +151,11 @@ class StepStats:
             return None
         with np.errstate(invalid="ignore", divide="ignore"):
             return tuple(m.dots / (np.sqrt(m.sq) * math.sqrt(m.gbar_sq)))
+
+    @cached_property
+    def cosines_to_rest(self) -> tuple | None:
+        m = self._moments
+        return None if m is None else tuple(_to_rest(m.dots, m.sq, m.gbar_sq, m.b))
 
     @cached_property
     def pairwise_cosines(self) -> np.ndarray | None:
@@ -396,6 +409,35 @@ def cosines(G, b) -> np.ndarray:
     G, b, B, gbar = _check(G, b)
     with np.errstate(invalid="ignore", divide="ignore"):
         return G @ gbar / (np.linalg.norm(G, axis=1) * np.linalg.norm(gbar))
+
+
+def cosines_to_rest(G, b) -> np.ndarray:
+    """(k,) each row's cosine with the b-weighted mean of the OTHER rows.
+
+    With S = B Gbar, the others sum to S - b_i g_i, so every cosine comes from
+    g_i . Gbar and |g_i|^2 (O(k D), no k x k products):
+    cos_i = (B g_i . Gbar - b_i |g_i|^2) / (|g_i| |S - b_i g_i|),
+    |S - b_i g_i|^2 = B^2 |Gbar|^2 - 2 B b_i g_i . Gbar + b_i^2 |g_i|^2.
+    NaN where a norm is 0, or where the others' sum is below 1e-5 of
+    sqrt(|S|^2 + |b_i g_i|^2): float64 cannot tell it from rounding there.
+
+    Example:
+      >>> cosines_to_rest([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], [1, 1, 1])  # row 0: [1, 2]
+      array([0.4472136, 0.4472136, 1.       ])
+    """
+    G, b, B, gbar = _check(G, b)
+    return _to_rest(G @ gbar, np.einsum("ij,ij->i", G, G), float(gbar @ gbar), b)
+
+
+def _to_rest(dots: np.ndarray, sq: np.ndarray, gbar_sq: float, b: np.ndarray) -> np.ndarray:
+    """:func:`cosines_to_rest` from g_i . Gbar, |g_i|^2, |Gbar|^2 and b_i."""
+    B = float(b.sum())
+    whole, own = B * B * gbar_sq, b * b * sq
+    rest_sq = whole - 2 * B * b * dots + own
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (B * dots - b * sq) / np.sqrt(sq * rest_sq)
+    out[~(rest_sq > REST_EPS * (whole + own))] = np.nan
+    return np.clip(out, -1.0, 1.0)
 
 
 def pairwise_cosines(G) -> np.ndarray:

@@ -9,8 +9,10 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.gradients import freeze
+from hostavg.core.results import Culprit
+from hostavg.engine import culprits
 
-__all__ = ["describe_rows", "prepare"]
+__all__ = ["describe_rows", "prepare", "prepare_one", "refused", "row_indices"]
 
 
 def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
@@ -36,23 +38,67 @@ def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
         given = None if rows is None else np.asarray(rows[i])
         known = given is not None and given.ndim == 1 and given.dtype.kind in "iu"
         try:
-            feed, n = backend.prepare(feed, None if sizes is None else sizes[i],
-                                      f"{call}, {what}" + (f" (data {describe_rows(given)})"
-                                                           if known and len(given) else ""))
+            feed, n = prepare_one(backend, feed, None if sizes is None else sizes[i],
+                                  f"{call}, {what}" + (f" (data {describe_rows(given)})"
+                                                       if known and len(given) else ""),
+                                  start, given if known else None)
         except Exception as e:
             if known:
                 with contextlib.suppress(AttributeError):  # a type with __slots__
                     e.rows = freeze(given.astype(np.int64))  # the data rows of the feed that failed
             raise
-        indices = None if rows is None else _rows(rows[i], n, f"{call}, {what}")
+        indices = None if rows is None else row_indices(rows[i], n, f"{call}, {what}")
         said = "" if indices is None else f", data {describe_rows(indices)}"
         out.append((feed, n, start, f"{what} (samples {start}:{start + n}{said})", indices))
         start += n
     return out
 
 
-def _rows(rows, n: int, what: str) -> np.ndarray | None:
-    """A micro-batch's data rows as a read-only int64 array of length ``n`` (or None)."""
+def prepare_one(backend, feed, size, what: str, start: int = 0, rows=None) -> tuple:
+    """``backend.prepare(feed, size, what)`` of a feed whose first sample is the batch's sample
+    ``start``, of data ``rows`` (or None); the samples a :func:`refused` error names are named
+    by their place in the batch and their data row."""
+    try:
+        return backend.prepare(feed, size, what)
+    except HostavgError as e:
+        problem = getattr(e, "refused", None)
+        if problem is not None:
+            if rows is not None and len(rows) <= max(c.sample for c in e.culprits):
+                rows = None  # not one row per sample: the feed's own error is for prepare
+            e.culprits = tuple(Culprit(start + c.sample, None if rows is None
+                                       else int(rows[c.sample]), c.reason) for c in e.culprits)
+            e.culprit_rows = culprits.rows_of(e.culprits)
+            e.args = (_refusal(what, problem, e.culprits), *e.args[1:])
+        raise
+
+
+def refused(what: str, problem: str, found) -> HostavgError:
+    """The error of a backend's ``prepare`` that refuses samples of a feed: ``problem`` in
+    words, and per refused sample (its position in the feed, what is wrong with it), in order.
+
+    Its ``.culprits`` hold a :class:`~hostavg.core.results.Culprit` per sample,
+    at its position in the feed (the batch's, where the feed is the batch) until
+    :func:`prepare_one` places them; ``.culprit_rows`` their sorted data rows,
+    [] while unknown.
+    """
+    found = tuple(Culprit(int(j), None, reason) for j, reason in found)
+    error = HostavgError(_refusal(what, problem, found))
+    error.culprits, error.culprit_rows, error.refused = found, [], problem
+    return error
+
+
+def _refusal(what: str, problem: str, found: tuple) -> str:
+    """``what: problem:`` and a line per refused sample (a handful)."""
+    lines = [f"  {f'data row {c.row}' if c.row is not None else f'sample {c.sample} of the batch'}"
+             f": {c.reason}" for c in found[:culprits.LISTED]]
+    if len(found) > culprits.LISTED:
+        lines.append(f"  ... and {len(found) - culprits.LISTED} more (the exception's .culprits "
+                     f"holds all)")
+    return f"{what}: {problem}:\n" + "\n".join(lines)
+
+
+def row_indices(rows, n: int, what: str) -> np.ndarray | None:
+    """A feed's data rows as a read-only int64 array of length ``n`` (or None)."""
     if rows is None:
         return None
     array = np.asarray(rows)

@@ -84,16 +84,22 @@ class SampleStats(NamedTuple):
     """Per sample of a feed (:meth:`Engine.per_sample`), in order.
 
     Attributes:
-      losses: each sample's loss.
+      losses: each sample's loss (NaN where its compute failed).
       norms: each sample's gradient norm (NaN or Inf where non-finite).
       cosines: each sample's cosine with the mean gradient of the feed's
         samples whose loss and gradient are finite (NaN for the others, and
         where a norm is 0).
+      cosines_to_rest: each sample's cosine with the mean gradient of the
+        OTHER such samples (:func:`hostavg.stats.cosines_to_rest`; NaN where
+        ``cosines`` is, and with fewer than two such samples).
+      errors: where a sample's compute failed, its error's text; else None.
     """
 
     losses: tuple
     norms: tuple
     cosines: tuple
+    cosines_to_rest: tuple
+    errors: tuple
 
 
 class Backend(Protocol):
@@ -119,7 +125,11 @@ class Backend(Protocol):
     nonfinite: str
 
     def prepare(self, feed, size: int | None, what: str) -> tuple[Any, int]:
-        """The feed made ready to compute, and its number of samples (``size`` if given)."""
+        """The feed made ready to compute, and its number of samples (``size`` if given).
+
+        Where it refuses some of the feed's samples (a target out of range), it
+        raises :func:`hostavg.engine.batches.refused`'s error, which names them
+        by their place in the feed until the engine names their data rows."""
 
     def compute(self, feed, share: float = 1.0) -> Computed:
         """Forward, backward and the update ops of one micro-batch; changes no trained variable.

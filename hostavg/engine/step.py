@@ -37,7 +37,7 @@ from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_f
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
-from hostavg.engine.batches import prepare
+from hostavg.engine.batches import prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed
 from hostavg.engine.overlap import Ahead, worker
@@ -192,37 +192,50 @@ class Engine:
                      hint=hint)
         return values
 
-    def per_sample(self, backend: Backend, feeds: Sequence) -> SampleStats:
-        """Each of ``feeds`` (one sample each) computed alone: its loss, gradient norm and
-        cosine with their mean gradient. Changes nothing.
+    def per_sample(self, backend: Backend, feeds: Sequence, rows=None) -> SampleStats:
+        """Each of ``feeds`` (one sample each; of data ``rows``, or None) computed alone: its
+        loss, gradient norm and cosines with the mean gradient and with the others' mean, or
+        the error its compute raised. Changes nothing.
 
         Costs one forward and backward pass per sample (a session call each),
         and host memory for every sample's gradients at once (the cosines need
         the mean first). The mean of the samples' gradients is the feed's mean
         gradient (for a loss that is a mean over samples; ``check`` says
-        whether it is); samples whose loss or gradient is not finite are left
-        out of it. No apply runs, and the rollback variables (moving
-        statistics) are restored afterwards.
+        whether it is); samples whose loss or gradient is not finite, or whose
+        compute failed, are left out of it. No apply runs, and the rollback
+        variables (moving statistics) are restored afterwards.
         """
+        rows = None if rows is None else row_indices(rows, len(feeds), "per_sample")
+        losses, norms, errors, kept, index = [], [], [], [], []
+        acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
         with self.leaving_no_trace(backend, "per_sample"):
-            losses, norms, kept, index = [], [], [], []
-            acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
-            for i, (feed, n, _, where, _) in enumerate(prepare(backend, feeds, None,
-                                                             "per_sample")):
-                g = self._compute(backend, feed, n, f"per_sample, {where}")[0]
+            for i, feed in enumerate(feeds):
+                row = None if rows is None else rows[i:i + 1]
+                where = f"per_sample, sample {i}" + ("" if row is None else f" (data row {row[0]})")
+                try:
+                    feed, n = prepare_one(backend, feed, None, where, i, row)
+                    g = self._compute(backend, feed, n, where)[0]
+                except HostavgError as e:  # the sample's row says why
+                    losses.append(math.nan)
+                    norms.append(math.nan)
+                    errors.append(str(e))
+                    continue
                 sq = math.fsum(_sq_norms(g).values())
                 losses.append(g.loss)
                 norms.append(math.sqrt(sq))
+                errors.append(None)
                 if math.isfinite(sq) and math.isfinite(g.loss):
                     acc.add_checked(dict(g), float(n), g.loss, sq)
                     kept.append(g)
                     index.append(i)
-        cosines = [math.nan] * len(losses)
+        cosines, to_rest = [math.nan] * len(losses), [math.nan] * len(losses)
         if kept:
-            found = step_stats(acc.mean(), acc.weights, acc.sq_norms, (), (), kept).cosines
-            for i, c in zip(index, found or [1.0]):  # one finite sample: its own mean
-                cosines[i] = float(c)
-        return SampleStats(tuple(losses), tuple(norms), tuple(cosines))
+            stats = step_stats(acc.mean(), acc.weights, acc.sq_norms, (), (), kept)
+            for i, c, r in zip(index, stats.cosines or [1.0],  # one finite sample: its own mean
+                               stats.cosines_to_rest or [math.nan]):
+                cosines[i], to_rest[i] = float(c), float(r)
+        return SampleStats(tuple(losses), tuple(norms), tuple(cosines), tuple(to_rest),
+                           tuple(errors))
 
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:

@@ -29,6 +29,7 @@ from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
 from hostavg.core.stats import update_ratio
 from hostavg.engine.protocols import Applied
+from hostavg.keras import targets
 from hostavg.keras.advice import ADVICE
 from hostavg.keras.train_step import log_value, overrides_train_step
 
@@ -313,10 +314,12 @@ class CompiledModel(ModelVariables):
         self.trained_metrics, self.evaluated_metrics = set(), set()
         self.spec = None
         self._computes = {}  # input signature -> what _trace_compute made of it
+        self._targets = {}  # input signature -> the targets.Target to check in its batches
 
     def prepare(self, batch, size, what: str) -> tuple:
         """``(the compiled gradient function of the batch's structure, its arrays)``, traced
-        once per structure (``_trace_compute``); and its number of samples."""
+        once per structure (``_trace_compute``); and its number of samples. Refuses targets
+        out of range of a sparse categorical loss (:mod:`hostavg.keras.targets`)."""
         self.refuse_strategies()
         batch, flat, signature = leaves(batch, what)
         if size is None:
@@ -327,6 +330,8 @@ class CompiledModel(ModelVariables):
             n = positive_int(f"{what}: size", size)
         if signature not in self._computes:
             self._computes[signature] = self._trace_compute(flat, signature, what)
+            self._targets[signature] = targets.of(self.model, signature, flat)
+        targets.check(self._targets[signature], flat, what)
         return (self._computes[signature], flat), n
 
     def _traced_spec(self, what: str, shape, trainable: list, kept: list) -> dict:

@@ -165,8 +165,9 @@ class Trainer(BaseTrainer):
         return self._check(self._backend, self._batch(x, y, sample_weight, "check"),
                            micro_batch_size)
 
-    def per_sample(self, x, y=None, sample_weight=None):
-        return self._per_sample(self._backend, self._batch(x, y, sample_weight, "per_sample"))
+    def per_sample(self, x, y=None, sample_weight=None, *, rows=None):
+        return self._per_sample(self._backend, self._batch(x, y, sample_weight, "per_sample"),
+                                rows)
 
     def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
                  sample_weight=None) -> dict:

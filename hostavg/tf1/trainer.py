@@ -191,8 +191,8 @@ class Trainer(BaseTrainer):
         feed = resolve_feed(self.graph, feed_dict, "check")
         return self._check(self._bind(sess), feed, micro_batch_size, self._blocks(blocks))
 
-    def per_sample(self, sess, feed_dict: Mapping):
-        return self._per_sample(self._bind(sess), feed_dict)
+    def per_sample(self, sess, feed_dict: Mapping, *, rows=None):
+        return self._per_sample(self._bind(sess), feed_dict, rows)
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int | None = None,
                  metrics: Mapping | None = None) -> dict:

@@ -208,21 +208,29 @@ class BaseTrainer:
         """
         raise NotImplementedError
 
-    def per_sample(self, batch):
-        """One row per sample of a batch: its loss, gradient norm and cosine with the mean.
+    def per_sample(self, batch, *, rows=None):
+        """One row per sample of a batch: its loss, gradient norm, cosines, or why it failed.
 
         Each sample is computed alone (in training mode: batch norm normalises
         a sample by itself, dropout draws for it alone), at one forward and
-        backward pass each; the mean is over the samples whose loss and
-        gradient are finite (the others get a NaN cosine). Changes nothing:
-        what the computes assigned is restored.
+        backward pass each, and changes nothing: what the computes assigned is
+        restored. The mean is over the samples whose loss and gradient are
+        finite. Which column answers which question: docs/guides/inspecting.md,
+        "Per sample".
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
+          rows: each sample's row in your data set (one integer per sample),
+            to index the table by; None: by position in the batch.
 
         Returns:
-          a pandas DataFrame indexed by ``sample`` (position in the batch)
-          with columns ``loss``, ``norm``, ``cosine``.
+          a pandas DataFrame indexed by ``row`` (with ``rows``) or ``sample``
+          (position in the batch), with columns ``loss``, ``norm`` (of the
+          gradient), ``cosine`` (with the mean gradient), ``cosine_to_rest``
+          (with the mean gradient of the other samples: NaN with fewer than
+          two), ``error`` (the text of the HostavgError its compute raised, its
+          other columns NaN; missing where it computed). A sample whose loss or
+          gradient is not finite has NaN cosines and is left out of the means.
         """
         raise NotImplementedError
 
@@ -405,13 +413,16 @@ class BaseTrainer:
         micro = split(data, how.size, micro_batches=how.count, blocks=blocks)
         return engine.check(backend, data, micro, n)
 
-    def _per_sample(self, backend: Backend, data):
+    def _per_sample(self, backend: Backend, data, rows):
         pd = pandas("per_sample")
         samples = split(data, 1)
         found = self._engine_for(backend, samples[0] if samples else data, "per_sample") \
-            .per_sample(backend, samples)
-        return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines},
-                            index=pd.RangeIndex(len(found.losses), name="sample"))
+            .per_sample(backend, samples, rows)
+        index = pd.RangeIndex(len(found.losses), name="sample") if rows is None \
+            else pd.Index(rows, dtype="int64", name="row")
+        return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines,
+                             "cosine_to_rest": found.cosines_to_rest, "error": found.errors},
+                            index=index)
 
     def _evaluate(self, backend: Backend, data, batch_size: int | None, metrics=None) -> dict:
         """The loss (and metrics) over ``data`` in chunks of ``batch_size``, sample-weighted; what

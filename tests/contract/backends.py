@@ -90,8 +90,8 @@ class Face:
         return self.trainer.check(*self.where, *self.args(self.native(data)),
                                   micro_batch_size=micro_batch_size)
 
-    def per_sample(self, data):
-        return self.trainer.per_sample(*self.where, *self.args(self.native(data)))
+    def per_sample(self, data, **kw):
+        return self.trainer.per_sample(*self.where, *self.args(self.native(data)), **kw)
 
     def fit(self, data, **kw):
         return self.trainer.fit(*self.where, *self.args(self.native(data)), **kw)

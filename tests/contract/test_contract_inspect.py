@@ -4,7 +4,7 @@ the learning rate, and what the built-in hooks keep."""
 import numpy as np
 import pytest
 from backends import BATCH, SIZES, same
-from models import LEARNING_RATES, batches
+from models import CLASSES, FEATURES, LEARNING_RATES, batches
 
 import hostavg
 from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record, SkipNonFinite, TensorBoard
@@ -43,17 +43,82 @@ def test_per_sample_is_each_sample_computed_alone_and_changes_nothing(backend):
     before = face.values()
     table = face.per_sample(sample)
     same(face.values(), before)  # moving statistics and the counter too
-    assert list(table.columns) == ["loss", "norm", "cosine"]
+    assert list(table.columns) == ["loss", "norm", "cosine", "cosine_to_rest", "error"]
     assert table.index.name == "sample" and list(table.index) == list(range(6))
+    rows = [40, 3, 17, 99, 5, 12]  # the data rows, in a shuffled batch's order
+    by_row = face.per_sample(sample, rows=np.array(rows))
+    assert by_row.index.name == "row" and list(by_row.index) == rows
+    np.testing.assert_array_equal(by_row.drop(columns="error").to_numpy(float),
+                                  table.drop(columns="error").to_numpy(float))
+    assert by_row["error"].isna().all()
 
+    # Brute force from each sample computed alone: the mean of all, and of the others.
     alone = [face.compute(m) for m in face.cut(sample, 1)]
-    flat = [np.concatenate([np.ravel(g[name]) for name in face.trainer.spec]) for g in alone]
-    mean = np.mean(flat, axis=0)
-    for i, (g, f) in enumerate(zip(alone, flat)):
-        assert table["loss"][i] == pytest.approx(g.loss, rel=1e-6)
-        assert table["norm"][i] == pytest.approx(np.linalg.norm(f), rel=1e-5)
-        cosine = f @ mean / (np.linalg.norm(f) * np.linalg.norm(mean))
-        assert table["cosine"][i] == pytest.approx(cosine, rel=1e-4, abs=1e-6)
+    flat = np.array([np.concatenate([np.ravel(g[name]) for name in face.trainer.spec])
+                     for g in alone], np.float64)
+    mean = flat.mean(axis=0)
+    for i, (row, g, f) in enumerate(zip(rows, alone, flat)):
+        rest = np.delete(flat, i, axis=0).mean(axis=0)
+        assert by_row.loc[row, "loss"] == pytest.approx(g.loss, rel=1e-6)
+        assert by_row.loc[row, "norm"] == pytest.approx(np.linalg.norm(f), rel=1e-5)
+        for column, other in (("cosine", mean), ("cosine_to_rest", rest)):
+            cosine = f @ other / (np.linalg.norm(f) * np.linalg.norm(other))
+            assert by_row.loc[row, column] == pytest.approx(cosine, rel=1e-4, abs=1e-6), column
+
+
+def test_per_sample_keeps_the_row_of_a_sample_whose_compute_fails(backend):
+    """A target out of range: the framework's error on TF1, hostavg's own check on Keras (which
+    JAX would train on silently); the others are as without it, and nothing changes."""
+    face = backend.make()
+    data = batches(9, 1, 6)[0]
+    want = face.per_sample(data, rows=np.arange(10, 16))
+    data["y"][2] = 7  # of 3 classes
+    before = face.values()
+    table = face.per_sample(data, rows=np.arange(10, 16))
+    same(face.values(), before)
+    error = table.loc[12, "error"]
+    assert isinstance(error, str) and "7" in error, error
+    assert table.loc[12, ["loss", "norm", "cosine", "cosine_to_rest"]].isna().all()
+    assert table["error"].drop(index=12).isna().all()
+    kept = [10, 11, 13, 14, 15]
+    np.testing.assert_allclose(table.loc[kept, ["loss", "norm"]], want.loc[kept, ["loss", "norm"]],
+                               rtol=1e-6)
+
+
+def learnable(n: int = 64, seed: int = 5) -> dict:
+    """``n`` samples whose class is the argmax of a fixed linear map of their features."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    return {"x": x, "y": np.argmax(x @ rng.normal(size=(FEATURES, CLASSES)), 1).astype(np.int32)}
+
+
+def test_a_planted_mislabel_has_the_largest_loss_and_norm_though_its_cosine_is_positive(backend):
+    """A well-fit model: the mislabel's gradient dwarfs the others', so the mean it is compared
+    with is mostly its own (the guide says so): loss and norm find it, ``cosine`` does not."""
+    face = backend.make()
+    data = learnable()
+    face.fit(data, epochs=150, batch_size=64, micro_batch_size=64, progress=False, shuffle=False)
+    planted = face.per_sample(data)["loss"].idxmin()  # the sample it is surest of
+    data["y"][planted] = (data["y"][planted] + 1) % CLASSES
+    table = face.per_sample(data, rows=np.arange(64))
+    assert table["loss"].idxmax() == planted and table["norm"].idxmax() == planted
+    assert table["cosine"][planted] > 0.5 and table["cosine"].idxmin() != planted
+    assert table["cosine_to_rest"][planted] < 0  # against the others, once they are apart
+    assert (table["cosine"] >= table["cosine_to_rest"] - 1e-6).all()  # a mean leans to each
+
+
+def test_a_minority_that_pulls_against_the_rest_has_negative_cosines_to_the_rest(backend):
+    """Alike inputs, 56 of class 0 and 8 of class 1: at the start weights the 8 pull against
+    the others (their mean mostly the 56), the 56 with them."""
+    face = backend.make()
+    rng = np.random.default_rng(6)
+    x = (rng.normal(0, 0.1, (64, FEATURES)) + 1).astype(np.float32)
+    y = np.zeros(64, np.int32)
+    minority = rng.choice(64, 8, replace=False)
+    y[minority] = 1
+    table = face.per_sample({"x": x, "y": y})
+    against = table.index[table["cosine_to_rest"] < 0]
+    assert sorted(against) == sorted(minority), table
 
 
 #: Optimizers that keep their learning rate in different attributes (TF1: Adam its own), and
