@@ -185,7 +185,7 @@ def test_validation_metrics_history_table_and_callbacks():
     table = history.to_pandas()
     assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
                                    "trace_sigma", "b_simple", "norm_test", "learning_rate",
-                                   "micro_norms", "dropped", "nonfinite_rows"]
+                                   "micro_norms", "micro_losses", "dropped", "nonfinite_rows"]
     assert table["samples"].iloc[-1] == 2 * N
     assert list(history.to_pandas("epochs")["val_accuracy"]) == [
         e["val_accuracy"] for e in history.epochs]

@@ -171,7 +171,7 @@ class History:
 
     def to_pandas(self, which: str = "steps"):
         """A pandas DataFrame of the ``"steps"`` (one row per step: its scalars,
-        ``micro_norms``, ``dropped`` (the micro-batches hooks dropped) and
+        ``micro_norms``, ``micro_losses``, ``dropped`` (the micro-batches hooks dropped) and
         ``nonfinite_rows`` (their culprit rows, :meth:`nonfinite_rows`)) or the
         ``"epochs"``; per-variable values: :meth:`variable_norms`."""
         if which not in ("steps", "epochs"):
