@@ -407,7 +407,7 @@ def test_a_subclass_of_adam_keeps_the_sparse_update():
     model, sess, trainer, _ = train(lambda: AdamSubclass(0.01), data, UNEQUAL,
                                     model_kw={"sparse": True})
     assert densify_ops(trainer.graph) == []
-    assert AdamSubclass.sparse_applies == 2  # the train op and the measured one
+    assert AdamSubclass.sparse_applies == 3  # the train op, the measured one, the checked one
     assert_same_weights(model.values(sess), full_batch(lambda: AdamSubclass(0.01), data,
                                                        sparse=True), atol=1e-6)
 

@@ -357,7 +357,9 @@ class Engine:
                         try:
                             before, computed = ahead.take(i)
                         except HostavgError as e:
-                            log.raised = i if e.__cause__ is not None else None  # the framework's
+                            # the framework's, unless a shape fixed in the graph is the cause
+                            log.raised = i if e.__cause__ is not None \
+                                and not getattr(e, "fixed_batch", False) else None
                             raise
                         global_step = self._micro_batch(i, batch, computed, backend, log, whole)
                         if log.micro[-1].dropped is not None and before is not None:
@@ -502,6 +504,9 @@ class Engine:
                 # (refused's: "check that micro-batch's feed"), which the cause makes wrong
                 said = (f"{where}: {fixed_batch_hint(n, whole, backend.advice)} "
                         f"{_capital(getattr(e, 'fact', str(e)))}.")
+                error = HostavgError(said)
+                error.fixed_batch = True  # no one sample is to blame: not traced to rows
+                raise error from e.__cause__
             raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
