@@ -455,7 +455,7 @@ PROBE_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
 
 
 def measure_memory(probes, steps: int = 3) -> list[int]:
-    """Peak memory in use added by ``steps`` steps of each ``(config, implementation)`` of ``probes``.
+    """Peak memory in use added by ``steps`` steps of each ``(config, implementation)`` probe.
 
     The probes run one after the other in one fresh process (:data:`PROBE_ENV`);
     each returns the peak resident set size during its steps above the one
