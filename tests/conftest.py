@@ -1,9 +1,15 @@
 """Every process the tests start (scripts, mpiexec ranks, notebook kernels) imports this
-checkout's hostavg, not another one installed in editable mode."""
+checkout's hostavg, not another one installed in editable mode. TensorFlow is imported here,
+quietly (:func:`hostavg.import_tensorflow`): the lines it prints while it loads ignore a
+TF_CPP_MIN_LOG_LEVEL set after the process started, so whichever test module imported it first
+would put them in pytest's output."""
 
 import os
 from pathlib import Path
 
+import hostavg
+
 ROOT = str(Path(__file__).parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT])
+hostavg.import_tensorflow()

@@ -1,6 +1,7 @@
 """The benchmark compares equal work, and its memory numbers say what the README claims."""
 
 import json
+import statistics
 
 import pytest
 
@@ -24,19 +25,23 @@ def test_bench_smallest_writes_json_and_every_implementation_ends_with_the_same_
     assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a fresh TensorFlow process
 def test_sum_mode_memory_does_not_grow_with_k_and_stack_mode_does():
     mib = 2 ** 20
     grad_bytes = 305_290 * 4
+    names, ks, repeats = ("hostavg", "hostavg-overlap", "hostavg-stack"), (4, 64), 3
+    probes = [(bench.Config("mlp-300k", 32, k), name) for _ in range(repeats) for name in names
+              for k in ks]
+    peaks = {}
+    for probe, peak in zip(probes, bench.measure_memory(probes)):
+        peaks.setdefault((probe[1], probe[0].k), []).append(peak)
+    median = {key: statistics.median(values) for key, values in peaks.items()}
     # Growth with k would be 60 gradients (73 MB) from k = 4 to 64. The overlapped step holds
-    # one more gradient at a time and computes in a thread of its own (another malloc arena),
-    # which moves its peak by up to two gradients (3.5 to 5.9 MB seen at either k), not with k.
+    # one more gradient at a time, not more with k.
     for name, slack in (("hostavg", mib), ("hostavg-overlap", mib + 3 * grad_bytes)):
-        sums = {k: bench.measure_memory(bench.Config("mlp-300k", 32, k), name) for k in (4, 64)}
-        assert abs(sums[64] - sums[4]) <= 0.1 * sums[4] + slack, (name, sums)
-    stack = {k: bench.measure_memory(bench.Config("mlp-300k", 32, k), "hostavg-stack")
-             for k in (4, 64)}
-    assert stack[64] - stack[4] > 0.8 * 60 * grad_bytes, stack
+        assert abs(median[name, 64] - median[name, 4]) <= 0.1 * median[name, 4] + slack, \
+            (name, peaks)
+    assert median["hostavg-stack", 64] - median["hostavg-stack", 4] > 0.8 * 60 * grad_bytes, peaks
 
 
 def test_bench_smallest_is_quick_says_what_it_does_and_shows_each_cells_spread(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The private framework APIs and their public fallbacks (hostavg.compat): each fallback against
 its private form on the same input, the switch HOSTAVG_PUBLIC_API_ONLY, and whole TF1 and Keras
-runs with and without it, bit for bit (slow: one process each)."""
+runs with and without it, bit for bit (slow: one process each). CI also runs the contract suite
+with the switch on, on Keras's TensorFlow and JAX backends (.ci/run)."""
 
 import importlib
 import json
@@ -498,18 +499,6 @@ def test_tf1_and_keras_runs_are_bit_identical_with_public_apis_only():
     log = private["sgd-schedule-host-pool"]["log"]
     assert [entry[1] for entry in log] == [0.5, 0.25, 0.125]  # found either way
     assert private["adam-graph-caller"]["rollback"] == ["ema"]
-
-
-@pytest.mark.slow
-def test_the_contract_suite_passes_with_public_apis_only():
-    """Every backend's contract, run once with every private framework API switched off."""
-    env = dict(ENV, HOSTAVG_PUBLIC_API_ONLY="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-m", "not slow", os.path.join("tests", "contract")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout.splitlines()[-1], done.stdout[-500:]
 
 
 # --- JAX ------------------------------------------------------------------------------------

@@ -1,17 +1,14 @@
-"""hostavg.keras on Keras's JAX backend: the contract suite, and what is JAX's own.
+"""hostavg.keras on Keras's JAX backend: what is JAX's own.
 
-Keras's backend is fixed per process. Under the test run's TensorFlow, the
-slow tests start processes with ``KERAS_BACKEND=jax``: one runs the contract
-suite (the keras-jax backend of tests/contract), Keras's own faces of
-tests/test_keras_native.py (compile, fit's data, Keras callbacks, mixed
-precision, evaluation, each against Keras's own fit on JAX), a model's own
-stateless train_step (tests/test_keras_train_step.py) and this file's
-JAX tests, one
-steps a model in a fresh process and finds TensorFlow never imported, one runs
-benchmarks/gpu.py with tiny sizes. Under
-JAX (``KERAS_BACKEND=jax pytest tests/test_keras_jax.py``) the rest run:
-dense embedding gradients, host buffers reused without overwriting what is
-still held, and variables the loss does not depend on left untrained.
+Keras's backend is fixed per process. CI runs the contract suite, Keras's own
+faces of tests/test_keras_native.py, a model's own stateless train_step
+(tests/test_keras_train_step.py), the non-finite checks (tests/test_overflow.py)
+and this file on JAX as a step of its own (see .ci/run); there the tests marked ``jax_only``
+run: dense embedding gradients, host buffers reused without overwriting what
+is still held, variables the loss does not depend on left untrained, the bench.
+Under the test run's TensorFlow, the slow tests start processes with
+``KERAS_BACKEND=jax``: one steps a model in a fresh process and finds
+TensorFlow never imported, one runs benchmarks/gpu.py with tiny sizes.
 """
 
 import json
@@ -31,24 +28,13 @@ ON_JAX = keras.backend.backend() == "jax"
 ROOT = Path(__file__).parents[1]
 #: Tests of this file that need Keras on JAX in this process.
 jax_only = pytest.mark.skipif(not ON_JAX, reason="Keras runs on TensorFlow in this process; "
-                                                 "test_the_contract_and_the_keras_native_tests_pass_on_jax runs these")
+                                                 "CI's KERAS_BACKEND=jax step runs these")
 
 
 def run_on_jax(args: list, timeout: int) -> subprocess.CompletedProcess:
     pytest.importorskip("jax")
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
                           env={**ENV, "KERAS_BACKEND": "jax"}, timeout=timeout)
-
-
-@pytest.mark.slow  # about 2 minutes: every trainer compiles its functions per micro-batch size
-@pytest.mark.skipif(ON_JAX, reason="this process runs them itself")
-def test_the_contract_and_the_keras_native_tests_pass_on_jax():
-    out = run_on_jax(["-m", "pytest", "tests/contract", "tests/test_keras_native.py",
-                      "tests/test_keras_train_step.py", __file__,
-                      "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"], timeout=1500)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "[keras-jax]" not in out.stdout.split("short test summary")[-1].replace("XFAIL", ""), \
-        out.stdout[-4000:]
 
 
 #: A step, evaluate, check, save and restore on JAX, then whether TensorFlow was imported.

@@ -1,7 +1,7 @@
 """hostavg.keras as a Keras user drives it, against Keras's own fit, train_on_batch and evaluate
 on a twin model (the same initial weights): compile, fit's arguments and data, Keras callbacks,
 the History, mixed precision, distribution strategies, evaluation metrics (issue 20); on
-Keras's TensorFlow backend, and on JAX (tests/test_keras_jax.py runs it there)."""
+Keras's TensorFlow backend, and on JAX (CI's KERAS_BACKEND=jax step runs it there, .ci/run)."""
 
 import csv
 import itertools
@@ -20,7 +20,7 @@ import hostavg
 import hostavg.keras
 
 N, BATCH, MICRO = 200, 64, 16
-#: This file runs on Keras's TensorFlow backend, and on JAX (tests/test_keras_jax.py).
+#: This file runs on Keras's TensorFlow backend, and on JAX (.ci/run).
 ON_TENSORFLOW = keras.backend.backend() == "tensorflow"
 
 

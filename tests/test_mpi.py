@@ -111,6 +111,7 @@ def test_two_ranks_resume_from_rank_0s_checkpoints(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     straight, _ = mpirun(sys.executable, "-m", "hostavg", "train", "--dataset", "digits",
                          "--quiet", "--epochs", "2", "--json", tmp_path / "straight.json")
+    assert straight.returncode == 0, straight.stderr
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("resumed", "straight"))
     assert a["steps"] == b["steps"] == 12 and a["test_loss"] == b["test_loss"]
 

@@ -1,18 +1,13 @@
 """Nothing non-finite is ever kept: a finite row of 1e30 that blows Adam's second moment up is
 named (row, micro-batch, variables), the state is the last applied step's bit for bit, and
 SkipNonFinite trains on without it; a label the framework refuses is traced to its row; every
-HostavgError has culprit_rows. Both faces here; Keras on JAX by
-test_the_keras_cases_pass_on_jax (this file under KERAS_BACKEND=jax)."""
-
-import subprocess
-import sys
-from pathlib import Path
+HostavgError has culprit_rows. Both faces here; Keras on JAX in CI's KERAS_BACKEND=jax step
+(.ci/run)."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import ENV
 
 import hostavg
 import hostavg.keras
@@ -258,13 +253,3 @@ def test_fit_stops_once_every_micro_batch_of_several_steps_in_a_row_was_dropped(
     assert f"every micro-batch of the last {loop.EMPTY_STEPS} steps was dropped" in str(error)
     assert error.culprit_rows == list(range(240, 240 + 120 * loop.EMPTY_STEPS))
     assert len(error.history.steps) == 2 + loop.EMPTY_STEPS
-
-
-@pytest.mark.slow  # a process on Keras's JAX backend
-@pytest.mark.skipif(ON_JAX, reason="this process runs them itself")
-def test_the_keras_cases_pass_on_jax():
-    pytest.importorskip("jax")
-    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                         capture_output=True, text=True, cwd=Path(__file__).parents[1],
-                         env={**ENV, "KERAS_BACKEND": "jax"}, timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

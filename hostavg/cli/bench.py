@@ -30,7 +30,7 @@ import numpy as np
 from hostavg.core.errors import HostavgError
 
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
-           "OPTIMIZERS", "Config", "baseline", "defaults", "grid", "keras_backend",
+           "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "defaults", "grid", "keras_backend",
            "measure_memory", "run", "time_config"]
 
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds hostavg-stack+stats).
@@ -406,16 +406,29 @@ def _iqr(values: list) -> float:
     return q3 - q1
 
 
-def measure_memory(config: Config, implementation: str, steps: int = 3) -> int:
-    """Peak resident memory added by ``steps`` steps of one implementation, in a fresh process (bytes)."""
-    code = ("import json, sys; from hostavg.cli.bench import _memory_probe, Config; "
-            f"print(json.dumps(_memory_probe({config!r}, {implementation!r}, {steps})))")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=600)
+#: The environment of a memory probe's process. TensorFlow's plain CPU allocator: with oneDNN
+#: (the default on x86) large tensors come from a pool that grows by regions and keeps what is
+#: freed. glibc's malloc giving every block of 64 KiB or more back to the system when it is
+#: freed: by default its threshold rises to the largest block freed, and each thread's arena
+#: keeps what it frees, so a step's peak would depend on which threads ran it.
+PROBE_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
+             "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def measure_memory(probes, steps: int = 3) -> list[int]:
+    """Peak memory in use added by ``steps`` steps of each ``(config, implementation)`` probe.
+
+    The probes run one after the other in one fresh process (:data:`PROBE_ENV`);
+    each returns the peak resident set size during its steps above the one
+    before them, in bytes, in the order given.
+    """
+    code = ("import json; from hostavg.cli.bench import _memory_probe, Config; "
+            f"print(json.dumps([_memory_probe(c, i, {steps}) for c, i in {list(probes)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, **PROBE_ENV), timeout=600)
     if out.returncode:
-        raise RuntimeError(f"memory probe for {implementation} on {config} failed:\n{out.stderr}")
-    return int(json.loads(out.stdout.strip().splitlines()[-1]))
+        raise RuntimeError(f"memory probes {list(probes)} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _memory_probe(config: Config, implementation: str, steps: int) -> int:
@@ -429,7 +442,9 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     before = status_kb("VmRSS")
     for micro in data[1:]:
         impl.step(micro)
-    return (status_kb("VmHWM") - before) * 1024
+    peak = (status_kb("VmHWM") - before) * 1024
+    impl.close()
+    return peak
 
 
 def status_kb(field: str) -> int:
@@ -560,7 +575,7 @@ def _memory_tables(implementations, config: Config, out, say) -> dict:
     per_impl = {}
     for n in implementations:
         say(f"measuring memory: {n} on {config}, in a fresh process")
-        per_impl[n] = measure_memory(config, n)
+        (per_impl[n],) = measure_memory([(config, n)])
     out(f"\npeak extra host memory per step, {config}:")
     for n, b in per_impl.items():
         out(f"  {n:<22}{b / mib:8.1f} MiB")
@@ -568,7 +583,8 @@ def _memory_tables(implementations, config: Config, out, say) -> dict:
     for n in ("hostavg", "hostavg-stack", "hostavg-keras"):
         if n in implementations:
             say(f"measuring memory: {n} at k = 4 and 64")
-            scaling[n] = {k: measure_memory(dataclasses.replace(config, k=k), n) for k in (4, 64)}
+            scaling[n] = {k: measure_memory([(dataclasses.replace(config, k=k), n)])[0]
+                          for k in (4, 64)}
             out(f"  {n:<22}k=4: {scaling[n][4] / mib:.1f} MiB, k=64: {scaling[n][64] / mib:.1f} MiB")
     return {"config": str(config), "peak_bytes": per_impl, "k_scaling": scaling}
 

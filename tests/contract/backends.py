@@ -17,8 +17,8 @@ where its data differs), listed in :data:`BACKENDS`.
 
 Keras's backend is fixed per process (``KERAS_BACKEND``), so a process runs the
 backends of the Keras it has: TF1 and Keras on TensorFlow, or Keras on JAX
-(``KERAS_BACKEND=jax pytest tests/contract``; tests/test_keras_jax.py runs
-that in a process of its own).
+(``KERAS_BACKEND=jax pytest tests/contract``; CI runs that as a step of its
+own, .ci/run).
 """
 
 import keras
