@@ -49,8 +49,13 @@ class Model:
 
     def values(self, sess) -> dict:
         """Every global variable by name: weights, optimizer slots, global step."""
-        variables = self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-        return dict(zip([v.op.name for v in variables], sess.run(variables)))
+        return graph_values(self.graph, sess)
+
+
+def graph_values(graph, sess) -> dict:
+    """Every global variable of ``graph`` by name, read in ``sess``: weights, slots, step."""
+    variables = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    return dict(zip([v.op.name for v in variables], sess.run(variables)))
 
 
 class AfterApply(v1.Session):

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from models import graph_values
+
 import hostavg
 import hostavg.keras
 from hostavg.hooks import Record, SkipNonFinite
@@ -59,8 +61,7 @@ class TF1:
         self.sess.run(init)
 
     def values(self):
-        variables = self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
-        return dict(zip([v.op.name for v in variables], self.sess.run(variables)))
+        return graph_values(self.graph, self.sess)
 
     def fit(self, x, y, **kw):
         return self.trainer.fit(self.sess, {self.x: x, self.y: y}, batch_size=120,

@@ -77,10 +77,8 @@ class Trainer(BaseTrainer):
                  distributions_every: int | None = None, check_applied: bool = True):
         """Takes the model as compiled, compiling it with ``loss`` and ``optimizer`` where given.
 
-        The keywords every face takes (``micro_batch_size``, ``micro_batches``,
-        ``accumulate``, ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
-        ``overlap``, ``distributions_every``, ``check_applied``) are
-        :class:`~hostavg.train.trainer.BaseTrainer`'s.
+        The keywords every face takes are :class:`~hostavg.train.trainer.BaseTrainer`'s
+        (``micro_batch_size``, ``accumulate``, ``hooks``, ...).
 
         Args:
           model: a ``keras.Model``, compiled or not; it is compiled with

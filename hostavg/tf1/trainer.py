@@ -74,10 +74,8 @@ class Trainer(BaseTrainer):
                  distributions_every: int | None = None, check_applied: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
 
-        The keywords every face takes (``micro_batch_size``, ``micro_batches``,
-        ``accumulate``, ``accum_dtype``, ``hooks``, ``comm``, ``update_ratios_every``,
-        ``overlap``, ``distributions_every``, ``check_applied``) are
-        :class:`~hostavg.train.trainer.BaseTrainer`'s.
+        The keywords every face takes are :class:`~hostavg.train.trainer.BaseTrainer`'s
+        (``micro_batch_size``, ``accumulate``, ``hooks``, ...).
 
         Args:
           loss: scalar tensor, the MEAN of the per-sample losses of a micro-batch.
