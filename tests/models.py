@@ -1,17 +1,29 @@
 """Small graph-mode models (and their Keras twin), the full-batch oracle the tests compare
-hostavg against, and the environment of the Python processes tests start."""
+hostavg against, the environment of the Python processes tests start, and the helpers several
+test files share (a linear TF1 model, fit's small MLP, files with a bit flipped)."""
 
 from __future__ import annotations
 
+import io
 import os
+import struct
+import subprocess
+import sys
 import threading
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import hostavg  # noqa: E402
+from hostavg.cli import models as hostavg_models  # noqa: E402
+from hostavg.hooks import Record  # noqa: E402
+from hostavg.train.checkpoint import CheckpointDir  # noqa: E402
 
 v1 = tf.compat.v1
 
@@ -34,6 +46,8 @@ OPTIMIZERS = {
 }
 
 FEATURES, HIDDEN, CLASSES, VOCAB = 6, 8, 3, 50
+#: The samples of a step that the step tests cut into micro-batches.
+BATCH = 40
 
 
 @dataclass
@@ -286,3 +300,164 @@ def poisoned(case, index: int) -> list:
     feeds[index][x] = feeds[index][x].copy()
     feeds[index][x][0, 0] = np.nan
     return feeds
+
+
+def linear(dtype=np.float32, lr=1.0, hooks=(), accum_dtype=None, lr_placeholder=None):
+    """loss = mean over samples of w . x, so w's gradient is the mean of x: a test picks it.
+
+    ``lr_placeholder``: "required" or "default" makes the learning rate a placeholder.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(dtype, [None, 4], name="x")
+        w = tf.Variable(np.zeros(4, dtype), name="w")
+        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
+        if lr_placeholder == "required":
+            lr = v1.placeholder(tf.float32, (), name="lr")
+        elif lr_placeholder == "default":
+            lr = v1.placeholder_with_default(np.float32(lr), (), name="lr")
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(lr), hooks=hooks,
+                                  accum_dtype=accum_dtype)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    return trainer, sess, x, w, lr
+
+
+def rows(x, value, n=2, dtype=np.float32):
+    return {x: np.full((n, 4), value, dtype)}
+
+
+def fit_setup(then=None):
+    """A small MLP's trainer, session (an AfterApply calling ``then``, if given) and data."""
+    model = hostavg_models.mlp(10, [16], 3, seed=1)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    sess = AfterApply(then, graph=model.graph) if then else v1.Session(graph=model.graph)
+    sess.run(init)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(250, 10)).astype(np.float32)
+    return trainer, sess, {model.x: x, model.y: (x[:, 0] > 0).astype(np.int32)}
+
+
+def variables(trainer, sess):
+    names = trainer.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    return dict(zip([v.op.name for v in names], sess.run(names)))
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+FIT = dict(batch_size=50, micro_batch_size=20, epochs=2, seed=3, progress=False)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def micro_feeds(model, data: dict, sizes) -> list:
+    return [model.feed({k: v[part] for k, v in data.items()})
+            for part in cuts(len(data["y"]), sizes)]
+
+
+def repeating_batches(seed: int, steps: int, n: int = BATCH, window: int = 12) -> list:
+    """Embedding batches whose ids come from ``window`` tokens that move each step: every
+    micro-batch repeats tokens (twice, three times and more), and most rows of the table are
+    absent from each step (where a lazy sparse update and a dense one part ways)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
+        start = (step * 13) % (VOCAB - window)
+        out.append({"ids": rng.integers(start, start + window, (n, 3)).astype(np.int32),
+                    "y": rng.integers(0, CLASSES, n).astype(np.int32)})
+    return out
+
+
+def sgd():
+    return v1.train.GradientDescentOptimizer(0.1)
+
+
+@pytest.fixture(scope="module")
+def tf1():
+    """A dense model, its trainer, an initialised session and a batch of 20 samples."""
+    model = build()
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, sgd())
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    return model, trainer, sess, model.feed(batches(0, 1, 20)[0])
+
+
+FLIPS = 600  # per file, besides every bit of one entry's zip headers (see flips)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """(a checkpoint fit wrote, a record step with sparse and dense micro-batch gradients)."""
+    folder = tmp_path_factory.mktemp("written")
+    model = build(sparse=True)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01),
+                                  hooks=[Record(folder / "rec", micro=True)])
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=model.graph) as sess:
+        sess.run(init)
+        data = batches(0, 1, 24, sparse=True)[0]
+        trainer.fit(sess, model.feed(data), batch_size=24, micro_batch_size=8, epochs=1,
+                    progress=False, checkpoint_dir=folder / "ckpt", seed=3)
+    return CheckpointDir(folder / "ckpt").latest(), folder / "rec" / "step-0000000001.npz"
+
+
+def flips(data: bytes, seed: int):
+    """Bit positions to flip: a seeded sample of the file, and every bit of the zip structure of
+    its first entry (local header, central directory entry) and of its end record, where one
+    flip turns into the most kinds of exception."""
+    rng = np.random.default_rng(seed)
+    sample = set(rng.choice(8 * len(data), size=min(FLIPS, 8 * len(data)), replace=False).tolist())
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        first, central = z.infolist()[0].header_offset, z.start_dir
+    # A local header: 30 bytes, then the name and the extra field, their lengths at 26 and 28;
+    # a central directory entry: 46 bytes, then the name, extra field and comment (28, 30, 32).
+    spans = [(first, 30 + sum(struct.unpack("<HH", data[first + 26:first + 30]))),
+             (central, 46 + sum(struct.unpack("<HHH", data[central + 28:central + 34]))),
+             (len(data) - 22, 22)]  # the end of central directory record
+    structure = {8 * start + b for start, length in spans for b in range(8 * length)}
+    return sorted(sample | structure)
+
+
+def flipped(data: bytes, bit: int) -> bytes:
+    out = bytearray(data)
+    out[bit // 8] ^= 1 << (bit % 8)
+    return bytes(out)
+
+
+def each_flip(good: bytes, path, read, seed):
+    """Flips each chosen bit of ``good`` into ``path`` and reads it: (bits refused, bits that
+    loaded exactly, bits that escaped as another exception or loaded other values)."""
+    want = read(path)
+    refused, exact, wrong = 0, 0, []
+    for bit in flips(good, seed):
+        path.write_bytes(flipped(good, bit))
+        try:
+            got = read(path)
+        except hostavg.HostavgError as e:
+            if str(path) not in str(e):
+                wrong.append((bit, f"HostavgError not naming the file: {e}"))
+            refused += 1
+            continue
+        except Exception as e:  # noqa: BLE001 - what the test looks for
+            wrong.append((bit, f"{type(e).__name__}: {e}"))
+            continue
+        if got != want:
+            wrong.append((bit, "loaded other values"))
+        else:
+            exact += 1
+    path.write_bytes(good)
+    return refused, exact, wrong

@@ -267,3 +267,34 @@ def test_record_and_tensorboard_hold_every_step_of_the_run(engine, tmp_path, cap
     one_line_error(capsys, ["train", "--record-micro"], "--record-micro records each "
                                                         "micro-batch's gradients into the record: "
                                                         "it needs --record DIR")
+
+
+# --- The command line: one line, exit status 2, before any training -----------------------------
+
+
+def one_line(capsys, argv, match):
+    from hostavg.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(main(argv))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_command_line_mistakes_are_one_line_before_any_training(tmp_path, capsys):
+    train = ["train", "--dataset", "digits", "--epochs", "1", "--quiet"]
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    one_line(capsys, [*train, "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'")
+    one_line(capsys, [*train, "--checkpoint-dir", str(a_file)],
+             f"hostavg train: error: --checkpoint-dir '{a_file}' is a file, not a folder")
+    one_line(capsys, [*train, "--checkpoint-dir", str(a_file / "sub")],
+             f"--checkpoint-dir '{a_file / 'sub'}': '{a_file}' is not a writable folder")
+    one_line(capsys, [*train, "--hidden", "1000000000"],
+             "hostavg train: error: --hidden 1000000000 makes an MLP of 75,000,000,010 parameters, "
+             "which needs about")
+    one_line(capsys, [*train, "--lr", "inf"], "--lr must be a finite number > 0, got inf")
+    for command in (train, ["bench"]):
+        one_line(capsys, [*command, "--json", str(tmp_path / "missing" / "out.json")],
+                 f"argument --json: the folder '{tmp_path / 'missing'}' of")
+    one_line(capsys, [*train, "--json", str(tmp_path)], "is a folder; name a file")

@@ -1,17 +1,22 @@
 """The step engine's promises, each tried against the way it was once broken: ownership of
 arrays, one step at a time, a rollback that does not grow with frozen variables, errors that
-name the real culprit, op-name feed keys and 0-d variables."""
+name the real culprit, op-name feed keys and 0-d variables; a step's norms are those of the
+mean it applied, and a mean that overflows only when cast is refused."""
 
+import math
+import re
 import threading
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import OPTIMIZERS, FetchSpy, batches, build, cuts, poisoned, v1
+from models import (OPTIMIZERS, FetchSpy, assert_bitwise, batches, build, cuts, linear, micro_feeds,
+                    poisoned, repeating_batches, v1)
 from test_trainer import BATCH, Case, unchanged
 
 import hostavg
+from hostavg.hooks import Drop
 
 # --- Ownership: what hostavg hands out is read-only; what it receives is copied ------------
 
@@ -341,3 +346,201 @@ def test_scalar_variables_compute_step_and_apply_and_equal_the_full_batch_step(o
     assert res.grads["w"].shape == () and not res.grads["w"].flags.writeable
     step = trainer.apply(sess, {"w": 0.0, "b": np.float64(1.0), "table": res.grads["table"]})
     assert step == 6
+
+
+# --- Errors name the real culprit: a hook's NaN, a closed session -----------------------------
+
+
+def test_a_nan_an_on_step_hook_puts_in_is_blamed_on_the_hook():
+    class Poisoner:
+        def on_step(self, mean, result):
+            return {name: np.full(np.shape(v), np.nan) for name, v in mean.items()}
+
+    case = Case(update_op=True, hooks=[Poisoner()])
+    unchanged(case, lambda: case.trainer.step(case.sess, case.feeds),
+              r"^step, the mean that on_step hook Poisoner returned: non-finite .* Look at that "
+              r"hook\.$")
+
+
+def test_a_session_closed_mid_step_is_the_error_reported_not_the_failed_rollback():
+    class Closer:
+        def __init__(self):
+            self.sess = None
+
+        def on_micro_batch(self, micro):
+            if micro.index == 1:
+                self.sess.close()
+
+    closer = Closer()
+    case = Case(update_op=True, hooks=[closer])
+    closer.sess = case.sess
+    with pytest.raises(hostavg.HostavgError, match=r"^step, micro-batch 2 of 4 \(samples 20:30\): "
+                       r"the session failed in the snapshot of the rollback variables "
+                       r"\(\w+Error: Session has been closed") as raised:
+        case.trainer.step(case.sess, case.feeds)
+    assert "hostavg: restoring the variables the micro-batches assign failed too" in \
+        raised.value.__notes__[0]
+
+
+# --- A step's norms are those of the mean it applied ---------------------------------------------
+
+
+def norms_of(grads) -> dict:
+    """NumPy's L2 norm of each value, in float64 (a sparse gradient: of its coalesced rows)."""
+    return {name: float(np.linalg.norm(np.ravel(
+        v.coalesce().values if isinstance(v, hostavg.SparseGradient) else v).astype(np.float64)))
+        for name, v in grads.items()}
+
+
+def assert_norms_of(stats, grads):
+    want = norms_of(grads)
+    assert stats.variable_norms.keys() == want.keys()
+    for name, norm in want.items():
+        assert stats.variable_norms[name] == pytest.approx(norm, rel=1e-6), name
+    assert stats.grad_norm == pytest.approx(math.hypot(*want.values()), rel=1e-6)
+
+
+def dense(value) -> np.ndarray:
+    return value.to_dense() if isinstance(value, hostavg.SparseGradient) else np.asarray(value)
+
+
+def sgd_case(hooks=(), accum_dtype=None):
+    """The embedding MLP with plain SGD (so the weights' change is -0.5 * the applied mean)."""
+    model = build(sparse=True)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.GradientDescentOptimizer(0.5), hooks=hooks,
+                                  accum_dtype=accum_dtype)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    return model, trainer, sess
+
+
+def weights(model, sess, trainer) -> dict:
+    return {name: value for name, value in model.values(sess).items() if name in trainer.spec}
+
+
+@pytest.mark.parametrize("accum_dtype", [None, "float64"])
+@pytest.mark.parametrize("sizes", [(BATCH,), (10, 10, 20)], ids=["k1", "k3"])
+def test_step_norms_are_those_of_the_applied_mean(sizes, accum_dtype):
+    model, trainer, sess = sgd_case(accum_dtype=accum_dtype)
+    for d in repeating_batches(13, 2):
+        before = weights(model, sess, trainer)
+        res = trainer.step(sess, micro_feeds(model, d, sizes))
+        assert all(v.dtype == (accum_dtype or np.float32) for v in res.grads.values())
+        assert_norms_of(res.stats, res.grads)
+        after = weights(model, sess, trainer)
+        for name in before:  # what res.grads says was applied, was
+            np.testing.assert_allclose(before[name] - after[name], 0.5 * dense(res.grads[name]),
+                                       rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+class KeepOnly:
+    """Drops every micro-batch but one."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def on_micro_batch(self, micro):
+        return None if micro.index == self.index else Drop("not this one")
+
+
+class Replace:
+    """Replaces each micro-batch's gradients (on_micro_batch) or the mean (on_step) with ``factor``
+    times themselves, as ``dtype``."""
+
+    def __init__(self, where, factor=3.0, dtype=np.float32):
+        self.factor, self.dtype = factor, dtype
+        setattr(self, where, self._replace)
+
+    def _replace(self, grads, *_):
+        grads = getattr(grads, "grads", grads)
+        return {name: hostavg.SparseGradient(v.indices, (v.values * self.factor).astype(self.dtype),
+                                             v.dense_shape)
+                if isinstance(v, hostavg.SparseGradient) else (v * self.factor).astype(self.dtype)
+                for name, v in grads.items()}
+
+
+@pytest.mark.parametrize("accum_dtype", [None, "float64"])
+def test_a_step_left_with_one_micro_batch_has_that_micro_batchs_norms(accum_dtype):
+    model, trainer, sess = sgd_case(hooks=[KeepOnly(1)], accum_dtype=accum_dtype)
+    data = repeating_batches(14, 1)[0]
+    feeds = micro_feeds(model, data, (10, 10, 20))
+    alone = trainer.compute(sess, feeds[1])
+    res = trainer.step(sess, feeds)
+    assert [m.dropped for m in res.micro] == ["not this one", None, "not this one"]
+    assert_norms_of(res.stats, res.grads)
+    assert_norms_of(res.stats, alone)
+
+
+@pytest.mark.parametrize("hook", [Replace("on_micro_batch"),
+                                  Replace("on_micro_batch", 2.0, np.float64),
+                                  Replace("on_step", 0.25)],
+                         ids=["on_micro_batch", "on_micro_batch-float64", "on_step"])
+@pytest.mark.parametrize("sizes", [(BATCH,), (10, 10, 20)], ids=["k1", "k3"])
+def test_norms_are_of_the_gradients_a_hook_put_in(hook, sizes):
+    model, trainer, sess = sgd_case()
+    data = repeating_batches(15, 1)[0]
+    alone = trainer.compute(sess, model.feed(data))  # the whole batch: the mean without the hook
+    model, trainer, sess = sgd_case(hooks=[hook])
+    res = trainer.step(sess, micro_feeds(model, data, sizes))
+    assert_norms_of(res.stats, res.grads)
+    for name, norm in norms_of(alone).items():
+        assert res.stats.variable_norms[name] == pytest.approx(hook.factor * norm, rel=1e-5), name
+
+
+OVERFLOW = ("step, the mean: non-finite gradients in 'w' (4 of 4 entries: 0 NaN, 4 Inf). Nothing "
+            "was applied. Every micro-batch's gradients were finite, so their weighted sum "
+            "overflowed the accumulation dtype: accumulate in float64 with accum_dtype='float64'.")
+
+
+class Huge:
+    """Replaces a micro-batch's gradient of w with float64 values beyond float32's range."""
+
+    def on_micro_batch(self, micro):
+        return {"w": np.full(4, 1e39)}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("how", ["float64-model-float32-sums", "float64-from-a-hook",
+                                 "float64-from-a-hook-float64-sums"])
+def test_a_mean_that_overflows_only_when_cast_is_refused_not_applied(how, k):
+    message = re.escape(OVERFLOW) + "$"
+    if how == "float64-model-float32-sums":
+        trainer, sess, x, w, _ = linear(np.float64, accum_dtype="float32")
+        feed = {x: np.full((2, 4), 1e39)}
+    else:
+        sums = "float64" if how.endswith("float64-sums") else None
+        trainer, sess, x, w, _ = linear(np.float32, hooks=[Huge()], accum_dtype=sums)
+        feed = {x: np.ones((2, 4), np.float32)}
+        if sums:  # the float64 mean is finite; its cast to float32 is not
+            message = re.escape(OVERFLOW.split(" Every")[0] + " Every micro-batch's gradients "
+                                "were finite and were summed in float64, so the mean "
+                                "itself is beyond the range of the variables' dtype: scale the "
+                                "loss down, or clip the gradients (hostavg.hooks.ClipGlobalNorm).")
+            message += "$"
+    with np.errstate(over="ignore"), pytest.raises(hostavg.HostavgError, match="^" + message):
+        trainer.step(sess, [feed] * k)
+    np.testing.assert_array_equal(sess.run(w), np.zeros(4))
+    assert sess.run(trainer.global_step) == 0
+
+
+class HugeRows:
+    """Replaces a micro-batch's embedding rows with float64 values beyond float32's range."""
+
+    def on_micro_batch(self, micro):
+        rows = micro.grads["embedding"]
+        return {**micro.grads, "embedding": hostavg.SparseGradient(
+            rows.indices, np.full(rows.values.shape, 1e39), rows.dense_shape)}
+
+
+@pytest.mark.parametrize("sizes", [(BATCH,), (10, 30)], ids=["k1", "k2"])
+def test_sparse_rows_that_overflow_only_when_cast_are_refused_not_applied(sizes):
+    model, trainer, sess = sgd_case(hooks=[HugeRows()])
+    data = repeating_batches(16, 1)[0]
+    before = model.values(sess)
+    with np.errstate(over="ignore"), pytest.raises(hostavg.HostavgError, match=(
+            r"^step, the mean: non-finite gradients in 'embedding' \((\d+) of \1 entries: 0 NaN, "
+            r"\1 Inf\)\. Nothing was applied\. Every micro-batch's gradients were finite")):
+        trainer.step(sess, micro_feeds(model, data, sizes))
+    assert_bitwise(model.values(sess), before)

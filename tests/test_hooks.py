@@ -499,3 +499,45 @@ def test_one_running_noise_scale_average_everywhere(tmp_path):
     beta = stats.NOISE_SCALE_BETA
     assert hostavg.NoiseScale().beta == TensorBoard(tmp_path / "tb").noise_scale.beta == beta
     assert inspect.signature(hostavg.plot.noise_scale).parameters["beta"].default == beta
+
+
+# --- Hooks and callbacks take NumPy's numbers ---------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", [ClipGlobalNorm, ClipMicroBatchNorm])
+@pytest.mark.parametrize("value", [np.float32(1.0), np.int64(2), np.float16(0.5)],
+                         ids=["float32", "int64", "float16"])
+def test_clip_hooks_take_numpy_numbers(hook, value):
+    # np.float32(1.0) and np.int64(2) were refused as "not a finite number > 0".
+    assert hook(value).max_norm == float(value)
+
+
+@pytest.mark.parametrize("hook", [ClipGlobalNorm, ClipMicroBatchNorm])
+@pytest.mark.parametrize("value", [0, -1.0, np.nan, "1", True, 1 + 0j])
+def test_clip_hooks_refuse_what_is_no_finite_positive_number(hook, value):
+    with pytest.raises(hostavg.HostavgError, match=r"^max_norm must be a finite number > 0, got "):
+        hook(value)
+
+
+def test_early_stopping_takes_numpy_integers_and_refuses_text():
+    assert hostavg.EarlyStopping(patience=np.int64(2), min_delta=np.float32(0.5)).patience == 2
+    with pytest.raises(hostavg.HostavgError, match=r"^min_delta must be a finite number >= 0, got "
+                                                   r"'abc'$"):
+        hostavg.EarlyStopping(min_delta="abc")
+
+
+# --- TensorBoard's logdir ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("logdir,match", [
+    (None, r"^TensorBoard: logdir must be a folder name \(str or os.PathLike\), got None$"),
+    ("FILE", r"^TensorBoard: logdir '.*/a-file' is a file, not a folder; name a folder for the "
+             r"event files$"),
+])
+def test_tensorboard_refuses_a_logdir_that_is_no_folder_at_once(tmp_path, logdir, match):
+    # TensorBoard(<a file>) was accepted until the first apply.
+    pytest.importorskip("tensorboard")
+    (tmp_path / "a-file").write_text("a file")
+    logdir = tmp_path / "a-file" if logdir == "FILE" else logdir
+    with pytest.raises(hostavg.HostavgError, match=match):
+        hostavg.hooks.TensorBoard(logdir)

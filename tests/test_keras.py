@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import CLASSES, FEATURES, HIDDEN, batches, cuts
+from models import CLASSES, FEATURES, HIDDEN, batches, cuts, keras_model
 from models import keras_model as build
 
 import hostavg
@@ -422,3 +422,65 @@ def test_validation_data_of_the_wrong_shape_is_refused_before_training():
                     validation_data=(x[:, :2], y))
     for u, v in zip(before, model.variables):
         np.testing.assert_array_equal(u, v.numpy())
+
+
+# --- The Keras face's batches -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keras_trainer():
+    import keras
+    import hostavg.keras
+    return hostavg.keras.Trainer(keras_model(), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), keras.optimizers.SGD(0.1))
+
+
+def test_keras_refuses_ragged_lists_naming_them(keras_trainer):
+    # ValueError: setting an array element with a sequence (NumPy's own).
+    with pytest.raises(hostavg.HostavgError, match=r"^compute: x cannot be made an array "
+                                                   r"\(setting an array element"):
+        keras_trainer.compute([[1.0] * 6, [1.0] * 5], np.zeros(2, np.int32))
+
+
+def test_keras_refuses_complex_inputs_as_the_tf1_face_does(keras_trainer):
+    # Cast to float32 silently, imaginary part dropped.
+    x = np.ones((4, 6), np.complex64) * 1j
+    with pytest.raises(hostavg.HostavgError, match=r"^compute: x holds complex values \(complex64\), "
+                                                   r"whose imaginary part the model would drop; "
+                                                   r"pass real arrays$"):
+        keras_trainer.compute(x, np.zeros(4, np.int32))
+
+
+def test_keras_multi_output_model_with_one_target_array_says_so():
+    # "Structures don't have the same nested structure" / "Expected any non-tensor type".
+    # Compiled with one loss, a two-output model needs a target per output, as in Keras.
+    import keras
+    import hostavg.keras
+    x = keras.Input((6,))
+    model = keras.Model(x, [keras.layers.Dense(3)(x), keras.layers.Dense(3)(x)])
+    trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), keras.optimizers.SGD(0.1))
+    with pytest.raises(hostavg.HostavgError, match=r"^compute: the model cannot run on this batch "
+                                                   r"\(KeyError: .*in the `loss` argument.*\); "
+                                                   r"check its x and y against the model's inputs "
+                                                   r"and the loss$"):
+        trainer.compute(np.ones((4, 6), np.float32), np.zeros(4, np.int32))
+
+
+# --- fit checks what it is given before an epoch trains (item 13) -------------------------------
+
+
+def test_keras_input_of_the_wrong_width_names_the_layer_not_keras_arguments():
+    # "(ValueError: • kwargs=<class 'inspect._empty'>)": the last line of Keras's arguments.
+    import keras
+    import hostavg.keras
+    model = keras.Sequential([keras.layers.Dense(8, name="first"), keras.layers.Dense(3)])
+    trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), keras.optimizers.SGD(0.1))
+    y = np.zeros(8, np.int32)
+    trainer.compute(np.ones((8, 6), np.float32), y)
+    with pytest.raises(hostavg.HostavgError, match=r"^compute: the model cannot run on this batch "
+                       r"\(ValueError: Input 0 with name 'None' of layer 'first' is incompatible "
+                       r"with the layer: expected axis -1 of input shape to have value 6, but "
+                       r"received input with shape \(None, 4\)\); check its x and y"):
+        trainer.compute(np.ones((8, 4), np.float32), y)

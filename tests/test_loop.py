@@ -1,4 +1,5 @@
-"""fit: batches, weighting, data sources, history, callbacks, checkpoints and resume."""
+"""fit: batches, weighting, data sources, history, callbacks, checkpoints and resume; its
+arguments and data checked before an epoch trains."""
 
 import signal
 import subprocess
@@ -9,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from models import ENV, FIT, AfterStep, FailAt, assert_bitwise, build, fit_setup, tf1, variables
 
 import hostavg
 from hostavg.cli import models
 from hostavg.train.checkpoint import CheckpointDir
-from models import ENV, AfterStep, FailAt
+from hostavg.train.loop import ArraySource
 
 v1 = tf.compat.v1
 N = 250  # batches of 96: 96, 96 and a short 58
@@ -435,3 +437,186 @@ def test_train_begin_moves_fit_back_to_the_epoch_a_restoring_hook_returns():
     assert (state.epoch, state.data_pass, state.batch, state.samples) == (1, 1, 0, 0)
     assert [s.epoch for s in state.history.steps] == [0]
     assert state.history.epochs == [{"epoch": 0}]
+
+
+# --- fit: no silent empty runs; None where a list is expected -----------------------------------
+
+
+@pytest.mark.parametrize("make,kw,match", [
+    (lambda d: {k: v[:0] for k, v in d.items()}, {},
+     r"^data holds 0 samples, so an epoch has no batch of batch_size 50; fit needs at least one"),
+    (lambda d: {k: v[:30] for k, v in d.items()}, {"drop_remainder": True},
+     r"^data holds 30 samples, so an epoch has no batch of batch_size 50 \(drop_remainder\)"),
+    (lambda d: [], {}, r"^epoch 0 trained no step: the data gave 0 batches; fit needs at least one"),
+    (lambda d: [{k: v[:30] for k, v in d.items()}], {"drop_remainder": True},
+     r"^epoch 0 trained no step: the data gave 1 batches, every one shorter than batch_size and "
+     r"dropped \(drop_remainder\)"),
+    (lambda d: tf.data.Dataset.from_tensor_slices({"x": np.zeros((0, 10), np.float32)}),
+     {"inputs": "x"}, r"^data holds 0 samples"),
+])
+def test_fit_refuses_data_that_gives_no_step(make, kw, match):
+    trainer, sess, data = fit_setup()
+    before = variables(trainer, sess)
+    if kw.get("inputs") == "x":
+        kw = {"inputs": {"x": trainer.graph.get_tensor_by_name("x:0")}}
+    with pytest.raises(hostavg.HostavgError, match=match):
+        trainer.fit(sess, make(data), **dict(FIT, **kw))
+    assert_bitwise(variables(trainer, sess), before)
+
+
+def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
+    trainer, sess, data = fit_setup()
+    history = trainer.fit(sess, data, callbacks=None, **dict(FIT, epochs=1))
+    assert len(history.steps) == 5
+    with pytest.raises(hostavg.HostavgError, match=r"^callbacks must be a list of objects with "
+                       r"on_micro_batch or on_step or on_applied or on_resume or on_train_begin "
+                       r"or on_epoch_begin or on_batch_begin or on_batch_end or on_epoch_end or "
+                       r"on_train_end or close or on_step_end \(or None\), got "
+                       r"<hostavg.train.callbacks.EarlyStopping"):
+        trainer.fit(sess, data, callbacks=hostavg.EarlyStopping(), **FIT)
+    model = build()
+    with model.graph.as_default():
+        assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None).hooks == ()
+        with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
+                           r"on_micro_batch or on_step or on_applied or on_resume or "
+                           r"on_train_begin or on_epoch_begin or on_batch_begin or on_batch_end "
+                           r"or on_epoch_end or on_train_end or close or on_step_end "
+                           r"\(or None\), got "
+                           r"<hostavg.train.hooks.SkipNonFinite"):
+            hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1),
+                            hooks=hostavg.hooks.SkipNonFinite())
+
+
+def test_misuse_gets_one_clear_error():
+    with pytest.raises(hostavg.HostavgError, match=r"^split takes a feed dict \{placeholder: "
+                       r"array\} or a tuple \(x, y\), got list"):
+        hostavg.split([np.zeros(4)], 2)
+    model, other = build(), build()
+    with model.graph.as_default():
+        foreign = other.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)[0]
+        with pytest.raises(hostavg.HostavgError, match=r"^var_list holds variable 'hidden/kernel:0' "
+                           r"of another graph than the loss's"):
+            hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), var_list=[foreign])
+    trainer, sess, data = fit_setup()
+    with trainer.graph.as_default():
+        graph_mode = tf.data.Dataset.from_tensor_slices({"x": np.zeros((4, 10), np.float32)})
+    with pytest.raises(hostavg.HostavgError, match=r"^fit reads a tf.data.Dataset eagerly, but "
+                       r"this one is in graph mode"):
+        trainer.fit(sess, graph_mode, inputs={"x": trainer.graph.get_tensor_by_name("x:0")},
+                    **FIT)
+
+
+# --- fit's arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "abc", True])
+def test_fit_refuses_a_seed_that_is_no_integer_at_least_0(tf1, seed, tmp_path):
+    # -1, 1.5 and "abc" reached NumPy raw; -1 with shuffle=False trained and wrote a checkpoint
+    # that the next fit called damaged.
+    model, trainer, sess, feed = tf1
+    before = sess.run(trainer.global_step)
+    for shuffle in (True, False):
+        with pytest.raises(hostavg.HostavgError, match=rf"^seed must be an integer >= 0, got "
+                                                       rf"{repr(seed).replace('.', '[.]')}$"):
+            trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, seed=seed,
+                        shuffle=shuffle, progress=False, checkpoint_dir=tmp_path)
+    assert sess.run(trainer.global_step) == before and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name,value", [("shuffle", "False"), ("drop_remainder", "False"),
+                                        ("shuffle", 0), ("drop_remainder", None)])
+def test_fit_refuses_flags_that_are_not_bools(tf1, name, value):
+    # shuffle="False" and drop_remainder="False" were taken as True.
+    model, trainer, sess, feed = tf1
+    before = sess.run(trainer.global_step)
+    with pytest.raises(hostavg.HostavgError, match=rf"^{name} must be True or False, got "
+                                                   rf"{value!r}$"):
+        trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, progress=False,
+                    **{name: value})
+    assert sess.run(trainer.global_step) == before
+
+
+@pytest.mark.parametrize("progress", [1, "False"])
+def test_fit_refuses_a_progress_that_is_no_bool_nor_a_mode(tf1, progress):
+    model, trainer, sess, feed = tf1
+    with pytest.raises(hostavg.HostavgError, match=rf"^progress must be True, False, 'always', "
+                                                   rf"'epoch' or 'auto', got {progress!r}$"):
+        trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, progress=progress)
+
+
+@pytest.mark.parametrize("verbose", [3, "1", 1.0])
+def test_fit_refuses_a_verbose_keras_does_not_know_on_the_tf1_face_too(tf1, verbose):
+    model, trainer, sess, feed = tf1
+    with pytest.raises(hostavg.HostavgError,
+                       match=rf"^verbose must be 'auto', 0, 1 or 2, got {verbose!r}$"):
+        trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, verbose=verbose)
+
+
+@pytest.mark.parametrize("verbose,shown", [(0, ""), (2, "epoch 1/1"), ("auto", "epoch 1/1")])
+def test_tf1_fit_shows_what_verbose_asks_unless_progress_is_given(tf1, capsys, verbose, shown):
+    model, trainer, sess, feed = tf1
+    trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, verbose=verbose)
+    assert shown in capsys.readouterr().out and (shown or not capsys.readouterr().out)
+    trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, verbose=verbose, progress=False)
+    assert capsys.readouterr().out == ""
+
+
+def test_fit_and_check_take_the_trainers_micro_batch_size_and_need_one(tf1):
+    model, trainer, sess, feed = tf1
+    with pytest.raises(hostavg.HostavgError, match=r"^fit needs micro_batch_size: pass it to fit, "
+                                                   r"or micro_batch_size or micro_batches to the "
+                                                   r"trainer"):
+        trainer.fit(sess, feed, batch_size=10, verbose=0)
+    with pytest.raises(hostavg.HostavgError, match=r"^check needs micro_batch_size"):
+        trainer.check(sess, feed)
+    trainer.micro_batch_size = 5
+    history = trainer.fit(sess, feed, batch_size=10, verbose=0)
+    assert [len(s.micro_norms) for s in history.steps] == [2, 2]
+    assert trainer.check(sess, feed).ok
+    trainer.micro_batch_size, trainer.micro_batches = None, 5
+    history = trainer.fit(sess, feed, batch_size=10, verbose=0)
+    assert [len(s.micro_norms) for s in history.steps] == [5, 5]
+
+
+def test_array_source_refuses_a_shuffle_that_is_no_bool():
+    # The Keras face's fit cuts its arrays with ArraySource.
+    with pytest.raises(hostavg.HostavgError, match=r"^shuffle must be True or False, got 'no'$"):
+        ArraySource((np.zeros((4, 2)), np.zeros(4)), 2, "no")
+
+
+# --- fit checks what it is given before an epoch trains (item 13) -------------------------------
+
+
+@pytest.mark.parametrize("case,match", [
+    # Found after a whole epoch had trained.
+    ("validation_shape", r"^validation_data: feed 'x:0' has shape \(20, 5\), but it takes shape "
+                         r"\(None, 6\) \(None: any length\)$"),
+    ("validation_lengths", r"^validation_data: arrays have different lengths along axis 0"),
+    ("metric_shape", r"^fit: metric 'x' has shape \(None, 6\), not a scalar; give the mean over "
+                     r"the batch$"),
+    ("one_shot", r"^data is a one-shot iterator, which serves one epoch, but fit was asked for "
+                 r"epochs=2; pass a list, or a callable that returns a new iterable for every "
+                 r"epoch$"),
+    # Accepted, and no checkpoint was ever written.
+    ("checkpoint_every", r"^checkpoint_every=2 needs checkpoint_dir, the folder to write the "
+                         r"checkpoints to$"),
+])
+def test_fit_refuses_what_would_fail_later_before_training(tf1, case, match):
+    model, trainer, sess, feed = tf1
+    x, y = model.inputs["x"], model.inputs["y"]
+    kw = dict(batch_size=10, micro_batch_size=5, epochs=2, progress=False)
+    data = feed
+    if case == "validation_shape":
+        kw["validation_data"] = {x: np.zeros((20, 5), np.float32), y: feed[y]}
+    elif case == "validation_lengths":
+        kw["validation_data"] = {x: feed[x][:7], y: feed[y]}
+    elif case == "metric_shape":
+        kw.update(validation_data=feed, metrics={"x": x})
+    elif case == "one_shot":
+        data = iter(hostavg.split(feed, 10))
+    else:
+        kw["checkpoint_every"] = 2
+    before = sess.run(trainer.global_step)
+    with pytest.raises(hostavg.HostavgError, match=match):
+        trainer.fit(sess, data, **kw)
+    assert sess.run(trainer.global_step) == before

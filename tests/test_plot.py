@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from models import sgd, tf1  # noqa: E402
 
 import hostavg  # noqa: E402
 from hostavg.cli import models  # noqa: E402
@@ -244,3 +245,33 @@ def test_runs_by_variables_keep_one_key_per_variable_and_per_run_outside_the_dat
     ax.figure.canvas.draw()
     legend = ax.get_legend().get_window_extent()
     assert legend.x0 >= ax.get_window_extent().x1  # beside the axes, not over the lines
+
+
+# --- What a plot refuses ----------------------------------------------------------------------
+
+
+def test_plots_refuse_an_ax_that_is_no_axes(tf1):
+    # plot.micro_norms(results, ax="ax") raised AttributeError: 'str' object has no attribute ...
+    model, trainer, sess, feed = tf1
+    pytest.importorskip("matplotlib")
+    results = [trainer.step(sess, hostavg.split(feed, 10))]
+    with pytest.raises(hostavg.HostavgError, match=r"^hostavg.plot.micro_norms: ax must be "
+                                                   r"matplotlib Axes \(or None for a new figure\), "
+                                                   r"got 'ax'$"):
+        hostavg.plot.micro_norms(results, ax="ax")
+
+
+def test_variable_norms_of_update_ratios_never_measured_says_how_to_measure_them(tf1, tmp_path):
+    model, _, _, feed = tf1
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, sgd(), hooks=[Record(tmp_path / "rec")])
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=model.graph) as sess:
+        sess.run(init)
+        trainer.step(sess, hostavg.split(feed, 10))
+    pytest.importorskip("matplotlib")
+    with pytest.raises(hostavg.HostavgError, match=r"^hostavg.plot.variable_norms: no step holds "
+                                                   r"update_ratio values: update ratios are "
+                                                   r"measured only when the trainer is made with "
+                                                   r"update_ratios_every=N"):
+        hostavg.plot.variable_norms(hostavg.load_record(tmp_path / "rec"), quantity="update_ratio")

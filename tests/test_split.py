@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import hostavg
 from hostavg import HostavgError, split
 
 
@@ -94,3 +95,17 @@ def test_micro_batches_cut_with_blocks_keep_them_and_know_their_size():
     pairs = split((np.zeros(3), np.arange(6)), 2, blocks={(1,): 2})
     assert [feed_size(p) for p in pairs] == [2, 1] and isinstance(pairs[0], tuple)
     np.testing.assert_array_equal(pairs[1][1], [2, 5])
+
+
+# --- Ragged lists -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", ["dict", "tuple"])
+def test_split_refuses_ragged_lists_naming_them(batch):
+    # ValueError: setting an array element with a sequence (NumPy's own).
+    ragged = [[1.0, 2.0], [3.0]]
+    data = {"x": ragged} if batch == "dict" else (ragged, [0, 1])
+    name = "'x'" if batch == "dict" else r"batch\[0\]"
+    with pytest.raises(hostavg.HostavgError, match=rf"^split: {name} cannot be made an array "
+                                                   rf"\(setting an array element"):
+        hostavg.split(data, 1)

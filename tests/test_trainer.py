@@ -1,15 +1,18 @@
 """The Trainer against the full-batch oracle, and its guarantees: no forward pass in
-apply, one global step per apply, UPDATE_OPS per micro-batch, atomic steps, errors."""
+apply, one global step per apply, UPDATE_OPS per micro-batch, atomic steps, errors;
+its arguments (var_list, accum_dtype, evaluate's metrics, step_together) checked."""
 
 import re
 
 import numpy as np
 import pytest
-from models import FetchSpy, batches, build, cuts, full_batch, make_optimizer, v1
+import tensorflow as tf
+from models import (BATCH, FetchSpy, batches, build, cuts, full_batch, make_optimizer, sgd,
+                    tf1, v1)
 
 import hostavg
 
-STEPS, BATCH = 20, 40
+STEPS = 20
 EQUAL, UNEQUAL = (10, 10, 10, 10), (5, 12, 3, 20)
 
 
@@ -371,3 +374,133 @@ def test_update_ratios_are_measured_every_so_many_steps_or_never():
     with pytest.raises(hostavg.HostavgError, match="update_ratios_every must be an integer >= 1, "
                                                    "got 0"):
         hostavg.Trainer(case.model.loss, v1.train.AdamOptimizer(0.01), update_ratios_every=0)
+
+
+# --- One micro-batch averaged in the session --------------------------------------------------
+
+
+@pytest.mark.parametrize("accumulate,sparse", [("stack", False), ("sum", True)],
+                         ids=["dense-stack", "sparse-sum"])
+def test_one_micro_batch_averaged_in_the_session_is_checked_on_its_own_mean(accumulate, sparse):
+    """average="graph" once computed (w g) / w in the variable's dtype, which overflowed where
+    w g did; the step's mean must be checked on its own values, not the micro-batch's norms."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None])
+        if sparse:
+            w = tf.Variable(np.zeros((4, 1), np.float32), name="w")
+            ids = v1.placeholder(tf.int32, [None])
+            loss = tf.reduce_mean(tf.nn.embedding_lookup(w, ids)[:, 0] * x) * 2.5  # rows 1.25e38
+        else:
+            w = tf.Variable(0.0, name="w")
+            loss = tf.reduce_mean(w * x)  # gradient 1.5e38
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(1e-3),
+                                  average="graph", accumulate=accumulate)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    feed = {x: np.full(3, 1.5e38, np.float32)}  # 3 samples: times 3, Inf
+    if sparse:
+        feed[ids] = np.array([0, 1, 2], np.int32)
+    # The sums are kept in units of the largest weight (issue 24 item 10): w g no longer
+    # overflows, and the step's mean is the micro-batch's own finite gradient, checked as such.
+    alone = trainer.compute(sess, feed)
+    res = trainer.step(sess, [feed])
+    mean, own = res.grads["w"], alone["w"]
+    if sparse:
+        mean, own = mean.to_dense(), own.to_dense()
+    assert np.all(np.isfinite(mean)) and res.stats.grad_norm == pytest.approx(alone.global_norm())
+    np.testing.assert_allclose(mean, own, rtol=1e-6)
+
+
+def kernel(model):
+    return next(v for v in model.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+                if v.op.name == "hidden/kernel")
+
+
+# --- var_list, accum_dtype, the variables -------------------------------------------------------
+
+
+@pytest.mark.parametrize("given,match", [
+    # Iterating a variable raised OperatorNotAllowedInGraphError.
+    ("w", r"^var_list must be a list of variables, got the variable 'hidden/kernel'; e.g. "
+          r"var_list=\[w\]$"),
+    # NotImplementedError ('Trying to update a Tensor ', ...) from the optimizer.
+    ("[loss]", r"^var_list holds the tensor 'Mean:0', not a variable; list the variables to "
+               r"train$"),
+    # "variable None of another graph".
+    ("[None]", r"^var_list holds None, not a variable; list the variables to train$"),
+    # Accepted, then the apply's feed was blamed ("fed more than once").
+    ("[w, w]", r"^var_list holds 'hidden/kernel' twice; list each variable once$"),
+    ("[other]", r"^var_list holds variable 'v:0' of another graph than the loss's; pass variables of "
+                r"the graph the loss was built in$"),
+])
+def test_a_var_list_that_is_no_list_of_the_graphs_variables_is_refused(given, match):
+    model = build()
+    w = kernel(model)
+    with tf.Graph().as_default():
+        other = tf.Variable(1.0, name="v")
+    var_list = {"w": w, "[loss]": [model.loss], "[None]": [None], "[w, w]": [w, w],
+                "[other]": [other]}[given]
+    with model.graph.as_default(), pytest.raises(hostavg.HostavgError, match=match):
+        hostavg.Trainer(model.loss, sgd(), var_list=var_list)
+
+
+def test_a_complex_variable_is_refused_naming_it():
+    # TensorFlow's "Invalid type tf.complex64 for Variable:0" came out as a raw ValueError.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.complex64, [None, 2])
+        w = tf.Variable(np.ones(2, np.complex64), name="c")
+        loss = tf.math.real(tf.reduce_mean(tf.reduce_sum(x * w, 1)))
+        with pytest.raises(hostavg.HostavgError, match=r"^the optimizer cannot train the variables "
+                           r"the loss reaches \(Invalid type tf.complex64 for c:0, expected: .*\); "
+                           r"hostavg trains real floating-point variables: leave the others out "
+                           r"with var_list$"):
+            hostavg.Trainer(loss, sgd())
+
+
+def test_accum_dtype_takes_a_tensorflow_dtype():
+    # accum_dtype=tf.float64 was refused ("must be a floating-point dtype ..., got tf.float64").
+    model = build()
+    with model.graph.as_default():
+        assert hostavg.Trainer(model.loss, sgd(), accum_dtype=tf.float64).accum_dtype == np.float64
+    assert hostavg.Accumulator({"w": hostavg.VariableSpec((1,), np.float32, False)},
+                               accum_dtype=tf.float64).accum_dtype == np.float64
+
+
+def test_an_accum_dtype_tensorflow_has_not_is_refused_with_average_graph():
+    # TypeError: Cannot convert the argument `type_value`: dtype('float128') to a TensorFlow DType.
+    model = build()
+    with model.graph.as_default(), pytest.raises(
+            hostavg.HostavgError, match=r"^accum_dtype float128 has no TensorFlow dtype, and "
+                                        r"average='graph' sums in the session: pass float16, "
+                                        r"float32 or float64, or average='host'$"):
+        hostavg.Trainer(model.loss, sgd(), accum_dtype="longdouble", average="graph")
+
+
+# --- evaluate's metrics, step_together --------------------------------------------------------
+
+
+def test_evaluate_refuses_a_metric_of_another_graph_or_not_a_scalar(tf1):
+    # A metric of another graph was blamed on "that micro-batch's feed".
+    model, trainer, sess, feed = tf1
+    with tf.Graph().as_default():
+        other = tf.constant(1.0)
+    with pytest.raises(hostavg.HostavgError, match=r"^evaluate: metric 'a' is 'Const:0', a tensor "
+                                                   r"of another graph than the loss's; give a "
+                                                   r"scalar tensor of the loss's graph$"):
+        trainer.evaluate(sess, feed, batch_size=10, metrics={"a": other})
+    with pytest.raises(hostavg.HostavgError, match=r"^evaluate: metric 'a' has shape \(None, 6\), "
+                                                   r"not a scalar; give the mean over the batch$"):
+        trainer.evaluate(sess, feed, batch_size=10, metrics={"a": model.inputs["x"]})
+    with pytest.raises(hostavg.HostavgError, match=r"^evaluate: metric 'a' is 1.0, not a tensor of "
+                                                   r"the loss's graph"):
+        trainer.evaluate(sess, feed, batch_size=10, metrics={"a": 1.0})
+
+
+def test_step_together_echoes_what_it_got(tf1):
+    _, _, sess, _ = tf1
+    with pytest.raises(hostavg.HostavgError, match=r"^step_together takes a non-empty list of "
+                                                   r"\(trainer, batches\) pairs, got None$"):
+        hostavg.step_together(sess, None)

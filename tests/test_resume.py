@@ -1,5 +1,5 @@
-"""Resuming: a run killed before its first checkpoint, and models whose random state no
-checkpoint holds (issue 24, items 4 and 5)."""
+"""fit's resume (hostavg.train.loop.resume): a run killed before its first checkpoint, the start
+checkpointed, and models whose random state no checkpoint holds."""
 
 import signal
 import subprocess
@@ -14,6 +14,7 @@ from models import ENV, FailAt, v1
 
 import hostavg
 from hostavg.train.checkpoint import CheckpointDir
+
 
 HERE = Path(__file__).parent
 

@@ -1,22 +1,27 @@
-"""Numerics at the edges: bfloat16 and float8 values, accumulator weights at the extremes of
-float64, and an overflowing sum named as one wherever a hook stands. Each case once gave a wrong
-result or a raw error (issue 24, items 7, 10, 11)."""
+"""Numerics at the edges (hostavg.core: dtypes, the accumulator, norms): bfloat16 and float8
+values, huge finite gradients and accumulator weights, and an overflowing sum named as one wherever
+a hook stands."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import batches, build, cuts, full_batch, v1
+from models import batches, build, cuts, full_batch, linear, rows, v1
 from test_trainer import assert_same_weights
 
 import hostavg
-from hostavg.hooks import ClipGlobalNorm, Record
+from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record
 from hostavg.train import checkpoint
 
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
 #: The float8 types TensorFlow has, as NumPy sees them through ml_dtypes.
 FLOAT8 = [np.dtype(getattr(ml_dtypes, n)) for n in dir(tf.dtypes.experimental)
           if n.startswith("float8") and hasattr(ml_dtypes, n)]
+
+
 STEPS, BATCH, SIZES = 4, 40, (5, 12, 3, 20)
 
 
@@ -254,3 +259,71 @@ def test_an_overflowing_sum_is_named_before_a_clip_hook_sees_it():
                            r"accum_dtype='float64'"):
             trainer.step(sess, feeds)
         assert sess.run(trainer.global_step) == 0
+
+
+# --- Norms and statistics do not overflow; an overflowing sum is named as one ------------------
+
+
+def test_norms_of_huge_finite_gradients_are_finite_in_every_dtype():
+    for value, dtype, want in ((1e20, np.float32, 2e20), (100.0, np.float16, 200.0),
+                               (1e160, np.float64, 2e160)):
+        g = hostavg.Gradients({"w": np.full(4, value, dtype)})
+        assert g.global_norm() == pytest.approx(want, rel=1e-3), dtype
+    inf = hostavg.Gradients({"w": np.array([1e160, np.inf])})
+    assert inf.global_norm() == np.inf
+    assert np.isnan(hostavg.Gradients({"w": np.array([1e160, np.inf, np.nan])}).global_norm())
+
+
+@pytest.mark.parametrize("hook", [ClipGlobalNorm(1.0), ClipMicroBatchNorm(1.0)],
+                         ids=["global", "micro"])
+def test_clipping_a_huge_finite_gradient_applies_a_unit_step_not_zero(hook):
+    trainer, sess, x, w, _ = linear(hooks=[hook])
+    g = trainer.compute(sess, rows(x, 1e20))
+    assert g.sq_norms["w"] == pytest.approx(4e40, rel=1e-6)  # the session's float32 sum was inf
+    res = trainer.step(sess, [rows(x, 1e20), rows(x, 1e20)])
+    np.testing.assert_allclose(sess.run(w), np.full(4, -0.5), rtol=1e-6)
+    assert res.stats.grad_norm == pytest.approx(1.0, rel=1e-6)
+    assert res.stats.micro_norms == pytest.approx((2e20, 2e20) if isinstance(hook, ClipGlobalNorm)
+                                                  else (1.0, 1.0), rel=1e-6)
+    before = res.info.get("grad_norm_before_clip") or res.info["micro_norms_before_clip"][0]
+    assert before == pytest.approx(2e20, rel=1e-6)
+
+
+def test_half_precision_norms_are_summed_in_float32_in_the_graph():
+    trainer, sess, x, w, _ = linear(dtype=np.float16, lr=1e-3, hooks=[ClipGlobalNorm(1.0)])
+    g = trainer.compute(sess, rows(x, 158.0, dtype=np.float16))  # norm 316: its square passes 65504
+    assert g.sq_norms["w"] == pytest.approx(4 * 158.0 ** 2)
+    res = trainer.step(sess, [rows(x, 158.0, dtype=np.float16)])
+    assert res.info["grad_norm_before_clip"] == pytest.approx(316.0)
+    np.testing.assert_allclose(sess.run(w), np.full(4, -0.5e-3), rtol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the case itself
+def test_an_overflowing_running_sum_is_named_and_float64_accumulation_fixes_it():
+    trainer, sess, x, w, _ = linear(lr=1e-37)
+    feeds = [rows(x, 2e38), rows(x, 2e38)]  # each finite; their float32 sum is not
+    with pytest.raises(hostavg.HostavgError, match=r"^step, the mean: non-finite gradients in 'w' "
+                       r".*Every micro-batch's gradients were finite, so their weighted sum "
+                       r"overflowed the accumulation dtype: accumulate in float64 with "
+                       r"accum_dtype='float64'"):
+        trainer.step(sess, feeds)
+    trainer, sess, x, w, _ = linear(lr=1e-37, accum_dtype="float64")
+    res = trainer.step(sess, [rows(x, 2e38), rows(x, 2e38)])
+    np.testing.assert_allclose(sess.run(w), np.full(4, -20.0), rtol=1e-6)
+    assert res.stats.grad_norm == pytest.approx(4e38, rel=1e-6)
+    assert np.isfinite(res.stats.trace_sigma)  # no Inf - Inf
+
+
+def test_stack_statistics_of_huge_gradients_are_finite():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4])
+        w = tf.Variable(np.zeros(4, np.float32))
+        trainer = hostavg.Trainer(tf.reduce_mean(tf.reduce_sum(x * w, 1)),
+                                  v1.train.GradientDescentOptimizer(1e-30), accumulate="stack")
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    res = trainer.step(sess, [{x: np.full((1, 4), v, np.float32)} for v in (1e20, 3e20)])
+    assert res.stats.cosines == pytest.approx((1.0, 1.0))
+    assert np.isfinite(res.stats.inner_product_test) and np.isfinite(res.stats.gsnr)
