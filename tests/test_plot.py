@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from models import sgd, tf1  # noqa: E402
+from models import recorded_step, tf1  # noqa: E402
 
 import hostavg  # noqa: E402
 from hostavg.cli import models  # noqa: E402
@@ -263,12 +263,7 @@ def test_plots_refuse_an_ax_that_is_no_axes(tf1):
 
 def test_variable_norms_of_update_ratios_never_measured_says_how_to_measure_them(tf1, tmp_path):
     model, _, _, feed = tf1
-    with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, sgd(), hooks=[Record(tmp_path / "rec")])
-        init = v1.global_variables_initializer()
-    with v1.Session(graph=model.graph) as sess:
-        sess.run(init)
-        trainer.step(sess, hostavg.split(feed, 10))
+    recorded_step(model, feed, tmp_path / "rec")
     pytest.importorskip("matplotlib")
     with pytest.raises(hostavg.HostavgError, match=r"^hostavg.plot.variable_norms: no step holds "
                                                    r"update_ratio values: update ratios are "

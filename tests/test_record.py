@@ -5,7 +5,7 @@ checked."""
 import zipfile
 
 import pytest
-from models import dead_pid, each_flip, sgd, tf1, v1, written
+from models import dead_pid, each_flip, recorded_step, tf1, written
 from test_trainer import Case
 
 import hostavg
@@ -41,12 +41,7 @@ def test_a_damaged_record_file_is_named_and_the_other_steps_stay_readable(tmp_pa
 
 def test_record_tables_refuse_a_micro_that_is_no_bool(tmp_path, tf1):
     model, _, _, feed = tf1
-    with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, sgd(), hooks=[Record(tmp_path / "rec")])
-        init = v1.global_variables_initializer()
-    with v1.Session(graph=model.graph) as sess:
-        sess.run(init)
-        trainer.step(sess, hostavg.split(feed, 10))
+    recorded_step(model, feed, tmp_path / "rec")
     record = hostavg.load_record(tmp_path / "rec")
     with pytest.raises(hostavg.HostavgError, match=r"^micro must be True or False, got 'False'$"):
         record.variable_norms(micro="False")
