@@ -1,7 +1,6 @@
 """Trainers stepped together, and who hears of a step: hooks and fit callbacks."""
 
 import numpy as np
-import pytest
 from backends import BATCH, SIZES, same
 from models import batches
 
