@@ -72,7 +72,8 @@ class Wiring:
             self._assigned_values = [value_now(v) for v in self.assigned]
             self._apply_feeds = _apply_feeds(self._grads)
             self.train_op, measured_train_op, before = _train_ops(
-                optimizer, pairs, self.global_step if increment_global_step else None)
+                optimizer, pairs, self.global_step if increment_global_step else None,
+                measured=not check_applied)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
             self._checked = []  # the variables an apply checks finite (check_applied), in order
@@ -293,10 +294,11 @@ def _densifies_sparse(optimizer) -> bool:
     return type(optimizer) is v1.train.AdamOptimizer
 
 
-def _train_ops(optimizer, pairs: list, global_step) -> tuple:
+def _train_ops(optimizer, pairs: list, global_step, measured: bool = True) -> tuple:
     """The train op, and a second apply op of the same optimizer (same slots) that measures
     the update-to-weight ratios: ``(train_op, measured_train_op, before)``, ``before`` the
-    weights read before the measured op runs (its ops wait for the reads).
+    weights read before the measured op runs (its ops wait for the reads); without
+    ``measured`` (the checked apply measures), the train op alone: ``(train_op, None, None)``.
 
     Holding the reads makes the optimizer copy what it updates in place (a
     whole embedding table), so the plain train op, which reads nothing
@@ -305,6 +307,8 @@ def _train_ops(optimizer, pairs: list, global_step) -> tuple:
     variables = [v for _, v in pairs]
     densify = _densifies_sparse(optimizer)
     train_op = optimizer.apply_gradients(_applied(pairs, densify), global_step=global_step)
+    if not measured:
+        return train_op, None, None
     with tf.name_scope("hostavg_update_ratios"):
         before = [value_now(v) for v in variables]
     with tf.control_dependencies(before):
