@@ -212,7 +212,7 @@ class Trainer(BaseTrainer):
         shuffle = flag("shuffle", shuffle)
         blocks = self._blocks(blocks)
         metrics = self._metrics(metrics, "fit")
-        if batch_size is None and (isinstance(data, Mapping) or isinstance(data, tf.data.Dataset)):
+        if batch_size is None and isinstance(data, (Mapping, tf.data.Dataset)):  # of samples
             batch_size = DEFAULT_BATCH_SIZE
         if validation_data is not None:  # its keys, shapes and dtypes, before an epoch trains
             feed_size(backend.conform(validation_data, "validation_data"), "validation_data")
