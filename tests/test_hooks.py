@@ -177,8 +177,9 @@ def test_tensorboard_scalars_read_back_with_event_accumulator_after_every_step(t
             (r.step, pytest.approx(r.loss, rel=1e-6)) for r in results]
     names = list(results[0].grads)
     assert set(scalars) == {f"hostavg/{k}" for k in (
-        "loss", "grad_norm", "learning_rate", "dropped", "b_simple", "b_simple_one_step", "g2",
-        "trace_sigma", "norm_test", "inner_product_test", "orthogonality_test", "gsnr")} | {
+        "loss", "grad_norm", "learning_rate", "dropped", "nonfinite_rows", "b_simple",
+        "b_simple_one_step", "g2", "trace_sigma", "norm_test", "inner_product_test",
+        "orthogonality_test", "gsnr")} | {
         f"{kind}/{n}" for kind in ("grad_norm", "update_ratio") for n in names}
     for tag, want in {"hostavg/grad_norm": lambda r: r.stats.grad_norm,
                       "hostavg/gsnr": lambda r: r.stats.gsnr,
@@ -198,6 +199,12 @@ def test_tensorboard_scalars_read_back_with_event_accumulator_after_every_step(t
     assert histogram.histogram_value.min == mean.min() and histogram.histogram_value.max == mean.max()
     assert histogram.histogram_value.sum == pytest.approx(mean.sum())
     assert sum(histogram.histogram_value.bucket) == 48
+    # each step's micro-batches as a histogram of their finite values (the poisoned one left out)
+    assert set(reader.Tags()["histograms"]) >= {"hostavg/micro_norms", "hostavg/micro_losses",
+                                                "hostavg/cosines"}
+    norms = reader.Histograms("hostavg/micro_norms")
+    assert [h.histogram_value.num for h in norms] == [4, 3, 4]
+    assert norms[2].histogram_value.max == pytest.approx(max(results[2].stats.micro_norms))
 
 
 def test_plots_draw_what_the_steps_hold():
@@ -309,7 +316,7 @@ def test_norms_before_clipping_stay_aligned_with_micro_batches_when_one_is_dropp
                                rtol=1e-6)
     table = res.micro_table()
     assert list(table.columns[:6]) == ["start", "size", "loss", "norm_before_clip", "norm",
-                                       "cosine"]
+                                       "dropped"]  # "sum" mode: no cosines
     np.testing.assert_allclose(table["norm"][[0, 2, 3]],
                                np.minimum([norms[i] for i in (0, 2, 3)], limit), rtol=1e-5)
     recorded = hostavg.load_record(tmp_path / "rec").micro_table()

@@ -185,9 +185,13 @@ def test_validation_metrics_history_table_and_callbacks():
     assert history.epochs[-1]["val_loss"] == pytest.approx(
         trainer.evaluate(sess, val, batch_size=40)["loss"], rel=1e-6)
     table = history.to_pandas()
+    # every per-step and per-micro-batch quantity of the schema (issue 35: the stack-only tests,
+    # GSNR and the clip hooks' norms were missing)
     assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
-                                   "trace_sigma", "b_simple", "norm_test", "learning_rate",
-                                   "micro_norms", "micro_losses", "dropped", "nonfinite_rows"]
+                                   "trace_sigma", "b_simple", "norm_test", "inner_product_test",
+                                   "orthogonality_test", "gsnr", "learning_rate", "micro_losses",
+                                   "micro_norms_before_clip", "micro_norms", "cosines", "dropped",
+                                   "nonfinite_rows"]
     assert table["samples"].iloc[-1] == 2 * N
     assert list(history.to_pandas("epochs")["val_accuracy"]) == [
         e["val_accuracy"] for e in history.epochs]

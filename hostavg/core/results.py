@@ -18,6 +18,7 @@ import numpy as np
 
 from hostavg.core.gradients import Gradients
 from hostavg.core.errors import HostavgError
+from hostavg.core import schema
 from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
@@ -125,11 +126,8 @@ class StepResult:
         in ``grads`` are the step's, the scale was lowered).
       info: what hooks reported, by key (e.g. norms before clipping).
       update_ratios: name -> |w_after - w_before| / |w_before| of each
-        trained variable over this step's apply (the size of the update
-        relative to the weights; about 1e-3 is usual, 0 means the variable
-        did not move), measured in the same session call as the apply. None
-        until applied: ``on_step`` hooks see None, ``on_applied`` hooks and
-        the caller see the values.
+        trained variable over this step's apply (about 1e-3 is usual, 0: it
+        did not move), measured in the apply's own call; None until applied.
       learning_rate: the optimizer's learning rate at this apply (a
         schedule's value), or None where the optimizer exposes none, or
         before the apply.
@@ -137,6 +135,8 @@ class StepResult:
         rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
       distributions: ``"gradient"``, ``"weight"``, ``"update"`` -> variable -> nine
         percentiles (:mod:`hostavg.core.distributions`) where kept, else None.
+      statistics: name -> value of each user statistic (``Trainer(statistics=...)``),
+        read-only; empty in what ``on_step`` hooks see.
     """
 
     loss: float | None
@@ -151,6 +151,7 @@ class StepResult:
     learning_rate: float | None = None
     fetched: tuple = ()
     distributions: dict | None = None
+    statistics: Mapping = field(default_factory=dict)
 
     @property
     def dropped(self) -> tuple:
@@ -158,24 +159,19 @@ class StepResult:
         return tuple(m.index for m in self.micro if m.dropped is not None)
 
     def micro_table(self):
-        """A pandas DataFrame, one row per micro-batch: start, size, loss, norm, cosine, dropped.
-
-        ``cosine`` (with the mean) is filled in "stack" mode only. With
-        :class:`~hostavg.hooks.ClipMicroBatchNorm`, ``norm_before_clip`` is
-        each norm before clipping (``norm`` is what was accumulated); where
-        the micro-batches know their data rows, ``rows`` holds them; where a
-        dropped one's culprits were found, ``culprits`` holds them in words.
+        """A pandas DataFrame indexed by micro-batch ``index``: its ``start``, ``size``, each
+        per-micro-batch quantity (:data:`hostavg.core.schema.MICRO`: ``loss``,
+        ``norm_before_clip`` with :class:`~hostavg.hooks.ClipMicroBatchNorm`, ``norm``,
+        ``cosine`` with the mean in "stack" mode) and per-micro-batch statistic the step
+        holds, ``dropped``, and where known ``rows`` (its data rows) and ``culprits`` (a
+        dropped one's, in words).
         """
         pd = pandas("micro_table")
-        cos = iter(self.stats.cosines) if self.stats and self.stats.cosines else None
-        norms = self.stats.micro_norms if self.stats else [math.nan] * len(self.micro)
-        table = pd.DataFrame([{
-            "index": m.index, "start": m.start, "size": m.size, "loss": m.loss, "norm": norm,
-            "cosine": next(cos) if cos is not None and m.dropped is None else math.nan,
-            "dropped": m.dropped} for m, norm in zip(self.micro, norms)]).set_index("index")
-        before = self.info.get("micro_norms_before_clip")
-        if before is not None:
-            table.insert(table.columns.get_loc("norm"), "norm_before_clip", list(before))
+        columns = schema.micro_columns(schema.read(self, schema.MICRO), self.statistics)
+        table = pd.DataFrame({"index": [m.index for m in self.micro],
+                              "start": [m.start for m in self.micro],
+                              "size": [m.size for m in self.micro], **columns,
+                              "dropped": [m.dropped for m in self.micro]}).set_index("index")
         if any(m.rows is not None for m in self.micro):
             table["rows"] = [None if m.rows is None else m.rows.tolist() for m in self.micro]
         if any(m.culprits is not None for m in self.micro):

@@ -35,6 +35,7 @@ from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
+from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
 from hostavg.engine.batches import prepare, prepare_one, row_indices
@@ -78,13 +79,16 @@ class Engine:
         is waited for before anything is restored. Hooks then run while the
         next micro-batch computes (a hook must not expect the model idle).
         Host memory: one more micro-batch's gradients at a time.
+      statistics: the trainer's :class:`~hostavg.core.schema.UserStatistics`, computed on
+        each step's result after the ``on_step`` hooks (into ``StepResult.statistics``).
     """
 
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
                  accum_dtype=None, hooks=(), average: Average | None = None,
                  update_ratios_every: int | None = None, overlap: bool = False,
-                 distributions_every: int | None = None):
+                 distributions_every: int | None = None, statistics: UserStatistics | None = None):
         hooks = normalize_hooks(hooks)
+        self.statistics = statistics or UserStatistics(None)
         self.spec = spec
         self.hooks = hooks
         self.average = average or HostAverage()
@@ -316,6 +320,8 @@ class Engine:
                                  size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
                 mine = False
+        if self.statistics:
+            result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
         return result, self._checked(mean, what, hint, mine,
                                      finite=backend.nonfinite == "refuse"), tally.apply_feed, (feeds, batches)
 

@@ -22,8 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hostavg.core import schema
 from hostavg.core.errors import HostavgError
 from hostavg.core.results import StepResult
+from hostavg.core.schema import Kind
 from hostavg.core import distributions as _distributions
 from hostavg.core.distributions import PERCENTILES
 from hostavg.core.stats import (NOISE_SCALE_BETA, NoiseScale, NoiseScaleEstimate, flatten,
@@ -32,7 +34,7 @@ from hostavg.inspect.record import Record, RecordedStep, RecordReader, check_qua
 from hostavg.train.history import History
 
 __all__ = ["cosine_heatmap", "distributions", "loss", "micro_losses", "micro_norms", "noise_scale",
-           "variable_norms"]
+           "statistic", "variable_norms"]
 
 #: What every plot takes.
 SOURCES = ("a record (hostavg.load_record(path), or the Record hook), a list of StepResults, or "
@@ -49,31 +51,31 @@ COSINE_SCALE = (-1.0, 1.0, "RdBu_r")
 BANDS = ((0, 8), (1, 7), (2, 6), (3, 5))
 
 
-class _Step(NamedTuple):
-    """One step, whatever it came from: what the plots draw."""
+class _Step:
+    """One step, whatever it came from: the samples seen so far (this step's included) and every
+    quantity and user statistic by name (:data:`hostavg.core.schema.QUANTITIES`; per-variable
+    ones as dicts), read as attributes: ``s.loss``, ``s.micro_norms``."""
 
-    step: int
-    loss: float
-    samples: int  # samples seen so far, this step's included
-    grad_norm: float
-    g2: float | None
-    trace_sigma: float | None
-    b_simple: float | None
-    micro_norms: tuple
-    micro_norms_before_clip: tuple | None
-    variable_norms: dict
-    update_ratios: dict
-    size: int  # samples accumulated
-    micro_losses: tuple
-    distributions: dict | None
+    __slots__ = ("samples", "values")
+
+    def __init__(self, samples: int, values: dict):
+        self.samples, self.values = samples, values
+
+    def __getattr__(self, name: str):
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class _Run(NamedTuple):
-    """One run to draw: its label (None for a lone source), its applied steps, and its
-    validation results as (samples seen, val_loss) at each epoch's end (a History's only)."""
+    """One run to draw: its label (None for a lone source), its applied steps, the kind of each
+    quantity and statistic they hold, and its validation results as (samples seen, val_loss) at
+    each epoch's end (a History's only)."""
 
     label: str | None
     steps: list
+    kinds: dict
     validation: list
 
 
@@ -87,17 +89,18 @@ def _runs(source, plot: str) -> list[_Run]:
     return [_run(source, plot, None)]
 
 
+#: The kind of every built-in quantity, by name.
+_KINDS = {q.name: q.kind for q in schema.QUANTITIES}
+
+
 def _run(source, plot: str, label: str | None) -> _Run:
     said = "" if label is None else f" for run {label!r}"
     if isinstance(source, Record):
         source = RecordReader(source.path)
-    validation = []
+    validation, kinds = [], dict(_KINDS)
     if isinstance(source, History):
-        names = source.variables
-        out = [_Step(s.step, s.loss, s.samples, s.grad_norm, s.g2, s.trace_sigma, s.b_simple,
-                     s.micro_norms, s.micro_norms_before_clip, dict(zip(names, s.variable_norms)),
-                     dict(zip(names, s.update_ratios)), s.size, s.micro_losses, s.distributions)
-               for s in source.steps]
+        kinds.update(source.statistics)
+        out = [_of_log(s, source) for s in source.steps]
         last = {s.epoch: s.samples for s in source.steps}
         validation = [(last[e["epoch"]], e["val_loss"]) for e in source.epochs
                       if "val_loss" in e and e.get("epoch") in last]
@@ -107,31 +110,42 @@ def _run(source, plot: str, label: str | None) -> _Run:
         out, seen = [], 0
         for s in source:
             seen += s.size
-            out.append(_of(s, seen))
+            if isinstance(s, RecordedStep):
+                values = dict(s.values)
+                kinds.update(s.kinds)
+            else:
+                values = _of_result(s)
+                kinds.update({n: schema.kind_of(v) for n, v in s.statistics.items()})
+            out.append(_Step(seen, values))
     else:
         raise HostavgError(f"hostavg.plot.{plot} takes {SOURCES}; got {_described(source)}{said}")
+    for step in out:  # a per-variable quantity not measured that step: no variable
+        for name, kind in kinds.items():
+            if kind is Kind.VARIABLE and step.values.get(name) is None:
+                step.values[name] = {}
     out = [s for s in out if not math.isnan(s.grad_norm)]
     if not out:
         raise HostavgError(f"hostavg.plot.{plot}: nothing to plot, no applied step in "
                            f"{_described(source)}{said}")
-    return _Run(label, out, validation)
+    return _Run(label, out, kinds, validation)
 
 
-def _of(s, samples: int) -> _Step:
-    if isinstance(s, RecordedStep):
-        st = s.stats
-        return _Step(s.step, s.loss, samples, st.get("grad_norm", math.nan), st.get("g2"),
-                     st.get("trace_sigma"), st.get("b_simple"), tuple(st.get("micro_norms") or ()),
-                     s.info.get("micro_norms_before_clip"), st.get("variable_norms") or {},
-                     s.update_ratios or {}, s.size, tuple(m["loss"] for m in s.micro),
-                     s.distributions)
-    st = s.stats
-    if s.skipped or st is None:
-        return _Step(s.step, math.nan, samples, math.nan, None, None, None, (), None, {}, {},
-                     s.size, (), None)
-    return _Step(s.step, s.loss, samples, st.grad_norm, st.g2, st.trace_sigma, st.b_simple,
-                 st.micro_norms, s.info.get("micro_norms_before_clip"), st.variable_norms,
-                 s.update_ratios or {}, s.size, tuple(m.loss for m in s.micro), s.distributions)
+def _of_log(log, history: History) -> _Step:
+    """A History's StepLog as a step to draw: per-variable tuples as dicts."""
+    kinds = {**_KINDS, **history.statistics}
+    values = {**{k: v for k, v in log._asdict().items() if k in _KINDS}, **log.statistics}
+    for name, value in values.items():
+        if kinds[name] is Kind.VARIABLE:
+            values[name] = dict(zip(history.variables, value))
+    return _Step(log.samples, values)
+
+
+def _of_result(result: StepResult) -> dict:
+    """A StepResult's quantities and statistics; a skipped step's gradient norm NaN (left out)."""
+    values = {**schema.read(result), **result.statistics}
+    if result.skipped:
+        values["grad_norm"] = math.nan
+    return values
 
 
 def _described(source) -> str:
@@ -300,12 +314,21 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
     check_quantity(quantity)
     runs = _runs(steps, "variable_norms")
     field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
-    names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
-    if not names:
+    if not any(getattr(s, field) for run in runs for s in run.steps):
         why = ("update ratios are measured only when the trainer is made with "
                "update_ratios_every=N (then every N-th step has them)"
                if quantity == "update_ratio" else "the steps hold no variables")
         raise HostavgError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
+    what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
+    return _per_variable(runs, ax, field, f"Per variable: {what}",
+                         "gradient norm" if quantity == "grad_norm" else "update ratio", log=True)
+
+
+def _per_variable(runs: list, ax, field: str, title: str, ylabel: str, log: bool):
+    """A line per variable of the per-variable quantity ``field`` over global steps (a colour
+    per variable, a line style per run); on a log scale, exact zeros as triangles at the
+    bottom edge."""
+    names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
     ax = _axes(ax, "variable_norms")
     table = [(run, np.array([s.step for s in run.steps]),
               np.array([[getattr(s, field).get(n, np.nan) for n in names] for s in run.steps],
@@ -316,21 +339,20 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
     for r, (run, x, values) in enumerate(table):
         for j, name in enumerate(names):
             y = values[:, j]
-            shown = np.isfinite(y) & (y > 0)  # NaN: not measured that step (update_ratios_every)
+            # NaN: not measured that step (update_ratios_every); a log scale has no 0
+            shown = np.isfinite(y) & ((y > 0) if log else True)
             ax.plot(x[shown], y[shown], label=_named(run, name), linewidth=1,
                     color=f"C{j % 10}", linestyle=STYLES[r % len(STYLES)])
             _edge(ax, x, y, f"C{j % 10}", marked, missing=False)
             zero = y == 0
-            if zero.any():  # each variable a little lower than the last, so that none hides another
+            if log and zero.any():  # each variable a little lower than the last: none hides another
                 ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v",
                            s=14, color=f"C{j % 10}",
                            label=None if zeros else "exactly 0 (at the bottom)")
                 zeros = True
-    what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
-    ax.set_yscale("log")
-    _finish(ax, f"Per variable: {what}", "global step",
-            ("gradient norm" if quantity == "grad_norm" else "update ratio") + " (log scale)",
-            legend=False)
+    if log:
+        ax.set_yscale("log")
+    _finish(ax, title, "global step", ylabel + (" (log scale)" if log else ""), legend=False)
     _legend(ax, *_keys(ax, names, runs))
     return ax
 
@@ -348,6 +370,49 @@ def _keys(ax, names: list, runs: list) -> tuple[list, list]:
     marks = [(h, said) for h, said in zip(*ax.get_legend_handles_labels())
              if not isinstance(h, Line2D)]  # the lines are in the keys above
     return handles + [h for h, _ in marks], labels + [said for _, said in marks]
+
+
+def statistic(steps, name: str, ax=None):
+    """One quantity or user statistic (``Trainer(statistics={name: fn})``) over global steps,
+    drawn by its kind.
+
+    Per step: a line (with dots for a short run). Per micro-batch: a dot per
+    micro-batch at its step. Per variable: a line per variable (a colour per
+    variable, a line style per run). Values a plot cannot place (Inf, NaN) are
+    marked at the top edge. Several runs: one colour per run.
+
+    Example::
+
+        trainer = hostavg.Trainer(loss, opt, statistics={"largest": lambda r: max(r.stats.micro_norms)})
+        hostavg.plot.statistic(trainer.fit(sess, data, batch_size=256), "largest")
+    """
+    runs = _runs(steps, "statistic")
+    kinds = {run.kinds[name] for run in runs if name in run.kinds}
+    if not kinds:
+        raise HostavgError(f"hostavg.plot.statistic: no quantity or statistic {name!r}; the "
+                           f"runs hold {sorted(set().union(*(run.kinds for run in runs)))}")
+    kind = kinds.pop()
+    if kind not in (Kind.STEP, Kind.MICRO, Kind.VARIABLE) or kinds:
+        raise HostavgError(f"hostavg.plot.statistic draws a per-step, per-micro-batch or "
+                           f"per-variable value; {name!r} is {kind.said}")
+    if kind is Kind.VARIABLE:
+        return _per_variable(runs, ax, name, name, name, log=False)
+    ax = _axes(ax, "statistic")
+    marked = []
+    for i, run in enumerate(runs):
+        colour = _colour(runs, i, "C0")
+        rows = [s for s in run.steps if s.values.get(name) is not None]
+        if kind is Kind.STEP:
+            xs, ys = [s.step for s in rows], [s.values[name] for s in rows]
+            ax.plot(xs, ys, color=colour, linewidth=1, marker="o" if len(xs) < 30 else None,
+                    markersize=3, label=_named(run, name))
+        else:
+            xs = [s.step for s in rows for _ in s.values[name]]
+            ys = [v for s in rows for v in s.values[name]]
+            ax.scatter(xs, ys, s=8, alpha=0.6, color=colour, label=_named(run, f"{name} (each "
+                                                                              f"micro-batch)"))
+        _edge(ax, xs, ys, colour, marked)
+    return _finish(ax, name, "global step", name)
 
 
 def distributions(steps, variable: str, quantity: str = "gradient", ax=None):

@@ -1,11 +1,13 @@
 """An on-disk record of training steps: the mean gradient, each micro-batch's, and statistics.
 
-Format (version 2): a folder holding one file per recorded step,
+Format (version 3): a folder holding one file per recorded step,
 ``step-<global step, 10 digits>.npz``, a NumPy zip archive that loads with
-``allow_pickle=False``: ``meta`` (a JSON string: the step, loss, statistics,
-each micro-batch's bookkeeping, the variables), ``mean/<name>`` (the applied
-mean gradient; ``.../indices`` and ``.../values`` for a sparse one) and,
-recorded with ``micro=True``, ``micro/<i>/<name>``.
+``allow_pickle=False``: ``meta`` (a JSON string: every quantity of
+:data:`hostavg.core.schema.QUANTITIES` and user statistic by name with its
+kind, each micro-batch's bookkeeping, the variables), ``mean/<name>`` (the
+applied mean gradient; ``.../indices`` and ``.../values`` for a sparse one)
+and, recorded with ``micro=True``, ``micro/<i>/<name>``. Versions 1 and 2
+still read.
 
 A step's file is written under a temporary name and renamed into place once
 complete, so a reader never sees a partial step; a damaged file raises
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hostavg.core import distributions
+from hostavg.core import distributions, schema
 from hostavg.core.dtypes import decode, encode
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.files import folder, read_array, remove_stale, temporary
@@ -35,12 +37,13 @@ from hostavg.core.gradients import Gradients, SparseGradient
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
 
-__all__ = ["SCALARS", "Record", "RecordedStep", "RecordReader", "RecordWriter", "load_record"]
+__all__ = ["FORMAT", "Record", "RecordedStep", "RecordReader", "RecordWriter", "load_record"]
 
-FORMAT = 2
+FORMAT = 3
 _NAME = re.compile(r"^step-(\d+)\.npz$")
-SCALARS = ("grad_norm", "g2", "trace_sigma", "b_simple", "norm_test", "inner_product_test",
-            "orthogonality_test", "gsnr")
+#: Format 2's statistics, kept under "stats" by their StepStats names.
+_STATS_2 = ("grad_norm", "g2", "trace_sigma", "b_simple", "norm_test", "inner_product_test",
+            "orthogonality_test", "gsnr", "micro_norms", "variable_norms", "micro_variable_norms")
 
 
 class RecordWriter:
@@ -138,7 +141,29 @@ def _jsonable(value):
         return value.item()
     if isinstance(value, tuple):
         return list(value)
+    if isinstance(value, Mapping):
+        return dict(value)
     raise TypeError(f"cannot write {type(value).__name__} to a record")
+
+
+def _format_2(meta: dict, micro: list, info: dict) -> tuple[dict, dict]:
+    """A format 1 or 2 step's meta as format 3's values and kinds (what it lacks as None)."""
+    stats = meta["stats"]
+    cosines = stats.get("cosines")
+    if cosines is not None:
+        kept = iter(cosines)
+        cosines = [math.nan if m["dropped"] is not None else next(kept) for m in micro]
+    values = {"step": meta["step"], "loss": meta["loss"], "size": meta["size"],
+              **{k: stats.get(k) for k in _STATS_2}, "cosines": cosines,
+              "update_ratios": meta.get("update_ratios"),
+              "learning_rate": meta.get("learning_rate"),
+              "distributions": meta.get("distributions"),
+              "micro_losses": [m["loss"] for m in micro],
+              "micro_norms_before_clip": info.get("micro_norms_before_clip"),
+              "grad_norm_before_clip": info.get("grad_norm_before_clip"),
+              "dropped": [m["index"] for m in micro if m["dropped"] is not None],
+              "nonfinite_rows": []}
+    return values, {q.name: q.kind for q in schema.QUANTITIES}
 
 
 class RecordedStep:
@@ -146,14 +171,11 @@ class RecordedStep:
 
     Attributes:
       step, loss, size: the global step, mean loss and samples.
-      stats: the step's statistics (a dict with StepStats' scalar names,
-        ``micro_norms``, ``cosines``, ``variable_norms`` and
-        ``micro_variable_norms``).
-      update_ratios: name -> |update| / |weights| of the apply (or None).
-      learning_rate: the optimizer's learning rate at the apply (or None).
-      distributions: quantity -> variable -> nine percentiles
-        (``StepResult.distributions``), or None (not kept that step).
-      info: what hooks reported (``micro_norms_before_clip``, ...).
+      values: name -> value of every quantity (:data:`hostavg.core.schema.QUANTITIES`)
+        and user statistic the step holds, in its plain form.
+      kinds: name -> :class:`~hostavg.core.schema.Kind` of each of ``values``.
+      statistics: name -> value of each user statistic.
+      info: what hooks reported that JSON can hold.
       micro: per micro-batch: index, start, size, loss, dropped, recorded, rows.
     """
 
@@ -162,14 +184,38 @@ class RecordedStep:
         with _reading(path):
             with zipfile.ZipFile(path) as z:
                 meta = json.loads(str(read_array(z, "meta")[()]))
-            self.step, self.loss, self.size = meta["step"], meta["loss"], meta["size"]
-            self.stats, self.micro = dict(meta["stats"]), list(meta["micro"])
-            self.update_ratios = meta.get("update_ratios")
-            self.learning_rate = meta.get("learning_rate")
-            self.distributions = meta.get("distributions")  # absent from older records
-            self.info = meta.get("info", {})
+            self.micro, self.info = list(meta["micro"]), meta.get("info", {})
+            if meta.get("format", 1) >= 3:
+                values = meta["values"]
+                self.kinds = {n: schema.Kind(k) for n, k in meta["kinds"].items()}
+            else:
+                values, self.kinds = _format_2(meta, self.micro, self.info)
+            self.values = {n: schema.plain(self.kinds[n], v) for n, v in values.items()}
+            self.step, self.loss, self.size = (self.values[k] for k in ("step", "loss", "size"))
             self._variables = dict(meta["variables"])
             self._encoded = dict(meta.get("encoded", {}))
+        self.statistics = {n: v for n, v in self.values.items() if schema.by_name(n) is None}
+
+    @property
+    def stats(self) -> dict:
+        """The statistics by their :class:`~hostavg.StepStats` names (a view of ``values``;
+        ``cosines`` NaN for a dropped micro-batch)."""
+        return {k: self.values.get(k) for k in (*_STATS_2, "cosines")}
+
+    @property
+    def update_ratios(self) -> dict | None:
+        """name -> |update| / |weights| of the apply, or None."""
+        return self.values.get("update_ratios")
+
+    @property
+    def learning_rate(self) -> float | None:
+        """The optimizer's learning rate at the apply, or None."""
+        return self.values.get("learning_rate")
+
+    @property
+    def distributions(self) -> dict | None:
+        """quantity -> variable -> nine percentiles, or None (not kept that step)."""
+        return self.values.get("distributions")
 
     @property
     def mean(self) -> Gradients:
@@ -238,36 +284,45 @@ class RecordReader:
         return RecordedStep(self._paths[step])
 
     def to_pandas(self):
-        """One row per step: step, loss, size, learning_rate, the scalar statistics, and
-        ``grad_norm_before_clip`` where :class:`~hostavg.hooks.ClipGlobalNorm` reported it."""
+        """One row per step, indexed by ``step``: every per-step quantity
+        (:data:`hostavg.core.schema.QUANTITIES`: loss, size, grad_norm, ..., learning_rate,
+        grad_norm_before_clip) and per-step user statistic (NaN where a step lacks it)."""
         pd = pandas("this table")
-        rows = []
-        for s in self:
-            row = {"step": s.step, "loss": s.loss, "size": s.size,
-                   "learning_rate": s.learning_rate, **{k: s.stats.get(k) for k in SCALARS}}
-            if "grad_norm_before_clip" in s.info:
-                row["grad_norm_before_clip"] = s.info["grad_norm_before_clip"]
-            rows.append(row)
-        return pd.DataFrame(rows).set_index("step")
+        steps = list(self)
+        names = [q.name for q in schema.QUANTITIES if q.kind is schema.Kind.STEP] + list(
+            dict.fromkeys(n for s in steps for n, v in s.statistics.items()
+                          if s.kinds[n] is schema.Kind.STEP))
+        return pd.DataFrame([[s.values.get(n) for n in names] for s in steps],
+                            columns=names).set_index("step")
 
     def micro_table(self):
-        """One row per (step, micro-batch): start, size, loss, norm, dropped; and where known,
-        ``norm_before_clip`` (:class:`~hostavg.hooks.ClipMicroBatchNorm`) and ``rows``."""
+        """One row per micro-batch, indexed by (``step``, micro-batch ``index``): as
+        :meth:`hostavg.StepResult.micro_table` (``start``, ``size``, each per-micro-batch
+        quantity and statistic the step holds, ``dropped``, ``rows`` where known)."""
         pd = pandas("this table")
         rows = []
         for s in self:
-            norms = s.stats.get("micro_norms") or [math.nan] * len(s.micro)
-            before = s.info.get("micro_norms_before_clip")
-            for i, (m, norm) in enumerate(zip(s.micro, norms)):
+            columns = schema.micro_columns(s.values, s.statistics)
+            for i, m in enumerate(s.micro):
                 row = {"step": s.step, "index": m["index"], "start": m["start"],
-                       "size": m["size"], "loss": m["loss"], "norm": norm,
+                       "size": m["size"], **{c: v[i] for c, v in columns.items()},
                        "dropped": m["dropped"]}
-                if before is not None:
-                    row["norm_before_clip"] = before[i]
                 if m.get("rows") is not None:
                     row["rows"] = m["rows"]
                 rows.append(row)
         return pd.DataFrame(rows).set_index(["step", "index"])
+
+    def statistic(self, name: str):
+        """One quantity or user statistic over the recorded steps, as
+        :meth:`hostavg.History.statistic`: a pandas DataFrame indexed by step."""
+        steps = list(self)
+        kinds = [s.kinds[name] for s in steps if name in s.kinds]
+        if not kinds:
+            known = sorted({n for s in steps for n in s.kinds})
+            raise HostavgError(f"RecordReader.statistic: no quantity or statistic {name!r} in "
+                               f"the record {str(self.path)!r}; it holds {known}")
+        return schema.frame(name, kinds[0], [(s.step, s.values.get(name)) for s in steps],
+                            "RecordReader.statistic")
 
     def variable_norms(self, quantity: str = "grad_norm", micro: bool = False):
         """One row per step (or per step and micro-batch), one column per trained variable.
@@ -292,12 +347,12 @@ class RecordReader:
         rows, index = [], []
         for s in self:
             if micro:
-                for m, norms in zip(s.micro, s.stats.get("micro_variable_norms") or ()):
+                for m, norms in zip(s.micro, s.values.get("micro_variable_norms") or ()):
                     rows.append(norms)
                     index.append((s.step, m["index"]))
             else:
-                rows.append((s.stats.get("variable_norms") if quantity == "grad_norm"
-                             else s.update_ratios) or {})
+                rows.append(s.values.get("variable_norms" if quantity == "grad_norm"
+                                         else "update_ratios") or {})
                 index.append(s.step)
         names = ["step", "index"] if micro else ["step"]
         return pd.DataFrame(rows, index=pd.MultiIndex.from_tuples(index, names=names)
@@ -395,15 +450,11 @@ class Record:
         self._open = None
         mean = result.grads
         self._writer.write("mean", mean)
-        stats = result.stats
+        values = {**schema.read(result), **result.statistics}
         self._writer.finish(result.step, {
-            "loss": result.loss, "size": result.size,
-            "stats": {**{k: getattr(stats, k) for k in SCALARS},
-                      "micro_norms": stats.micro_norms, "cosines": stats.cosines,
-                      "variable_norms": stats.variable_norms,
-                      "micro_variable_norms": stats.micro_variable_norms},
-            "update_ratios": result.update_ratios, "learning_rate": result.learning_rate,
-            "distributions": result.distributions,
+            "values": values,
+            "kinds": {**{q.name: q.kind.value for q in schema.QUANTITIES},
+                      **{n: schema.kind_of(v).value for n, v in result.statistics.items()}},
             "info": jsonable(result.info),
             "micro": [{"index": m.index, "start": m.start, "size": m.size, "loss": m.loss,
                        "dropped": m.dropped, "recorded": m.index in self._recorded,

@@ -17,11 +17,12 @@ import time
 
 import numpy as np
 
+from hostavg.core import schema
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.files import folder
 from hostavg.core.gradients import SparseGradient
+from hostavg.core.schema import Kind
 from hostavg.core.stats import NOISE_SCALE_BETA, NoiseScale, NoiseScaleEstimate
-from hostavg.inspect.record import SCALARS
 
 __all__ = ["HISTOGRAM_BUCKETS", "HISTOGRAMS_EVERY", "TensorBoard"]
 
@@ -41,11 +42,12 @@ _FILES = itertools.count()
 class TensorBoard:
     """Writes scalars every applied step and gradient histograms every ``histograms_every`` steps.
 
-    Tags, every applied step: ``hostavg/loss``, ``hostavg/grad_norm``, the
-    noise scale, the batch-size tests, ``grad_norm/<variable>`` and
-    ``update_ratio/<variable>``; per epoch of ``fit``, ``epoch/*``; every
-    ``histograms_every`` steps, ``gradients/<variable>`` histograms. The event file
-    is flushed after every step. See docs/guides/inspecting.md for every tag.
+    Tags (docs/guides/inspecting.md lists them): every applied step, each
+    quantity of :data:`hostavg.core.schema.QUANTITIES` that has a tag, the
+    running noise scale ``hostavg/b_simple`` and each user statistic
+    (``statistics/<name>``); per epoch of ``fit``, ``epoch/*``; every
+    ``histograms_every`` steps, ``gradients/<variable>`` histograms. The event
+    file is flushed after every step.
 
     Only applied steps are written (``on_applied``). ``fit`` closes the hook
     when it ends; after a hand-written loop call :meth:`close` (a later step
@@ -132,17 +134,15 @@ class TensorBoard:
         if st.trace_sigma is not None:
             self.noise_scale.update(NoiseScaleEstimate(st.g2, st.trace_sigma, st.b_simple),
                                     result.step)
-        scalars = {f"hostavg/{k}": getattr(st, k) for k in SCALARS if k != "b_simple"}
-        scalars.update({"hostavg/loss": result.loss, "hostavg/dropped": len(result.dropped),
-                        "hostavg/learning_rate": result.learning_rate,
-                        "hostavg/b_simple": self.noise_scale.b_simple,
-                        "hostavg/b_simple_one_step": st.b_simple})
-        scalars.update({f"grad_norm/{n}": v for n, v in st.variable_norms.items()})
-        scalars.update({f"update_ratio/{n}": v for n, v in (result.update_ratios or {}).items()})
-        histograms = {}
+        scalars, histograms = {"hostavg/b_simple": self.noise_scale.b_simple}, {}
+        values = schema.read(result, _WRITTEN)
+        for q in _WRITTEN:
+            _add(q.tag, q.kind, values[q.name], scalars, histograms)
+        for name, value in result.statistics.items():
+            _add(f"statistics/{name}", schema.kind_of(value), value, scalars, histograms)
         if result.step % self.histograms_every == 0:
-            histograms = {f"gradients/{name}": v.values if isinstance(v, SparseGradient) else v
-                          for name, v in result.grads.items()}
+            histograms.update({f"gradients/{name}": v.values if isinstance(v, SparseGradient)
+                               else v for name, v in result.grads.items()})
         self._write(result.step, scalars, histograms)
 
     def on_epoch_end(self, epoch: int, logs: dict) -> None:
@@ -161,6 +161,28 @@ class TensorBoard:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+#: The quantities written every applied step: those with a tag.
+_WRITTEN = tuple(q for q in schema.QUANTITIES if q.tag is not None)
+
+
+def _add(tag: str, kind: Kind, value, scalars: dict, histograms: dict) -> None:
+    """One step's ``value`` of a quantity of ``kind`` as TensorBoard summaries: a scalar per
+    step, ``<tag>/<variable>`` scalars per variable, a histogram of a per-micro-batch one (its
+    finite values), the number of indices."""
+    if value is None:
+        return
+    if kind is Kind.STEP:
+        scalars[tag] = value
+    elif kind is Kind.VARIABLE:
+        scalars.update({f"{tag}/{name}": v for name, v in value.items()})
+    elif kind is Kind.MICRO:
+        finite = np.asarray(value, np.float64)
+        if np.isfinite(finite).any():
+            histograms[tag] = finite[np.isfinite(finite)]
+    elif kind is Kind.INDICES:
+        scalars[tag] = len(value)
 
 
 def _histogram(values) -> object:

@@ -1,81 +1,66 @@
-"""History: what fit did, step by step and epoch by epoch."""
+"""History: what fit did, step by step and epoch by epoch.
+
+A step's row (:class:`StepLog`) holds fit's bookkeeping and every quantity of
+:data:`hostavg.core.schema.HISTORY` by name, derived from that declaration:
+its fields, :meth:`History.to_pandas`'s columns, :meth:`History.statistic` and
+the JSON a checkpoint holds (named fields, ``"format": 2``; the positional rows
+of version 0.1.0, format 1, still read).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core import distributions
+from hostavg.core import distributions, schema
 from hostavg.core.errors import HostavgError
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
+from hostavg.core.schema import Kind
 
-__all__ = ["BOOKKEEPING", "History", "StepLog"]
+__all__ = ["BOOKKEEPING", "FORMAT", "History", "StepLog"]
+
+#: The format of the JSON :meth:`History.to_json` writes: steps as objects of named fields.
+FORMAT = 2
+#: A StepLog's fields in format 1 (version 0.1.0's checkpoints), each step a list in this order.
+FORMAT_1 = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trace_sigma",
+            "b_simple", "norm_test", "learning_rate", "micro_norms", "micro_norms_before_clip",
+            "variable_norms", "update_ratios", "dropped", "nonfinite_rows", "micro_losses",
+            "distributions")
+#: What a field of each kind holds where a step has no value: tuples stay tuples.
+_EMPTY = {Kind.MICRO: (), Kind.VARIABLE: (), Kind.INDICES: ()}
+#: The kinds whose values a StepLog (and its JSON) keeps as tuples: per variable, in
+#: :attr:`History.variables`' order.
+_TUPLES = (Kind.MICRO, Kind.VARIABLE, Kind.INDICES)
+
+_Row = NamedTuple("_Row", [("epoch", int), ("samples", int),
+                           *((q.name, object) for q in schema.HISTORY), ("statistics", dict)])
+_Row.__new__.__defaults__ = (*(_EMPTY.get(q.kind) for q in schema.HISTORY), MappingProxyType({}))
 
 
-class StepLog(NamedTuple):
-    """One optimizer step of fit, with the statistics the plots need.
+class StepLog(_Row):
+    """One optimizer step of fit: ``epoch`` (from 0), ``samples`` (seen by fit so far, this
+    step's included), each quantity of :data:`hostavg.core.schema.HISTORY` by name (the docs'
+    table of quantities), and ``statistics`` (name -> the value of each user statistic).
 
-    Attributes:
-      epoch: the epoch it belongs to, from 0.
-      step: the global step after it.
-      loss: its sample-weighted mean loss (NaN if every micro-batch was dropped; a step
-        its optimizer skipped, loss scaling, keeps its loss, as Keras reports it).
-      size: its number of samples.
-      samples: samples seen by fit so far, this step's included.
-      grad_norm: the applied mean gradient's norm (NaN if skipped).
-      g2, trace_sigma, b_simple, norm_test: the step's own estimates
-        (:class:`~hostavg.StepStats`; None with fewer than 2 micro-batches).
-      learning_rate: the optimizer's learning rate at the apply, or None.
-      micro_norms: each micro-batch's gradient norm, as accumulated.
-      micro_norms_before_clip: the same before
-        :class:`~hostavg.hooks.ClipMicroBatchNorm` clipped them, or None.
-      variable_norms: per trained variable (in :attr:`History.variables`'
-        order) the applied mean gradient's norm.
-      update_ratios: per trained variable, |update| / |weights| of the apply.
-      dropped: the indices of the micro-batches hooks dropped
-        (:class:`~hostavg.hooks.SkipNonFinite`), in order.
-      nonfinite_rows: the data rows of those dropped micro-batches' culprit
-        samples (``MicroBatch.culprits``: the samples that made them
-        non-finite), sorted; () where none was found or the rows are unknown.
-      micro_losses: each micro-batch's mean loss, dropped ones too, in order.
-      distributions: ``StepResult.distributions`` (quantity -> variable -> nine
-        percentiles) on steps that kept them (``distributions_every``), else None.
+    Per-variable values (``variable_norms``, ``update_ratios``, a per-variable
+    statistic) are tuples in :attr:`History.variables`' order, NaN where not
+    measured. Example: ``log.loss``, ``log.micro_norms``, ``log.statistics["trace"]``.
     """
 
-    epoch: int
-    step: int
-    loss: float
-    size: int
-    samples: int
-    grad_norm: float = math.nan
-    g2: float | None = None
-    trace_sigma: float | None = None
-    b_simple: float | None = None
-    norm_test: float | None = None
-    learning_rate: float | None = None
-    micro_norms: tuple = ()
-    micro_norms_before_clip: tuple | None = None
-    variable_norms: tuple = ()
-    update_ratios: tuple = ()
-    dropped: tuple = ()
-    nonfinite_rows: tuple = ()
-    micro_losses: tuple = ()
-    distributions: dict | None = None
+    __slots__ = ()
 
 
 #: The keys of an epoch's logs that are fit's bookkeeping, not measurements (left out of
 #: :attr:`History.history` and of what Keras callbacks see).
 BOOKKEEPING = ("epoch", "samples", "steps")
 
-#: StepLog's per-step scalars, as :meth:`History.to_pandas` shows them.
-_SCALARS = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trace_sigma",
-            "b_simple", "norm_test", "learning_rate")
-#: StepLog's per-step tuples, as :meth:`History.to_pandas` shows them.
-_TUPLES = ("micro_norms", "micro_losses", "dropped", "nonfinite_rows")
+_KINDS = {q.name: q.kind for q in schema.HISTORY}
 
 
 class History:
@@ -93,7 +78,8 @@ class History:
         "val_<metric>" where validation data was given. :attr:`history` and
         :attr:`epoch` show them as Keras's History does.
       variables: the trained variables' names, the order of each StepLog's
-        ``variable_norms`` and ``update_ratios``.
+        per-variable values.
+      statistics: name -> :class:`~hostavg.core.schema.Kind` of each user statistic seen.
       stopped: why a callback stopped training (a StopTraining message), or None.
     """
 
@@ -101,6 +87,7 @@ class History:
         self.steps: list[StepLog] = []
         self.epochs: list[dict] = []
         self.variables: tuple = ()
+        self.statistics: dict[str, Kind] = {}
         self.stopped: str | None = None
 
     @property
@@ -129,23 +116,53 @@ class History:
 
     def add(self, epoch: int, result) -> StepLog:
         """Appends a StepLog of the :class:`~hostavg.StepResult` ``result``; returns it."""
-        st = result.stats
-        if not self.variables:
-            self.variables = tuple(st.variable_norms)
-        ratios = result.update_ratios or {}
-        before = result.info.get("micro_norms_before_clip")
-        culprits = sorted(c.row for m in result.micro if m.culprits for c in m.culprits
-                          if c.row is not None)
-        log = StepLog(epoch, result.step, math.nan if result.loss is None else result.loss,
-                      result.size, self.samples + result.size, st.grad_norm, st.g2,
-                      st.trace_sigma, st.b_simple, st.norm_test, result.learning_rate,
-                      tuple(st.micro_norms), None if before is None else tuple(before),
-                      tuple(st.variable_norms.get(n, math.nan) for n in self.variables),
-                      tuple(ratios.get(n, math.nan) for n in self.variables),
-                      result.dropped, tuple(culprits), tuple(m.loss for m in result.micro),
-                      result.distributions)
+        if not self.variables and result.stats is not None:
+            self.variables = tuple(result.stats.variable_norms)
+        values = {q.name: self._kept(q.kind, schema.plain(q.kind, q.read(result)))
+                  for q in schema.HISTORY}
+        statistics = {}
+        for name, value in result.statistics.items():
+            kind = self.statistics.setdefault(name, schema.kind_of(value))
+            statistics[name] = self._kept(kind, value)
+        log = StepLog(epoch, self.samples + result.size, **values,
+                      statistics=MappingProxyType(statistics))
         self.steps.append(log)
         return log
+
+    def _kept(self, kind: Kind, value):
+        """A plain value as a StepLog keeps it: per variable a tuple in :attr:`variables`' order."""
+        if kind is Kind.VARIABLE:
+            return tuple((value or {}).get(n, math.nan) for n in self.variables)
+        return value
+
+    def _kind(self, name: str, where: str) -> Kind:
+        """The kind of the quantity or user statistic ``name``; HostavgError naming the known ones."""
+        kind = self.statistics.get(name) or _KINDS.get(name)
+        if kind is None:
+            raise HostavgError(f"{where}: no quantity or statistic {name!r}; the quantities are "
+                               f"{list(_KINDS)}, the statistics {list(self.statistics)}")
+        return kind
+
+    def statistic(self, name: str):
+        """One quantity or user statistic over the steps: a pandas DataFrame indexed by global step.
+
+        One column ``name`` for a per-step value, one per micro-batch index
+        for a per-micro-batch one (NaN where a step had fewer), one per trained
+        variable for a per-variable one; steps without a value are left out.
+
+        Example::
+
+            history.statistic("micro_norms").max(axis=1)   # each step's largest micro-batch norm
+        """
+        kind = self._kind(name, "History.statistic")
+        user = name in self.statistics
+        pairs = []
+        for s in self.steps:
+            value = s.statistics.get(name) if user else getattr(s, name)
+            if kind is Kind.VARIABLE and value is not None:
+                value = dict(zip(self.variables, value))
+            pairs.append((s.step, value))
+        return schema.frame(name, kind, pairs, "History.statistic", self.variables)
 
     def nonfinite_rows(self) -> np.ndarray:
         """The data rows that made micro-batches non-finite, sorted, each once: the culprit
@@ -170,18 +187,26 @@ class History:
         return np.unique(np.asarray(rows, np.int64))
 
     def to_pandas(self, which: str = "steps"):
-        """A pandas DataFrame of the ``"steps"`` (one row per step: its scalars,
-        ``micro_norms``, ``micro_losses``, ``dropped`` (the micro-batches hooks dropped) and
-        ``nonfinite_rows`` (their culprit rows, :meth:`nonfinite_rows`)) or the
-        ``"epochs"``; per-variable values: :meth:`variable_norms`."""
+        """A pandas DataFrame of the ``"steps"`` or the ``"epochs"``.
+
+        Steps: one row per step, a column per per-step and per-micro-batch
+        quantity of :data:`hostavg.core.schema.HISTORY` (``loss``,
+        ``grad_norm``, ..., ``micro_norms``, ``micro_losses``; ``dropped`` the
+        micro-batches hooks dropped, ``nonfinite_rows`` their culprit rows) and
+        per-step user statistic, after ``epoch`` and ``samples``. Per variable:
+        :meth:`variable_norms`, :meth:`statistic`.
+        """
         if which not in ("steps", "epochs"):
             raise HostavgError(f"which must be 'steps' or 'epochs', got {which!r}")
         pd = pandas("History.to_pandas")
-        if which == "steps":
-            columns = (*_SCALARS, *_TUPLES)
-            return pd.DataFrame([[getattr(s, c) for c in columns] for s in self.steps],
-                                columns=columns)
-        return pd.DataFrame(self.epochs)
+        if which == "epochs":
+            return pd.DataFrame(self.epochs)
+        names = ["epoch", "step", "loss", "size", "samples"] + [
+            q.name for q in schema.HISTORY if q.name not in ("step", "loss", "size")
+            and q.kind in (Kind.STEP, Kind.MICRO, Kind.INDICES)]
+        user = [n for n, kind in self.statistics.items() if kind is Kind.STEP]
+        return pd.DataFrame([[getattr(s, c) for c in names] + [s.statistics.get(n) for n in user]
+                             for s in self.steps], columns=names + user)
 
     def variable_norms(self, quantity: str = "grad_norm"):
         """One row per step (indexed by global step), one column per trained variable.
@@ -191,11 +216,7 @@ class History:
         :meth:`hostavg.inspect.record.RecordReader.variable_norms`.
         """
         check_quantity(quantity)
-        pd = pandas("History.variable_norms")
-        field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
-        return pd.DataFrame([getattr(s, field) or [math.nan] * len(self.variables)
-                             for s in self.steps], columns=list(self.variables),
-                            index=pd.Index([s.step for s in self.steps], name="step"))
+        return self.statistic("variable_norms" if quantity == "grad_norm" else "update_ratios")
 
     def distributions(self, variable: str, quantity: str = "gradient"):
         """The distribution of one variable's ``quantity`` over steps, as TensorBoard draws it.
@@ -221,23 +242,30 @@ class History:
                                    quantity, "History.distributions")
 
     def to_json(self) -> str:
-        """The History as JSON (what a checkpoint holds); an array a metric logged (Keras's
-        F1Score, one value per class) becomes a list."""
-        return json.dumps({"steps": self.steps, "epochs": self.epochs,
-                           "variables": self.variables, "stopped": self.stopped},
-                          default=_plain)
+        """The History as JSON (what a checkpoint holds): ``"format": 2``, each step an object of
+        named fields; an array a metric logged (Keras's F1Score, one value per class) becomes a
+        list."""
+        return json.dumps({"format": FORMAT, "steps": [s._asdict() for s in self.steps],
+                           "epochs": self.epochs, "variables": self.variables,
+                           "statistics": {n: k.value for n, k in self.statistics.items()},
+                           "stopped": self.stopped}, default=_plain)
 
     @classmethod
     def from_json(cls, text: str) -> History:
-        """The History :meth:`to_json` wrote; HostavgError if ``text`` is not one."""
+        """The History :meth:`to_json` wrote, or version 0.1.0 wrote (format 1: positional
+        rows); HostavgError if ``text`` is not one."""
         try:
             data = json.loads(text)
+            form = data.get("format", 1)
+            if form not in (1, FORMAT):
+                raise ValueError(f"format {form!r}; this version reads formats 1 and {FORMAT}")
             history = cls()
-            history.steps = [StepLog(*(tuple(v) if isinstance(v, list) else v for v in s))
+            history.statistics = {n: Kind(k) for n, k in data.get("statistics", {}).items()}
+            history.steps = [history._row(_format_1(s) if form == 1 else s)
                              for s in data["steps"]]
             history.epochs, history.stopped = data["epochs"], data["stopped"]
             history.variables = tuple(data.get("variables", ()))
-        except (TypeError, ValueError, KeyError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise HostavgError(f"not a History's JSON ({type(e).__name__}: {e}): "
                                f"{str(text)[:80]!r}") from None
         if not isinstance(history.epochs, list) or not all(isinstance(e, dict) for e in history.epochs) \
@@ -246,14 +274,42 @@ class History:
                                f"a string or null: {str(text)[:80]!r}")
         return history
 
+    def _row(self, fields: dict) -> StepLog:
+        """A StepLog of a step's JSON fields (fields a newer version added are left out)."""
+        values = {n: _tuple(_KINDS[n], v) for n, v in fields.items() if n in _KINDS}
+        statistics = {n: _tuple(self.statistics[n], v)
+                      for n, v in fields.get("statistics", {}).items()}
+        return StepLog(fields["epoch"], fields["samples"], **values,
+                       statistics=MappingProxyType(statistics))
+
     def __repr__(self) -> str:
         last = f", last loss {self.steps[-1].loss:.4g}" if self.steps else ""
         return (f"History({len(self.steps)} steps, {len(self.epochs)} epochs, "
                 f"{self.samples} samples{last}{', stopped' if self.stopped else ''})")
 
 
+def _format_1(row) -> dict:
+    """A format-1 step (a positional list of :data:`FORMAT_1`'s fields; earlier 0.1.0 commits
+    wrote fewer, their first ones) by name."""
+    if not isinstance(row, list) or not 5 <= len(row) <= len(FORMAT_1):
+        raise TypeError(f"a format-1 step is a list of 5 to {len(FORMAT_1)} fields, got "
+                        f"{row!r}"[:200])
+    return dict(zip(FORMAT_1, row))
+
+
+def _tuple(kind: Kind, value):
+    """A JSON value as a StepLog keeps it: lists of the tuple kinds as tuples, a distribution's
+    percentiles as tuples."""
+    if kind is Kind.DISTRIBUTION and value is not None:
+        return {q: {n: tuple(p) for n, p in by_variable.items()} for q, by_variable in value.items()}
+    return tuple(value) if kind in _TUPLES and isinstance(value, list) else value
+
+
 def _plain(value):
-    """``value`` as JSON can hold it: a NumPy array as a list, a NumPy number as a number."""
+    """``value`` as JSON can hold it: a NumPy array as a list, a NumPy number as a number, a
+    read-only mapping as an object."""
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
+    if isinstance(value, Mapping):
+        return dict(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -22,6 +22,7 @@ from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
 from hostavg.core.results import StepResult
+from hostavg.core.schema import UserStatistics
 from hostavg.core.split import Cut, cut, sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
 from hostavg.engine.protocols import Backend, HostAverage
@@ -60,7 +61,8 @@ class BaseTrainer:
     def __init__(self, *, micro_batch_size: int | None = None, micro_batches: int | None = None,
                  accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
                  update_ratios_every: int | None = None, overlap: bool = False,
-                 distributions_every: int | None = None, check_applied: bool = True):
+                 distributions_every: int | None = None, check_applied: bool = True,
+                 statistics=None):
         """The settings every face takes, by keyword.
 
         Args:
@@ -84,6 +86,10 @@ class BaseTrainer:
             variable's gradient, weights, update) every that many global steps; None: never.
           check_applied: check the updated weights and optimizer state for NaN and Inf in
             each apply's call, undoing a non-finite update; False: don't (cost: performance page).
+          statistics: ``{name: fn}``, each ``fn(result)`` of the step's StepResult (after the
+            mean, before the apply) a number, k numbers (per micro-batch) or ``{variable:
+            number}``, kept as ``StepResult.statistics[name]`` and shown wherever a step is
+            (History, Record, TensorBoard, plots); see docs/guides/inspecting.md.
         """
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
@@ -98,6 +104,7 @@ class BaseTrainer:
         self.distributions_every = None if distributions_every is None else positive_int(
             "distributions_every", distributions_every)
         self.check_applied = flag("check_applied", check_applied)
+        self.statistics = UserStatistics(statistics)
         self.comm = comm
         if comm is not None:
             from hostavg.engine.mpi import Distributed  # mpi4py is imported on use only
@@ -347,7 +354,8 @@ class BaseTrainer:
         self._engine = Engine(spec, accumulate=self.accumulate, accum_dtype=self.accum_dtype,
                               hooks=self.hooks, average=self._average,
                               update_ratios_every=self.update_ratios_every, overlap=self.overlap,
-                              distributions_every=self.distributions_every)
+                              distributions_every=self.distributions_every,
+                              statistics=self.statistics)
         return self._engine
 
     def _engine_for(self, backend: Backend, sample, what: str) -> Engine:
