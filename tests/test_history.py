@@ -19,14 +19,15 @@ from hostavg.train.checkpoint import CheckpointDir
 OLD = Path(__file__).parent / "data" / "checkpoint-0.1.0"
 
 
-def old_setup():
-    """The trainer, session and data of tests/data/checkpoint-0.1.0/make.py."""
+def old_setup(*hooks):
+    """The trainer, session and data of tests/data/checkpoint-0.1.0/make.py (``hooks`` after
+    its clip hooks)."""
     model = models.mlp(10, [16], 3, seed=1)
     with model.graph.as_default():
         trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), accumulate="stack",
                                   update_ratios_every=1, distributions_every=2,
                                   hooks=[hostavg.hooks.ClipMicroBatchNorm(1.0),
-                                         hostavg.hooks.ClipGlobalNorm(0.5)])
+                                         hostavg.hooks.ClipGlobalNorm(0.5), *hooks])
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=model.graph)
     sess.run(init)
@@ -91,6 +92,26 @@ def test_the_json_names_every_field_and_carries_the_format():
     assert len(hostavg.History.from_json(json.dumps(written)).steps) == len(history.steps)
     with pytest.raises(hostavg.HostavgError, match=r"format 3; this version reads formats 1 and 2"):
         hostavg.History.from_json(json.dumps(dict(written, format=3)))
+
+
+def test_the_norm_before_clipping_reaches_every_view_from_its_one_declaration(tmp_path):
+    """grad_norm_before_clip was in the Record only; its Quantity brings it everywhere."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    trainer, sess, data = old_setup(hostavg.hooks.Record(tmp_path / "rec"),  # ClipGlobalNorm(0.5)
+                                    hostavg.hooks.TensorBoard(tmp_path / "tb"))
+    history = trainer.fit(sess, data, **dict(FIT, epochs=1))
+    want = [s.grad_norm_before_clip for s in history.steps]
+    assert all(w > 0.5 for w in want) and [s.grad_norm for s in history.steps] == \
+        pytest.approx([0.5] * 5)
+    assert list(history.to_pandas()["grad_norm_before_clip"]) == want
+    assert list(hostavg.load_record(tmp_path / "rec").to_pandas()["grad_norm_before_clip"]) == want
+    board = ea.EventAccumulator(str(tmp_path / "tb")).Reload()
+    np.testing.assert_allclose([e.value for e in board.Scalars("hostavg/grad_norm_before_clip")],
+                               want, rtol=1e-6)
+    line = hostavg.plot.statistic(history, "grad_norm_before_clip").lines[0]
+    assert list(line.get_ydata()) == want
 
 
 def test_every_history_quantity_is_a_steplog_field_and_a_table_column_by_its_kind():
