@@ -1,6 +1,12 @@
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+# The version is written once, as hostavg.__version__; read here without importing hostavg.
+VERSION = re.search(r'^__version__ = "([^"]+)"$',
+                    Path(__file__).with_name("hostavg").joinpath("__init__.py").read_text(
+                        encoding="utf-8"), re.M).group(1)
 
 # The TensorFlow the tests run on. hostavg calls a few private TensorFlow APIs, each detected
 # at import with a public fallback (hostavg/compat/tensorflow.py), so other versions may well
@@ -34,7 +40,7 @@ DOCS = ["mkdocs>=1.6,<1.7", "mkdocs-material>=9.8,<9.9", "mkdocstrings[python]>=
 
 setup(
     name="hostavg",
-    version="0.1.0",
+    version=VERSION,
     description="Large-batch training of TF1 graphs and Keras 3 models with every micro-batch's gradient on the host",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

@@ -33,7 +33,7 @@ from hostavg.core.results import MicroBatch, StepResult
 from hostavg.core.split import split
 from hostavg.core.stats import NoiseScale, StepStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public names whose module imports TensorFlow (or matplotlib): name -> module.
 _LAZY = {

@@ -39,3 +39,17 @@ def test_the_framework_free_layers_import_no_framework():
             "             ('tensorflow', 'keras', 'jax', 'torch', 'tf_keras'))\n"
             "assert not bad, f'the framework-free layers imported {bad[:3]}'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_version_is_written_once_and_the_changelog_has_its_section():
+    """setup.py reads hostavg.__version__; CHANGELOG.md has a section for it and for 0.1.0."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[-1] == hostavg.__version__
+    sections = re.findall(r"^## \[([^\]]+)\]", (root / "CHANGELOG.md").read_text(), re.M)
+    assert sections[0] == hostavg.__version__ and sections[-1] == "0.1.0"
