@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -12,11 +13,31 @@ from hostavg.core.gradients import freeze
 from hostavg.core.results import Culprit
 from hostavg.engine import culprits
 
-__all__ = ["describe_rows", "prepare", "prepare_one", "refused", "row_indices"]
+__all__ = ["Prepared", "describe_rows", "prepare", "prepare_one", "refused", "row_indices"]
 
 
-def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
-    """Every micro-batch checked and sized before any runs: (feed, n, start, where, rows) each."""
+class Prepared(NamedTuple):
+    """One micro-batch of a step, made ready before any runs (:func:`prepare`).
+
+    Attributes:
+      feed: what the backend's ``prepare`` made of it, ready to compute.
+      size: its number of samples.
+      start: the step's sample its first one is (the samples of the micro-batches before it).
+      where: its place in words, for errors: ``micro-batch i of k (samples a:b, data rows ...)``.
+      rows: its samples' data rows, a read-only int64 array, or None.
+      given: its feed as given, which the culprit search cuts into samples.
+    """
+
+    feed: Any
+    size: int
+    start: int
+    where: str
+    rows: np.ndarray | None
+    given: Any
+
+
+def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list[Prepared]:
+    """Every micro-batch checked and sized before any runs: a :class:`Prepared` each."""
     if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
         raise HostavgError(
             f"{call} takes a list of feed dicts, one per micro-batch, got "
@@ -35,21 +56,22 @@ def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list:
     out, start = [], 0
     for i, feed in enumerate(feeds):
         what = f"micro-batch {i} of {len(feeds)}"
-        given = None if rows is None else np.asarray(rows[i])
-        known = given is not None and given.ndim == 1 and given.dtype.kind in "iu"
+        its_rows = None if rows is None else np.asarray(rows[i])
+        known = its_rows is not None and its_rows.ndim == 1 and its_rows.dtype.kind in "iu"
         try:
-            feed, n = prepare_one(backend, feed, None if sizes is None else sizes[i],
-                                  f"{call}, {what}" + (f" (data {describe_rows(given)})"
-                                                       if known and len(given) else ""),
-                                  start, given if known else None)
+            made, n = prepare_one(backend, feed, None if sizes is None else sizes[i],
+                                  f"{call}, {what}" + (f" (data {describe_rows(its_rows)})"
+                                                       if known and len(its_rows) else ""),
+                                  start, its_rows if known else None)
         except Exception as e:
             if known:
                 with contextlib.suppress(AttributeError):  # a type with __slots__
-                    e.rows = freeze(given.astype(np.int64))  # the data rows of the feed that failed
+                    e.rows = freeze(its_rows.astype(np.int64))  # the failed feed's data rows
             raise
         indices = None if rows is None else row_indices(rows[i], n, f"{call}, {what}")
         said = "" if indices is None else f", data {describe_rows(indices)}"
-        out.append((feed, n, start, f"{what} (samples {start}:{start + n}{said})", indices))
+        out.append(Prepared(made, n, start, f"{what} (samples {start}:{start + n}{said})", indices,
+                            feed))
         start += n
     return out
 

@@ -5,8 +5,9 @@ or it drove an apply non-finite (:class:`Extreme`), the engine looks at its
 samples the cheap way first: the samples whose inputs hold NaN or Inf (or
 extreme values), the others computed once together to confirm; else each
 other sample is computed alone (:func:`find`). A micro-batch whose compute
-raised has each sample computed alone (:func:`failing`). The engine restores
-what these computes assign, so the model is as before. Pure NumPy.
+raised has each sample computed alone (:func:`failing`, :class:`Failing`).
+A :class:`CulpritSearch` runs them over one backend and restores what these
+computes assign, so the model is as before. Pure NumPy.
 
 See docs/guides/inspecting.md for the search in detail.
 """
@@ -22,8 +23,8 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.results import Culprit
 from hostavg.core.split import arrays, take
 
-__all__ = ["EXTREME", "NONE_FAILING", "Extreme", "NonFinite", "describe", "failing", "find", "in_inputs", "key_name",
-           "rows_of", "short"]
+__all__ = ["EXTREME", "NONE_FAILING", "CulpritSearch", "Extreme", "Failing", "NonFinite", "describe",
+           "failing", "find", "in_inputs", "key_name", "rows_of", "short"]
 
 #: The names of a batch tuple's parts, by position.
 PARTS = ("x", "y", "sample_weight")
@@ -112,11 +113,19 @@ def _where(positions: np.ndarray) -> str:
 
 class NonFinite:
     """What :func:`find` looks for in a non-finite micro-batch: samples whose inputs hold NaN
-    or Inf, else samples whose loss or gradients are non-finite alone."""
+    or Inf, else samples whose loss or gradients are non-finite alone.
 
+    ``what`` says what the culprits did, ``none_alone`` (a format of ``how``) that none did.
+    """
+
+    what = "make it non-finite"
     none_alone = ("No sample of it is non-finite alone ({how}): only the micro-batch as a "
                   "whole, as with an op over the batch (batch norm in training mode) or a sum "
                   "over its samples that overflows.")
+
+    def search(self, feed, n: int, start: int, rows, compute: Callable) -> tuple[tuple, str]:
+        """The culprits of a micro-batch's ``feed`` and how they were found (:func:`find`)."""
+        return find(feed, n, start, rows, compute, self)
 
     def inputs(self, laid: dict, n: int, start: int, rows) -> tuple:
         return _in_inputs(laid, n, start, rows)
@@ -144,6 +153,7 @@ class Extreme(NonFinite):
     step's other micro-batches' largest times :data:`EXTREME`; inf where it had none).
     """
 
+    what = "drove it"
     none_alone = ("No sample of it stands out alone ({how}): its gradient is large as a whole; "
                   "lower the learning rate, or clip the gradients (hostavg.hooks.ClipGlobalNorm).")
 
@@ -260,6 +270,65 @@ def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) ->
         return (), f"each of its {n} samples fails alone too"
     how = f"computing each of its {n} samples alone"
     return tuple(found), how + ("" if found else ", none fails")
+
+
+class Failing:
+    """What :func:`failing` looks for in a micro-batch whose compute raised ``refused``: the
+    samples that raise it alone."""
+
+    what = "fail"
+    none_alone = NONE_FAILING
+
+    def __init__(self, refused: type):
+        self.refused = refused
+
+    def search(self, feed, n: int, start: int, rows, compute: Callable) -> tuple[tuple, str]:
+        return failing(feed, n, start, rows, compute, self.refused)
+
+
+class CulpritSearch:
+    """Looks for the culprit samples of one backend's micro-batches, as a judge says
+    (:class:`NonFinite`, :class:`Extreme`, :class:`Failing`).
+
+    ``compute(feed, size, what)`` computes a part of a micro-batch, prepared by the
+    backend (``what``: where, for its errors), and gives (loss, squared gradient norm).
+    What the computes assign is restored once a search is done.
+    """
+
+    def __init__(self, backend, compute: Callable):
+        self.backend, self.compute = backend, compute
+
+    def find(self, batch, judge=NonFinite()) -> tuple[tuple, str]:
+        """The culprit samples of micro-batch ``batch`` (a
+        :class:`~hostavg.engine.batches.Prepared`), sorted, and how they were found."""
+        snapshot = []
+
+        def compute(part, size: int) -> tuple[float, float]:
+            if not snapshot:
+                snapshot.append(self.backend.snapshot())
+            what = f"{batch.where}, looking at {size} of its samples"
+            part, size = self.backend.prepare(part, size, what)
+            return self.compute(part, size, what)
+
+        try:
+            return judge.search(batch.given, batch.size, batch.start, batch.rows, compute)
+        finally:
+            if snapshot:
+                self.backend.restore(snapshot[0])
+
+    def name(self, error: HostavgError, batch, judge=NonFinite()) -> None:
+        """Adds the culprit samples of ``batch``, the micro-batch that failed the step, to its
+        ``error``: lines in the message, ``.culprits`` and ``.culprit_rows`` (sorted data
+        rows; [] where the rows are unknown); a note where the search fails."""
+        try:
+            found, how = self.find(batch, judge)
+        except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
+            error.add_note(f"hostavg: looking for the samples that {judge.what} failed "
+                           f"({type(failed).__name__}: {failed})")
+            return
+        error.culprits, error.culprit_rows = found, rows_of(found)
+        error.args = (f"{error.args[0]}{describe(found, how, judge.what, judge.none_alone)}",
+                      *error.args[1:])
 
 
 def _culprit(j: int, start: int, rows, reason: str) -> Culprit:

@@ -61,13 +61,12 @@ def driver(result) -> tuple[int | None, str]:
     return None, f"gradient norms {listed}{', ...' if len(kept) > 8 else ''}"
 
 
-def overflowed(engine, backend, result, names: tuple, sources: tuple
+def overflowed(search: culprits.CulpritSearch, result, names: tuple, batches: list
                ) -> tuple[HostavgError, Overflow | None]:
     """The error of a step whose apply made ``names`` non-finite (and was undone), and the
     :class:`Overflow` of the micro-batch that drove it (None where none stands out); its
-    culprit samples are looked for (``engine``'s search, what it computes restored).
-    ``sources``: the step's feeds as given, and as prepared."""
-    feeds, batches = sources
+    culprit samples are looked for with ``search``. ``batches``: the step's micro-batches
+    (:class:`~hostavg.engine.batches.Prepared`)."""
     shown = ", ".join(map(repr, names[:LISTED])) + (
         f" and {len(names) - LISTED} more" if len(names) > LISTED else "")
     what = (f"step, the apply: it made {shown} non-finite (NaN or Inf), so it was undone: the "
@@ -81,9 +80,8 @@ def overflowed(engine, backend, result, names: tuple, sources: tuple
     error = HostavgError(f"{what} It was driven by {said}.")
     norms = result.stats.micro_norms
     others = [norms[m.index] for m in result.micro if m.dropped is None and m.index != top]
-    judge = culprits.Extreme(culprits.EXTREME * max(others) if others else math.inf)
-    engine._name_culprits(backend, feeds[top], batches[top], error, "drove it",
-                          judge.none_alone, judge=judge)
-    if batches[top][4] is not None:
-        error.rows = batches[top][4]
+    search.name(error, batches[top],
+                culprits.Extreme(culprits.EXTREME * max(others) if others else math.inf))
+    if batches[top].rows is not None:
+        error.rows = batches[top].rows
     return error, Overflow(top, f"it made {shown} non-finite ({said})", error.culprits, error)

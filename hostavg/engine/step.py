@@ -25,6 +25,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,9 +39,9 @@ from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
-from hostavg.engine.batches import prepare, prepare_one, row_indices
+from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
-from hostavg.engine.overflow import overflowed
+from hostavg.engine.overflow import Overflow, overflowed
 from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
@@ -153,11 +154,12 @@ class Engine:
             whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)
-            for micro_feed, size, _, where, _ in prepare(backend, micro_feeds, None, "check"):
-                g = self._compute(backend, micro_feed, size, f"check, {where}", n)[0]
-                acc.add_checked(dict(g), float(size), g.loss, check_finite(
-                    g, f"check, {where}", g.loss, g.sq_norms,
-                    loss_hint=_loss_hint(g.loss, size, n, backend.advice)))
+            for batch in prepare(backend, micro_feeds, None, "check"):
+                where = f"check, {batch.where}"
+                g = self._compute(backend, batch.feed, batch.size, where, n)[0]
+                acc.add_checked(dict(g), float(batch.size), g.loss, check_finite(
+                    g, where, g.loss, g.sq_norms,
+                    loss_hint=_loss_hint(g.loss, batch.size, n, backend.advice)))
             mean = acc.mean()
         return diagnose(whole, again, mean, len(micro_feeds), backend.advice,
                         backend.random_ops())
@@ -254,19 +256,18 @@ class Engine:
         """Tells the averaging that the loop around the steps ends with ``error`` (see :meth:`Average.abandon`)."""
         self.average.abandon(error)
 
-    def _step(self, backend, feeds, sizes, rows, flagged: Mapping
-              ) -> tuple[StepResult, dict | None, dict | None, tuple]:
-        """Steps 2-5: the result, the checked mean to apply (None when the step is skipped), the
-        apply's feed, and the micro-batches (their feeds as given, and as prepared). ``flagged``: index -> :class:`_Overflow`
-        of the micro-batches that drove an earlier try of this step's apply non-finite."""
+    def _step(self, backend, snapshot, feeds, sizes, rows, flagged: Mapping) -> Pending:
+        """Steps 2-5 of a step from ``snapshot``: its :class:`Pending` apply. ``flagged``: index
+        -> :class:`~hostavg.engine.overflow.Overflow` of the micro-batches that drove an
+        earlier try of this step's apply non-finite."""
         acc, log = self._acc, _StepLog(self._keep_micro, flagged)
         batches = []
         acc.reset()
         micro = log.micro
         try:
             batches = prepare(backend, feeds, sizes, rows=rows)
-            apply_feed = backend.apply_feed([b[0] for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, feeds, batches, log)
+            apply_feed = backend.apply_feed([b.feed for b in batches], "step") if batches else None
+            global_step = self._micro_batches(backend, batches, log)
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
@@ -278,11 +279,11 @@ class Engine:
             raise HostavgError("step got no micro-batches; pass at least one feed dict")
         global_step = backend.global_step() if tally.global_step is None else tally.global_step
         if not tally.total:
-            return StepResult(None, None, tuple(micro), global_step, 0,
-                              StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
-                              skipped=f"all {len(tally.norms)} micro-batches were dropped; "
-                                      f"nothing was applied",
-                              fetched=tuple(m.fetched for m in micro)), None, None, (feeds, batches)
+            return Pending(self, backend, snapshot, StepResult(
+                None, None, tuple(micro), global_step, 0,
+                StepStats(math.nan, tuple(tally.norms), tuple(tally.losses), {}),
+                skipped=f"all {len(tally.norms)} micro-batches were dropped; nothing was applied",
+                fetched=tuple(m.fetched for m in micro)), None, None, batches)
 
         reducer = self.average.reducer(backend, tally.total)
         mean = acc.mean(reducer)
@@ -322,10 +323,11 @@ class Engine:
                 mine = False
         if self.statistics:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
-        return result, self._checked(mean, what, hint, mine,
-                                     finite=backend.nonfinite == "refuse"), tally.apply_feed, (feeds, batches)
+        return Pending(self, backend, snapshot, result,
+                       self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse"),
+                       tally.apply_feed, batches)
 
-    def _micro_batches(self, backend, feeds, batches, log: _StepLog) -> int:
+    def _micro_batches(self, backend, batches: list[Prepared], log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
         returns the global step.
 
@@ -340,15 +342,16 @@ class Engine:
         step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
         keep = bool(self._micro_hooks)
-        whole = sum(batch[1] for batch in batches)
+        whole = sum(batch.size for batch in batches)
 
         def run(i):
-            feed, n, _, where, _ = batches[i]
+            batch = batches[i]
             try:
                 before = backend.snapshot() if keep else None
             except HostavgError as e:
-                raise HostavgError(f"step, {where}: {e}") from e.__cause__
-            return before, self._compute(backend, feed, n, f"step, {where}", whole)
+                raise HostavgError(f"step, {batch.where}: {e}") from e.__cause__
+            return before, self._compute(backend, batch.feed, batch.size, f"step, {batch.where}",
+                                         whole)
 
         pool = None
         if self.overlap and len(batches) > 1:
@@ -371,21 +374,19 @@ class Engine:
                         if log.micro[-1].dropped is not None and before is not None:
                             ahead.redo(lambda: backend.restore(before))
                     except Exception as e:
-                        if batch[4] is not None:
+                        if batch.rows is not None:
                             with contextlib.suppress(AttributeError):  # a type with __slots__
-                                e.rows = batch[4]  # every data row of the micro-batch that failed
+                                e.rows = batch.rows  # every data row of the micro-batch that failed
                         raise
         except HostavgError as e:
             if log.failed is not None:
-                self._name_culprits(backend, feeds[log.failed], batches[log.failed], e)
+                self._search(backend).name(e, batches[log.failed])
             elif log.raised is not None:
-                self._name_culprits(backend, feeds[log.raised], batches[log.raised], e,
-                                    "fail", culprits.NONE_FAILING, search=culprits.failing,
-                                    refused=HostavgError)
+                self._search(backend).name(e, batches[log.raised], culprits.Failing(HostavgError))
             raise
         for i in log.search:
             try:
-                found = self._culprits(backend, feeds[i], batches[i])[0]
+                found = self._search(backend).find(batches[i])[0]
                 log.micro[i] = replace(log.micro[i], culprits=found)
             except Exception as failed:  # noqa: BLE001 - the step goes on; the reason says why
                 log.micro[i] = replace(log.micro[i], dropped=(
@@ -393,48 +394,18 @@ class Engine:
                     f"failed: {type(failed).__name__}: {failed})"))
         return global_step
 
-    def _culprits(self, backend, feed, batch, search=culprits.find, **how) -> tuple[tuple, str]:
-        """The culprit samples of a micro-batch, and how they were found (``search``:
-        :func:`~hostavg.engine.culprits.find` or :func:`~hostavg.engine.culprits.failing`,
-        given ``how``); what computing its samples assigns is restored."""
-        _, n, start, where, rows = batch
-        snapshot = []
-
-        def compute(part, size: int) -> tuple[float, float]:  # (loss, squared gradient norm)
-            if not snapshot:
-                snapshot.append(backend.snapshot())
-            what = f"{where}, looking at {size} of its samples"
-            part, size = backend.prepare(part, size, what)
-            g = self._compute(backend, part, size, what)[0]
+    def _search(self, backend) -> culprits.CulpritSearch:
+        """The culprit search over ``backend``'s micro-batches: each part computed as a step
+        computes a micro-batch."""
+        def compute(feed, size: int, what: str) -> tuple[float, float]:
+            g = self._compute(backend, feed, size, what)[0]
             return g.loss, math.fsum(_sq_norms(g).values())
+        return culprits.CulpritSearch(backend, compute)
 
-        try:
-            return search(feed, n, start, rows, compute, **how)
-        finally:
-            if snapshot:
-                backend.restore(snapshot[0])
-
-    def _name_culprits(self, backend, feed, batch, error: HostavgError,
-                       what: str = "make it non-finite", none: str = culprits.NonFinite.none_alone,
-                       **search) -> None:
-        """Adds the culprit samples (that ``what``; ``none`` where there are none) of the
-        micro-batch that failed the step to its ``error``: lines in the message, ``.culprits``
-        and ``.culprit_rows`` (sorted data rows; [] where the rows are unknown). ``search``:
-        :meth:`_culprits`'s."""
-        try:
-            found, how = self._culprits(backend, feed, batch, **search)
-        except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
-            error.add_note(f"hostavg: looking for the samples that {what} failed "
-                           f"({type(failed).__name__}: {failed})")
-            return
-        error.culprits, error.culprit_rows = found, culprits.rows_of(found)
-        error.args = (f"{error.args[0]}{culprits.describe(found, how, what, none)}",
-                      *error.args[1:])
-
-    def _micro_batch(self, i, batch, computed, backend, log: _StepLog, whole: int) -> int:
+    def _micro_batch(self, i, batch: Prepared, computed, backend, log: _StepLog, whole: int) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
         (``whole``: the step's samples); returns the global step."""
-        _, n, start, where, rows = batch
+        n, start, where, rows = batch.size, batch.start, batch.where, batch.rows
         g, global_step, fetched = computed
         step = global_step + backend.increment
         grads, dropped, changed_by = g, None, None
@@ -535,8 +506,8 @@ class _StepLog:
         culprit samples are looked for once every micro-batch has run.
       failed: the one whose own non-finite values failed the step, or None.
       raised: the one whose compute raised the framework's error, or None.
-      flagged: index -> :class:`_Overflow` of those that drove an earlier try of the
-        step's apply non-finite.
+      flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of those that drove an
+        earlier try of the step's apply non-finite.
     """
 
     __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "failed", "raised",
@@ -572,17 +543,51 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     Returns:
       one :class:`~hostavg.StepResult` per entry, in order.
     """
-    flagged = {}
-    while True:
-        try:
-            return _together(steps, flagged)
-        except _Retry as retry:
-            flagged[retry.index] = retry.overflow
+    out = _try(steps, {})
+    while isinstance(out, Retry):
+        out = _try(steps, out.flagged)
+    return out
 
 
-def _together(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult]:
-    """One try of :func:`step_together`, the micro-batches ``flagged`` by earlier tries."""
-    held, done = [], []
+class Pending(NamedTuple):
+    """One engine's step, computed and checked, waiting for its apply.
+
+    Attributes:
+      engine, backend: whose step it is.
+      snapshot: the backend's rollback snapshot, taken before the step.
+      result: the step's result before the apply.
+      mean: the checked mean to apply, or None where every micro-batch was dropped.
+      feed: what the apply is fed (:meth:`Backend.apply_feed`; None where no micro-batch ran).
+      batches: the step's micro-batches (:class:`~hostavg.engine.batches.Prepared`), for
+        the culprit search of an apply gone non-finite.
+    """
+
+    engine: Engine
+    backend: Backend
+    snapshot: Any
+    result: StepResult
+    mean: dict | None
+    feed: dict | None
+    batches: list
+
+
+class Retry(NamedTuple):
+    """A try's decision that a lone step must be tried again from its snapshot (its apply went
+    non-finite and was undone).
+
+    Attributes:
+      flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of each micro-batch that
+        drove a try of the step non-finite, this try's too: shown to the ``on_micro_batch``
+        hooks flagged, and left out where one drops it.
+    """
+
+    flagged: Mapping
+
+
+def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
+    """One try of :func:`step_together`, the micro-batches ``flagged`` by earlier tries: every
+    step's result, or the :class:`Retry` of a lone step whose apply went non-finite."""
+    held, taken, pending = [], [], []
     try:
         with region():
             try:
@@ -594,14 +599,19 @@ def _together(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult]:
                             "time: use one trainer per thread")
                     held.append(engine)
                     engine.average.begin(backend)
-                    done.append((backend, backend.snapshot()))
-                    done[-1] += engine._step(backend, feeds, sizes, rows[0] if rows else None,
-                                             flagged)
+                    snapshot = backend.snapshot()
+                    taken.append((backend, snapshot))
+                    pending.append(engine._step(backend, snapshot, feeds, sizes,
+                                                rows[0] if rows else None, flagged))
                 hold()  # from here on a signal waits for the steps to be returned whole
-                results = [_apply(engine, *entry, alone=len(steps) == 1)
-                           for engine, entry in zip(held, done)]
+                results = []
+                for one in pending:
+                    applied = _apply(one, alone=len(steps) == 1)
+                    if isinstance(applied, Overflow):  # its snapshot is restored
+                        return Retry({**flagged, applied.index: applied})
+                    results.append(applied)
             except BaseException as error:
-                for backend, snapshot, *_ in reversed(done):
+                for backend, snapshot in reversed(taken):
                     try:
                         backend.restore(snapshot)
                     except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
@@ -622,38 +632,32 @@ def _together(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult]:
     return results
 
 
-def _apply(engine: Engine, backend, snapshot, result, values, feed, sources,
-           alone: bool) -> StepResult:
-    """Applies one engine's checked mean ``values`` (restores a skipped step's ``snapshot``);
-    the final result. An apply the backend found non-finite (and undid) raises its
-    :func:`~hostavg.engine.overflow.overflowed` error, or a :class:`_Retry`."""
-    if values is None:  # skipped: every micro-batch was dropped
-        backend.restore(snapshot)
-        return result
-    every, seen = engine.update_ratios_every, engine.distributions_every
-    applied = backend.apply(values, feed, bool(every) and result.step % every == 0,
-                            values=bool(seen) and result.step % seen == 0)
+def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
+    """Applies one engine's checked mean (restores a skipped step's snapshot); the final result.
+    An apply the backend found non-finite (and undid) has the snapshot restored and raises its
+    :func:`~hostavg.engine.overflow.overflowed` error, or, for a lone step on this host whose
+    ``on_micro_batch`` hooks may drop what drove it, returns its :class:`Overflow`."""
+    engine, backend = pending.engine, pending.backend
+    if pending.mean is None:  # skipped: every micro-batch was dropped
+        backend.restore(pending.snapshot)
+        return pending.result
+    every, seen, after = engine.update_ratios_every, engine.distributions_every, pending.result.step
+    applied = backend.apply(pending.mean, pending.feed, bool(every) and after % every == 0,
+                            values=bool(seen) and after % seen == 0)
     if applied.nonfinite:
-        backend.restore(snapshot)  # the samples are computed from the state before the step
-        error, overflow = overflowed(engine, backend, result, applied.nonfinite, sources)
+        backend.restore(pending.snapshot)  # the samples are computed from the state before the step
+        error, overflow = overflowed(engine._search(backend), pending.result, applied.nonfinite,
+                                     pending.batches)
         if overflow is not None and alone and engine._micro_hooks \
                 and engine.average.sees_every_micro_batch:
-            raise _Retry(overflow.index, overflow)
+            return overflow
         raise error
     kept = applied.weights is not None and applied.skipped is None
-    return replace(result, step=applied.global_step,
+    return replace(pending.result, step=applied.global_step,
                    update_ratios=None if applied.skipped else applied.update_ratios,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
-                   distributions=distributions.of_step(values, applied.weights, applied.updates)
-                   if kept else None)
-
-
-class _Retry(Exception):
-    """A lone step's apply went non-finite: try the step again, micro-batch ``index`` flagged."""
-
-    def __init__(self, index: int, overflow):
-        super().__init__(index)
-        self.index, self.overflow = index, overflow
+                   distributions=distributions.of_step(pending.mean, applied.weights,
+                                                       applied.updates) if kept else None)
 
 
 def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:
