@@ -9,9 +9,10 @@ from typing import Any, NamedTuple, Protocol
 from hostavg.core.accumulator import Reducer
 from hostavg.core.check import RandomOp
 from hostavg.core.gradients import VariableSpec
+from hostavg.core.stats import update_ratio
 
-__all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "Applied", "Average", "Backend", "Computed",
-           "HostAverage", "SampleStats", "Tally"]
+__all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "ApplyRequest", "Applied", "Average", "Backend",
+           "Computed", "HostAverage", "SampleStats", "Tally"]
 
 
 #: Where a trainer computes the mean of the accumulated gradients. "host":
@@ -48,8 +49,21 @@ class Computed(NamedTuple):
     fetched: tuple = ()
 
 
+class ApplyRequest(NamedTuple):
+    """What an apply is asked for besides applying (:meth:`Backend.apply`), from the same call.
+
+    Attributes:
+      ratios: the update-to-weight ratios (``Applied.update_ratios``).
+      values: the weights after the apply and the updates (``Applied.weights``,
+        ``Applied.updates``).
+    """
+
+    ratios: bool = False
+    values: bool = False
+
+
 class Applied(NamedTuple):
-    """What a backend's apply reports.
+    """What a backend's apply reports: every backend's, so what follows an apply is written once.
 
     Attributes:
       global_step: the global step after the apply.
@@ -63,12 +77,13 @@ class Applied(NamedTuple):
         ``nonfinite`` is "optimizer", given a non-finite mean), or None: applied.
       weights, updates: name -> each trained variable's value after the apply, and
         after minus before (NumPy arrays, read in the same call as the apply),
-        where the apply was asked for ``values``; else None.
+        where the apply was asked for them (``ApplyRequest.values``); else None.
       nonfinite: the names of the trained variables and optimizer variables
         (slots, moments, iterations, loss scale) that the update made NaN or
         Inf, found in the apply's own call, which then undid the update: every
-        one of them, the global step too, is as before it. () where all are
-        finite, or the backend was made not to check.
+        one of them, the global step too, is as before it (the other fields
+        are then their defaults). () where all are finite, or the backend was
+        made not to check.
     """
 
     global_step: int
@@ -78,6 +93,23 @@ class Applied(NamedTuple):
     weights: dict | None = None
     updates: dict | None = None
     nonfinite: tuple = ()
+
+    @classmethod
+    def of(cls, names: Sequence[str], global_step: int, learning_rate: float | None,
+           request: ApplyRequest, squares=(), weights=(), updates=()) -> Applied:
+        """The report of an apply that went through, from what its call read, each in
+        ``names``' order: ``squares``, the updates' squared norms then the weights' before
+        (made the ratios where ``request.ratios``); ``weights`` after and ``updates`` (kept
+        by name where ``request.values``)."""
+        ratios = None
+        if request.ratios:
+            squares, k = [float(q) for q in squares], len(names)
+            ratios = {name: update_ratio(u, w)
+                      for name, u, w in zip(names, squares[:k], squares[k:])}
+        if not request.values:
+            return cls(global_step, ratios, learning_rate)
+        return cls(global_step, ratios, learning_rate, None, dict(zip(names, weights)),
+                   dict(zip(names, updates)))
 
 
 class SampleStats(NamedTuple):
@@ -154,16 +186,14 @@ class Backend(Protocol):
         optimizer needs one that ``feeds`` lack or give different values.
         """
 
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True,
-              values: bool = False) -> Applied:
+    def apply(self, mean: Mapping, feed: Mapping, request: ApplyRequest) -> Applied:
         """Runs the optimizer once on ``mean`` (conformed; finite unless :attr:`nonfinite` is
         "optimizer"), fed ``feed`` (from :meth:`apply_feed`); returns the new global step, the
-        learning rate and, when ``measure``, the update-to-weight ratios, measured in the same
-        call (None otherwise), or why the optimizer skipped the update. With ``values``, the
-        weights after the apply and the updates too, read in that same call. A backend made
-        to check its applies (``check_applied``) checks the updated variables and optimizer
-        state for NaN and Inf in the same call and undoes the update there where it finds
-        any (:attr:`Applied.nonfinite`)."""
+        learning rate and what ``request`` asks for, read in the same call, or why the
+        optimizer skipped the update. A backend made to check its applies
+        (``check_applied``) checks the updated variables and optimizer state for NaN and Inf
+        in the same call and undoes the update there where it finds any
+        (:attr:`Applied.nonfinite`)."""
 
     def global_step(self) -> int:
         """The global step now."""

@@ -43,7 +43,7 @@ from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import Overflow, overflowed
 from hostavg.engine.overlap import Ahead, worker
-from hostavg.engine.protocols import Average, Backend, HostAverage, SampleStats, Tally
+from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
 __all__ = ["Engine", "step_together"]
@@ -138,7 +138,7 @@ class Engine:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
         (:meth:`Backend.apply_feed`); returns the new global step."""
         return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
-                             feed, False).global_step
+                             feed, ApplyRequest()).global_step
 
     def check(self, backend: Backend, feed, micro_feeds: Sequence,
               size: int | None = None) -> CheckReport:
@@ -642,8 +642,8 @@ def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
         backend.restore(pending.snapshot)
         return pending.result
     every, seen, after = engine.update_ratios_every, engine.distributions_every, pending.result.step
-    applied = backend.apply(pending.mean, pending.feed, bool(every) and after % every == 0,
-                            values=bool(seen) and after % seen == 0)
+    applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
+        ratios=bool(every) and after % every == 0, values=bool(seen) and after % seen == 0))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflow = overflowed(engine._search(backend), pending.result, applied.nonfinite,

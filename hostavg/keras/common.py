@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -27,15 +28,14 @@ from hostavg.compat.keras import compile_arguments
 from hostavg.core.errors import HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
-from hostavg.core.stats import update_ratio
-from hostavg.engine.protocols import Applied
+from hostavg.engine.protocols import Applied, ApplyRequest
 from hostavg.keras import targets
 from hostavg.keras.advice import ADVICE
 from hostavg.keras.train_step import log_value, overrides_train_step
 
-__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "CompiledModel", "ModelVariables", "Position",
-           "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function", "metric_results",
-           "model_errors", "positions", "rebuild", "structured"]
+__all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ApplyOutputs", "CompiledModel", "ModelVariables",
+           "Position", "as_batch", "checked_optimizer", "compiled", "leaves", "loss_function",
+           "metric_results", "model_errors", "positions", "rebuild", "structured"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -366,35 +366,23 @@ class CompiledModel(ModelVariables):
         """Whether an apply checks ``variable`` finite: a float one, where applies check."""
         return self.check_applied and np.dtype(variable.dtype).kind == "f"
 
-    def _undone(self, before: int, finite, trained: list) -> Applied:
-        """What an apply reports that found the variables it checks (of the ``trained`` ones,
-        then the optimizer's) not all ``finite`` and undid the update: their names, by path."""
-        trained = [v for v in trained if self._checks(v)]
-        held = trained + [v for v in self.optimizer.variables if self._checks(v)]
-        return Applied(before, nonfinite=tuple(v.path for v, ok in zip(held, finite) if not ok))
-
-    def _report(self, before: int, after: int, learning_rate: float, squares, scales,
-                measure: bool, values: tuple = ((), ())) -> Applied:
-        """What an apply did: from ``optimizer.iterations`` ``before`` to ``after``, at
-        ``learning_rate``; the update ratios from ``squares`` (the updates' squared norms,
-        then the weights') with ``measure``; the weights after and the updates from
-        ``values`` (two lists in the spec's order, empty unless asked for); or, for a
-        LossScaleOptimizer that did not move, that it skipped the step, with its scales
-        before and after."""
-        if before == after and self.nonfinite == "optimizer":
-            return Applied(after, None, learning_rate, skipped=(
+    def _report(self, out: ApplyOutputs, request: ApplyRequest, trained: list) -> Applied:
+        """What an apply did, from its outputs ``out`` (on the host; ``trained``: the variables
+        of spec, in order): where it found any variable it checks (of the ``trained`` ones,
+        then the optimizer's) not finite and undid the update, their names, by path; for a
+        LossScaleOptimizer that did not move, that it skipped the step, with its scales before
+        and after; else the new ``optimizer.iterations``, the learning rate and what
+        ``request`` asked for."""
+        if not out.finite.all():
+            held = [v for v in [*trained, *self.optimizer.variables] if self._checks(v)]
+            return Applied(out.before,
+                           nonfinite=tuple(v.path for v, ok in zip(held, out.finite) if not ok))
+        if out.before == out.after and self.nonfinite == "optimizer":
+            return Applied(out.after, None, out.learning_rate, skipped=(
                 f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
-                f"loss scale {scales[0]:g}, which it lowered to {scales[1]:g}"))
-        ratios = None
-        if measure:
-            squares, k = np.asarray(squares).tolist(), len(self.spec)
-            ratios = {name: update_ratio(u, w)
-                      for name, u, w in zip(self.spec, squares[:k], squares[k:])}
-        weights, updates = values
-        if not weights:
-            return Applied(after, ratios, learning_rate)
-        return Applied(after, ratios, learning_rate, None, dict(zip(self.spec, weights)),
-                       dict(zip(self.spec, updates)))
+                f"loss scale {out.scales[0]:g}, which it lowered to {out.scales[1]:g}"))
+        return Applied.of(list(self.spec), out.after, out.learning_rate, request, out.squares,
+                          out.weights, out.updates)
 
     def _took(self, names, values) -> None:
         """What a compute returned besides its gradients: the logs ``names`` (none here)."""
@@ -420,6 +408,32 @@ class CompiledModel(ModelVariables):
         """The results of the metrics the gradient functions update, by name (the compiled
         metrics, each output's loss), but "loss": fit's is the steps' own."""
         return metric_results(self.model, self.trained_metrics, skip=("loss",))
+
+
+class ApplyOutputs(NamedTuple):
+    """What a Keras backend's compiled apply gives back, by name: numbers and NumPy arrays on
+    the host (tensors within a compiled TensorFlow function).
+
+    Attributes:
+      before, after: ``optimizer.iterations`` before and after the apply.
+      learning_rate: the learning rate the apply used.
+      squares: the updates' squared norms, then the weights' before (empty unless
+        ``ApplyRequest.ratios``).
+      scales: the loss scale before and after (1.0 without loss scaling).
+      weights, updates: each trained variable's value after the apply, and its update,
+        in the spec's order (empty unless ``ApplyRequest.values``).
+      finite: whether each variable the apply checks is finite after the update (empty
+        unless applies check).
+    """
+
+    before: int
+    after: int
+    learning_rate: float
+    squares: np.ndarray
+    scales: tuple
+    weights: list
+    updates: list
+    finite: np.ndarray
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,8 @@ import numpy as np
 from hostavg.compat.jax import used_inputs
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import freeze
-from hostavg.engine.protocols import Applied, Computed
-from hostavg.keras.common import CompiledModel, model_errors
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed
+from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
@@ -85,7 +86,7 @@ class KerasJaxBackend(CompiledModel):
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
-        self._applies = {}  # (measure, values) -> jitted apply
+        self._applies = {}  # ApplyRequest -> jitted apply
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -121,33 +122,29 @@ class KerasJaxBackend(CompiledModel):
         """Nothing: a Keras optimizer reads no input besides the gradients."""
         return {}
 
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True,
-              values: bool = False) -> Applied:
+    def apply(self, mean: Mapping, feed: Mapping, request: ApplyRequest) -> Applied:
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
-        the apply used and, with ``measure``, the update-to-weight ratios, all from that one
-        compiled call (measuring reduces two norms per variable); with ``values``, the
-        weights after and the updates too."""
-        function = self._applies.get((measure, values))
+        the apply used and what ``request`` asks for, all from that one compiled call
+        (measuring the ratios reduces two norms per variable)."""
+        function = self._applies.get(request)
         if function is None:
-            function = self._applies[measure, values] = self._application(measure, values)
+            function = self._applies[request] = self._application(request)
         trained = [self.model.trainable_variables[i] for i in self._kept]
         grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
         before = self.global_step()
         with _jax_errors("apply"):
-            new, slots, lr, squares, scales, updates, finite = function(
-                [v.value for v in trained], [v.value for v in self.optimizer.variables], grads)
+            out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
+                           grads)
         # Copied to the host before the next apply donates the new values' buffers.
-        kept = ([np.array(w) for w in new], [np.asarray(u) for u in updates]) if values \
-            else ((), ())
-        for v, value in zip(trained, new):  # the old values, where the update was undone
+        weights = [np.array(w) for w in out.new] if request.values else []
+        for v, value in zip(trained, out.new):  # the old values, where the update was undone
             v.assign(value)
-        for v, value in zip(self.optimizer.variables, slots):
+        for v, value in zip(self.optimizer.variables, out.slots):
             v.assign(value)
-        finite = np.asarray(finite)
-        if not finite.all():
-            return self._undone(before, finite, trained)
-        return self._report(before, self.global_step(), float(lr), squares,
-                            np.asarray(scales).tolist(), measure, kept)
+        return self._report(ApplyOutputs(
+            before, self.global_step(), float(out.learning_rate), np.asarray(out.squares),
+            tuple(np.asarray(out.scales).tolist()), weights, [np.asarray(u) for u in out.updates],
+            np.asarray(out.finite)), request, trained)
 
     def global_step(self) -> int:
         return int(self.optimizer.iterations.value)
@@ -328,14 +325,11 @@ class KerasJaxBackend(CompiledModel):
         return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._outputs)
                 for s in self.spec.values()]
 
-    def _application(self, measure: bool, values: bool):
-        """``(trained values, optimizer values, mean) -> (new trained values, new optimizer
-        values, learning rate, squared norms of the updates then of the weights before, the
-        loss scale before and after, the updates, whether each checked variable is
-        finite)``, jitted, the old values donated; the norms only with ``measure``, the
-        updates only with ``values``; where a checked one is not finite (check_applied), the
-        old values come back as the new ones."""
-        keep_updates = values
+    def _application(self, request: ApplyRequest):
+        """``(trained values, optimizer values, mean) ->`` :class:`_Stateless`, jitted, the old
+        values donated; the norms only with ``request.ratios``, the updates only with
+        ``request.values``; where a checked one is not finite (check_applied), the old values
+        come back as the new ones."""
         trained = [self.model.trainable_variables[i] for i in self._kept]
         optimizer, scales = self.optimizer, self._scales
         checks = [self._checks(v) for v in trained + list(optimizer.variables)]
@@ -359,16 +353,16 @@ class KerasJaxBackend(CompiledModel):
                 new_slots = [scope.get_current_value(v) for v in optimizer.variables]
                 after = scale
             squares = jnp.zeros(0, _WIDE)
-            if measure:
+            if request.ratios:
                 squares = jnp.stack([_sum_squares(a, b) for a, b in zip(new, values)]
                                     + [_sum_squares(b) for b in values])
-            updates = [a - b for a, b in zip(new, values)] if keep_updates else []
+            updates = [a - b for a, b in zip(new, values)] if request.values else []
             finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a, check
                                 in zip([*new, *new_slots], checks) if check] or [jnp.bool_(True)])
             new, new_slots = jax.lax.cond(jnp.all(finite), lambda: (new, new_slots),
                                           lambda: (list(values), list(slots)))
-            return new, new_slots, lr, squares, jnp.stack([scale, after]), updates, \
-                finite[:sum(checks)]
+            return _Stateless(new, new_slots, lr, squares, jnp.stack([scale, after]), updates,
+                              finite[:sum(checks)])
 
         return jax.jit(apply, donate_argnums=(0, 1))
 
@@ -459,6 +453,28 @@ class KerasJaxTrainStepBackend(OwnStep, KerasJaxBackend):
                     [new[i] for i in seen["assigned"]], [metrics[i] for i in seen["metrics"]],
                     list(logs.values()))
         return step
+
+
+class _Stateless(NamedTuple):
+    """What the jitted apply returns (:meth:`KerasJaxBackend._application`), JAX arrays.
+
+    Attributes:
+      new, slots: the trained variables' and the optimizer variables' new values (the old
+        ones where the update was undone).
+      learning_rate: the learning rate the apply used.
+      squares: the updates' squared norms, then the weights' before (or empty).
+      scales: the loss scale before and after.
+      updates: each trained variable's update (or empty).
+      finite: whether each checked variable is finite after the update.
+    """
+
+    new: list
+    slots: list
+    learning_rate: Any
+    squares: Any
+    scales: Any
+    updates: list
+    finite: Any
 
 
 def _index(variable, variables: list) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -32,9 +31,9 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import concrete_call, eager_tensor
 from hostavg.core.errors import HostavgError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
-from hostavg.engine.protocols import Applied, Computed
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.frameworks.tensorflow import READ_OPS, first_line
-from hostavg.keras.common import CompiledModel, loss_function, model_errors
+from hostavg.keras.common import ApplyOutputs, CompiledModel, loss_function, model_errors
 from hostavg.keras.common import leaves as _leaves
 from hostavg.keras.common import rebuild as _rebuild
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
@@ -78,7 +77,7 @@ class KerasBackend(CompiledModel):
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
         self._evaluates = {}  # input signature -> compiled function
-        # (measure, values) -> the compiled apply; whether its XLA compile was tried yet
+        # ApplyRequest -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._snapshot = _Snapshot()
         self.batch_norm = batch_norm
@@ -118,23 +117,19 @@ class KerasBackend(CompiledModel):
         """Nothing: a Keras optimizer reads no input besides the gradients."""
         return {}
 
-    def apply(self, mean: Mapping, feed: Mapping, measure: bool = True,
-              values: bool = False) -> Applied:
+    def apply(self, mean: Mapping, feed: Mapping, request: ApplyRequest) -> Applied:
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
-        the apply used and, with ``measure``, the update-to-weight ratios, all from that one
-        compiled call (measuring keeps each weight's value from before the update while the
+        the apply used and what ``request`` asks for, all from that one compiled call
+        (measuring the ratios keeps each weight's value from before the update while the
         optimizer runs, and reduces two norms per variable); or that a
-        ``LossScaleOptimizer`` skipped the step, and the scale it left. With ``values``, the
-        weights after and the updates too, from that same call."""
-        out = self._apply_mean(mean, (measure, values))
-        if not out.finite.all():  # undone: the step fails, and its snapshot is restored
-            return self._undone(out.before, out.finite, self._trained)
-        self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
-        return self._report(out.before, out.after, out.learning_rate, out.squares,
-                            (out.scale_before, out.scale_after), measure, out.values)
+        ``LossScaleOptimizer`` skipped the step, and the scale it left."""
+        applied = self._report(self._apply_mean(mean, request), request, self._trained)
+        if not applied.nonfinite:  # else undone: the step fails, and its snapshot is restored
+            self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
+        return applied
 
-    def _apply_mean(self, mean: Mapping, measure: tuple) -> _Applied:
-        """What one compiled apply of ``mean`` reports (see :class:`_Applied`)."""
+    def _apply_mean(self, mean: Mapping, request: ApplyRequest) -> ApplyOutputs:
+        """What one compiled apply of ``mean``, asked for ``request``, gives back, on the host."""
         args = []
         for name, s in self.spec.items():
             value = mean[name]
@@ -145,19 +140,19 @@ class KerasBackend(CompiledModel):
                 args += [eager_tensor(indices, np.int64), eager_tensor(values, s.dtype)]
             else:
                 args.append(eager_tensor(value, s.dtype))
-        if measure not in self._applies:
-            self._applies[measure] = self._trace(self._application(measure), self._apply_specs(),
+        if request not in self._applies:
+            self._applies[request] = self._trace(self._application(request), self._apply_specs(),
                                                  "apply", jit_compile=self._apply_jit)
-            self._jit_tried[measure] = not self._apply_jit
-        if not self._jit_tried[measure]:
-            self._jit_tried[measure] = True
+            self._jit_tried[request] = not self._apply_jit
+        if not self._jit_tried[request]:
+            self._jit_tried[request] = True
             try:  # the first call compiles: an optimizer XLA cannot compile runs without it
-                return _applied(self._applies[measure](*args))
+                return _on_host(self._applies[request](*args))
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
-                self._applies[measure] = self._trace(self._application(measure),
+                self._applies[request] = self._trace(self._application(request),
                                                      self._apply_specs(), "apply")
         with _tensorflow_errors("apply"):
-            return _applied(self._applies[measure](*args))
+            return _on_host(self._applies[request](*args))
 
     def _move_norms(self) -> None:
         """"step": moves every BatchNormalization layer's moving mean and variance once, by the
@@ -291,10 +286,11 @@ class KerasBackend(CompiledModel):
                 if s.sparse else [tf.TensorSpec(s.shape, dtype)]
         return specs
 
-    def _application(self, measure: tuple):
+    def _application(self, request: ApplyRequest):
+        """The compiled apply's Python function: the mean's tensors in, its
+        :class:`~hostavg.keras.common.ApplyOutputs` (tensors) out."""
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
         scales = self._scales
-        measure, values = measure  # (the ratios, the weights and updates)
 
         # What an apply checks and undoes (check_applied): the weights and the optimizer's state.
         held = variables + list(optimizer.variables) if self.check_applied else variables
@@ -309,7 +305,8 @@ class KerasBackend(CompiledModel):
                 else:
                     grads.append(next(flat))
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
-            before = [tf.identity(v.value) for v in held] if measure or values or checked else []
+            reads = request.ratios or request.values or checked
+            before = [tf.identity(v.value) for v in held] if reads else []
             step = tf.identity(optimizer.iterations)
             scale = tf.identity(_scale(optimizer)) if scales else tf.ones((), tf.float32)
             if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
@@ -317,14 +314,14 @@ class KerasBackend(CompiledModel):
             with tf.control_dependencies([step, scale]):
                 optimizer.apply_gradients(zip(grads, variables))
             squares = tf.zeros(0, tf.float64)
-            if measure:  # the reads of ``before`` precede the update: it waits for them
+            if request.ratios:  # the reads of ``before`` precede the update: it waits for them
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
                                    + [_sum_squares(b) for b in before[:len(variables)]])
-            after = [tf.identity(v.value) for v in variables] if values else []
+            after = [tf.identity(v.value) for v in variables] if request.values else []
             finite = _undo_if_nonfinite(held, checked, before)
-            return (step, tf.convert_to_tensor(optimizer.iterations), lr, squares, scale,
-                    _scale(optimizer) if scales else scale, after,
-                    [a - b for a, b in zip(after, before)], finite)
+            return ApplyOutputs(step, tf.convert_to_tensor(optimizer.iterations), lr, squares,
+                                (scale, _scale(optimizer) if scales else scale), after,
+                                [a - b for a, b in zip(after, before)], finite)
         return apply
 
     def _evaluation(self, signature):
@@ -407,28 +404,12 @@ class KerasTrainStepBackend(OwnStep, KerasBackend):
                              seen["kept"]), seen["names"]
 
 
-class _Applied(NamedTuple):
-    """What a compiled apply reports, on the host: ``optimizer.iterations`` before and after, the
-    learning rate, the squared norms of the updates then of the weights before (empty unless
-    measured), the loss scale before and after (1.0 without loss scaling), the weights
-    after and the updates (empty unless asked for), and whether each checked variable was
-    finite after the update (empty unless checked)."""
-
-    before: int
-    after: int
-    learning_rate: float
-    squares: np.ndarray
-    scale_before: float
-    scale_after: float
-    values: tuple
-    finite: np.ndarray
-
-
-def _applied(out) -> _Applied:
-    before, after, lr, squares, scale_before, scale_after, weights, updates, finite = out
-    return _Applied(int(before), int(after), float(lr), np.asarray(squares), float(scale_before),
-                    float(scale_after), ([np.asarray(w) for w in weights],
-                                         [np.asarray(u) for u in updates]), np.asarray(finite))
+def _on_host(out: ApplyOutputs) -> ApplyOutputs:
+    """The outputs of a compiled apply (tensors) as numbers and NumPy arrays."""
+    return ApplyOutputs(int(out.before), int(out.after), float(out.learning_rate),
+                        np.asarray(out.squares), tuple(float(s) for s in out.scales),
+                        [np.asarray(w) for w in out.weights], [np.asarray(u) for u in out.updates],
+                        np.asarray(out.finite))
 
 
 def _gradient_outputs(grads, scale) -> tuple:

@@ -15,7 +15,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import session_call
 from hostavg.core.errors import HostavgError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
-from hostavg.engine.protocols import Applied, Computed
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.frameworks.tensorflow import first_line
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
@@ -144,9 +144,9 @@ class SessionBackend:
             out[name] = first
         return out
 
-    def apply(self, mean, feed, measure: bool = True, values: bool = False) -> Applied:
+    def apply(self, mean, feed, request: ApplyRequest) -> Applied:
         with _session_errors("apply"):
-            return self.wiring.apply(self.session, mean, feed, measure, values)
+            return self.wiring.apply(self.session, mean, feed, request)
 
     def global_step(self) -> int:
         return int(self.session.run(self.wiring.global_step))

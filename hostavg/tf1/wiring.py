@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -18,7 +19,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import is_ref_dtype, learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
-from hostavg.engine.protocols import Applied, Computed
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.frameworks.tensorflow import first_line
 from hostavg.tf1.advice import advice_for
 from hostavg.tf1.average import GraphReducer
@@ -175,14 +176,13 @@ class Wiring:
         if values is not None:
             load_variables(sess, self.assigned, values)
 
-    def apply(self, sess, values: Mapping, feed: Mapping, measure: bool = True,
-              weights: bool = False) -> Applied:
-        """Feeds ``values`` through the gradient tensors (and ``feed``, name -> value, to
+    def apply(self, sess, mean: Mapping, feed: Mapping, request: ApplyRequest) -> Applied:
+        """Feeds ``mean`` through the gradient tensors (and ``feed``, name -> value, to
         :attr:`apply_inputs`), runs the train op once.
 
-        Returns the new global step, the learning rate and, with ``measure``,
-        the update-to-weight ratios (with ``weights``, the weights after and the
-        updates too), all from that one session call.
+        Returns the new global step, the learning rate and what ``request`` asks
+        for (the update-to-weight ratios; the weights after and the updates),
+        all from that one session call.
         Measuring keeps each weight's value from before the update alive
         while the optimizer runs (a copy of the weights) and reduces two norms
         per variable: about the cost of the apply itself again. Checking
@@ -193,7 +193,7 @@ class Wiring:
         """
         args = list(feed.values())
         for name, g in zip(self.names, self._grads):
-            value = values[name]
+            value = mean[name]
             if isinstance(g, tf.IndexedSlices):
                 args += [value.indices, value.values]
                 if g.dense_shape is not None:
@@ -201,23 +201,19 @@ class Wiring:
             else:
                 args.append(value)
         keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
-        which = "weights" if weights else measure
-        out = self._callables.get(sess, self._apply_fetches[which], keys)(*args)
-        lr = None if self.learning_rate is None else float(out[1])
-        nonfinite = ()
+        out = self._callables.get(sess, self._apply_fetches.of(request), keys)(*args)
         if self._checked:
             *out, finite = out
             nonfinite = tuple(v.op.name for v, ok in zip(self._checked, finite) if not ok)
-        ratios = after = None
-        k = len(self.names)
-        if weights:
-            out, after, updates = out[:-2 * k], out[-2 * k:-k], out[-k:]
-            after = (dict(zip(self.names, after)), dict(zip(self.names, updates)))
-        if measure:
-            squares = out[-1].tolist()
-            ratios = {name: _ratio(u, w) for name, u, w in zip(self.names, squares[:k], squares[k:])}
-        return Applied(int(out[0]), ratios, lr, None, *(after or (None, None)),
-                       nonfinite=nonfinite)
+            if nonfinite:
+                return Applied(int(out[0]), nonfinite=nonfinite)
+        weights = updates = ()
+        if request.values:
+            k = len(self.names)
+            out, weights, updates = out[:-2 * k], out[-2 * k:-k], out[-k:]
+        return Applied.of(self.names, int(out[0]),
+                          None if self.learning_rate is None else float(out[1]), request,
+                          out[-1] if request.ratios else (), weights, updates)
 
 
 def _gradient_pairs(optimizer, loss, var_list) -> list:
@@ -366,17 +362,35 @@ def _undo_where(ok, finite, written: list, before: list):
         return tf.cond(ok, lambda: tf.identity(finite), undo)
 
 
-def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
-                   before: list, apply_feeds: tuple, checked: bool) -> tuple[dict, tf.Tensor | None]:
-    """What an apply fetches, by whether it measures, and the optimizer's learning-rate
-    tensor (None where none is found).
+class ApplyFetches(NamedTuple):
+    """What an apply fetches, by what it is asked for (:meth:`of`): lists of tensors and ops.
 
-    An apply fetches the global step after it and the learning rate; one
-    that measures, the squared norms of each update and of each weight
-    before it too, as one vector; one for ``"weights"``, then each weight
-    after it and each update. With ``checked``, ``measured_train_op`` is the
-    checked train op (:func:`_checked_train_op`) and serves all, fetched last.
+    Attributes:
+      plain: the global step after it and the learning rate (where one is found).
+      ratios: those, then the squared norms of each update and of each weight
+        before it, as one vector.
+      values: those of ``ratios``, then each weight after it and each update.
+
+    Where applies check, each ends with the checked train op (its output: whether
+    each checked variable is finite).
     """
+
+    plain: list
+    ratios: list
+    values: list
+
+    def of(self, request: ApplyRequest) -> list:
+        """The fetches of an apply asked for ``request``."""
+        return self.values if request.values else self.ratios if request.ratios else self.plain
+
+
+def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
+                   before: list, apply_feeds: tuple, checked: bool
+                   ) -> tuple[ApplyFetches, tf.Tensor | None]:
+    """What an apply fetches, and the optimizer's learning-rate tensor (None where none is
+    found). With ``checked``, ``measured_train_op`` is the checked train op
+    (:func:`_checked_train_op`) and serves all, fetched last; else the plain apply runs the
+    train op, which reads no weight before it."""
     with tf.control_dependencies([measured_train_op]):
         measured_step_after = global_step.read_value()
         with tf.name_scope("hostavg_update_ratios"):
@@ -387,15 +401,14 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
     # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
-    weights = [measured_step_after] + lr + squares + after + updates
+    ratios = [measured_step_after] + lr + squares
     if checked:
-        return {False: [measured_step_after] + lr + [measured_train_op],
-                True: [measured_step_after] + lr + squares + [measured_train_op],
-                "weights": weights + [measured_train_op]}, rate
+        return ApplyFetches([measured_step_after] + lr + [measured_train_op],
+                            ratios + [measured_train_op],
+                            ratios + after + updates + [measured_train_op]), rate
     with tf.control_dependencies([train_op]):
         step_after = global_step.read_value()
-    return {False: [step_after] + lr, True: [measured_step_after] + lr + squares,
-            "weights": weights}, rate
+    return ApplyFetches([step_after] + lr, ratios, ratios + after + updates), rate
 
 
 def _update_squares(after: list, before: list):
@@ -459,10 +472,3 @@ def _sum_squares(x, minus=None):
         x = tf.cast(x, tf.float32)
         minus = None if minus is None else tf.cast(minus, tf.float32)
     return tf.reduce_sum(tf.square(x) if minus is None else tf.math.squared_difference(x, minus))
-
-
-def _ratio(update_sq: float, weight_sq: float) -> float:
-    """|update| / |weights| from their squares: 0 where nothing moved, inf where weights of 0 did."""
-    if update_sq == 0:
-        return 0.0
-    return math.sqrt(update_sq / weight_sq) if weight_sq > 0 else math.inf
