@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from hostavg.core.check import RandomOp
 from hostavg.core.errors import HostavgError, flag, non_negative_int, object_list, positive_int
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS, StepResult
-from hostavg.core.split import Cut, feed_size, pieces, take
+from hostavg.core.split import Cut, as_arrays, feed_size, pieces, take
 from hostavg.engine.hooks import name_of
 from hostavg.engine.signals import hold, region, release, sigterm_as_exit
 from hostavg.train.agreement import shared_seed
@@ -432,6 +432,7 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: Progress, item: tu
     with _context(f"fit, epoch {state.epoch + 1}/{plan.epochs}, batch {state.batch + 1}"
                   f"{'' if plan.num_batches is None else f'/{plan.num_batches}'}, "
                   f"global step {state.global_step}"):
+        feed = as_arrays(feed, "the batch")  # once, not in each micro-batch cut from it
         n = feed_size(feed, "the batch", plan.blocks)
         if plan.drop_remainder and n < plan.batch_size:
             state.batch, state.samples = state.batch + 1, state.samples + n

@@ -348,7 +348,7 @@ class BaseTrainer:
 
     @property
     def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch, or None; set it, as ``micro_batches``, to cut otherwise."""
+        """Samples per micro-batch of fit and check, or None (``micro_batches`` cuts); checked when set."""
         return None if self._cut is None else self._cut.size
 
     @micro_batch_size.setter
@@ -357,7 +357,7 @@ class BaseTrainer:
 
     @property
     def micro_batches(self) -> int | None:
-        """How many micro-batches a batch is cut into, or None."""
+        """How many micro-batches fit and check cut a batch into, or None; checked when set."""
         return None if self._cut is None else self._cut.count
 
     @micro_batches.setter
