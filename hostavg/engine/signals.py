@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM during fit: SIGTERM as an exit fit unwinds from, and a step applied whole or not at all.
+"""Ctrl-C and SIGTERM: a step applied completely or not at all, and SIGTERM as an exit fit unwinds from.
 
 Within :func:`sigterm_as_exit` (fit's loop) SIGTERM raises SystemExit, so that
 fit checkpoints on its way out. Python runs a signal's handler in the main
@@ -12,8 +12,8 @@ keep a step whole:
 * :func:`release` (in fit: once the step is counted), or the end of the
   region, delivers them, in order, to the handlers they were meant for.
 
-Before the hold a signal acts at once (the step is then rolled back: nothing
-was applied). Regions nest: an inner one joins the outer one. Off the main
+Before the hold a signal acts at once, as it always did (the step is then
+rolled back: nothing was applied). Regions nest: an inner one joins the outer one. Off the main
 thread all of them do nothing, since signals interrupt only the main thread.
 A region swaps the handlers at its first hold and puts them back at its end,
 through :func:`hostavg.compat.python.set_handler` and ``get_handler``
