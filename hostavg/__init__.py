@@ -34,7 +34,7 @@ from hostavg.core.stats import NoiseScale, StepStats
 
 __version__ = "0.2.0"
 
-# Public names whose module imports TensorFlow: name -> module.
+# Public names whose module imports TensorFlow (or matplotlib): name -> module.
 _LAZY = {
     "Trainer": "hostavg.tf1.trainer",
     "step_together": "hostavg.tf1.trainer",
