@@ -27,7 +27,6 @@ from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
 from hostavg.train.loop import ResumeWarning
-from hostavg.frameworks.tensorflow import import_tensorflow
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
 from hostavg.core.split import split
@@ -39,6 +38,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "Trainer": "hostavg.tf1.trainer",
     "step_together": "hostavg.tf1.trainer",
+    "import_tensorflow": "hostavg.compat.tensorflow",
 }
 _SUBMODULES = ("hooks", "plot", "stats")
 

@@ -3,14 +3,13 @@
 Low to high; a module imports its own layer and those below, never one above:
 
 0. ``core``: NumPy only.
-1. ``compat`` and ``frameworks``: what hostavg needs of each framework, one module
-   per framework. ``compat`` wraps the frameworks' private APIs, each with a public
-   fallback; ``frameworks`` holds public helpers that several parts share (both
-   TensorFlow backends, the command line). Above ``core``, whose one exception type
-   ``compat`` raises; below the engine, whose signal guard uses ``compat.python``
-   (CPython's ``_signal``), and below the backends, which use the rest. Their
-   modules named for a framework import it, so the framework-free layers cannot
-   import them (rule 3): one place per private API, reached from the backends only.
+1. ``compat``: what hostavg needs of each framework, one module per framework: its
+   private APIs, each with a public fallback, and the public helpers that several
+   parts share (both TensorFlow backends, the command line). Above ``core``, whose
+   one exception type ``compat`` raises; below the engine, whose signal guard uses
+   ``compat.python`` (CPython's ``_signal``), and below the backends, which use the
+   rest. Its modules named for a framework import it, so the framework-free layers
+   cannot import them (rule 3): one place per framework, reached from the backends only.
 2. ``engine``: the step engine.
 3. ``train`` and ``inspect``: the fit loop, checkpoints, hooks; records, plots, TensorBoard.
 4. ``tf1`` and ``keras``: the backends and their faces.
@@ -23,12 +22,13 @@ The rules:
 
 1. No module imports a layer above its own.
 2. ``keras/`` never reaches ``tf1/`` and ``tf1/`` never reaches ``keras/``, even through
-   another module: what both TensorFlow backends share is in ``frameworks.tensorflow``.
+   another module: what both TensorFlow backends share is in ``compat.tensorflow``.
 3. ``core``, ``engine``, ``train`` and ``inspect`` reach no framework (TensorFlow,
    Keras, JAX, tf_keras, torch), even through another hostavg module, and name none:
    no string such as ``"tf1"`` or ``"keras"`` and no ``.framework`` read, the keys of
    framework-specific words, which live on each backend (``Backend.advice``), so a new
    backend needs no edit of these layers.
+4. No import cycle: no module reaches itself through the modules it imports.
 
 "Reach" follows every import, at module level or inside a function, and the
 packages a module's import runs (``hostavg/__init__.py`` aside: rule 1 covers it).
@@ -44,7 +44,7 @@ import pytest
 PACKAGE = Path(__file__).parents[1] / "hostavg"
 
 #: Layer names, low to high; the modules at the top of the package are "public".
-LAYERS = (("core",), ("compat", "frameworks"), ("engine",), ("train", "inspect"),
+LAYERS = (("core",), ("compat",), ("engine",), ("train", "inspect"),
           ("tf1", "keras"), ("cli",), ("public",))
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 #: The modules at the top of the package: the public re-export layer.
@@ -202,6 +202,36 @@ def test_the_framework_free_layers_name_no_framework(module):
     said = [f"line {line}: {name}" for name, line in IMPORTS[module].names]
     assert not said, (f"{module} names a framework {said}; framework-specific words belong on "
                       f"the backend (Backend.advice)")
+
+
+def _cycle() -> list[str] | None:
+    """A chain of imports from a module back to itself, or None. A module's own packages,
+    which importing it runs first, are no edge: a package may import its modules."""
+    edges = {m: sorted({name for name, _ in IMPORTS[m].hostavg} - {m}) for m in SOURCES}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        found = next(filter(None, map(visit, edges[module])), None)
+        path.pop()
+        done.add(module)
+        return found
+
+    return next(filter(None, map(visit, sorted(SOURCES))), None)
+
+
+def test_no_module_reaches_itself_through_its_imports(monkeypatch):
+    chain = _cycle()
+    assert chain is None, f"an import cycle: {' -> '.join(chain)}"
+    # The walk finds one: keras.common and keras.batch importing each other.
+    monkeypatch.setitem(IMPORTS, "hostavg.keras.batch",
+                        _imports("hostavg.keras.batch", "from hostavg.keras import common\n"))
+    chain = _cycle()
+    assert chain[0] == chain[-1] and set(chain) == {"hostavg.keras.batch", "hostavg.keras.common"}
 
 
 def test_the_walk_sees_what_it_must():

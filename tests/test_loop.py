@@ -15,7 +15,7 @@ from models import ENV, FIT, AfterStep, FailAt, assert_bitwise, build, fit_setup
 import hostavg
 from hostavg.cli import models
 from hostavg.train.checkpoint import CheckpointDir
-from hostavg.train.loop import ArraySource
+from hostavg.train.sources import ArraySource
 
 v1 = tf.compat.v1
 N = 250  # batches of 96: 96, 96 and a short 58

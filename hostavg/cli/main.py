@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from hostavg.core.errors import HostavgError
-from hostavg.frameworks.tensorflow import import_tensorflow
 
 __all__ = ["main"]
 
@@ -259,6 +258,7 @@ def _names(text: str) -> list[str]:
 
 def _bench(args) -> int:
     if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+        from hostavg.compat.tensorflow import import_tensorflow
         import_tensorflow()  # quietly, before Keras imports it
     from hostavg.cli import bench
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
@@ -406,6 +406,7 @@ def _train(args) -> int:
         raise HostavgError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir, "
                            f"the folder to write the checkpoints to")
     watchers = _watchers(args)
+    from hostavg.compat.tensorflow import import_tensorflow
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
     from hostavg.core.split import cut
     from hostavg.train.loop import check_sizes

@@ -1,12 +1,13 @@
-"""The private framework APIs hostavg uses: one module per framework, each API detected, each with a public fallback.
+"""What hostavg needs of each framework, one module per framework: its private APIs, each detected, each with a public fallback.
 
 CPython's and TensorFlow's serve the per-micro-batch path (their public twins cost
 Python time per call); Keras's three tell what ``compile`` was given, where a
 restored backup resumes and whether fit builds the model first; JAX's tells which
 variables the loss uses. One small
-function each, in :mod:`~hostavg.compat.python`, :mod:`~hostavg.compat.tensorflow`,
-:mod:`~hostavg.compat.keras` or :mod:`~hostavg.compat.jax`, imported by the backend
-of that framework only (``python`` by the engine's signal guard). Importing the module
+function each, in :mod:`~hostavg.compat.python`, :mod:`~hostavg.compat.tensorflow` (with
+the public TensorFlow helpers both its backends and the command line share),
+:mod:`~hostavg.compat.keras` or :mod:`~hostavg.compat.jax`, imported by the backends
+of that framework (``python`` by the engine's signal guard). Importing the module
 detects each API on a small probe and makes each wrapper its private form or its
 public fallback. CPython's and TensorFlow's fallbacks give the same values (but a
 learning rate no apply kernel takes, which the step then reports as None); Keras's
@@ -91,8 +92,9 @@ def private_apis() -> tuple[str, ...]:
 
     Covers the frameworks hostavg has imported so far: CPython's ``_signal``
     from ``import hostavg``; Keras's from ``import hostavg.keras``; TensorFlow's
-    once its backend is imported (``hostavg.Trainer``, or the first
-    ``hostavg.keras.Trainer`` on Keras's TensorFlow backend); JAX's with the
+    once its backend is imported (``hostavg.Trainer``, the first
+    ``hostavg.keras.Trainer`` on Keras's TensorFlow backend, or
+    ``hostavg.import_tensorflow``); JAX's with the
     first on Keras's JAX backend. Empty with ``HOSTAVG_PUBLIC_API_ONLY=1``.
 
     Example::

@@ -1,12 +1,14 @@
-"""TensorFlow's private APIs that hostavg uses, each detected at import, each with a public fallback.
+"""Everything hostavg needs of TensorFlow: importing it quietly, its errors, read ops, and its private APIs.
 
-Imported by the TF1 and Keras backends only (it imports TensorFlow). Each
-wrapper is the private form where the private API exists and behaves, and
-else its public fallback (always with ``HOSTAVG_PUBLIC_API_ONLY=1``; see
-:mod:`hostavg.compat`). Detection runs no session and no eager op, so it
-initialises no device. The wrappers: :func:`session_call`,
-:func:`input_types`, :func:`is_ref_dtype`, :func:`learning_rate`,
-:func:`eager_tensor` and :func:`concrete_call`.
+:func:`import_tensorflow` is ``hostavg.import_tensorflow``; this module imports
+TensorFlow through it. Imported by the TF1 and Keras backends and the command
+line (``import hostavg`` imports it when ``hostavg.import_tensorflow`` is first
+read). Each private API's wrapper is the private form where the private API
+exists and behaves, and else its public fallback (always with
+``HOSTAVG_PUBLIC_API_ONLY=1``; see :mod:`hostavg.compat`). Detection runs no
+session and no eager op, so it initialises no device. The wrappers:
+:func:`session_call`, :func:`input_types`, :func:`is_ref_dtype`,
+:func:`learning_rate`, :func:`eager_tensor` and :func:`concrete_call`.
 
 See docs/explanation/ownership.md for each wrapper's private API, its
 fallback and how they differ.
@@ -16,16 +18,77 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable
 
 import numpy as np
-import tensorflow as tf
 
 from hostavg.compat import choose
 
-__all__ = ["concrete_call", "eager_tensor", "input_types", "is_ref_dtype", "learning_rate",
-           "session_call"]
+__all__ = ["READ_OPS", "concrete_call", "eager_tensor", "first_line", "import_tensorflow",
+           "input_types", "is_ref_dtype", "learning_rate", "session_call"]
 
+#: Ops that take a variable (its resource handle) only to read it.
+READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+                      "VarIsInitializedOp", "IsVariableInitialized"})
+
+#: What TF_CPP_MIN_LOG_LEVEL becomes unless it was set: fatal errors only. TensorFlow's
+#: own errors reach Python as exceptions; what its C++ core logs at start-up ("failed
+#: call to cuInit" on a machine without a GPU) is noise to most.
+QUIET_LEVEL = "3"
+
+
+def import_tensorflow():
+    """TensorFlow, imported without the log lines its C++ core prints while it loads.
+
+    If ``TF_CPP_MIN_LOG_LEVEL`` is set, yours wins and TensorFlow is imported
+    as it is. Otherwise it is set to ``"3"`` (TensorFlow's C++ core logs
+    fatal errors only) and, while TensorFlow loads, the process's standard
+    error (file descriptor 2) goes to ``/dev/null``: the lines printed there
+    before TensorFlow sets its logging up ("oneDNN custom operations are
+    on", "Could not find cuda drivers") ignore ``TF_CPP_MIN_LOG_LEVEL``. An
+    exception raised by the import propagates as usual. The CLI and the
+    notebooks import TensorFlow this way; to see every line, set
+    ``TF_CPP_MIN_LOG_LEVEL=0``.
+
+    Example::
+
+        import hostavg
+        tf = hostavg.import_tensorflow()
+    """
+    if "tensorflow" in sys.modules or "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        import tensorflow
+        return tensorflow
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = QUIET_LEVEL
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no file descriptor 2 to silence
+        import tensorflow
+        return tensorflow
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        import tensorflow
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return tensorflow
+
+
+def first_line(error) -> str:
+    """The line of a TensorFlow error message that says what went wrong."""
+    for line in str(getattr(error, "message", error)).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Graph execution error", "Detected at node", "File ",
+                                         "Node: ")):
+            return line
+    return str(error)
+
+
+tf = import_tensorflow()
 v1 = tf.compat.v1
 
 

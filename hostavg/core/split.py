@@ -23,7 +23,8 @@ import numpy as np
 
 from hostavg.core.errors import HostavgError, positive_int
 
-__all__ = ["Cut", "arrays", "blocks_of", "cut", "feed_size", "sample_count", "split", "take"]
+__all__ = ["Cut", "arrays", "as_arrays", "blocks_of", "cut", "feed_size", "pieces", "sample_count",
+           "split", "take"]
 
 
 class Cut(NamedTuple):
@@ -132,6 +133,11 @@ def arrays(batch, what: str = "a batch") -> dict:
     return out
 
 
+def as_arrays(batch, what: str = "a batch"):
+    """``batch`` with each sample-carrying value a NumPy array (a list made one); the rest shared."""
+    return _rebuild(batch, arrays(batch, what))
+
+
 def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | None:
     """The number of samples the arrays hold (a key of ``blocks`` holds that many rows per sample)."""
     blocks = blocks or {}
@@ -232,7 +238,12 @@ def split(batch, micro_batch_size: int | None = None, *, micro_batches: int | No
     if not n:
         raise HostavgError(
             "split: the batch holds no samples (no array, or arrays of length 0)")
-    sizes = how.sizes(n)
+    return pieces(batch, how.sizes(n), n, blocks)
+
+
+def pieces(batch, sizes: list[int], n: int, blocks: Mapping | None = None) -> list:
+    """``batch`` of ``n`` samples cut into consecutive micro-batches of ``sizes`` samples (a
+    :class:`Cut`'s), as :func:`split` cuts it: the arguments are taken as checked."""
     parts = [take(batch, slice(start - size, start), n, blocks)
              for start, size in zip(accumulate(sizes), sizes)]
     return [_blocked(b, blocks) for b in parts] if blocks else parts

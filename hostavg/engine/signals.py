@@ -1,10 +1,11 @@
-"""Ctrl-C and SIGTERM during a step: the step is applied completely or not at all.
+"""Ctrl-C and SIGTERM: a step applied completely or not at all, and SIGTERM as an exit fit unwinds from.
 
-Python runs a signal's handler in the main thread, between two bytecodes: the
-KeyboardInterrupt of a Ctrl-C (or the SystemExit that fit makes of SIGTERM)
-comes out wherever the main thread is, also just after the session call that
-applied a step and before anyone has taken note of it. Three calls keep a step
-whole:
+Within :func:`sigterm_as_exit` (fit's loop) SIGTERM raises SystemExit, so that
+fit checkpoints on its way out. Python runs a signal's handler in the main
+thread, between two bytecodes: the KeyboardInterrupt of a Ctrl-C (or that
+SystemExit) comes out wherever the main thread is, also just after the session
+call that applied a step and before anyone has taken note of it. Three calls
+keep a step whole:
 
 * :func:`region` spans a step (in fit: the whole loop);
 * :func:`hold`, called just before the apply, makes SIGINT and SIGTERM wait;
@@ -12,12 +13,11 @@ whole:
   region, delivers them, in order, to the handlers they were meant for.
 
 Before the hold a signal acts at once, as it always did (the step is then
-rolled back: nothing was applied). Regions nest: an inner one joins the outer
-one. Off the main thread all three do nothing, since signals interrupt only
-the main thread. The handlers are swapped at a region's first hold and put
-back at its end: about four system calls per region, made through
-:func:`hostavg.compat.python.set_handler` and ``get_handler`` (CPython's
-``_signal`` where it works, else :mod:`signal`'s own functions).
+rolled back: nothing was applied). Regions nest: an inner one joins the outer one. Off the main
+thread all of them do nothing, since signals interrupt only the main thread.
+A region swaps the handlers at its first hold and puts them back at its end,
+through :func:`hostavg.compat.python.set_handler` and ``get_handler``
+(CPython's ``_signal`` where it works, else :mod:`signal`'s own functions).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 from hostavg.compat.python import get_handler, set_handler
 
-__all__ = ["hold", "region", "release"]
+__all__ = ["hold", "region", "release", "sigterm_as_exit"]
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 
@@ -46,6 +46,21 @@ _open: list[_Region] = []  # the main thread's open region (at most one: inner o
 
 def _main() -> bool:
     return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def sigterm_as_exit():
+    """Within the block, SIGTERM raises SystemExit(143) (128 + its number) in the main thread."""
+    previous = signal.signal(signal.SIGTERM, _exit) if _main() else None
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 @contextmanager

@@ -26,11 +26,11 @@ import numpy as np
 from hostavg.compat.keras import unbuilt
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.split import feed_size, split, take
-from hostavg.keras.common import as_batch, positions
-from hostavg.train.loop import ArraySource
+from hostavg.keras.batch import as_batch, positions
+from hostavg.train.sources import ArraySource
 
-__all__ = ["BatchSource", "checked_batch_size", "chunks", "is_batches", "read_as_keras", "samples",
-           "source", "split_validation", "validation", "weighted"]
+__all__ = ["Chunks", "DatasetSource", "checked_batch_size", "is_batches", "read_as_keras",
+           "samples", "source", "split_validation", "validation", "weighted"]
 
 
 def is_batches(x) -> bool:
@@ -111,9 +111,9 @@ def split_validation(batch: tuple, validation_split) -> tuple:
 
 def validation(validation_data, what: str = "validation_data"):
     """``validation_data`` made ready: a batch ``(x, y[, sample_weight])`` of NumPy arrays, or a
-    dataset's :class:`BatchSource`; checked before any training."""
+    dataset's :class:`DatasetSource`; checked before any training."""
     if is_batches(validation_data):
-        return BatchSource(validation_data)
+        return DatasetSource(validation_data)
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise HostavgError(f"{what} must be (x, y), (x, y, sample_weight), a tf.data.Dataset "
                            f"or a keras.utils.PyDataset, got {type(validation_data).__name__}")
@@ -121,22 +121,29 @@ def validation(validation_data, what: str = "validation_data"):
     return samples(x, y, w, what=f"{what}'s x")
 
 
-def chunks(data, size: int | None, count: int | None = None, steps: int | None = None):
-    """The batches to evaluate ``data`` (a batch of samples, or a :class:`BatchSource`) in:
-    chunks of ``size`` samples, or ``count`` chunks (as :func:`hostavg.split` cuts), of the
-    samples or of each of the source's batches (kept whole where neither is given); only the
-    first ``steps`` chunks (of samples) or batches (of a source), where given."""
-    if not isinstance(data, BatchSource):
-        yield from itertools.islice(split(data, size), steps)
-        return
-    for batch, _ in itertools.islice(data.batches(0, 0, 0, 0), steps):
-        yield from ([batch] if size is None and count is None
-                    else split(batch, size, micro_batches=count))
+class Chunks:
+    """The batches to evaluate ``data`` (a batch of samples, or a :class:`DatasetSource`) in,
+    afresh at each iteration: chunks of ``size`` samples, or ``count`` chunks (as
+    :func:`hostavg.split` cuts), of the samples or of each of the source's batches (kept whole
+    where neither is given); only the first ``steps`` chunks (of samples) or batches (of a
+    source), where given."""
+
+    def __init__(self, data, size: int | None, count: int | None = None,
+                 steps: int | None = None):
+        self.data, self.size, self.count, self.steps = data, size, count, steps
+
+    def __iter__(self):
+        if not isinstance(self.data, DatasetSource):
+            yield from itertools.islice(split(self.data, self.size), self.steps)
+            return
+        for batch, _ in itertools.islice(self.data.batches(0, 0, 0, 0), self.steps):
+            yield from ([batch] if self.size is None and self.count is None
+                        else split(batch, self.size, micro_batches=self.count))
 
 
-class BatchSource:
-    """The batches of a ``tf.data.Dataset`` or a ``keras.utils.PyDataset``, as fit's source
-    (:mod:`hostavg.train.loop`): each element one step's batch; rows unknown.
+class DatasetSource:
+    """The batches of a ``tf.data.Dataset`` or a ``keras.utils.PyDataset``, as fit's
+    :class:`~hostavg.train.sources.BatchSource`: each element one step's batch; rows unknown.
 
     A dataset is read through one iterator per pass (each iterator of a
     ``.shuffle()`` dataset reshuffles); :meth:`first` reads from the iterator
@@ -254,5 +261,5 @@ def read_as_keras(source, model):
 def source(data, batch_size, shuffle, class_weight, steps_per_epoch):
     """fit's source of batches for ``data``: a dataset's own, or an array batch cut by fit."""
     if is_batches(data):
-        return BatchSource(data, shuffle, class_weight, steps_per_epoch)
+        return DatasetSource(data, shuffle, class_weight, steps_per_epoch)
     return ArraySource(data, batch_size, shuffle)

@@ -34,9 +34,9 @@ from hostavg.compat.jax import used_inputs
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
+from hostavg.keras.batch import leaves as _leaves
+from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors
-from hostavg.keras.common import leaves as _leaves
-from hostavg.keras.common import rebuild as _rebuild
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]

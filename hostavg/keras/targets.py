@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from hostavg.engine.batches import refused
-from hostavg.keras import common  # a module: common imports this one too
+from hostavg.keras.batch import rebuild
 
 __all__ = ["Target", "check", "of"]
 
@@ -107,7 +107,7 @@ def _outputs(model, signature, flat) -> list[tuple[int, str | None, int | None]]
     """(position, name or None, last dimension) of each output of the model, from its output
     spec on symbolic inputs shaped as ``flat``."""
     symbolic = [keras.KerasTensor((None, *a.shape[1:]), dtype=a.dtype.name) for a in flat]
-    spec = model.compute_output_spec(common.rebuild(signature, symbolic)[0])
+    spec = model.compute_output_spec(rebuild(signature, symbolic)[0])
     if isinstance(spec, dict):
         return [(i, name, spec[name].shape[-1]) for i, name in enumerate(sorted(spec))]
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]

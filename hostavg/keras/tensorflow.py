@@ -28,14 +28,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import concrete_call, eager_tensor
+from hostavg.compat.tensorflow import READ_OPS, concrete_call, eager_tensor, first_line
 from hostavg.core.errors import HostavgError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
-from hostavg.frameworks.tensorflow import READ_OPS, first_line
+from hostavg.keras.batch import leaves as _leaves
+from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import ApplyOutputs, CompiledModel, loss_function, model_errors
-from hostavg.keras.common import leaves as _leaves
-from hostavg.keras.common import rebuild as _rebuild
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasBackend", "KerasTrainStepBackend", "refuse_strategies"]

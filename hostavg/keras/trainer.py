@@ -10,7 +10,6 @@ TensorFlow, :mod:`hostavg.keras.jax` on JAX).
 from __future__ import annotations
 
 import importlib
-import itertools
 from collections.abc import Mapping, Sequence
 
 import keras
@@ -19,15 +18,17 @@ from hostavg.core.check import CheckReport
 from hostavg.core.errors import HostavgError, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
-from hostavg.core.split import take
+from hostavg.core.split import Cut, take
 from hostavg.engine.step import step_together as engine_step_together
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
-from hostavg.keras.common import BATCH_NORM_MODES, as_batch, structured
+from hostavg.keras.batch import as_batch, structured
+from hostavg.keras.common import BATCH_NORM_MODES
 from hostavg.keras.train_step import overrides_train_step
 from hostavg.train.history import History
-from hostavg.train.loop import refuse_endless
-from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, checked_verbose, together_entries
+from hostavg.train.progress import checked_verbose
+from hostavg.train.sources import Validation, refuse_endless
+from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, together_entries
 
 __all__ = ["Trainer", "step_together"]
 
@@ -171,12 +172,12 @@ class Trainer(BaseTrainer):
     def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
                  sample_weight=None) -> dict:
         if keras_data.is_batches(x):
-            data = keras_data.read_as_keras(keras_data.BatchSource(x), self.model)
+            data = keras_data.read_as_keras(keras_data.DatasetSource(x), self.model)
             size = None if batch_size is None else positive_int("batch_size", batch_size)
         else:
             data = keras_data.samples(x, y, sample_weight)
             size = keras_data.checked_batch_size(batch_size, data)
-        return self._evaluated(keras_data.chunks(data, size), None)
+        return self._evaluate(self._backend, keras_data.Chunks(data, size))
 
     def _batch(self, x, y, sample_weight, call: str):
         """One batch as the backend takes it, from Keras's ``x, y, sample_weight``."""
@@ -189,23 +190,6 @@ class Trainer(BaseTrainer):
             raise HostavgError(f"{call} takes x, y, sample_weight as train_on_batch does, and got "
                                f"one tuple of {len(x)} as x; unpack the batch: {call}(*batch)")
         return structured(as_batch(x, y, sample_weight))
-
-    def _evaluated(self, chunks, callbacks) -> dict:
-        """The evaluation of ``chunks``, announced to Keras ``callbacks`` if any; a trainer that
-        has not seen a batch learns the model's variables from the first chunk."""
-        chunks = iter(chunks)
-        if self._engine is None:
-            first = next(chunks, None)
-            if first is None:
-                raise HostavgError("evaluate: the data gives no batch (it is empty)")
-            self._engine_for(self._backend, take(first, slice(0, 1)), "evaluate")
-            chunks = itertools.chain([first], chunks)
-        with self._engine.leaving_no_trace(self._backend, "evaluate"):
-            if callbacks is None:
-                return self._backend.evaluate(chunks)
-            logs = self._backend.evaluate(callbacks.validating(chunks))
-            callbacks.validated(logs)
-            return logs
 
     def fit(self, x=None, y=None, *, batch_size: int | None = None,
             micro_batch_size: int | None = None, epochs: int = 1, verbose="auto", callbacks=None,
@@ -222,66 +206,57 @@ class Trainer(BaseTrainer):
                                                validation_split, validation_data)
         batch_size = keras_data.checked_batch_size(batch_size, data)
         val = None if validation_data is None else keras_data.validation(validation_data)
-        batches = keras_data.source(data, batch_size, shuffle,
-                                    class_weight if keras_data.is_batches(data) else None,
-                                    steps_per_epoch)
+        source = keras_data.source(data, batch_size, shuffle,
+                                   class_weight if keras_data.is_batches(data) else None,
+                                   steps_per_epoch)
         verbose = checked_verbose(verbose)
         progbar = progress is None and verbose != 0  # Keras's own; hostavg's display off
-        keras_listeners = None if not (keras_callbacks or progbar) else KerasCallbacks(
+        listeners = None if not (keras_callbacks or progbar) else KerasCallbacks(
             keras_callbacks, self.model, epochs=epochs, verbose=verbose, progbar=progbar,
-            steps=steps_per_epoch or batches.num_batches(drop_remainder),
+            steps=steps_per_epoch or source.num_batches(drop_remainder),
             validation_logs=self._backend.evaluation_results)
-
-        def source():
-            refuse_endless(batches, steps_per_epoch)  # before anything reads the data
-            if keras_data.is_batches(data):
-                keras_data.read_as_keras(batches, self.model)
-            self._engine_for(self._backend, lambda: take(data, slice(0, 1))
-                             if batch_size is not None else batches.first(), "fit, data")
-            if val is not None:  # its first sample, before any epoch trains
-                first = val.first() if isinstance(val, keras_data.BatchSource) else val
-                try:
-                    self._evaluated([take(first, slice(0, 1))], None)
-                except HostavgError as e:
-                    raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
-            return batches
-
         self.model.stop_training = False
         finalize = _Finalize(self.model)  # before the Keras callbacks hear of the end, as in Keras
+        val_size = None if validation_batch_size is None else positive_int(
+            "validation_batch_size", validation_batch_size)
+        val_steps = None if validation_steps is None else positive_int("validation_steps",
+                                                                        validation_steps)
+        arguments = self._fit_arguments(
+            batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+            verbose=verbose, progress=False if progbar else progress,
+            validation_freq=validation_freq, seed=seed, drop_remainder=drop_remainder,
+            callbacks=(*hooks, finalize) if listeners is None else (*hooks, finalize, listeners),
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch)
+        self._read_first(source, val, steps_per_epoch)
+        validation = None if val is None else Validation(
+            _validation_chunks(val, arguments.cut, batch_size, val_size, val_steps),
+            arguments.validation_freq, listeners=listeners)
         try:
-            history = self._fit(self._backend, source, self._validator(
-                val, batch_size, validation_batch_size, validation_steps, keras_listeners),
-                batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
-                verbose=verbose, progress=False if progbar else progress,
-                validation_freq=validation_freq, seed=seed, drop_remainder=drop_remainder,
-                callbacks=(*hooks, finalize) if keras_listeners is None
-                else (*hooks, finalize, keras_listeners),
-                checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                keep_checkpoints=keep_checkpoints, initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch)
+            history = self._fit(self._backend, source, validation, arguments)
         except BaseException as error:  # one that stopped training carries its History
             _leave_history(self.model, getattr(error, "history", None))
             raise
         _leave_history(self.model, history)
         return history
 
-    def _validator(self, val, batch_size, validation_batch_size, validation_steps, listeners):
-        """fit's ``validate(epoch, cut)``: ``val`` evaluated ({} without it), in chunks of
-        ``validation_batch_size``, else cut as fit cuts its batches (see ``fit``'s
-        ``validation_data``), over its first ``validation_steps`` chunks or batches."""
-        size = None if validation_batch_size is None else positive_int(
-            "validation_batch_size", validation_batch_size)
-        steps = None if validation_steps is None else positive_int("validation_steps",
-                                                                    validation_steps)
-
-        def validate(epoch, cut):
-            if val is None:
-                return {}
-            if size is not None or not isinstance(val, keras_data.BatchSource):
-                cut = size or cut.largest(batch_size or DEFAULT_BATCH_SIZE), None
-            return self._evaluated(keras_data.chunks(val, *cut, steps=steps), listeners)
-
-        return validate
+    def _read_first(self, source, val, steps_per_epoch) -> None:
+        """What fit reads before it trains, its arguments checked: the first batch of
+        ``source`` (the model's variables learned from it) and the first sample of ``val``
+        (the validation data), evaluated."""
+        refuse_endless(source, steps_per_epoch)  # before anything reads the data
+        own = isinstance(source, keras_data.DatasetSource)  # the data gives its own batches
+        if own:
+            keras_data.read_as_keras(source, self.model)
+        self._engine_for(self._backend, source.first if own
+                         else lambda: take(source.data, slice(0, 1)), "fit, data")
+        if val is not None:  # its first sample, before any epoch trains
+            first = val.first() if isinstance(val, keras_data.DatasetSource) else val
+            try:
+                self._evaluate(self._backend, [take(first, slice(0, 1))])
+            except HostavgError as e:
+                raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
 
     @staticmethod
     def _fit_data(x, y, sample_weight, class_weight, validation_split, validation_data):
@@ -358,6 +333,16 @@ class _Finalize:
     def on_train_end(self, history) -> None:
         _leave_history(self.model, history)
         self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
+
+
+def _validation_chunks(val, cut: Cut, batch_size, size, steps) -> keras_data.Chunks:
+    """The chunks fit evaluates ``val`` in (see ``fit``'s ``validation_data``): of
+    ``validation_batch_size`` samples, else cut as fit cuts its batches, over its first
+    ``validation_steps`` chunks or batches."""
+    if size is not None or not isinstance(val, keras_data.DatasetSource):
+        return keras_data.Chunks(val, size or cut.largest(batch_size or DEFAULT_BATCH_SIZE),
+                                 steps=steps)
+    return keras_data.Chunks(val, cut.size, cut.count, steps)
 
 
 def _leave_history(model, history) -> None:

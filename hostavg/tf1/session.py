@@ -12,11 +12,10 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import session_call
+from hostavg.compat.tensorflow import first_line, session_call
 from hostavg.core.errors import HostavgError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
-from hostavg.frameworks.tensorflow import first_line
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from hostavg.core.errors import HostavgError
 from hostavg.tf1.feeds import resolve_feed
-from hostavg.train.loop import ArraySource, IterableSource
+from hostavg.train.sources import ArraySource, IterableSource
 
 __all__ = ["DatasetSource", "feed_source"]
 
@@ -32,8 +32,9 @@ def feed_source(graph, data, inputs, batch_size, shuffle, blocks=None):
 
 
 class DatasetSource:
-    """A ``tf.data.Dataset`` of single samples, batched (and shuffled by seed and epoch) by fit;
-    ``inputs`` maps each element key (or position) to its placeholder."""
+    """A ``tf.data.Dataset`` of single samples, batched (and shuffled by seed and pass) by fit, as
+    its :class:`~hostavg.train.sources.BatchSource`; ``inputs`` maps each element key (or
+    position) to its placeholder."""
 
     one_shot = False
 
@@ -55,12 +56,12 @@ class DatasetSource:
             return None
         return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
 
-    def batches(self, epoch, seed, batch, samples):
-        """(feed, data rows) of the epoch's batches from sample ``samples`` of its (seeded)
-        order on: the rows are the elements' positions in the dataset."""
+    def batches(self, data_pass, seed, batch, samples):
+        """From sample ``samples`` of the pass's (seeded) order on; the rows are the elements'
+        positions in the dataset."""
         ds = self.dataset.enumerate()
         if self.shuffle:
-            ds = ds.shuffle(self.n or 10_000, seed=(seed + epoch) % 2**63,
+            ds = ds.shuffle(self.n or 10_000, seed=(seed + data_pass) % 2**63,
                             reshuffle_each_iteration=False)
         for rows, element in ds.skip(samples).batch(self.batch_size).as_numpy_iterator():
             try:

@@ -15,7 +15,7 @@ from hostavg.core.check import CheckReport
 from hostavg.core.errors import HostavgError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import Drop, MicroBatch, StepResult
-from hostavg.core.split import feed_size
+from hostavg.core.split import feed_size, split
 from hostavg.engine import step as engine
 from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.tf1.average import GraphAverage
@@ -23,6 +23,7 @@ from hostavg.tf1.feeds import resolve_feed
 from hostavg.tf1.session import SESSION_THREADS, SessionBackend
 from hostavg.tf1.wiring import Wiring
 from hostavg.train.history import History
+from hostavg.train.sources import Validation
 from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, together_entries
 
 v1 = tf.compat.v1
@@ -197,8 +198,9 @@ class Trainer(BaseTrainer):
                  metrics: Mapping | None = None) -> dict:
         backend = self._bind(sess)
         metrics = self._metrics(metrics, "evaluate")
-        return self._evaluate(backend, resolve_feed(self.graph, data, "evaluate"), batch_size,
-                              metrics)
+        feed = resolve_feed(self.graph, data, "evaluate")
+        size = DEFAULT_BATCH_SIZE if batch_size is None else positive_int("batch_size", batch_size)
+        return self._evaluate(backend, split(feed, size), metrics)
 
     def fit(self, sess, data, *, batch_size: int | None = None,
             micro_batch_size: int | None = None, epochs: int = 1, verbose="auto", callbacks=None,
@@ -216,22 +218,19 @@ class Trainer(BaseTrainer):
         if batch_size is None and isinstance(data, (Mapping, tf.data.Dataset)):  # of samples
             batch_size = DEFAULT_BATCH_SIZE
         if validation_data is not None:  # its keys, shapes and dtypes, before an epoch trains
-            feed_size(backend.conform(validation_data, "validation_data"), "validation_data")
-
-        def validate(epoch, cut):
-            if validation_data is None:
-                return {}
-            return self.evaluate(sess, validation_data, metrics=metrics,
-                                 batch_size=cut.largest(batch_size or DEFAULT_BATCH_SIZE))
-
-        return self._fit(
-            backend, lambda: feed_source(self.graph, data, inputs, batch_size, shuffle, blocks),
-            validate, batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
+            validation_data = backend.conform(validation_data, "validation_data")
+            feed_size(validation_data, "validation_data")
+        arguments = self._fit_arguments(
+            batch_size=batch_size, micro_batch_size=micro_batch_size, epochs=epochs,
             verbose=verbose, progress=progress, validation_freq=validation_freq, seed=seed,
-            drop_remainder=drop_remainder, callbacks=() if callbacks is None else callbacks,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints, blocks=blocks, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch)
+            drop_remainder=drop_remainder, callbacks=callbacks, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, blocks=blocks,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch)
+        source = feed_source(self.graph, data, inputs, batch_size, shuffle, blocks)
+        validation = None if validation_data is None else Validation(
+            split(validation_data, arguments.cut.largest(batch_size or DEFAULT_BATCH_SIZE)),
+            arguments.validation_freq, metrics)
+        return self._fit(backend, source, validation, arguments)
 
     def save(self, sess, path) -> None:
         self._save(self._bind(sess), path)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import input_types, is_ref_dtype
+from hostavg.compat.tensorflow import READ_OPS, input_types, is_ref_dtype
 from hostavg.core.errors import HostavgError
-from hostavg.frameworks.tensorflow import READ_OPS
 from hostavg.tf1.walk import ops_run, placeholders_read
 
 __all__ = ["DATA_OPS", "assigned_variables", "find_global_step", "load_variables",

@@ -16,11 +16,10 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import is_ref_dtype, learning_rate
+from hostavg.compat.tensorflow import first_line, is_ref_dtype, learning_rate
 from hostavg.core.errors import HostavgError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
-from hostavg.frameworks.tensorflow import first_line
 from hostavg.tf1.advice import advice_for
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.feeds import FeedConformer

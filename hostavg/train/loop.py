@@ -1,12 +1,13 @@
 """The training loop behind ``Trainer.fit``: batches, micro-batches, epochs, checkpoints.
 
 The loop knows no framework: it drives a :class:`Run` (a trainer bound to a
-TF1 session, or a Keras trainer) over a source of batches
-(:class:`ArraySource`, :class:`IterableSource`, or a face's own). :func:`fit`
-checks its arguments, then runs named pieces around a :class:`FitState` (the
-position in the data, the History, the steps saved) and a :class:`FitPlan`
-(what it was asked to do): :func:`resume`, :func:`train_begin`,
-:func:`train_epoch`, :func:`train_step` and :func:`checkpoint`.
+TF1 session, or a Keras trainer) over the :class:`~hostavg.train.sources.BatchSource`
+a face built, and evaluates the :class:`~hostavg.train.sources.Validation` it
+was given. A face checks fit's arguments first (:func:`fit_arguments`), then
+builds its source, then calls :func:`fit`, which runs named pieces around a
+:class:`FitState` (the position in the data, the History, the steps saved) and
+a :class:`FitPlan` (what it was asked to do): :func:`resume`,
+:func:`train_begin`, :func:`train_epoch`, :func:`train_step` and :func:`checkpoint`.
 
 Every batch is weighted by its real number of samples. fit's position is the
 epoch and the samples (and batches) taken in it; a checkpoint stores it with
@@ -24,30 +25,26 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import signal
-import sys
-import threading
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
-from hostavg.train.callbacks import StopTraining
-from hostavg.train.checkpoint import CheckpointDir
 from hostavg.core.check import RandomOp
 from hostavg.core.errors import HostavgError, flag, non_negative_int, object_list, positive_int
-from hostavg.core.results import FIT_METHODS, HOOK_METHODS
-from hostavg.train.history import BOOKKEEPING, History
-from hostavg.core.results import StepResult
+from hostavg.core.results import FIT_METHODS, HOOK_METHODS, StepResult
+from hostavg.core.split import Cut, as_arrays, feed_size, pieces, take
 from hostavg.engine.hooks import name_of
-from hostavg.engine.signals import hold, region, release
-from hostavg.core.split import Cut, feed_size, split, take
+from hostavg.engine.signals import hold, region, release, sigterm_as_exit
+from hostavg.train.agreement import shared_seed
+from hostavg.train.callbacks import StopTraining
+from hostavg.train.checkpoint import CheckpointDir
+from hostavg.train.history import History
+from hostavg.train.progress import Progress, checked_progress
+from hostavg.train.sources import BatchSource, Validation, refuse_endless
 
-__all__ = ["ArraySource", "FitPlan", "FitState", "IterableSource", "PROGRESS_MODES", "ResumeWarning",
-           "Run", "check_sizes", "checkpoint", "fit", "refuse_endless", "resume", "train_begin",
-           "train_epoch", "train_step"]
+__all__ = ["FitArguments", "FitPlan", "FitState", "ResumeWarning", "Run", "check_sizes",
+           "checkpoint", "fit", "fit_arguments", "resume", "train_begin", "train_epoch",
+           "train_step"]
 
 
 class Run(Protocol):
@@ -83,9 +80,8 @@ class Run(Protocol):
     def restore(self, path) -> dict | None:
         """Loads a checkpoint; returns the fit state it holds, or None."""
 
-    def validate(self, epoch: int) -> dict:
-        """The validation results by name ("loss", metrics) at the end of ``epoch`` (from 0), or
-        {} without validation data (or none due then)."""
+    def evaluate(self, validation: Validation) -> dict:
+        """The results by name ("loss", metrics) over ``validation``'s chunks; changes nothing."""
 
     def reset_metrics(self) -> None:
         """Starts the training metrics afresh (at each epoch's start)."""
@@ -106,26 +102,71 @@ class Run(Protocol):
 #: rows: a run that learns nothing goes no further.
 EMPTY_STEPS = 5
 
-#: What fit shows while it trains: True: a progress bar on a terminal or in Jupyter, nothing
-#: elsewhere; "always": a bar anywhere; "epoch": one line per epoch on stdout; "auto": a bar
-#: on a terminal or in Jupyter, one line per epoch elsewhere; False: nothing.
-PROGRESS_MODES = (True, False, "always", "epoch", "auto")
+
+@dataclasses.dataclass(frozen=True)
+class FitArguments:
+    """fit's arguments, checked by :func:`fit_arguments` before a face reads any data.
+
+    Attributes:
+      batch_size, epochs, seed, drop_remainder, progress, checkpoint_dir,
+        checkpoint_every, keep_checkpoints, blocks, initial_epoch, steps_per_epoch:
+        fit's arguments, checked (see :meth:`hostavg.Trainer.fit`).
+      cut: how each batch is cut into micro-batches (fit's or the trainer's
+        ``micro_batch_size``, or the trainer's ``micro_batches``).
+      callbacks: fit's hooks, after the trainer's.
+      validation_freq: as :func:`~hostavg.train.sources.checked_validation_freq` checked it.
+    """
+
+    batch_size: int | None
+    cut: Cut
+    epochs: int
+    seed: int | None
+    drop_remainder: bool
+    progress: Any
+    callbacks: tuple
+    checkpoint_dir: Any
+    checkpoint_every: int | None
+    keep_checkpoints: int
+    blocks: dict | None
+    initial_epoch: int
+    steps_per_epoch: int | None
+    validation_freq: int | frozenset
 
 
-def fit(run: Run, source, *, batch_size, cut: Cut, epochs=1, seed=None,
-        drop_remainder=False, callbacks=(), progress=True, checkpoint_dir=None,
-        checkpoint_every=None, keep_checkpoints=3, blocks=None, initial_epoch=0,
-        steps_per_epoch=None) -> History:
-    """Trains ``run`` over the batches of ``source``; see :meth:`hostavg.Trainer.fit`.
+def fit_arguments(*, batch_size, cut: Cut, validation_freq, epochs=1, seed=None,
+                  drop_remainder=False, callbacks=(), progress=True, checkpoint_dir=None,
+                  checkpoint_every=None, keep_checkpoints=3, blocks=None, initial_epoch=0,
+                  steps_per_epoch=None) -> FitArguments:
+    """fit's arguments, checked: sizes that fit together, a seed that is an integer >= 0, flags
+    that are bools, no ``checkpoint_every`` without ``checkpoint_dir``, hooks as callbacks.
 
-    ``source`` is a callable that returns the batch source (called after
-    the arguments are checked), with ``n`` (its samples, None where unknown or
-    where it gives its own batches), ``one_shot`` (it serves one pass only),
-    ``endless`` (its passes are known never to end), ``num_batches(drop_remainder)``
-    and ``batches(data_pass, seed, batch, samples)``. ``batch_size`` is None for a
-    source that gives its own batches; ``cut`` cuts each batch into micro-batches.
-    ``blocks``: {key: b} for arrays of b blocks of the samples (see
-    :mod:`hostavg.core.split`).
+    ``batch_size`` is None for a source that gives its own batches; ``blocks``: {key: b} for
+    arrays of b blocks of the samples (see :mod:`hostavg.core.split`); ``validation_freq``
+    is already checked.
+    """
+    check_sizes(batch_size, cut, epochs, checkpoint_every)
+    checked_progress(progress)
+    drop_remainder = flag("drop_remainder", drop_remainder)
+    seed = None if seed is None else non_negative_int("seed", seed)
+    initial_epoch = non_negative_int("initial_epoch", initial_epoch)
+    if steps_per_epoch is not None:
+        steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise HostavgError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
+                           f"to write the checkpoints to")
+    callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
+    return FitArguments(
+        batch_size=batch_size, cut=cut, epochs=epochs, seed=seed, drop_remainder=drop_remainder,
+        progress=progress, callbacks=callbacks, checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, blocks=blocks,
+        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        validation_freq=validation_freq)
+
+
+def fit(run: Run, source: BatchSource, validation: Validation | None,
+        arguments: FitArguments) -> History:
+    """Trains ``run`` over the batches of ``source``, evaluating ``validation`` (None: none) at
+    the epochs it makes due; see :meth:`hostavg.Trainer.fit`.
 
     Epochs: fit trains epochs ``initial_epoch`` to ``epochs - 1`` (as Keras
     counts them). An epoch is one pass over the data, or, with
@@ -133,45 +174,39 @@ def fit(run: Run, source, *, batch_size, cut: Cut, epochs=1, seed=None,
     previous epoch stopped: an epoch then ends early where the pass ends, and
     the next starts a new pass. The data's order depends on (seed, pass).
 
-    Every argument is checked before anything trains: a seed that is no
-    integer >= 0, flags that are not bools, ``checkpoint_every`` without
-    ``checkpoint_dir``, a one-shot iterator for more than one epoch, an endless
-    source without ``steps_per_epoch``.
+    Before anything trains, ``source`` is refused where it cannot give each
+    epoch a batch and an end: a one-shot iterator for more than one epoch, an
+    endless source without ``steps_per_epoch``, data of no batch.
     """
-    check_sizes(batch_size, cut, epochs, checkpoint_every)
-    drop_remainder, seed, initial_epoch, steps_per_epoch = _checked_arguments(
-        progress, drop_remainder, seed, initial_epoch, steps_per_epoch, checkpoint_every,
-        checkpoint_dir)
-    source = _checked_source(source(), epochs, batch_size, drop_remainder, steps_per_epoch)
-    callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
-    hooks = _fit_methods(run.hooks + callbacks)
-    checkpoints = CheckpointDir(checkpoint_dir, keep_checkpoints) \
-        if checkpoint_dir is not None else None
-    state = FitState(epoch=initial_epoch, data_pass=initial_epoch, seed=seed)
+    source = _checked_source(source, arguments)
+    hooks = _fit_methods(run.hooks + arguments.callbacks)
+    checkpoints = CheckpointDir(arguments.checkpoint_dir, arguments.keep_checkpoints) \
+        if arguments.checkpoint_dir is not None else None
+    state = FitState(epoch=arguments.initial_epoch, data_pass=arguments.initial_epoch,
+                     seed=arguments.seed)
     latest = None if checkpoints is None else checkpoints.latest()
     if latest is not None:
         resume(run, latest, hooks, state)
     rank, size = (run.comm.Get_rank(), run.comm.Get_size()) if run.comm is not None else (0, 1)
     plan = FitPlan(
-        batch_size=batch_size, cut=cut, epochs=epochs,
-        drop_remainder=drop_remainder, steps_per_epoch=steps_per_epoch,
-        checkpoint_every=checkpoint_every, blocks=blocks, rank=rank, size=size,
-        num_batches=source.num_batches(drop_remainder), hooks=hooks,
+        **vars(arguments), rank=rank, size=size,
+        num_batches=source.num_batches(arguments.drop_remainder), hooks=hooks,
         # rank 0 writes the checkpoints; every rank reads them when resuming
-        checkpoints=checkpoints if rank == 0 else None)
-    state.seed = _shared_seed(run, plan, state, source.n)
-    if state.history.stopped is not None or state.epoch >= epochs:
+        checkpoints=checkpoints if rank == 0 else None, validation=validation)
+    state.seed = shared_seed(state.seed, _agreed(plan, state, source.n),
+                             None if run.comm is None else run.gather)
+    if state.history.stopped is not None or state.epoch >= plan.epochs:
         return state.history
     state.global_step = run.global_step()
     if plan.checkpoints is not None:  # a folder without a checkpoint gets the start, seed and
         # all: a run killed before its first checkpoint then resumes as itself, as one killed later
         state.saved_step = state.global_step if latest is not None else checkpoint(run, plan, state)
-    bar = _Progress(progress if rank == 0 else False)
+    bar = Progress(plan.progress if rank == 0 else False)
     # A signal that arrives from a step's apply on waits until the step is counted (release).
-    with _sigterm_as_exit(), region(), run.hooked(callbacks):
+    with sigterm_as_exit(), region(), run.hooked(plan.callbacks):
         try:
             train_begin(hooks, state)
-            while state.epoch < epochs:
+            while state.epoch < plan.epochs:
                 if train_epoch(run, source, plan, state, bar):
                     break
         except StopTraining as e:
@@ -231,64 +266,36 @@ class FitState:
 
 
 @dataclasses.dataclass(frozen=True)
-class FitPlan:
-    """What fit was asked to do, fixed once its arguments are checked.
+class FitPlan(FitArguments):
+    """What fit was asked to do (its :class:`FitArguments`), with what it learned of the run.
 
     Attributes:
-      batch_size, epochs, drop_remainder, steps_per_epoch, checkpoint_every,
-        blocks: fit's arguments, checked.
-      cut: how each batch is cut into micro-batches (fit's or the trainer's
-        ``micro_batch_size``, or the trainer's ``micro_batches``).
       rank, size: this process's rank and the number of processes (0 and 1 alone).
       num_batches: the batches of a pass, or None where the source cannot tell.
       hooks: the fit-level hook methods by name (see :func:`_fit_methods`).
       checkpoints: where this process writes checkpoints, or None (no
         ``checkpoint_dir``, or a rank other than 0).
+      validation: what fit evaluates at the end of an epoch, and after which; or None.
     """
 
-    batch_size: int | None
-    cut: Cut
-    epochs: int
-    drop_remainder: bool
-    steps_per_epoch: int | None
-    checkpoint_every: int | None
-    blocks: dict | None
     rank: int
     size: int
     num_batches: int | None
     hooks: dict
     checkpoints: CheckpointDir | None
+    validation: Validation | None
 
 
-def _checked_arguments(progress, drop_remainder, seed, initial_epoch, steps_per_epoch,
-                       checkpoint_every, checkpoint_dir) -> tuple:
-    """fit's flags and counts, checked: (drop_remainder, seed, initial_epoch, steps_per_epoch)."""
-    if not (isinstance(progress, (bool, np.bool_)) or (isinstance(progress, str)
-                                                        and progress in PROGRESS_MODES)):
-        raise HostavgError(f"progress must be True, False, 'always', 'epoch' or 'auto', "
-                           f"got {progress!r}")
-    drop_remainder = flag("drop_remainder", drop_remainder)
-    seed = None if seed is None else non_negative_int("seed", seed)
-    initial_epoch = non_negative_int("initial_epoch", initial_epoch)
-    if steps_per_epoch is not None:
-        steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
-    if checkpoint_every is not None and checkpoint_dir is None:
-        raise HostavgError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
-                           f"to write the checkpoints to")
-    return drop_remainder, seed, initial_epoch, steps_per_epoch
-
-
-def _checked_source(source, epochs: int, batch_size, drop_remainder: bool, steps_per_epoch):
-    """``source``, once it is known to give a batch in each of ``epochs`` epochs, and each
-    epoch to end."""
-    refuse_endless(source, steps_per_epoch)
-    if source.one_shot and epochs > 1:
+def _checked_source(source: BatchSource, arguments: FitArguments) -> BatchSource:
+    """``source``, once it is known to give a batch in each of the epochs, and each epoch to end."""
+    refuse_endless(source, arguments.steps_per_epoch)
+    if source.one_shot and arguments.epochs > 1:
         raise HostavgError(
             f"data is a one-shot iterator, which serves one epoch, but fit was asked for "
-            f"epochs={epochs}; pass a list, or a callable that returns a new iterable for every "
-            f"epoch")
-    n = source.n  # None where the source cannot tell (an iterable of batches)
-    if n == 0 or (drop_remainder and n is not None and n < batch_size):
+            f"epochs={arguments.epochs}; pass a list, or a callable that returns a new iterable "
+            f"for every epoch")
+    n, batch_size = source.n, arguments.batch_size  # n: None where the source cannot tell
+    if n == 0 or (arguments.drop_remainder and n is not None and n < batch_size):
         raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
                            f"batch_size {batch_size}{' (drop_remainder)' if n else ''}; "
                            f"fit needs at least one batch")
@@ -319,21 +326,15 @@ def resume(run: Run, latest, hooks: dict, state: FitState) -> None:
             f"resume exactly", ResumeWarning, stacklevel=5)  # the face's fit's caller
 
 
-def _shared_seed(run: Run, plan: FitPlan, state: FitState, samples) -> int:
-    """The seed of the data's order: ``state.seed``, else a fresh one; over MPI rank 0's, once
-    every rank is known to run fit alike (else a HostavgError on every rank, before any rank
-    trains or returns: no rank may wait for another)."""
-    seed = state.seed if state.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
-    if run.comm is None:
-        return seed
-    return _rank_0_seed_once_ranks_match(run, seed, {
-        "samples": samples, "batches per epoch": plan.num_batches,
-        "batch_size": plan.batch_size, "micro-batches": str(plan.cut),
-        "epochs": plan.epochs, "drop_remainder": plan.drop_remainder,
-        "steps_per_epoch": plan.steps_per_epoch,
-        "position (epoch, pass, batch, samples)": (state.epoch, state.data_pass, state.batch,
-                                                   state.samples),
-        "stopped": state.history.stopped is not None})
+def _agreed(plan: FitPlan, state: FitState, samples) -> dict:
+    """What every rank must run fit alike with (over MPI): its data's size, arguments, position."""
+    return {"samples": samples, "batches per epoch": plan.num_batches,
+            "batch_size": plan.batch_size, "micro-batches": str(plan.cut),
+            "epochs": plan.epochs, "drop_remainder": plan.drop_remainder,
+            "steps_per_epoch": plan.steps_per_epoch,
+            "position (epoch, pass, batch, samples)": (state.epoch, state.data_pass, state.batch,
+                                                       state.samples),
+            "stopped": state.history.stopped is not None}
 
 
 def checkpoint(run: Run, plan: FitPlan, state: FitState) -> int:
@@ -358,7 +359,8 @@ def train_begin(hooks: dict, state: FitState) -> None:
             state.history.epochs = [e for e in state.history.epochs if e["epoch"] < state.epoch]
 
 
-def train_epoch(run: Run, source, plan: FitPlan, state: FitState, bar: _Progress) -> bool:
+def train_epoch(run: Run, source: BatchSource, plan: FitPlan, state: FitState,
+                bar: Progress) -> bool:
     """Trains the epoch ``state.epoch``, then validates and logs it; returns whether training
     stops there (a callback asked to)."""
     hooks = plan.hooks
@@ -377,7 +379,8 @@ def train_epoch(run: Run, source, plan: FitPlan, state: FitState, bar: _Progress
             f"; fit needs at least one batch per epoch")
     logs = _epoch_logs(state.history, state.epoch)
     logs.update(run.metrics())
-    logs.update({f"val_{k}": v for k, v in run.validate(state.epoch).items()})
+    if plan.validation is not None and plan.validation.due(state.epoch):
+        logs.update({f"val_{k}": v for k, v in run.evaluate(plan.validation).items()})
     bar.close(logs)
     hold()  # the epoch's logs and the next position, together
     state.history.epochs.append(logs)
@@ -393,7 +396,7 @@ def train_epoch(run: Run, source, plan: FitPlan, state: FitState, bar: _Progress
     return stop is not None
 
 
-def _epoch_steps(run: Run, source, plan: FitPlan, state: FitState, bar: _Progress
+def _epoch_steps(run: Run, source: BatchSource, plan: FitPlan, state: FitState, bar: Progress
                  ) -> tuple[int, bool]:
     """Steps through the epoch's batches: (the epoch's steps, whether its pass ended)."""
     done = [s for s in state.history.steps if s.epoch == state.epoch]  # resumed mid-epoch
@@ -419,7 +422,7 @@ def _epoch_steps(run: Run, source, plan: FitPlan, state: FitState, bar: _Progres
     return steps, False
 
 
-def train_step(run: Run, plan: FitPlan, state: FitState, bar: _Progress, item: tuple,
+def train_step(run: Run, plan: FitPlan, state: FitState, bar: Progress, item: tuple,
                steps: int, loss: _RunningLoss) -> bool:
     """Trains one step on the batch ``item`` (feed, data rows), the epoch's ``steps``-th; counts
     it in ``state``, ``loss`` and the hooks. Returns False for a short batch dropped
@@ -429,6 +432,7 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: _Progress, item: t
     with _context(f"fit, epoch {state.epoch + 1}/{plan.epochs}, batch {state.batch + 1}"
                   f"{'' if plan.num_batches is None else f'/{plan.num_batches}'}, "
                   f"global step {state.global_step}"):
+        feed = as_arrays(feed, "the batch")  # once, not in each micro-batch cut from it
         n = feed_size(feed, "the batch", plan.blocks)
         if plan.drop_remainder and n < plan.batch_size:
             state.batch, state.samples = state.batch + 1, state.samples + n
@@ -456,7 +460,7 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: _Progress, item: t
     return True
 
 
-def _abandon(run: Run, plan: FitPlan, state: FitState, bar: _Progress,
+def _abandon(run: Run, plan: FitPlan, state: FitState, bar: Progress,
              error: BaseException) -> None:
     """fit ends with ``error``: hands it the history, checkpoints the last completed step (a
     step is atomic), closes the hooks and tells ``run``."""
@@ -522,20 +526,6 @@ def _few(items: list, shown: int = 3) -> str:
                                        if len(items) > shown else "")
 
 
-def _rank_0_seed_once_ranks_match(run: Run, seed: int, settings: dict) -> int:
-    """Rank 0's ``seed``, once every rank's fit ``settings`` (its data's size, arguments and
-    position) are the same; else a HostavgError on every rank, before anything trains."""
-    everyone = run.gather("the start of fit", (seed, settings))
-    differ = [f"{key} " + ", ".join(f"{s[key]!r} on rank {r}" for r, (_, s) in enumerate(everyone))
-              for key in settings if len({repr(s[key]) for _, s in everyone}) > 1]
-    if differ:
-        raise HostavgError(
-            f"the ranks run fit with different data or arguments, so nothing was trained on any: "
-            f"{'; '.join(differ)}. fit splits each batch between the ranks: give every rank the "
-            f"same data, arguments and checkpoint_dir")
-    return everyone[0][0]
-
-
 def _close(hooks: dict) -> None:
     """Closes every hook that can be (TensorBoard flushes its file, Record drops a step never applied)."""
     for close in hooks["close"]:
@@ -587,7 +577,7 @@ def _micro_batches(batch, n: int, cut: Cut, rank: int, size: int,
     ends = list(itertools.accumulate(sizes))
     micro_rows = None if rows is None else [rows[lo + end - b:lo + end]
                                             for end, b in zip(ends, sizes)]
-    return split(share, cut.size, micro_batches=cut.count, blocks=blocks), sizes, micro_rows
+    return pieces(share, sizes, hi - lo, blocks), sizes, micro_rows
 
 
 def check_sizes(batch_size, cut: Cut, epochs=1, checkpoint_every=None) -> None:
@@ -608,16 +598,6 @@ def check_sizes(batch_size, cut: Cut, epochs=1, checkpoint_every=None) -> None:
             f"into micro-batches of at least one sample, so use micro_batches <= batch_size")
 
 
-def refuse_endless(source, steps_per_epoch) -> None:
-    """Raises HostavgError for a source known never to end (a dataset's ``.repeat()``) without
-    ``steps_per_epoch``: its first epoch would never end."""
-    if source.endless and steps_per_epoch is None:
-        raise HostavgError(
-            "the data never ends (a dataset of infinite cardinality: .repeat() without a "
-            "count), so without steps_per_epoch the first epoch would never end; pass "
-            "steps_per_epoch=, the number of steps (batches) per epoch")
-
-
 def _epoch_logs(history: History, epoch: int) -> dict:
     """The epoch's bookkeeping and its loss: the sample-weighted mean over its steps (see
     :func:`_counts`)."""
@@ -626,151 +606,3 @@ def _epoch_logs(history: History, epoch: int) -> dict:
     counted = sum(s.size for s in steps if _counts(s))
     loss = sum(s.loss * s.size for s in steps if _counts(s)) / counted if counted else math.nan
     return {"epoch": epoch, "loss": loss, "samples": samples, "steps": len(steps)}
-
-
-class ArraySource:
-    """A batch of arrays (a feed dict, or a tuple (x, y)) cut into batches by (shuffled) index.
-
-    The order depends only on (seed, epoch).
-    """
-
-    one_shot = endless = False
-
-    def __init__(self, data, batch_size, shuffle, blocks=None):
-        self.shuffle = flag("shuffle", shuffle)
-        self.data = data
-        self.n = feed_size(data, "data", blocks)
-        self.batch_size, self.blocks = batch_size, blocks
-
-    def num_batches(self, drop_remainder):
-        return self.n // self.batch_size if drop_remainder else -(-self.n // self.batch_size)
-
-    def batches(self, epoch, seed, batch, samples):
-        """(batch, data rows) of the epoch's batches from sample ``samples`` of its order on
-        (``batch`` is unused)."""
-        order = np.random.default_rng([seed, epoch]).permutation(self.n) if self.shuffle \
-            else np.arange(self.n)
-        for start in range(samples, self.n, self.batch_size):
-            rows = order[start:start + self.batch_size]
-            yield take(self.data, rows if self.shuffle else slice(start, start + self.batch_size),
-                       self.n, self.blocks), rows
-
-
-class IterableSource:
-    """The batches of an iterable (or of a callable returning one per epoch), each made ready by
-    ``conform(batch, what)``; its rows are the iterable's own, so fit can't tell them."""
-
-    n = None  # how many samples its batches hold is unknown until read
-    endless = False  # an iterable may never end, but nothing tells beforehand
-
-    def __init__(self, data, conform):
-        self.data, self.conform = data, conform
-
-    @property
-    def one_shot(self) -> bool:
-        """Whether ``data`` is an iterator (a generator), which serves one epoch only."""
-        return not callable(self.data) and iter(self.data) is self.data
-
-    def num_batches(self, drop_remainder):
-        return len(self.data) if hasattr(self.data, "__len__") else None
-
-    def batches(self, epoch, seed, batch, samples):
-        """The epoch's batches from batch ``batch`` on: the iterable's own, so samples are not counted."""
-        it = iter(self.data() if callable(self.data) else self.data)
-        for i, feed in enumerate(it):
-            if i >= batch:  # which rows of the user's data a batch holds, fit can't tell
-                yield self.conform(feed, f"batch {i} of epoch {epoch}"), None
-
-
-class _Progress:
-    """What fit shows of each epoch (see :data:`PROGRESS_MODES`).
-
-    A bar: on a terminal, a tqdm bar on stderr, with the step's loss and
-    samples/s; in Jupyter, one line of text, updated in place at most every
-    half second, so a saved notebook keeps one final line per epoch. Either
-    ends on the epoch's results. A line per epoch: printed on stdout when the
-    epoch ends, with its steps, time and results.
-    """
-
-    def __init__(self, progress):
-        tty = getattr(sys.stderr, "isatty", lambda: False)()
-        self.jupyter = "ipykernel" in sys.modules and not tty
-        interactive = tty or self.jupyter
-        self.enabled = progress == "always" or (progress in (True, "auto") and interactive)
-        self.lines = progress == "epoch" or (progress == "auto" and not interactive)
-        self._bar = self._line = None
-        self._started = None
-
-    def start(self, desc, total):
-        if self.lines:
-            self._desc, self._started, self._n = desc, time.perf_counter(), 0
-        if not self.enabled:
-            return
-        self._t0, self._samples, self._postfix = time.perf_counter(), 0, {}
-        if self.jupyter:
-            from IPython.display import display
-            self._desc, self._total, self._n, self._shown = desc, total, 0, 0.0
-            self._line = display({"text/plain": self._text()}, raw=True, display_id=True)
-        else:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, desc=desc, unit="step", leave=True)
-
-    def update(self, result):
-        if self.lines:
-            self._n += 1
-        if not self.enabled or (self._bar is None and self._line is None):
-            return
-        self._samples += result.size
-        rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-        self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
-                         "samples/s": f"{rate:.0f}"}
-        if self._bar is not None:
-            self._bar.set_postfix(self._postfix, refresh=False)
-            self._bar.update(1)
-        else:
-            self._n += 1
-            if time.perf_counter() - self._shown > 0.5:
-                self._line.update({"text/plain": self._text()}, raw=True)
-
-    def close(self, logs):
-        if logs:
-            self._postfix = {k: f"{v:.4g}" if isinstance(v, float) else v
-                             for k, v in logs.items() if k != "epoch"}
-            if self.lines and self._started is not None:
-                shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in logs.items() if k not in BOOKKEEPING)
-                print(f"{self._desc}: {self._n} steps in "
-                      f"{time.perf_counter() - self._started:.1f} s, {shown}", flush=True)
-        self._started = None
-        if self._bar is not None:
-            self._bar.set_postfix(self._postfix, refresh=False)
-            self._bar.close()
-        elif self._line is not None:
-            self._line.update({"text/plain": self._text()}, raw=True)
-        self._bar = self._line = None
-
-    def _text(self) -> str:
-        from tqdm import tqdm
-        self._shown = time.perf_counter()
-        postfix = ", ".join(f"{k}={v}" for k, v in self._postfix.items())
-        return tqdm.format_meter(self._n, self._total, self._shown - self._t0, prefix=self._desc,
-                                 unit="step", postfix=postfix or None, ncols=120)
-
-
-class _sigterm_as_exit:
-    """Within the block, SIGTERM raises SystemExit(143) so fit can checkpoint and unwind."""
-
-    def __enter__(self):
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._raise)
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise SystemExit(128 + signum)
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-        return False

@@ -14,6 +14,7 @@ Framework-free: nothing here imports TensorFlow, Keras or JAX.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
@@ -23,20 +24,18 @@ from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
 from hostavg.core.results import StepResult
 from hostavg.core.schema import UserStatistics
-from hostavg.core.split import Cut, cut, sample_count, split, take
+from hostavg.core.split import Cut, cut, pieces, sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
 from hostavg.engine.protocols import Backend, HostAverage
 from hostavg.engine.step import Engine
 from hostavg.train import checkpoint
 from hostavg.train.history import History
+from hostavg.train.loop import FitArguments, fit_arguments
 from hostavg.train.loop import fit as fit_loop
+from hostavg.train.progress import VERBOSE, checked_verbose
+from hostavg.train.sources import BatchSource, Validation, checked_validation_freq
 
-__all__ = ["BaseTrainer", "TrainerRun", "VERBOSE", "together_entries"]
-
-#: fit's ``verbose`` on every face, as Keras's: each value -> what fit shows
-#: (:data:`hostavg.train.loop.PROGRESS_MODES`): "auto" a bar on a terminal or in Jupyter and
-#: one line per epoch elsewhere, 0 nothing, 1 a bar, 2 one line per epoch.
-VERBOSE = {"auto": "auto", 0: False, 1: "always", 2: "epoch"}
+__all__ = ["BaseTrainer", "TrainerRun", "together_entries"]
 
 #: What fit cuts a batch of samples into when no batch size is given: Keras's default.
 DEFAULT_BATCH_SIZE = 32
@@ -93,8 +92,7 @@ class BaseTrainer:
         """
         if accumulate not in ACCUMULATE_MODES:
             raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        self.micro_batch_size, self.micro_batches = cut(micro_batch_size, micro_batches) or (
-            None, None)
+        self._cut = cut(micro_batch_size, micro_batches)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
         self.hooks = normalize_hooks(hooks)
@@ -300,7 +298,7 @@ class BaseTrainer:
           seed: the shuffling seed; None draws one (kept in checkpoints).
           drop_remainder: drop a last batch shorter than ``batch_size``.
           progress: hostavg's display mode, winning over ``verbose`` where
-            given: one of :data:`hostavg.train.loop.PROGRESS_MODES`.
+            given: one of :data:`hostavg.train.progress.PROGRESS_MODES`.
           checkpoint_dir: where checkpoints go (:meth:`save`): of the start,
             every ``checkpoint_every`` steps, at the end, and when an
             exception or SIGTERM stops fit. If it holds one, fit resumes from
@@ -348,6 +346,24 @@ class BaseTrainer:
         """name -> :class:`~hostavg.VariableSpec` of every trained variable."""
         return self._ready("trainer.spec").spec
 
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch of fit and check, or None (``micro_batches`` cuts); checked when set."""
+        return None if self._cut is None else self._cut.size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value) -> None:
+        self._cut = cut(value, self.micro_batches)
+
+    @property
+    def micro_batches(self) -> int | None:
+        """How many micro-batches fit and check cut a batch into, or None; checked when set."""
+        return None if self._cut is None else self._cut.count
+
+    @micro_batches.setter
+    def micro_batches(self, value) -> None:
+        self._cut = cut(self.micro_batch_size, value)
+
     # --- The engine -------------------------------------------------------------------------
 
     def _make_engine(self, spec) -> Engine:
@@ -377,8 +393,7 @@ class BaseTrainer:
     def _cut_for(self, micro_batch_size, what: str) -> Cut:
         """How ``what`` cuts a batch: by its own ``micro_batch_size`` where given, else as the
         trainer does; an error naming both where neither says."""
-        how = cut(micro_batch_size) if micro_batch_size is not None else cut(
-            self.micro_batch_size, self.micro_batches)  # attributes a user may have set since
+        how = cut(micro_batch_size) if micro_batch_size is not None else self._cut
         if how is None:
             raise HostavgError(f"{what} needs micro_batch_size: pass it to {what}, or "
                                f"micro_batch_size or micro_batches to the trainer "
@@ -418,8 +433,7 @@ class BaseTrainer:
             raise HostavgError(f"check: the feed holds no array of samples to cut into "
                                f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
-        micro = split(data, how.size, micro_batches=how.count, blocks=blocks)
-        return engine.check(backend, data, micro, n)
+        return engine.check(backend, data, pieces(data, how.sizes(n), n, blocks), n)
 
     def _per_sample(self, backend: Backend, data, rows):
         pd = pandas("per_sample")
@@ -432,27 +446,38 @@ class BaseTrainer:
                              "cosine_to_rest": found.cosines_to_rest, "error": found.errors},
                             index=index)
 
-    def _evaluate(self, backend: Backend, data, batch_size: int | None, metrics=None) -> dict:
-        """The loss (and metrics) over ``data`` in chunks of ``batch_size``, sample-weighted; what
-        the forward pass assigns (a counter, moving statistics in training mode) is restored."""
-        chunks = split(data, DEFAULT_BATCH_SIZE if batch_size is None
-                       else positive_int("batch_size", batch_size))
-        engine = self._engine_for(backend, take(chunks[0], slice(0, 1)) if chunks else data,
-                                  "evaluate")
-        with engine.leaving_no_trace(backend, "evaluate"):
-            return backend.evaluate(chunks, metrics)
+    def _evaluate(self, backend: Backend, chunks, metrics=None, listeners=None) -> dict:
+        """The loss (and ``metrics``) over ``chunks``, sample-weighted, told to ``listeners``
+        where given (see :class:`~hostavg.train.sources.Validation`); what the forward pass
+        assigns (a counter, moving statistics in training mode) is restored. A trainer that
+        has not seen a batch learns the model's variables from the first chunk."""
+        chunks = iter(chunks)
+        if self._engine is None:
+            first = next(chunks, None)
+            if first is None:
+                raise HostavgError("evaluate: the data gives no batch (it is empty)")
+            self._engine_for(backend, take(first, slice(0, 1)), "evaluate")
+            chunks = itertools.chain([first], chunks)
+        with self._engine.leaving_no_trace(backend, "evaluate"):
+            if listeners is None:
+                return backend.evaluate(chunks, metrics)
+            logs = backend.evaluate(listeners.validating(chunks), metrics)
+            listeners.validated(logs)
+            return logs
 
-    def _fit(self, backend: Backend, source, validate, *, micro_batch_size, verbose, progress,
-             validation_freq, **kwargs) -> History:
-        """fit over ``source`` (a callable returning the batch source, after the arguments are
-        checked); ``validate(epoch, cut)`` gives the epoch's validation results (evaluated in
-        micro-batches as ``cut`` says), called at the epochs ``validation_freq`` makes due."""
-        due = validation_due(validation_freq)
+    def _fit_arguments(self, *, micro_batch_size, verbose, progress, validation_freq,
+                       **kwargs) -> FitArguments:
+        """fit's arguments checked, before the face reads any data: its micro-batches cut as
+        :meth:`_cut_for` says, what it shows as ``verbose`` says unless ``progress`` is given."""
+        freq = checked_validation_freq(validation_freq)
         how = self._cut_for(micro_batch_size, "fit")
         progress = VERBOSE[checked_verbose(verbose)] if progress is None else progress
-        return fit_loop(TrainerRun(self, backend, lambda epoch: validate(epoch, how)
-                                   if due(epoch + 1) else {}),
-                        source, cut=how, progress=progress, **kwargs)
+        return fit_arguments(cut=how, progress=progress, validation_freq=freq, **kwargs)
+
+    def _fit(self, backend: Backend, source: BatchSource, validation: Validation | None,
+             arguments: FitArguments) -> History:
+        """fit over the face's ``source``, evaluating ``validation`` where due."""
+        return fit_loop(TrainerRun(self, backend), source, validation, arguments)
 
     def _save(self, backend: Backend, path, fit: dict | None = None) -> None:
         checkpoint.save(backend, path, fit=fit)
@@ -482,8 +507,8 @@ class BaseTrainer:
 class TrainerRun:
     """A trainer bound to its backend: what fit drives (:class:`hostavg.train.loop.Run`)."""
 
-    def __init__(self, trainer: BaseTrainer, backend: Backend, validate):
-        self.trainer, self.backend, self.validate = trainer, backend, validate
+    def __init__(self, trainer: BaseTrainer, backend: Backend):
+        self.trainer, self.backend = trainer, backend
         self.comm, self.hooks = trainer.comm, trainer.hooks
 
     def gather(self, what: str, obj) -> list:
@@ -508,6 +533,10 @@ class TrainerRun:
     def restore(self, path) -> dict | None:
         return self.trainer._restore(self.backend, path)
 
+    def evaluate(self, validation: Validation) -> dict:
+        return self.trainer._evaluate(self.backend, validation.chunks, validation.metrics,
+                                      validation.listeners)
+
     def reset_metrics(self) -> None:
         self.trainer._reset_metrics(self.backend)
 
@@ -520,22 +549,6 @@ class TrainerRun:
     def abandon(self, error: BaseException) -> None:
         if self.trainer._engine is not None:
             self.trainer._engine.abandon(error)
-
-
-def checked_verbose(verbose):
-    """Keras's ``verbose``: "auto", 0, 1 or 2 (a bool as 0 or 1)."""
-    if verbose not in VERBOSE or isinstance(verbose, float):
-        raise HostavgError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
-    return int(verbose) if not isinstance(verbose, str) else verbose
-
-
-def validation_due(freq):
-    """Whether an epoch (from 1) validates: every ``freq``-th (an int), or those in ``freq``."""
-    if isinstance(freq, (list, tuple, set, frozenset)):
-        epochs = {positive_int("validation_freq's epochs", e) for e in freq}
-        return lambda epoch: epoch in epochs
-    every = positive_int("validation_freq", freq)
-    return lambda epoch: epoch % every == 0
 
 
 def together_entries(steps, kind: type, call: str) -> list[tuple]:
