@@ -369,7 +369,7 @@ def test_batch_errors_name_the_micro_batch_and_change_nothing():
                                                    r"InvalidArgumentError: .*\); check that "
                                                    r"micro-batch's x and y"):
         own.step([(x, np.full(BATCH, 7))])
-    with pytest.raises(hostavg.HostavgError, match=r"^check: the feed holds no array of samples to "
+    with pytest.raises(hostavg.HostavgError, match=r"^check: the batch holds no array of samples to "
                                                    r"cut into micro-batches \(arrays of 0 samples\)\. "
                                                    r"check runs one batch whole and in micro-batches: "
                                                    r"give it x and y of at least one sample each"):

@@ -493,7 +493,7 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
 
 
 def test_misuse_gets_one_clear_error():
-    with pytest.raises(hostavg.HostavgError, match=r"^split takes a feed dict \{placeholder: "
+    with pytest.raises(hostavg.HostavgError, match=r"^split takes a dict \{key: "
                        r"array\} or a tuple \(x, y\), got list"):
         hostavg.split([np.zeros(4)], 2)
     model, other = build(), build()

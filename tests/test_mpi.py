@@ -130,7 +130,7 @@ def test_misconfigured_ranks_raise_the_same_error_everywhere_and_stay_in_step(tm
             "'w' is (4, 4) float32 on rank 1, (4, 3) float32 on rank 0",
             "the step failed on 1 of 2 ranks and nothing was applied on any: rank 1: step takes a "
             "list of feed dicts, one per micro-batch, got dict",
-            "the ranks feed different values to 'lr:0' on ranks 0 and 1, which the train op "
+            "the ranks give different values to 'lr:0' on ranks 0 and 1, which the train op "
             "reads; nothing was applied on any"]:
         assert any(want in s for s in said[0]), (want, said[0])
     w = [np.load(tmp_path / f"m-misconfigured-rank{r}.npz")["w"] for r in (0, 1)]

@@ -52,7 +52,7 @@ def test_quickstart_shows_the_accumulated_step_equals_the_full_batch_step():
     printed = run("quickstart")
     diffs = [float(d) for d in re.findall(r"max \|difference\| = (\S+)", printed)]
     assert len(diffs) == 2 and max(diffs) < 1e-5, printed
-    assert "self-check passed: 8 micro-batches give the whole feed's gradient" in printed
+    assert "self-check passed: 8 micro-batches give the whole batch's gradient" in printed
     assert float(re.search(r"test accuracy after \d+ steps: (\S+)", printed).group(1)) > 0.85
 
 

@@ -89,7 +89,9 @@ def test_resuming_a_model_with_stateful_random_ops_warns_naming_them(tmp_path):
     with pytest.warns(hostavg.ResumeWarning, match=r"^fit resumed from .*ckpt-0000000002.npz, but "
                       r"the model runs stateful random ops \(tf.nn.dropout \('dropout/"
                       r"random_uniform/RandomUniform:0'\)\) whose state lives in the session, "
-                      r"which no checkpoint holds: .* will not end with its weights bit for bit"):
+                      r"which no checkpoint holds: .* will not end with its weights bit for bit\. "
+                      r"Stateless random ops \(tf\.random\.stateless_\*\) seeded by the global "
+                      r"step resume exactly$"):
         trainer.fit(sess, data, checkpoint_dir=tmp_path, **FIT)
 
 

@@ -72,7 +72,7 @@ def test_split_cuts_tuples_with_dicts_sample_weights_and_none():
     with pytest.raises(HostavgError, match=r"different lengths along axis 0 \(batch\[0\]\['a'\]: 5, "
                                            r"batch\[0\]\['b'\]: 5, batch\[1\]: 4\)"):
         split((x, y[:4]), 2)
-    with pytest.raises(HostavgError, match=r"split takes a feed dict .* or a tuple \(x, y\), got list"):
+    with pytest.raises(HostavgError, match=r"split takes a dict \{key: array\} or a tuple \(x, y\), got list"):
         split([np.zeros(3)], 2)
 
 

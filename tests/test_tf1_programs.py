@@ -635,7 +635,7 @@ def test_micro_batches_split_with_blocks_know_their_sizes_in_step_and_step_toget
         with pytest.raises(hostavg.HostavgError,
                            match=r"^step, micro-batch 0 of 3: arrays have different lengths along "
                                  r"axis 0 .*labels:0: 8\).*blocks=.* hostavg\.split.*sizes=.*"
-                                 r"\(trainer, feeds, sizes\) to step_together"):
+                                 r"\(trainer, batches, sizes\) to step_together"):
             hostavg.step_together(sess, [(d, [dict(f) for f in d_feeds])])  # plain dicts
         return values(graph, sess)
 
@@ -804,7 +804,8 @@ def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_sampl
         trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.01))
         init = v1.global_variables_initializer()
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^check: the feed holds no array of samples to cut into micro-batches "
+                       match=r"^check: the feed dict holds no array of samples to cut into "
+                             r"micro-batches "
                              r"\(only scalars: 'x:0', 'y:0'\)\. check runs one batch whole and in "
                              r"micro-batches: feed it that batch's arrays, such as "
                              r"\{x: X\[:256\], y: Y\[:256\]\}"):
@@ -818,7 +819,8 @@ def test_check_takes_blocks_and_says_what_it_needs_where_the_feed_holds_no_sampl
         init = v1.global_variables_initializer()
     sess = session(graph, init)
     with pytest.raises(hostavg.HostavgError,
-                       match=r"^check: the feed holds no array of samples .* \(an empty feed\).*"
+                       match=r"^check: the feed dict holds no array of samples .* \(an empty feed "
+                             r"dict\).*"
                              r"a graph that reads its batch from a tf\.data iterator or a queue: "
                              r"feed the tensors it reads"):
         trainer.check(sess, {}, micro_batch_size=4)

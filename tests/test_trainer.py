@@ -323,7 +323,7 @@ def test_rows_go_onto_micro_batches_and_into_errors():
     unchanged(case, lambda: case.trainer.step(case.sess, [bad[0], bad[2]], rows=rows[:2]),
               r"step, micro-batch 1 of 2 \(samples 10:20, data rows \[7, 3, 5, 1, \.\.\.\]")
     unchanged(case, lambda: case.trainer.step(case.sess, case.feeds, rows=rows[:3]),
-              r"rows must hold one array of row indices per feed \(4\)")
+              r"rows must hold one array of row indices per micro-batch \(4\)")
     unchanged(case, lambda: case.trainer.step(case.sess, case.feeds, rows=[[1, 2]] * 4),
               r"micro-batch 0 of 4: rows must be 10 integer row indices, one per sample, got "
               r"shape \(2,\)")

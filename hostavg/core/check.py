@@ -105,7 +105,7 @@ class CheckReport:
         said = (f"largest relative difference {self.max_rel_diff[worst]:.2g} in {worst!r}")
         if self.ok:
             return (f"self-check passed: {self.micro_batches} micro-batches give the whole "
-                    f"feed's gradient ({said})")
+                    f"batch's gradient ({said})")
         return f"self-check FAILED: {self.micro_batches} micro-batches differ ({said}): {self.cause}"
 
 
@@ -147,7 +147,7 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
         tolerance = max(TOLERANCE.values())
         scaled = cosine > 0.9999 and abs(scale - 1) > 0.01
         if noise > tolerance:
-            cause = (f"the same feed gives another gradient each run (by {noise:.2g}): "
+            cause = (f"the same batch gives another gradient each run (by {noise:.2g}): "
                      f"{_random(random_ops, advice)}")
         elif scaled and micro_batches > 1 and abs(scale / micro_batches - 1) < 0.05:
             cause = (f"the whole gradient is {scale:.3g} times the micro-batch mean, about the "
@@ -156,10 +156,10 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
                      f"{advice['scale']}, so that micro-batches average to the batch")
         elif scaled:
             cause = (f"the whole gradient is {scale:.3g} times the micro-batch mean: the loss "
-                     f"is scaled by something that depends on the feed's size (a sum over "
+                     f"is scaled by something that depends on the batch's size (a sum over "
                      f"samples, a division by a fixed batch size). {advice['scale']}")
         else:
-            cause = (f"the micro-batches see something the whole feed does not: an op that "
+            cause = (f"the micro-batches see something the whole batch does not: an op that "
                      f"computes over the batch, {advice['batch']} (statistics of each "
                      f"micro-batch instead of the batch). Expect a k-micro-batch step to differ "
                      f"from a full-batch step; larger micro-batches make it smaller")
@@ -196,6 +196,6 @@ def shows_fixed_batch(message: str, n: int, whole: int) -> bool:
 
 def fixed_batch_hint(n: int, whole: int, advice: Mapping[str, str]) -> str:
     """What to say of a micro-batch of ``n`` rows that fails where its batch of ``whole``
-    would not (:func:`shows_fixed_batch`, or a loss alone not finite): a size fixed in the graph."""
-    return (f"the graph likely fixes the batch size: it builds a shape from the full batch "
-            f"({whole} rows) where the micro-batch has {n} {advice['fixed']}.")
+    would not (:func:`shows_fixed_batch`, or a loss alone not finite): a size fixed in the model."""
+    return (f"the {advice['model_name']} likely fixes the batch size: it builds a shape from "
+            f"the full batch ({whole} rows) where the micro-batch has {n} {advice['fixed']}.")

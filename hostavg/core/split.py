@@ -106,7 +106,8 @@ def _leaves(batch) -> dict:
             else:
                 out[(i,)] = part
         return out
-    raise HostavgError(f"a batch is a feed dict or a tuple such as (x, y), got {type(batch).__name__}")
+    raise HostavgError(f"a batch is a dict {{key: array}} or a tuple such as (x, y), got "
+                       f"{type(batch).__name__}")
 
 
 def _rebuild(batch, values: dict):
@@ -149,19 +150,19 @@ def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | Non
         raise HostavgError(
             f"{what}: arrays have different lengths along axis 0 ({listed}); every array in a "
             f"batch must hold the same samples. An array of several blocks of the samples (labels "
-            f"of tf.concat([real, fake])) is declared with blocks={{key: number_of_blocks}} to "
-            f"hostavg.split, whose micro-batches then know their sizes, or to fit and check; "
-            f"micro-batches cut by hand need their sizes: sizes= (one per micro-batch) to step, "
-            f"(trainer, feeds, sizes) to step_together")
+            f"of real samples, then of fake ones) is declared with "
+            f"blocks={{key: number_of_blocks}} to hostavg.split, whose micro-batches then know "
+            f"their sizes, or to fit and check; micro-batches cut by hand need their sizes: "
+            f"sizes= (one per micro-batch) to step, (trainer, batches, sizes) to step_together")
     return int(lengths.popitem()[1]) if lengths else None
 
 
-def sample_count(batch, what: str = "feed", blocks: Mapping | None = None) -> int | None:
+def sample_count(batch, what: str = "batch", blocks: Mapping | None = None) -> int | None:
     """The number of samples in a batch (see :func:`feed_size`), or None where it holds no array."""
     return _length(arrays(batch, what), what, blocks_of(batch) if blocks is None else blocks)
 
 
-def feed_size(batch, what: str = "feed", blocks: Mapping | None = None) -> int:
+def feed_size(batch, what: str = "batch", blocks: Mapping | None = None) -> int:
     """The number of samples in a batch: the common length of its arrays along axis 0.
 
     ``blocks`` (see :func:`split`): default those the batch was cut with
@@ -232,7 +233,7 @@ def split(batch, micro_batch_size: int | None = None, *, micro_batches: int | No
         raise HostavgError("split needs micro_batch_size (samples per micro-batch) or "
                            "micro_batches (their number), got neither")
     if not isinstance(batch, (Mapping, tuple)):
-        raise HostavgError(f"split takes a feed dict {{placeholder: array}} or a tuple (x, y), got "
+        raise HostavgError(f"split takes a dict {{key: array}} or a tuple (x, y), got "
                            f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
     n = _length(arrays(batch, "split"), "split", blocks)
     if not n:

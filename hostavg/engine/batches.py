@@ -40,18 +40,19 @@ def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list[Prepar
     """Every micro-batch checked and sized before any runs: a :class:`Prepared` each."""
     if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
         raise HostavgError(
-            f"{call} takes a list of feed dicts, one per micro-batch, got "
-            f"{type(feeds).__name__}; cut one big feed with hostavg.split(feed, micro_batch_size)")
+            f"{call} takes a list of {backend.advice['batches_name']}, one per micro-batch, got "
+            f"{type(feeds).__name__}; cut one big batch with hostavg.split(batch, "
+            f"micro_batch_size)")
     if sizes is not None:
         if isinstance(sizes, Mapping) or not isinstance(sizes, (Sequence, np.ndarray)) \
                 or len(sizes) != len(feeds):
-            raise HostavgError(f"sizes must hold one number of samples per feed ({len(feeds)}), "
-                               f"got {sizes!r}")
+            raise HostavgError(f"sizes must hold one number of samples per micro-batch "
+                               f"({len(feeds)}), got {sizes!r}")
         sizes = [positive_int(f"sizes[{i}]", n) for i, n in enumerate(sizes)]
     if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, (Sequence, np.ndarray))
                              or len(rows) != len(feeds)):
-        raise HostavgError(f"rows must hold one array of row indices per feed ({len(feeds)}), "
-                           f"or be None; got {type(rows).__name__} of length "
+        raise HostavgError(f"rows must hold one array of row indices per micro-batch "
+                           f"({len(feeds)}), or be None; got {type(rows).__name__} of length "
                            f"{len(rows) if hasattr(rows, '__len__') else '?'}")
     out, start = [], 0
     for i, feed in enumerate(feeds):

@@ -54,8 +54,7 @@ def _samples(feed, n: int) -> dict:
     array's length is no multiple of ``n``, or the feed has no array."""
     found = arrays(feed)
     if not found:
-        raise HostavgError("its feed holds no array (only scalars), so it cannot be cut into "
-                           "samples")
+        raise HostavgError("it holds no array (only scalars), so it cannot be cut into samples")
     uneven = {key_name(p): len(a) for p, a in found.items() if len(a) % n or not len(a)}
     if uneven:
         raise HostavgError(f"its arrays cannot be cut into its {n} samples (lengths {uneven})")

@@ -66,7 +66,7 @@ class Distributed:
         if backend.target in self._synchronized:
             return
         values = backend.variables()
-        forms = self.gather("the first step of a session", (
+        forms = self.gather(backend, f"the first step of a {backend.advice['target_name']}", (
             {name: _form(np.shape(v), np.asarray(v).dtype) for name, v in values.items()},
             {name: _form(s.shape, s.dtype) + (" sparse" if s.sparse else "")
              for name, s in backend.spec.items()}))
@@ -77,18 +77,18 @@ class Distributed:
             raise HostavgError(
                 f"the ranks' models differ, so nothing was changed on any: "
                 f"{'; '.join(differences[:6])}{' ...' if len(differences) > 6 else ''}. Build the "
-                f"same graph and Trainer on every rank")
+                f"same {backend.advice['model_name']} and Trainer on every rank")
         names = sorted(values)
         backend.assign(dict(zip(names, self.broadcast([values[n] for n in names]))))
         self._synchronized.add(backend.target)
 
-    def combine(self, tally: Tally | None, error: BaseException | None) -> Tally:
+    def combine(self, backend, tally: Tally | None, error: BaseException | None) -> Tally:
         """Every rank's tally together; if any rank failed, the same error on every rank."""
         message = None if error is None else str(error) if isinstance(error, HostavgError) \
             else f"{type(error).__name__}: {error}"
         if error is not None and getattr(error, "__notes__", None):
             message += " (" + "; ".join(error.__notes__) + ")"
-        reports = self.gather("a step", (message, tally))
+        reports = self.gather(backend, "a step", (message, tally))
         failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(reports) if m is not None]
         if failed:
             raise HostavgError(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing "
@@ -102,7 +102,7 @@ class Distributed:
                      None if None in loss_sums else math.fsum(loss_sums),
                      sum(t.size for t in tallies),
                      steps[0] if steps else None,
-                     _shared_apply_feed([t.apply_feed for t in tallies]))
+                     _shared_apply_feed([t.apply_feed for t in tallies], backend.advice))
 
     def abandon(self, error: BaseException) -> None:
         """A KeyboardInterrupt or SystemExit leaving a step or fit is this rank's alone: the job
@@ -111,7 +111,7 @@ class Distributed:
         if not isinstance(error, Exception) and _left is None and self.size > 1:
             _left = error
 
-    def gather(self, what: str, obj) -> list:
+    def gather(self, backend, what: str, obj) -> list:
         """Every rank's ``obj`` (small, pickled), in rank order.
 
         Raises HostavgError on every rank when some rank is not at ``what``
@@ -123,7 +123,7 @@ class Distributed:
                 f"the ranks are out of step: "
                 f"{', '.join(f'rank {r} is at {w}' for r, (w, _) in enumerate(reports))}; every "
                 f"rank must make the same calls (fit: on the same data, with the same "
-                f"arguments), with sessions made alike")
+                f"arguments), with {backend.advice['target_name']}s made alike")
         return [o for _, o in reports]
 
     def broadcast(self, arrays: list) -> list:
@@ -185,8 +185,9 @@ def _differences(kind: str, first: dict, other: dict, rank: int) -> list[str]:
                for n, f in first.items() if n in other and other[n] != f])
 
 
-def _shared_apply_feed(feeds: list) -> dict | None:
-    """The apply feed of the ranks that ran micro-batches, which must be the same on each."""
+def _shared_apply_feed(feeds: list, advice) -> dict | None:
+    """The apply feed of the ranks that ran micro-batches, which must be the same on each
+    (``advice``: the backend's, whose words the error takes)."""
     given = [(r, f) for r, f in enumerate(feeds) if f is not None]
     if not given:
         return None
@@ -195,9 +196,9 @@ def _shared_apply_feed(feeds: list) -> dict | None:
         differ += [f"{n!r} on ranks {r0} and {r}" for n in first.keys() | feed.keys()
                    if n not in first or n not in feed or not np.array_equal(first[n], feed[n])]
     if differ:
-        raise HostavgError(f"the ranks feed different values to {', '.join(differ)}, which the "
-                           f"train op reads; nothing was applied on any. Feed every rank the same "
-                           f"value")
+        raise HostavgError(f"the ranks give different values to {', '.join(differ)}, which "
+                           f"{advice['apply_reader']} reads; nothing was applied on any. Give "
+                           f"every rank the same value")
     return first
 
 

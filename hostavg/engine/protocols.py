@@ -151,7 +151,9 @@ class Backend(Protocol):
     #: model): an Average keeps it weakly, to know whether it met it before.
     target: Any
     #: What to do about each cause a failed check finds, in the words of the framework:
-    #: cause -> advice, for every cause of :data:`hostavg.core.check.CAUSES`.
+    #: cause -> advice, for every cause of :data:`hostavg.core.check.CAUSES`; and the
+    #: framework's word for every key of :data:`hostavg.core.words.WORDS`, which the messages
+    #: of the framework-free layers use where frameworks differ.
     advice: Mapping[str, str]
     #: What a non-finite micro-batch does to a step: one of :data:`NONFINITE_MODES`.
     nonfinite: str
@@ -241,7 +243,8 @@ class Tally(NamedTuple):
 
 
 class Average(Protocol):
-    """Where the mean of a step is computed; chosen once, when a trainer is made."""
+    """Where the mean of a step is computed; chosen once, when a trainer is made. A method is
+    given the backend it serves, whose words (:attr:`Backend.advice`) its errors use."""
 
     #: Whether this process holds every micro-batch of the step (then the
     #: statistics that need every micro-batch's gradients can be computed).
@@ -250,7 +253,7 @@ class Average(Protocol):
     def begin(self, backend: Backend) -> None:
         """Called before each step (over MPI: the first step of a target takes rank 0's values)."""
 
-    def combine(self, tally: Tally | None, error: BaseException | None) -> Tally:
+    def combine(self, backend: Backend, tally: Tally | None, error: BaseException | None) -> Tally:
         """The step's tally; raises if this process (or any rank) failed with ``error``."""
 
     def reducer(self, backend: Backend, total: float) -> Reducer | None:
@@ -260,7 +263,7 @@ class Average(Protocol):
         """This process leaves a step, or the loop around it, with ``error`` (over MPI: if the
         other ranks did not raise it too, the job must end, or they would wait forever)."""
 
-    def gather(self, what: str, obj) -> list:
+    def gather(self, backend: Backend, what: str, obj) -> list:
         """Every process's ``obj`` (small, picklable), in rank order, once every one is at
         ``what`` (such as "the end of epoch 2 of fit"); over MPI a HostavgError on every rank
         when some rank is elsewhere (such as in a step)."""
@@ -274,7 +277,7 @@ class HostAverage:
     def begin(self, backend: Backend) -> None:
         pass
 
-    def combine(self, tally: Tally | None, error: BaseException | None) -> Tally:
+    def combine(self, backend: Backend, tally: Tally | None, error: BaseException | None) -> Tally:
         if error is not None:
             raise error
         return tally
@@ -285,5 +288,5 @@ class HostAverage:
     def abandon(self, error: BaseException) -> None:
         pass
 
-    def gather(self, what: str, obj) -> list:
+    def gather(self, backend: Backend, what: str, obj) -> list:
         return [obj]

@@ -150,8 +150,8 @@ class Engine:
         :mod:`hostavg.core.check`.
         """
         with self.leaving_no_trace(backend, "check"):
-            whole_feed, n = backend.prepare(feed, size, "check, the whole feed")
-            whole, again = (self._compute(backend, whole_feed, n, "check, the whole feed")[0]
+            whole_feed, n = backend.prepare(feed, size, "check, the whole batch")
+            whole, again = (self._compute(backend, whole_feed, n, "check, the whole batch")[0]
                             for _ in range(2))
             acc = Accumulator(self.spec, accum_dtype=np.float64)
             for batch in prepare(backend, micro_feeds, None, "check"):
@@ -274,9 +274,10 @@ class Engine:
                                        apply_feed)
         except Exception as e:  # noqa: BLE001 - over MPI every rank must hear of it
             error, tally = e, None
-        tally = self.average.combine(tally, error)
+        tally = self.average.combine(backend, tally, error)
         if not tally.norms:
-            raise HostavgError("step got no micro-batches; pass at least one feed dict")
+            raise HostavgError(f"step got no micro-batches; pass at least one "
+                               f"{backend.advice['batch_name']}")
         global_step = backend.global_step() if tally.global_step is None else tally.global_step
         if not tally.total:
             return Pending(self, backend, snapshot, StepResult(
@@ -487,7 +488,7 @@ class Engine:
             raise HostavgError(said) from e.__cause__
         if np.ndim(out.loss) != 0:
             raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
-                               f"reduce it with tf.reduce_mean")
+                               f"reduce it with {backend.advice['mean_op']}")
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
             out.global_step, out.fetched
 

@@ -1,12 +1,14 @@
-"""What to do about each cause a failed check finds, in the words of a Keras 3 user.
+"""What to do about each cause a failed check finds, and the words of a message, as a Keras 3 user says them.
 
 Every Keras backend carries it as its ``advice`` (:class:`~hostavg.keras.common.CompiledModel`;
-see :data:`hostavg.core.check.CAUSES` for what each cause means).
+see :data:`hostavg.core.check.CAUSES` for what each cause means,
+:data:`hostavg.core.words.WORDS` for each word).
 """
 
 __all__ = ["ADVICE", "TRAIN_STEP_ADVICE"]
 
-#: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
+#: cause -> advice ("draw" is formatted with the name of a tensor drawn, ``{tensor}``), and
+#: word -> the Keras word.
 ADVICE = {
     "random": "hostavg computes with training=True, so keras.layers.Dropout (and other "
               "random layers) draw anew each run: check a model built with their rate 0, "
@@ -27,6 +29,15 @@ ADVICE = {
              "instead of batch_size",
     "no_samples": "check runs one batch whole and in micro-batches: give it x and y of at "
                   "least one sample each, such as x[:256], y[:256]",
+    # The words of a message (hostavg.core.words.WORDS).
+    "batch_name": "batch",
+    "batches_name": "batches",
+    "target_name": "model",
+    "model_name": "model",
+    "mean_op": "keras.ops.mean",
+    "apply_reader": "the optimizer",
+    "exact_random": "Keras's random layers keep their seed state in a variable of the model "
+                    "(a keras.random.SeedGenerator), which checkpoints hold, and resume exactly",
 }
 
 #: The same for a model with its own ``train_step``, whose loss the step itself computes.

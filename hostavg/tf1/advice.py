@@ -1,12 +1,14 @@
-"""What to do about each cause a failed check finds, in the words of a TF1 program.
+"""What to do about each cause a failed check finds, and the words of a message, as a TF1 program says them.
 
 :class:`~hostavg.tf1.session.SessionBackend` carries it as its ``advice`` (see
-:data:`hostavg.core.check.CAUSES` for what each cause means).
+:data:`hostavg.core.check.CAUSES` for what each cause means, :data:`hostavg.core.words.WORDS`
+for each word).
 """
 
 __all__ = ["ADVICE", "advice_for"]
 
-#: cause -> advice; "draw" is formatted with the name of a tensor drawn (``{tensor}``).
+#: cause -> advice ("draw" is formatted with the name of a tensor drawn, ``{tensor}``), and
+#: word -> the TF1 word.
 ADVICE = {
     "random": "Turn them off for the check (a keep_prob or dropout-rate placeholder fed "
               "1.0 or 0.0, a training placeholder fed False) and check again",
@@ -27,6 +29,15 @@ ADVICE = {
                   "sample; for a graph that reads its batch from a tf.data iterator or a "
                   "queue: feed the tensors it reads (the iterator's get_next() outputs, the "
                   "dequeued tensors) that batch's arrays, which leaves the iterator alone",
+    # The words of a message (hostavg.core.words.WORDS).
+    "batch_name": "feed dict",
+    "batches_name": "feed dicts",
+    "target_name": "session",
+    "model_name": "graph",
+    "mean_op": "tf.reduce_mean",
+    "apply_reader": "the train op",
+    "exact_random": "Stateless random ops (tf.random.stateless_*) seeded by the global step "
+                    "resume exactly",
 }
 
 

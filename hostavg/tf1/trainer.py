@@ -20,6 +20,7 @@ from hostavg.engine import step as engine
 from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.tf1.average import GraphAverage
 from hostavg.tf1.feeds import resolve_feed
+from hostavg.tf1.saver import refuse_saver_checkpoint
 from hostavg.tf1.session import SESSION_THREADS, SessionBackend
 from hostavg.tf1.wiring import Wiring
 from hostavg.train.history import History
@@ -236,7 +237,9 @@ class Trainer(BaseTrainer):
         self._save(self._bind(sess), path)
 
     def restore(self, sess, path) -> dict | None:
-        return self._restore(self._bind(sess), path)
+        backend = self._bind(sess)
+        refuse_saver_checkpoint(path)
+        return self._restore(backend, path)
 
     def _metrics(self, metrics, what: str) -> dict:
         """``metrics`` checked to map names other than "loss" to scalar tensors of the graph."""

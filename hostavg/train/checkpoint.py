@@ -86,8 +86,8 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
     """The arrays of ``path``, checked against ``forms`` (name -> (shape, NumPy dtype)), and fit's state.
 
     Raises:
-      HostavgError: when the file is a ``tf.train.Saver`` checkpoint, is not a
-        sound hostavg checkpoint (unreadable, damaged metadata, arrays that
+      HostavgError: when the file is not a sound hostavg checkpoint
+        (unreadable, damaged metadata, arrays that
         disagree with it, a malformed fit state), or was written by a
         different model (arrays missing, unexpected, or of another shape or
         dtype than ``forms`` say).
@@ -95,7 +95,6 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
     if not isinstance(path, (str, os.PathLike)):
         raise HostavgError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
                            f"{path!r}")
-    _refuse_saver_checkpoint(path)
     try:
         with zipfile.ZipFile(path) as z:
             meta = json.loads(str(read_array(z, "meta")[()]))
@@ -151,31 +150,6 @@ def restore(backend, path) -> dict | None:
                               for name, value in now.items()})
     backend.assign(stored)
     return fit
-
-
-def _refuse_saver_checkpoint(path) -> None:
-    """Raises HostavgError when ``path`` is a ``tf.train.Saver`` checkpoint (a prefix, its files, its folder)."""
-    path = Path(path)
-    prefix = re.sub(r"\.(index|meta|data-\d+-of-\d+)$", "", str(path))
-    if Path(prefix + ".index").exists() or (path.is_dir() and (path / "checkpoint").exists()):
-        shown = prefix if not path.is_dir() else _saver_latest(path) or path
-        raise HostavgError(
-            f"{path} is a tf.train.Saver checkpoint, not one of hostavg's: restore it with "
-            f"saver.restore(sess, {str(shown)!r}); trainer.restore reads the .npz files that "
-            f"trainer.save and fit(checkpoint_dir=...) write")
-
-
-def _saver_latest(folder: Path) -> str | None:
-    """The newest checkpoint a ``tf.train.Saver`` folder's ``checkpoint`` file names, or None."""
-    try:
-        text = (folder / "checkpoint").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    found = re.search(r'^model_checkpoint_path:\s*"(.*)"\s*$', text, re.M)
-    if found is None:
-        return None
-    name = found.group(1)
-    return name if os.path.isabs(name) else str(folder / name)
 
 
 class _Damaged(Exception):

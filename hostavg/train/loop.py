@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from hostavg.core.check import RandomOp
@@ -54,6 +54,9 @@ class Run(Protocol):
     comm: Any
     #: The trainer's hooks (fit calls their fit-level methods too).
     hooks: tuple
+    #: The backend's advice, whose words fit's messages use (:attr:`Backend.advice
+    #: <hostavg.engine.protocols.Backend.advice>`).
+    advice: Mapping[str, str]
 
     def gather(self, what: str, obj) -> list:
         """Every process's ``obj`` (one alone), when every one is at ``what``; over MPI a
@@ -319,11 +322,11 @@ def resume(run: Run, latest, hooks: dict, state: FitState) -> None:
     if unsaved:
         warnings.warn(
             f"fit resumed from {latest}, but the model runs stateful random ops "
-            f"({_few(unsaved)}) whose state lives in the session, which no "
+            f"({_few(unsaved)}) whose state lives in the {run.advice['target_name']}, which no "
             f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
             f"than a run never stopped would, so this run will not end with its weights bit "
-            f"for bit. Stateless random ops (tf.random.stateless_*) seeded by the global step "
-            f"resume exactly", ResumeWarning, stacklevel=5)  # the face's fit's caller
+            f"for bit. {run.advice['exact_random']}", ResumeWarning,
+            stacklevel=5)  # the face's fit's caller
 
 
 def _agreed(plan: FitPlan, state: FitState, samples) -> dict:

@@ -428,9 +428,10 @@ class BaseTrainer:
         n = sample_count(data, "check", blocks)
         if not n:
             leaves = [getattr(k, "name", k) for k in data] if isinstance(data, Mapping) else []
+            name = backend.advice["batch_name"]
             found = ("arrays of 0 samples" if n == 0 else
-                     f"only scalars: {', '.join(map(repr, leaves))}" if leaves else "an empty feed")
-            raise HostavgError(f"check: the feed holds no array of samples to cut into "
+                     f"only scalars: {', '.join(map(repr, leaves))}" if leaves else f"an empty {name}")
+            raise HostavgError(f"check: the {name} holds no array of samples to cut into "
                                f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
         return engine.check(backend, data, pieces(data, how.sizes(n), n, blocks), n)
@@ -509,10 +510,10 @@ class TrainerRun:
 
     def __init__(self, trainer: BaseTrainer, backend: Backend):
         self.trainer, self.backend = trainer, backend
-        self.comm, self.hooks = trainer.comm, trainer.hooks
+        self.comm, self.hooks, self.advice = trainer.comm, trainer.hooks, backend.advice
 
     def gather(self, what: str, obj) -> list:
-        return self.trainer._average.gather(what, obj)
+        return self.trainer._average.gather(self.backend, what, obj)
 
     def random_ops(self) -> tuple:
         return tuple(self.backend.random_ops())
