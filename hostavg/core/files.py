@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["folder", "fsync_dir", "read_array", "remove_stale", "temporary"]
 
@@ -37,18 +37,18 @@ def folder(path, name: str, holds: str) -> Path:
     ``holds`` says what the folder is for ("the checkpoints").
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise HostavgError(f"{name} must be a folder name (str or os.PathLike), got {path!r}")
+        raise ArgumentError(f"{name} must be a folder name (str or os.PathLike), got {path!r}")
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise HostavgError(f"{name} {str(path)!r} is a file, not a folder; name a folder for "
-                           f"{holds}")
+        raise ArgumentError(f"{name} {str(path)!r} is a file, not a folder; name a folder for "
+                            f"{holds}")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise HostavgError(f"{name} {str(path)!r} cannot be made ({e.strerror}); name a folder "
-                           f"that can") from None
+        raise ArgumentError(f"{name} {str(path)!r} cannot be made ({e.strerror}); name a folder "
+                            f"that can") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise HostavgError(f"{name} {str(path)!r} is not writable; name a folder that is")
+        raise ArgumentError(f"{name} {str(path)!r} is not writable; name a folder that is")
     return path
 
 

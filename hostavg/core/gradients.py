@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hostavg.core.dtypes import can_cast
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, StepError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
            "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm"]
@@ -360,7 +360,7 @@ def check_finite(values: Mapping, what: str, loss: float | None = None,
                                         else f"{' and' if bad else ' but'} the loss is {loss}")
         if not bad and loss_hint is not None:
             hint = loss_hint
-        raise HostavgError(f"{what}: {where}{said}. Nothing was applied. {hint}")
+        raise StepError(f"{what}: {where}{said}. Nothing was applied. {hint}")
     return total
 
 
@@ -391,13 +391,13 @@ def conform(spec: Mapping[str, VariableSpec], grads: Mapping, *, what: str,
       caller's arrays are copied unless hostavg froze them itself.
     """
     if not isinstance(grads, Mapping):
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: gradients must be a mapping from variable name to array, "
             f"got {type(grads).__name__}")
     if grads.keys() != spec.keys():
         missing = [n for n in spec if n not in grads]
         extra = [n for n in grads if n not in spec]
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: gradient keys do not match the trained variables: "
             f"missing {missing}, unexpected {extra}. Use exactly the names of "
             f"trainer.spec (var.op.name of each variable that has a gradient).")
@@ -410,40 +410,40 @@ def _conform_value(name: str, s: VariableSpec, value, what: str):
         try:
             value = np.asarray(value)
         except ValueError as e:  # ragged nested lists
-            raise HostavgError(f"{what}: gradient of {name!r} cannot be made an array ({e})") from None
+            raise ArgumentError(f"{what}: gradient of {name!r} cannot be made an array ({e})") from None
         if s.sparse and value.shape == s.shape:
             value = SparseGradient(freeze(np.arange(s.shape[0])), value, s.shape)
     if not can_cast(value.dtype, s.dtype):
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: gradient of {name!r} has dtype {value.dtype}, which does not cast "
             f"safely to the variable's {np.dtype(s.dtype).name}; pass floating-point values")
     if isinstance(value, SparseGradient):
         if not s.shape:
-            raise HostavgError(f"{what}: gradient of {name!r} is sparse (rows), but the variable "
-                               f"is a scalar; pass a 0-d array")
+            raise ArgumentError(f"{what}: gradient of {name!r} is sparse (rows), but the variable "
+                                f"is a scalar; pass a 0-d array")
         if value.dense_shape != s.shape:
-            raise HostavgError(f"{what}: sparse gradient of {name!r} has dense_shape "
-                               f"{value.dense_shape}, but the variable's shape is {s.shape}")
+            raise ArgumentError(f"{what}: sparse gradient of {name!r} has dense_shape "
+                                f"{value.dense_shape}, but the variable's shape is {s.shape}")
         idx = value.indices
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: sparse gradient of {name!r} needs 1-D integer indices, "
                 f"got shape {idx.shape} dtype {idx.dtype}")
         want = (len(idx),) + tuple(s.shape[1:])
         if value.values.shape != want:
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: sparse gradient of {name!r} has values of shape "
                 f"{value.values.shape}, expected {want} ({len(idx)} rows of the "
                 f"variable's shape {s.shape})")
         if len(idx) and (idx.min() < 0 or idx.max() >= s.shape[0]):
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: sparse gradient of {name!r} has row indices outside "
                 f"[0, {s.shape[0]}): min {idx.min()}, max {idx.max()}")
         value = SparseGradient(idx, value.values, s.shape)
         if not s.sparse:
             return freeze(value.to_dense())
     elif value.shape != s.shape:
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: gradient of {name!r} has shape {value.shape}, expected the "
             f"variable's shape {s.shape}")
     return value

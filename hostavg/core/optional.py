@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["pandas"]
 
@@ -12,5 +12,5 @@ def pandas(what: str):
     try:
         import pandas as pd
     except ImportError:
-        raise HostavgError(f"{what} needs pandas: pip install pandas") from None
+        raise ArgumentError(f"{what} needs pandas: pip install pandas") from None
     return pd

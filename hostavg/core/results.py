@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from hostavg.core.gradients import Gradients
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.core import schema
 from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
@@ -263,4 +263,4 @@ QUANTITIES = ("grad_norm", "update_ratio")
 
 def check_quantity(quantity: str) -> None:
     if quantity not in QUANTITIES:
-        raise HostavgError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
+        raise ArgumentError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")

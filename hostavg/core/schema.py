@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, StepError
 from hostavg.core.optional import pandas
 
 __all__ = ["HISTORY", "Kind", "MICRO", "QUANTITIES", "Quantity", "UserStatistics", "by_name", "frame",
@@ -250,15 +250,15 @@ class UserStatistics:
         if statistics is None:
             statistics = {}
         if not isinstance(statistics, Mapping):
-            raise HostavgError(f"statistics must be a mapping {{name: fn}} (fn(result) -> a "
-                               f"number, k numbers or {{variable: number}}), got {statistics!r}")
+            raise ArgumentError(f"statistics must be a mapping {{name: fn}} (fn(result) -> a "
+                                f"number, k numbers or {{variable: number}}), got {statistics!r}")
         for name, fn in statistics.items():
             if not isinstance(name, str) or not name.isidentifier():
-                raise HostavgError(f"statistics: a name must be a Python identifier (it becomes "
-                                   f"a column, a key and a TensorBoard tag), got {name!r}")
+                raise ArgumentError(f"statistics: a name must be a Python identifier (it becomes "
+                                    f"a column, a key and a TensorBoard tag), got {name!r}")
             if not callable(fn):
-                raise HostavgError(f"statistics[{name!r}] must be a function of the step's "
-                                   f"result, got {fn!r}")
+                raise ArgumentError(f"statistics[{name!r}] must be a function of the step's "
+                                    f"result, got {fn!r}")
         self.functions = dict(statistics)
         self._kinds: dict[str, Kind] = {}
 
@@ -273,23 +273,23 @@ class UserStatistics:
             try:
                 value = fn(result)
             except Exception as e:  # noqa: BLE001 - a user's function: named, then raised
-                raise HostavgError(f"statistic {name!r} raised {type(e).__name__}: {e}; "
-                                   f"nothing was applied") from e
+                raise StepError(f"statistic {name!r} raised {type(e).__name__}: {e}; "
+                                f"nothing was applied") from e
             out[name] = self._checked(name, value, len(result.micro), variables)
         return MappingProxyType(out)
 
     def _checked(self, name: str, value, k: int, variables: Sequence[str]):
         kind, plain_value = _user_value(value, k, variables)
         if kind is None:
-            raise HostavgError(
+            raise StepError(
                 f"statistic {name!r} returned {_shown(value)}: a statistic returns a real number "
                 f"(per step), {k} real numbers (one per micro-batch of this step) or a mapping "
                 f"from trained variable names to real numbers; nothing was applied")
         first = self._kinds.setdefault(name, kind)
         if first is not kind:
-            raise HostavgError(f"statistic {name!r} returned {kind.said} ({_shown(value)}) after "
-                               f"{first.said} on earlier steps; a statistic keeps one kind; "
-                               f"nothing was applied")
+            raise StepError(f"statistic {name!r} returned {kind.said} ({_shown(value)}) after "
+                            f"{first.said} on earlier steps; a statistic keeps one kind; "
+                            f"nothing was applied")
         return plain_value
 
 
@@ -338,4 +338,4 @@ def frame(name: str, kind: Kind, steps: Sequence[tuple], where: str, variables=(
         names = list(variables) or list(dict.fromkeys(n for _, v in kept for n in v))
         return pd.DataFrame([[v.get(n, math.nan) for n in names] for _, v in kept], index=index,
                             columns=pd.Index(names, name="variable"))
-    raise HostavgError(f"{where}: {name!r} is {kind.said}, which has no table over steps here")
+    raise ArgumentError(f"{where}: {name!r} is {kind.said}, which has no table over steps here")

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import ArgumentError, positive_int
 
 __all__ = ["Cut", "arrays", "as_arrays", "blocks_of", "cut", "feed_size", "pieces", "sample_count",
            "split", "take"]
@@ -64,8 +64,8 @@ def cut(micro_batch_size=None, micro_batches=None) -> Cut | None:
       HostavgError: for both given, or either not an integer >= 1.
     """
     if micro_batch_size is not None and micro_batches is not None:
-        raise HostavgError(f"give micro_batch_size or micro_batches, not both; got micro_batch_"
-                           f"size={micro_batch_size!r}, micro_batches={micro_batches!r}")
+        raise ArgumentError(f"give micro_batch_size or micro_batches, not both; got micro_batch_"
+                            f"size={micro_batch_size!r}, micro_batches={micro_batches!r}")
     if micro_batches is not None:
         return Cut(None, positive_int("micro_batches", micro_batches))
     if micro_batch_size is not None:
@@ -106,8 +106,8 @@ def _leaves(batch) -> dict:
             else:
                 out[(i,)] = part
         return out
-    raise HostavgError(f"a batch is a dict {{key: array}} or a tuple such as (x, y), got "
-                       f"{type(batch).__name__}")
+    raise ArgumentError(f"a batch is a dict {{key: array}} or a tuple such as (x, y), got "
+                        f"{type(batch).__name__}")
 
 
 def _rebuild(batch, values: dict):
@@ -127,8 +127,8 @@ def arrays(batch, what: str = "a batch") -> dict:
             try:
                 value = np.asarray(value)
             except ValueError as e:  # ragged nested lists
-                raise HostavgError(f"{what}: {_key_name(path)} cannot be made an array "
-                                   f"({e})") from None
+                raise ArgumentError(f"{what}: {_key_name(path)} cannot be made an array "
+                                    f"({e})") from None
         if isinstance(value, np.ndarray) and value.ndim >= 1:
             out[path] = value
     return out
@@ -147,7 +147,7 @@ def _length(arrays: dict, what: str, blocks: Mapping | None = None) -> int | Non
         listed = ", ".join(f"{_key_name(k)}: {len(v)}" + (f" in {blocks[k]} blocks" if k in blocks
                                                           else "")
                            for k, v in arrays.items())
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: arrays have different lengths along axis 0 ({listed}); every array in a "
             f"batch must hold the same samples. An array of several blocks of the samples (labels "
             f"of real samples, then of fake ones) is declared with "
@@ -174,7 +174,7 @@ def feed_size(batch, what: str = "batch", blocks: Mapping | None = None) -> int:
     """
     n = sample_count(batch, what, blocks)
     if n is None:
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: no array in the batch (only scalars), so its number of samples is "
             f"unknown; say it: size= to compute, sizes= (one per micro-batch) to step")
     return n
@@ -230,14 +230,14 @@ def split(batch, micro_batch_size: int | None = None, *, micro_batches: int | No
     """
     how = cut(micro_batch_size, micro_batches)
     if how is None:
-        raise HostavgError("split needs micro_batch_size (samples per micro-batch) or "
-                           "micro_batches (their number), got neither")
+        raise ArgumentError("split needs micro_batch_size (samples per micro-batch) or "
+                            "micro_batches (their number), got neither")
     if not isinstance(batch, (Mapping, tuple)):
-        raise HostavgError(f"split takes a dict {{key: array}} or a tuple (x, y), got "
-                           f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
+        raise ArgumentError(f"split takes a dict {{key: array}} or a tuple (x, y), got "
+                            f"{type(batch).__name__}; e.g. hostavg.split({{x: xs, y: ys}}, 32)")
     n = _length(arrays(batch, "split"), "split", blocks)
     if not n:
-        raise HostavgError(
+        raise ArgumentError(
             "split: the batch holds no samples (no array, or arrays of length 0)")
     return pieces(batch, how.sizes(n), n, blocks)
 

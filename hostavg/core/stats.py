@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import BLOCK, SparseGradient, global_norm, squared_norm
 
 __all__ = [
@@ -328,13 +328,13 @@ def _check(G, b) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
     G = np.asarray(G, np.float64)
     b = np.asarray(b, np.float64)
     if G.ndim != 2:
-        raise HostavgError(f"G must be a (k, D) array of flattened gradients, got shape {G.shape}")
+        raise ArgumentError(f"G must be a (k, D) array of flattened gradients, got shape {G.shape}")
     if b.shape != (G.shape[0],):
-        raise HostavgError(f"b must hold one size per row of G: shape ({G.shape[0]},), got {b.shape}")
+        raise ArgumentError(f"b must hold one size per row of G: shape ({G.shape[0]},), got {b.shape}")
     if G.shape[0] < 2:
-        raise HostavgError(f"these estimates need at least 2 micro-batches, got {G.shape[0]}")
+        raise ArgumentError(f"these estimates need at least 2 micro-batches, got {G.shape[0]}")
     if not (np.isfinite(b).all() and (b > 0).all()):
-        raise HostavgError(f"b must be finite and > 0, got {b}")
+        raise ArgumentError(f"b must be finite and > 0, got {b}")
     B = float(b.sum())
     return G, b, B, b @ G / B
 
@@ -503,7 +503,7 @@ class NoiseScale:
 
     def __init__(self, beta: float = NOISE_SCALE_BETA):
         if not 0 <= beta < 1:
-            raise HostavgError(f"beta must be in [0, 1), got {beta!r}")
+            raise ArgumentError(f"beta must be in [0, 1), got {beta!r}")
         self.beta = beta
         self._s = self._g2 = 0.0
         self._n = 0

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import ArgumentError, HostavgError, positive_int
 from hostavg.core.gradients import freeze
 from hostavg.core.results import Culprit
 from hostavg.engine import culprits
@@ -39,21 +39,21 @@ class Prepared(NamedTuple):
 def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list[Prepared]:
     """Every micro-batch checked and sized before any runs: a :class:`Prepared` each."""
     if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
-        raise HostavgError(
+        raise ArgumentError(
             f"{call} takes a list of {backend.advice['batches_name']}, one per micro-batch, got "
             f"{type(feeds).__name__}; cut one big batch with hostavg.split(batch, "
             f"micro_batch_size)")
     if sizes is not None:
         if isinstance(sizes, Mapping) or not isinstance(sizes, (Sequence, np.ndarray)) \
                 or len(sizes) != len(feeds):
-            raise HostavgError(f"sizes must hold one number of samples per micro-batch "
-                               f"({len(feeds)}), got {sizes!r}")
+            raise ArgumentError(f"sizes must hold one number of samples per micro-batch "
+                                f"({len(feeds)}), got {sizes!r}")
         sizes = [positive_int(f"sizes[{i}]", n) for i, n in enumerate(sizes)]
     if rows is not None and (isinstance(rows, Mapping) or not isinstance(rows, (Sequence, np.ndarray))
                              or len(rows) != len(feeds)):
-        raise HostavgError(f"rows must hold one array of row indices per micro-batch "
-                           f"({len(feeds)}), or be None; got {type(rows).__name__} of length "
-                           f"{len(rows) if hasattr(rows, '__len__') else '?'}")
+        raise ArgumentError(f"rows must hold one array of row indices per micro-batch "
+                            f"({len(feeds)}), or be None; got {type(rows).__name__} of length "
+                            f"{len(rows) if hasattr(rows, '__len__') else '?'}")
     out, start = [], 0
     for i, feed in enumerate(feeds):
         what = f"micro-batch {i} of {len(feeds)}"
@@ -105,7 +105,7 @@ def refused(what: str, problem: str, found) -> HostavgError:
     [] while unknown.
     """
     found = tuple(Culprit(int(j), None, reason) for j, reason in found)
-    error = HostavgError(_refusal(what, problem, found))
+    error = ArgumentError(_refusal(what, problem, found))
     error.culprits, error.culprit_rows, error.refused = found, [], problem
     return error
 
@@ -126,8 +126,8 @@ def row_indices(rows, n: int, what: str) -> np.ndarray | None:
         return None
     array = np.asarray(rows)
     if array.shape != (n,) or (array.size and array.dtype.kind not in "iu"):
-        raise HostavgError(f"{what}: rows must be {n} integer row indices, one per sample, got "
-                           f"shape {array.shape} dtype {array.dtype}")
+        raise ArgumentError(f"{what}: rows must be {n} integer row indices, one per sample, got "
+                            f"shape {array.shape} dtype {array.dtype}")
     return freeze(array.astype(np.int64))
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, StepError
 from hostavg.core.results import Culprit
 from hostavg.core.split import arrays, take
 
@@ -54,10 +54,10 @@ def _samples(feed, n: int) -> dict:
     array's length is no multiple of ``n``, or the feed has no array."""
     found = arrays(feed)
     if not found:
-        raise HostavgError("it holds no array (only scalars), so it cannot be cut into samples")
+        raise StepError("it holds no array (only scalars), so it cannot be cut into samples")
     uneven = {key_name(p): len(a) for p, a in found.items() if len(a) % n or not len(a)}
     if uneven:
-        raise HostavgError(f"its arrays cannot be cut into its {n} samples (lengths {uneven})")
+        raise StepError(f"its arrays cannot be cut into its {n} samples (lengths {uneven})")
     return {path: a.reshape(len(a) // n, n, *a.shape[1:]) for path, a in found.items()}
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from hostavg.core.accumulator import Reduction, aligned_empty, stack_sum, weighted_rows
 from hostavg.engine.protocols import Tally
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, HostavgError, StepError
 from hostavg.core.gradients import coalesce_rows
 
 __all__ = ["Distributed"]
@@ -48,10 +48,10 @@ class Distributed:
         try:
             from mpi4py import MPI
         except ImportError:
-            raise HostavgError("comm= needs mpi4py: pip install 'hostavg[mpi]'") from None
+            raise ArgumentError("comm= needs mpi4py: pip install 'hostavg[mpi]'") from None
         if not isinstance(comm, MPI.Comm):
-            raise HostavgError(f"comm must be an mpi4py communicator such as MPI.COMM_WORLD, "
-                               f"got {type(comm).__name__}")
+            raise ArgumentError(f"comm must be an mpi4py communicator such as MPI.COMM_WORLD, "
+                                f"got {type(comm).__name__}")
         self.MPI, self.comm = MPI, comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._synchronized = weakref.WeakSet()
@@ -74,7 +74,7 @@ class Distributed:
                        for r in range(1, self.size)
                        for d in _differences(kind, forms[0][i], forms[r][i], r)]
         if differences:
-            raise HostavgError(
+            raise StepError(
                 f"the ranks' models differ, so nothing was changed on any: "
                 f"{'; '.join(differences[:6])}{' ...' if len(differences) > 6 else ''}. Build the "
                 f"same {backend.advice['model_name']} and Trainer on every rank")
@@ -83,17 +83,21 @@ class Distributed:
         self._synchronized.add(backend.target)
 
     def combine(self, backend, tally: Tally | None, error: BaseException | None) -> Tally:
-        """Every rank's tally together; if any rank failed, the same error on every rank."""
+        """Every rank's tally together; if any rank failed, the same error on every rank: an
+        ArgumentError where every failed rank's was one (its call was refused), else a
+        StepError."""
         message = None if error is None else str(error) if isinstance(error, HostavgError) \
             else f"{type(error).__name__}: {error}"
         if error is not None and getattr(error, "__notes__", None):
             message += " (" + "; ".join(error.__notes__) + ")"
-        reports = self.gather(backend, "a step", (message, tally))
-        failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(reports) if m is not None]
+        refused = isinstance(error, ArgumentError)
+        reports = self.gather(backend, "a step", (message, refused, tally))
+        failed = [(f"rank {r}: {m}", a) for r, (m, a, _) in enumerate(reports) if m is not None]
         if failed:
-            raise HostavgError(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing "
-                               f"was applied on any: {' | '.join(failed)}") from error
-        tallies = [t for _, t in reports]
+            kind = ArgumentError if all(a for _, a in failed) else StepError
+            raise kind(f"the step failed on {len(failed)} of {len(reports)} ranks and nothing was "
+                       f"applied on any: {' | '.join(m for m, _ in failed)}") from error
+        tallies = [t for _, _, t in reports]
         loss_sums = [t.loss_sum for t in tallies]
         steps = [t.global_step for t in tallies if t.global_step is not None]
         return Tally(*([x for t in tallies for x in getattr(t, f)]
@@ -119,7 +123,7 @@ class Distributed:
         """
         reports = self.comm.allgather((what, obj))
         if any(w != what for w, _ in reports):
-            raise HostavgError(
+            raise StepError(
                 f"the ranks are out of step: "
                 f"{', '.join(f'rank {r} is at {w}' for r, (w, _) in enumerate(reports))}; every "
                 f"rank must make the same calls (fit: on the same data, with the same "
@@ -196,9 +200,9 @@ def _shared_apply_feed(feeds: list, advice) -> dict | None:
         differ += [f"{n!r} on ranks {r0} and {r}" for n in first.keys() | feed.keys()
                    if n not in first or n not in feed or not np.array_equal(first[n], feed[n])]
     if differ:
-        raise HostavgError(f"the ranks give different values to {', '.join(differ)}, which "
-                           f"{advice['apply_reader']} reads; nothing was applied on any. Give "
-                           f"every rank the same value")
+        raise StepError(f"the ranks give different values to {', '.join(differ)}, which "
+                        f"{advice['apply_reader']} reads; nothing was applied on any. Give "
+                        f"every rank the same value")
     return first
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import HostavgError, StepError
 from hostavg.engine import culprits
 
 __all__ = ["LISTED", "Overflow", "driver", "overflowed"]
@@ -73,11 +73,11 @@ def overflowed(search: culprits.CulpritSearch, result, names: tuple, batches: li
             f"weights, the optimizer's state and the global step are as before the step.")
     top, said = driver(result)
     if top is None:
-        return HostavgError(
+        return StepError(
             f"{what} No micro-batch stands out ({said}): the weights or the optimizer's state "
             f"grew over earlier steps; lower the learning rate, or clip the gradients "
             f"(hostavg.hooks.ClipGlobalNorm)."), None
-    error = HostavgError(f"{what} It was driven by {said}.")
+    error = StepError(f"{what} It was driven by {said}.")
     norms = result.stats.micro_norms
     others = [norms[m.index] for m in result.micro if m.dropped is None and m.index != top]
     search.name(error, batches[top],

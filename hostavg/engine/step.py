@@ -33,7 +33,8 @@ from hostavg.core.accumulator import Accumulator
 from hostavg.core import distributions
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.dtypes import accumulation_dtype
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
+                                 within_step)
 from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.schema import UserStatistics
@@ -169,7 +170,7 @@ class Engine:
         """Within the block no step of this trainer runs, and afterwards what the computes
         assigned (moving statistics) is as before: for calls that only look."""
         if not self._busy.acquire(blocking=False):
-            raise HostavgError(f"{call}: a step of this trainer is running; call it between steps")
+            raise StepError(f"{call}: a step of this trainer is running; call it between steps")
         try:
             snapshot = backend.snapshot()
             try:
@@ -197,6 +198,12 @@ class Engine:
         check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
                      hint=hint)
         return values
+
+    def _returned(self, grads: Mapping, what: str) -> dict:
+        """Gradients a hook returned while a step runs, conformed (:func:`conform`); a StepError
+        where they do not fit: they are none of the call's arguments."""
+        with within_step():
+            return conform(self.spec, grads, what=what)
 
     def per_sample(self, backend: Backend, feeds: Sequence, rows=None) -> SampleStats:
         """Each of ``feeds`` (one sample each; of data ``rows``, or None) computed alone: its
@@ -276,8 +283,8 @@ class Engine:
             error, tally = e, None
         tally = self.average.combine(backend, tally, error)
         if not tally.norms:
-            raise HostavgError(f"step got no micro-batches; pass at least one "
-                               f"{backend.advice['batch_name']}")
+            raise ArgumentError(f"step got no micro-batches; pass at least one "
+                                f"{backend.advice['batch_name']}")
         global_step = backend.global_step() if tally.global_step is None else tally.global_step
         if not tally.total:
             return Pending(self, backend, snapshot, StepResult(
@@ -318,8 +325,7 @@ class Engine:
             if new is not None:
                 what = f"step, the mean that on_step hook {name_of(hook)} returned"
                 hint = "Look at that hook."
-                mean = Gradients(conform(self.spec, new, what=what), loss=mean.loss,
-                                 size=mean.size)
+                mean = Gradients(self._returned(new, what), loss=mean.loss, size=mean.size)
                 result = replace(result, grads=mean, stats=result.stats.applied(mean))
                 mine = False
         if self.statistics:
@@ -350,7 +356,7 @@ class Engine:
             try:
                 before = backend.snapshot() if keep else None
             except HostavgError as e:
-                raise HostavgError(f"step, {batch.where}: {e}") from e.__cause__
+                raise type(e)(f"step, {batch.where}: {e}") from e.__cause__
             return before, self._compute(backend, batch.feed, batch.size, f"step, {batch.where}",
                                          whole)
 
@@ -421,8 +427,8 @@ class Engine:
                     break
                 if out is not None:
                     changed_by = hook
-                    grads = Gradients(conform(self.spec, out, what=f"step, {where}, on_micro_batch "
-                                                                   f"hook {name_of(hook)}'s gradients"),
+                    grads = Gradients(self._returned(out, f"step, {where}, on_micro_batch hook "
+                                                          f"{name_of(hook)}'s gradients"),
                                       loss=g.loss, size=n)
                     record = replace(record, grads=grads)
         sq = _sq_norms(grads)
@@ -482,13 +488,13 @@ class Engine:
                 # (refused's: "check that micro-batch's feed"), which the cause makes wrong
                 said = (f"{where}: {fixed_batch_hint(n, whole, backend.advice)} "
                         f"{_capital(getattr(e, 'fact', str(e)))}.")
-                error = HostavgError(said)
+                error = type(e)(said)
                 error.fixed_batch = True  # no one sample is to blame: not traced to rows
                 raise error from e.__cause__
-            raise HostavgError(said) from e.__cause__
+            raise type(e)(said) from e.__cause__
         if np.ndim(out.loss) != 0:
-            raise HostavgError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
-                               f"reduce it with {backend.advice['mean_op']}")
+            raise StepError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
+                            f"reduce it with {backend.advice['mean_op']}")
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
             out.global_step, out.fetched
 
@@ -594,7 +600,7 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
             try:
                 for engine, backend, feeds, sizes, *rows in steps:
                     if not engine._busy.acquire(blocking=False):
-                        raise HostavgError(
+                        raise StepError(
                             "another step of this trainer is running (in another thread, a hook "
                             "called step, or it is listed twice); a trainer runs one step at a "
                             "time: use one trainer per thread")

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.core import schema
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.core.results import StepResult
 from hostavg.core.schema import Kind
 from hostavg.core import distributions as _distributions
@@ -84,7 +84,7 @@ def _runs(source, plot: str) -> list[_Run]:
     anything is drawn."""
     if isinstance(source, Mapping) and not isinstance(source, History):
         if not source:
-            raise HostavgError(f"hostavg.plot.{plot} takes {SOURCES}; got an empty mapping")
+            raise ArgumentError(f"hostavg.plot.{plot} takes {SOURCES}; got an empty mapping")
         return [_run(value, plot, str(label)) for label, value in source.items()]
     return [_run(source, plot, None)]
 
@@ -118,15 +118,15 @@ def _run(source, plot: str, label: str | None) -> _Run:
                 kinds.update({n: schema.kind_of(v) for n, v in s.statistics.items()})
             out.append(_Step(seen, values))
     else:
-        raise HostavgError(f"hostavg.plot.{plot} takes {SOURCES}; got {_described(source)}{said}")
+        raise ArgumentError(f"hostavg.plot.{plot} takes {SOURCES}; got {_described(source)}{said}")
     for step in out:  # a per-variable quantity not measured that step: no variable
         for name, kind in kinds.items():
             if kind is Kind.VARIABLE and step.values.get(name) is None:
                 step.values[name] = {}
     out = [s for s in out if not math.isnan(s.grad_norm)]
     if not out:
-        raise HostavgError(f"hostavg.plot.{plot}: nothing to plot, no applied step in "
-                           f"{_described(source)}{said}")
+        raise ArgumentError(f"hostavg.plot.{plot}: nothing to plot, no applied step in "
+                            f"{_described(source)}{said}")
     return _Run(label, out, kinds, validation)
 
 
@@ -159,8 +159,8 @@ def _axes(ax, plot: str, figsize=(7, 4)):
     """``ax``, checked to be matplotlib Axes, or a new figure's axes for None."""
     if ax is not None:
         if not all(callable(getattr(ax, m, None)) for m in ("plot", "scatter", "set", "legend")):
-            raise HostavgError(f"hostavg.plot.{plot}: ax must be matplotlib Axes (or None for a "
-                               f"new figure), got {ax!r}")
+            raise ArgumentError(f"hostavg.plot.{plot}: ax must be matplotlib Axes (or None for a "
+                                f"new figure), got {ax!r}")
         return ax
     return _pyplot().subplots(figsize=figsize)[1]
 
@@ -169,7 +169,7 @@ def _pyplot():
     try:
         import matplotlib.pyplot as plt
     except ImportError:
-        raise HostavgError("hostavg.plot needs matplotlib: pip install matplotlib") from None
+        raise ArgumentError("hostavg.plot needs matplotlib: pip install matplotlib") from None
     return plt
 
 
@@ -275,8 +275,8 @@ def noise_scale(steps, ax=None, beta: float = NOISE_SCALE_BETA):
     empty = [run.label for run, rows in drawn if not rows]
     if empty:
         which = "" if runs[0].label is None else f" (runs {empty})"
-        raise HostavgError(f"no step has a noise-scale estimate{which}: they need 2 or more "
-                           f"micro-batches")
+        raise ArgumentError(f"no step has a noise-scale estimate{which}: they need 2 or more "
+                            f"micro-batches")
     ax = _axes(ax, "noise_scale")
     marked = []
     for i, (run, rows) in enumerate(drawn):
@@ -318,7 +318,7 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
         why = ("update ratios are measured only when the trainer is made with "
                "update_ratios_every=N (then every N-th step has them)"
                if quantity == "update_ratio" else "the steps hold no variables")
-        raise HostavgError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
+        raise ArgumentError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
     what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
     return _per_variable(runs, ax, field, f"Per variable: {what}",
                          "gradient norm" if quantity == "grad_norm" else "update ratio", log=True)
@@ -389,12 +389,12 @@ def statistic(steps, name: str, ax=None):
     runs = _runs(steps, "statistic")
     kinds = {run.kinds[name] for run in runs if name in run.kinds}
     if not kinds:
-        raise HostavgError(f"hostavg.plot.statistic: no quantity or statistic {name!r}; the "
-                           f"runs hold {sorted(set().union(*(run.kinds for run in runs)))}")
+        raise ArgumentError(f"hostavg.plot.statistic: no quantity or statistic {name!r}; the "
+                            f"runs hold {sorted(set().union(*(run.kinds for run in runs)))}")
     kind = kinds.pop()
     if kind not in (Kind.STEP, Kind.MICRO, Kind.VARIABLE) or kinds:
-        raise HostavgError(f"hostavg.plot.statistic draws a per-step, per-micro-batch or "
-                           f"per-variable value; {name!r} is {kind.said}")
+        raise ArgumentError(f"hostavg.plot.statistic draws a per-step, per-micro-batch or "
+                            f"per-variable value; {name!r} is {kind.said}")
     if kind is Kind.VARIABLE:
         return _per_variable(runs, ax, name, name, name, log=False)
     ax = _axes(ax, "statistic")
@@ -531,8 +531,8 @@ def cosine_heatmap(step, ax=None, vmin: float | None = COSINE_SCALE[0],
     """
     if isinstance(step, Mapping) and not isinstance(step, History):
         if not step:
-            raise HostavgError(f"hostavg.plot.cosine_heatmap takes one step (a StepResult or "
-                               f"record[step]) or {SOURCES}; got an empty mapping")
+            raise ArgumentError(f"hostavg.plot.cosine_heatmap takes one step (a StepResult or "
+                                f"record[step]) or {SOURCES}; got an empty mapping")
         found = [(str(label), *_cosines(value, f" for run {label!r}"))
                  for label, value in step.items()]
         if ax is None:
@@ -541,8 +541,8 @@ def cosine_heatmap(step, ax=None, vmin: float | None = COSINE_SCALE[0],
         else:
             axes = list(np.ravel(ax)) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
             if len(axes) != len(found):
-                raise HostavgError(f"cosine_heatmap draws one panel per run: ax must be "
-                                   f"{len(found)} axes, got {len(axes)}")
+                raise ArgumentError(f"cosine_heatmap draws one panel per run: ax must be "
+                                    f"{len(found)} axes, got {len(axes)}")
         scale = _scale([m for _, m, _, _ in found], vmin, vmax, cmap)
         for a, (label, matrix, index, number) in zip(axes, found):
             _heatmap(a, matrix, index, f"{label}, step {number}", *scale)
@@ -563,14 +563,14 @@ def _scale(matrices: list, vmin, vmax, cmap: str) -> tuple:
     high = (float(found.max()) if found.size else 1.0) if vmax is None else float(vmax)
     if not low < high:
         if vmin is not None and vmax is not None:
-            raise HostavgError(f"cosine_heatmap: vmin must be below vmax, got {vmin} and {vmax}")
+            raise ArgumentError(f"cosine_heatmap: vmin must be below vmax, got {vmin} and {vmax}")
         low, high = low - 5e-4, high + 5e-4  # all alike: a little room, so colours mean something
     norm = colors.TwoSlopeNorm(0.0, low, high) if low < 0 < high else colors.Normalize(low, high)
     try:
         return norm, _colormap(cmap)
     except (KeyError, ValueError):
-        raise HostavgError(f"cosine_heatmap: cmap must be a matplotlib colormap's name, got "
-                           f"{cmap!r}") from None
+        raise ArgumentError(f"cosine_heatmap: cmap must be a matplotlib colormap's name, got "
+                            f"{cmap!r}") from None
 
 
 def _cosines(step, said: str) -> tuple[np.ndarray, list, int]:
@@ -582,10 +582,10 @@ def _cosines(step, said: str) -> tuple[np.ndarray, list, int]:
     elif isinstance(step, (list, tuple)) and step and isinstance(step[-1], StepResult):
         step = step[-1]
     if isinstance(step, History):
-        raise HostavgError("hostavg.plot.cosine_heatmap needs micro-batch gradients, which the "
-                           "History that fit returns does not keep: pass a StepResult of "
-                           "accumulate='stack', or record with hooks=[Record(path)] and pass "
-                           "load_record(path)" + said)
+        raise ArgumentError("hostavg.plot.cosine_heatmap needs micro-batch gradients, which the "
+                            "History that fit returns does not keep: pass a StepResult of "
+                            "accumulate='stack', or record with hooks=[Record(path)] and pass "
+                            "load_record(path)" + said)
     if isinstance(step, RecordedStep):
         index = [m["index"] for m in step.micro if m["recorded"] and m["dropped"] is None]
         matrix = pairwise_cosines(flatten([step.micro_grads(i) for i in index])[0]) \
@@ -594,12 +594,12 @@ def _cosines(step, said: str) -> tuple[np.ndarray, list, int]:
         index = [m.index for m in step.micro if m.dropped is None]
         matrix = step.stats.pairwise_cosines if step.stats is not None else None
     else:
-        raise HostavgError(f"hostavg.plot.cosine_heatmap takes one step (a StepResult or "
-                           f"record[step]) or {SOURCES}; got {_described(step)}{said}")
+        raise ArgumentError(f"hostavg.plot.cosine_heatmap takes one step (a StepResult or "
+                            f"record[step]) or {SOURCES}; got {_described(step)}{said}")
     if matrix is None:
-        raise HostavgError("cosine_heatmap needs the gradients of 2 or more micro-batches: "
-                           "train with accumulate='stack', or record with "
-                           "Record(..., micro=True)" + said)
+        raise ArgumentError("cosine_heatmap needs the gradients of 2 or more micro-batches: "
+                            "train with accumulate='stack', or record with "
+                            "Record(..., micro=True)" + said)
     return matrix, index, step.step
 
 

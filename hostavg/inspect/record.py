@@ -31,7 +31,7 @@ import numpy as np
 
 from hostavg.core import distributions, schema
 from hostavg.core.dtypes import decode, encode
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import ArgumentError, HostavgError, flag, positive_int
 from hostavg.core.files import folder, read_array, remove_stale, temporary
 from hostavg.core.gradients import Gradients, SparseGradient
 from hostavg.core.optional import pandas
@@ -115,8 +115,8 @@ def _reading(path: Path):
     except HostavgError:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged zip or .npy header raises a dozen types
-        raise HostavgError(f"the record's file {path} is damaged ({type(e).__name__}: {e}); the "
-                           f"other steps stay readable: delete it, or read around it") from None
+        raise ArgumentError(f"the record's file {path} is damaged ({type(e).__name__}: {e}); the "
+                            f"other steps stay readable: delete it, or read around it") from None
 
 
 def _listing(path: Path) -> dict:
@@ -225,7 +225,7 @@ class RecordedStep:
     def micro_grads(self, index: int) -> Gradients:
         """Micro-batch ``index``'s gradients (recorded with ``micro=True``)."""
         if not 0 <= index < len(self.micro) or not self.micro[index]["recorded"]:
-            raise HostavgError(
+            raise ArgumentError(
                 f"step {self.step} has no gradients recorded for micro-batch {index}; it has "
                 f"{len(self.micro)} micro-batches, recorded: "
                 f"{[m['index'] for m in self.micro if m['recorded']]} (Record(..., micro=True))")
@@ -263,11 +263,11 @@ class RecordReader:
 
     def __init__(self, path):
         if not isinstance(path, (str, os.PathLike)):
-            raise HostavgError(f"load_record takes a record's folder (str or os.PathLike), got "
-                               f"{path!r}")
+            raise ArgumentError(f"load_record takes a record's folder (str or os.PathLike), got "
+                                f"{path!r}")
         self.path = Path(path)
         if not self.path.is_dir():
-            raise HostavgError(f"no record at {self.path}: not a folder")
+            raise ArgumentError(f"no record at {self.path}: not a folder")
         self._paths = dict(sorted(_listing(self.path).items()))
         self.steps = list(self._paths)
 
@@ -279,8 +279,8 @@ class RecordReader:
 
     def __getitem__(self, step: int) -> RecordedStep:
         if step not in self._paths:
-            raise HostavgError(f"step {step} is not in the record {self.path}; it holds "
-                               f"{len(self.steps)} steps, from {self.steps[:1]} to {self.steps[-1:]}")
+            raise ArgumentError(f"step {step} is not in the record {self.path}; it holds "
+                                f"{len(self.steps)} steps, from {self.steps[:1]} to {self.steps[-1:]}")
         return RecordedStep(self._paths[step])
 
     def to_pandas(self):
@@ -319,8 +319,8 @@ class RecordReader:
         kinds = [s.kinds[name] for s in steps if name in s.kinds]
         if not kinds:
             known = sorted({n for s in steps for n in s.kinds})
-            raise HostavgError(f"RecordReader.statistic: no quantity or statistic {name!r} in "
-                               f"the record {str(self.path)!r}; it holds {known}")
+            raise ArgumentError(f"RecordReader.statistic: no quantity or statistic {name!r} in "
+                                f"the record {str(self.path)!r}; it holds {known}")
         return schema.frame(name, kinds[0], [(s.step, s.values.get(name)) for s in steps],
                             "RecordReader.statistic")
 
@@ -342,8 +342,8 @@ class RecordReader:
         check_quantity(quantity)
         micro = flag("micro", micro)
         if micro and quantity != "grad_norm":
-            raise HostavgError(f"micro=True tabulates each micro-batch's gradient norms, "
-                               f"quantity='grad_norm'; got quantity={quantity!r}")
+            raise ArgumentError(f"micro=True tabulates each micro-batch's gradient norms, "
+                                f"quantity='grad_norm'; got quantity={quantity!r}")
         rows, index = [], []
         for s in self:
             if micro:
@@ -420,7 +420,7 @@ class Record:
         later = self._writer.steps(since=step)
         if later and not self.overwrite:
             shown = ", ".join(map(str, later[:3])) + (", ..." if len(later) > 3 else "")
-            raise HostavgError(
+            raise ArgumentError(
                 f"Record: the folder {str(self.path)!r} already holds {len(later)} "
                 f"step{'s' if len(later) != 1 else ''} at or after "
                 f"step {step}, the first this run writes ({shown}): another run's, such as a cell "

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from hostavg.core import schema
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.files import folder
 from hostavg.core.gradients import SparseGradient
 from hostavg.core.schema import Kind
@@ -76,9 +76,9 @@ class TensorBoard:
         positive_int("histograms_every", histograms_every)
         self.overwrite = flag("overwrite", overwrite)
         if importlib.util.find_spec("tensorboard") is None:
-            raise HostavgError("the TensorBoard hook writes for TensorBoard, which is not "
-                               "installed: pip install tensorboard (or pip install "
-                               "'hostavg[inspect]')")
+            raise ArgumentError("the TensorBoard hook writes for TensorBoard, which is not "
+                                "installed: pip install tensorboard (or pip install "
+                                "'hostavg[inspect]')")
         self.logdir = str(folder(logdir, "TensorBoard: logdir", "the event files"))
         self.histograms_every = histograms_every
         self.noise_scale = NoiseScale(beta)
@@ -109,7 +109,7 @@ class TensorBoard:
         if not self._claimed:
             used = sorted(p for p in os.listdir(self.logdir) if p.startswith(_EVENTS))
             if used and not self.overwrite:
-                raise HostavgError(
+                raise ArgumentError(
                     f"TensorBoard: the folder {self.logdir!r} already holds {len(used)} event "
                     f"file{'s' if len(used) != 1 else ''} ({used[0]}{', ...' if len(used) > 1 else ''}): "
                     f"another run's, which TensorBoard would mix with this one. Pick another "

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["Position", "as_batch", "leaves", "positions", "rebuild", "structured"]
 
@@ -61,7 +61,7 @@ def leaves(batch, what: str) -> tuple:
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         got = f"{type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) \
             else type(batch).__name__
-        raise HostavgError(f"{what}: a batch is a tuple (x, y) or (x, y, sample_weight), got {got}")
+        raise ArgumentError(f"{what}: a batch is a tuple (x, y) or (x, y, sample_weight), got {got}")
     batch = tuple(batch[:2]) if len(batch) == 3 and batch[2] is None else tuple(batch)
     layout, leaves = [], []
     for name, part in zip(("x", "y", "sample_weight"), batch):
@@ -78,14 +78,14 @@ def leaves(batch, what: str) -> tuple:
             try:
                 array = np.asarray(value)
             except ValueError as e:  # ragged nested lists
-                raise HostavgError(f"{what}: {label} cannot be made an array ({e})") from None
+                raise ArgumentError(f"{what}: {label} cannot be made an array ({e})") from None
             if array.dtype.kind == "c":  # the TF1 face refuses them too
-                raise HostavgError(f"{what}: {label} holds complex values ({array.dtype}), whose "
-                                   f"imaginary part the model would drop; pass real arrays")
+                raise ArgumentError(f"{what}: {label} holds complex values ({array.dtype}), whose "
+                                    f"imaginary part the model would drop; pass real arrays")
             if array.ndim < 1:
-                raise HostavgError(f"{what}: {label} is not an array of samples (got "
-                                   f"{type(value).__name__} of shape {array.shape}); axis 0 of "
-                                   f"every array runs over the batch's samples")
+                raise ArgumentError(f"{what}: {label} is not an array of samples (got "
+                                    f"{type(value).__name__} of shape {array.shape}); axis 0 of "
+                                    f"every array runs over the batch's samples")
             leaves.append(array)
     signature = (tuple(layout), tuple((a.dtype.str, a.shape[1:]) for a in leaves))
     return batch, leaves, signature

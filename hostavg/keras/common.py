@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from hostavg.compat.keras import compile_arguments
-from hostavg.core.errors import HostavgError, positive_int, refused
+from hostavg.core.errors import ArgumentError, HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
 from hostavg.engine.protocols import Applied, ApplyRequest
@@ -68,7 +68,7 @@ def compiled(model, loss, optimizer):
             (optimizer is not None and optimizer is not model.optimizer):
         given = compile_arguments(model) if model.compiled else {}
         if optimizer is None and given.get("optimizer") is None:
-            raise HostavgError(
+            raise ArgumentError(
                 f"optimizer: model {model.name!r} is not compiled with one and none was given; "
                 f"pass optimizer= (e.g. keras.optimizers.Adam(1e-3) or 'adam') or compile the "
                 f"model with it")
@@ -89,8 +89,8 @@ def _optimizer(optimizer):
         try:
             return keras.optimizers.get(optimizer)
         except ValueError:
-            raise HostavgError(f"optimizer {optimizer!r} is not the name of a Keras optimizer "
-                               f"(such as 'adam' or 'sgd')") from None
+            raise ArgumentError(f"optimizer {optimizer!r} is not the name of a Keras optimizer "
+                                f"(such as 'adam' or 'sgd')") from None
     return optimizer
 
 
@@ -99,11 +99,11 @@ def _check_loss(loss) -> None:
     for one in keras.tree.flatten(loss):
         if isinstance(one, keras.losses.Loss):
             if one.reduction not in MEAN_REDUCTIONS:
-                raise HostavgError(
+                raise ArgumentError(
                     f"loss {one.name!r} has reduction={one.reduction!r}, but hostavg needs the "
                     f"micro-batch MEAN: make it with reduction='sum_over_batch_size' (the default)")
         elif not (one is None or isinstance(one, str) or callable(one)):
-            raise HostavgError(
+            raise ArgumentError(
                 f"loss must be a keras.losses.Loss, a loss's name (such as "
                 f"'sparse_categorical_crossentropy') or a callable(y_true, y_pred), or a dict or "
                 f"list of them per output; got {one!r}")
@@ -113,14 +113,14 @@ def checked_optimizer(optimizer):
     """``optimizer`` if hostavg can drive it: a Keras optimizer (a ``LossScaleOptimizer`` too)
     that does not accumulate gradients itself."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise HostavgError(
+        raise ArgumentError(
             f"optimizer must be a keras.optimizers.Optimizer (e.g. keras.optimizers.Adam(1e-3)), "
             f"got {type(optimizer).__name__}; a tf.compat.v1.train optimizer goes with "
             f"hostavg.Trainer")
     scaling = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     inner = optimizer.inner_optimizer if scaling else optimizer
     if inner.gradient_accumulation_steps:
-        raise HostavgError(
+        raise ArgumentError(
             f"optimizer has gradient_accumulation_steps={inner.gradient_accumulation_steps}, "
             f"but hostavg accumulates on the host: make the optimizer without it and pass the "
             f"micro-batches to step")
@@ -166,8 +166,8 @@ class ModelVariables:
         """Every variable of the model and the optimizer by its position, ``model/<i>`` and
         ``optimizer/<i>``: names that agree between processes that built the same model."""
         if not self.model.built:
-            raise HostavgError("the model is not built yet; run compute, step or fit on a batch "
-                               "first, or give the model an Input")
+            raise ArgumentError("the model is not built yet; run compute, step or fit on a batch "
+                                "first, or give the model an Input")
         self.build_optimizer()
         return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
                 **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
@@ -210,7 +210,7 @@ class CompiledModel(ModelVariables):
 
     def __init__(self, model, loss, optimizer, check_applied: bool = True):
         if overrides_train_step(model) and not self.runs_train_step:
-            raise HostavgError(
+            raise ArgumentError(
                 f"model {model.name!r} overrides train_step ({type(model).__qualname__}."
                 f"train_step), which {type(self).__name__} never calls: hostavg.keras.Trainer "
                 f"runs such a model with its own train_step per micro-batch")
@@ -237,7 +237,7 @@ class CompiledModel(ModelVariables):
         if size is None:
             n = feed_size(batch, what)
             if n < 1:
-                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
+                raise ArgumentError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
         else:
             n = positive_int(f"{what}: size", size)
         if signature not in self._computes:
@@ -251,12 +251,12 @@ class CompiledModel(ModelVariables):
         ``kept`` ((index in ``trainable``, sparse) of each variable with a gradient) not
         empty, each trained path one variable's, and the first batch's variables (spec)."""
         if tuple(shape) != ():
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: the loss has shape {tuple(shape)}, not a scalar; give the micro-batch "
                 f"MEAN (a keras.losses.Loss reduces it)")
         if not kept:
-            raise HostavgError(f"{what}: nothing to train: no trainable variable of the model has "
-                               f"a gradient with respect to the loss")
+            raise ArgumentError(f"{what}: nothing to train: no trainable variable of the model has "
+                                f"a gradient with respect to the loss")
         spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
                                                 np.dtype(trainable[i].dtype), sparse)
                 for i, sparse in kept}
@@ -264,11 +264,11 @@ class CompiledModel(ModelVariables):
             paths = [trainable[i].path for i, _ in kept]
             shared = sorted({p for p in paths if paths.count(p) > 1})
             if shared:
-                raise HostavgError(
+                raise ArgumentError(
                     f"trained variables share the paths {shared}; gradients are keyed by "
                     f"variable.path: give their layers distinct names")
         elif spec != self.spec:
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: with this batch's inputs the loss has gradients for other variables "
                 f"({sorted(spec)}) than with the first batch's ({sorted(self.spec)}); give every "
                 f"batch the same structure")
@@ -350,8 +350,9 @@ class ApplyOutputs(NamedTuple):
 
 @contextmanager
 def model_errors(what: str, message):
-    """Turns an error building or tracing the model on a batch into a HostavgError naming the
-    batch; ``message(error)`` is what went wrong, in the backend's own way of telling."""
+    """Turns an error building or tracing the model on a batch into an ArgumentError naming the
+    batch (refused before anything ran); ``message(error)`` is what went wrong, in the
+    backend's own way of telling."""
     try:
         yield
     except HostavgError:
@@ -359,4 +360,5 @@ def model_errors(what: str, message):
     except Exception as error:
         raise refused(f"{what}: the model cannot run on this batch ({type(error).__name__}: "
                       f"{message(error)})",
-                      "check its x and y against the model's inputs and the loss") from error
+                      "check its x and y against the model's inputs and the loss",
+                      ArgumentError) from error

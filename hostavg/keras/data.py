@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from hostavg.compat.keras import unbuilt
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import ArgumentError, positive_int
 from hostavg.core.split import feed_size, split, take
 from hostavg.keras.batch import as_batch, positions
 from hostavg.train.sources import ArraySource
@@ -49,7 +49,7 @@ def samples(x, y, sample_weight, what: str = "x") -> tuple:
     batch = as_batch(*(_arrays(part, name) for part, name in
                        ((x, what), (y, "y"), (sample_weight, "sample_weight"))))
     if batch[0] is None:
-        raise HostavgError(f"{what} is None; fit and evaluate need the inputs")
+        raise ArgumentError(f"{what} is None; fit and evaluate need the inputs")
     feed_size(batch, what)  # one length along axis 0, and at least one array
     return batch
 
@@ -76,15 +76,15 @@ def weighted(batch: tuple, class_weight, what: str) -> tuple:
     if class_weight is None:
         return batch
     if not isinstance(class_weight, Mapping):
-        raise HostavgError(f"class_weight must be a dict {{class index: weight}}, got "
-                           f"{type(class_weight).__name__}")
+        raise ArgumentError(f"class_weight must be a dict {{class index: weight}}, got "
+                            f"{type(class_weight).__name__}")
     if len(batch) == 3:
-        raise HostavgError(f"{what}: class_weight and sample_weight together; Keras takes one "
-                           f"or the other: fold the class weights into sample_weight")
+        raise ArgumentError(f"{what}: class_weight and sample_weight together; Keras takes one "
+                            f"or the other: fold the class weights into sample_weight")
     y = batch[1]
     if y is None or isinstance(y, Mapping):
-        raise HostavgError(f"{what}: class_weight needs one array of targets y (a model with a "
-                           f"single output), got {'none' if y is None else 'a dict'}")
+        raise ArgumentError(f"{what}: class_weight needs one array of targets y (a model with a "
+                            f"single output), got {'none' if y is None else 'a dict'}")
     labels = np.asarray(y)
     if labels.ndim > 1:
         labels = np.argmax(labels, axis=-1) if labels.shape[-1] != 1 else labels[..., 0]
@@ -99,13 +99,13 @@ def split_validation(batch: tuple, validation_split) -> tuple:
     samples (before shuffling) for validation, as Keras splits them."""
     if isinstance(validation_split, bool) or not isinstance(validation_split, (int, float)) \
             or not 0 <= validation_split < 1:
-        raise HostavgError(f"validation_split must be a number in [0, 1), got {validation_split!r}")
+        raise ArgumentError(f"validation_split must be a number in [0, 1), got {validation_split!r}")
     n = feed_size(batch, "x")
     cut = int(math.floor(n * (1.0 - validation_split)))
     if cut in (0, n):
-        raise HostavgError(f"validation_split={validation_split} of {n} samples leaves "
-                           f"{'no training' if cut == 0 else 'no validation'} sample; give more "
-                           f"data or another validation_split")
+        raise ArgumentError(f"validation_split={validation_split} of {n} samples leaves "
+                            f"{'no training' if cut == 0 else 'no validation'} sample; give more "
+                            f"data or another validation_split")
     return take(batch, slice(0, cut)), take(batch, slice(cut, n))
 
 
@@ -115,8 +115,8 @@ def validation(validation_data, what: str = "validation_data"):
     if is_batches(validation_data):
         return DatasetSource(validation_data)
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
-        raise HostavgError(f"{what} must be (x, y), (x, y, sample_weight), a tf.data.Dataset "
-                           f"or a keras.utils.PyDataset, got {type(validation_data).__name__}")
+        raise ArgumentError(f"{what} must be (x, y), (x, y, sample_weight), a tf.data.Dataset "
+                            f"or a keras.utils.PyDataset, got {type(validation_data).__name__}")
     x, y, w = (*validation_data, None)[:3]
     return samples(x, y, w, what=f"{what}'s x")
 
@@ -180,13 +180,13 @@ class DatasetSource:
         """The first batch of the next pass (made ready), to learn the model's variables from."""
         if self.py:
             if self._len == 0:
-                raise HostavgError("the PyDataset gives no batch (num_batches 0)")
+                raise ArgumentError("the PyDataset gives no batch (num_batches 0)")
             return self._batch(self.data[0], "batch 0 of the PyDataset")
         if self._opened is None:
             elements = iter(self.data)
             head = next(elements, None)
             if head is None:
-                raise HostavgError("the dataset gives no batch (it is empty)")
+                raise ArgumentError("the dataset gives no batch (it is empty)")
             self._opened = head, elements
         return self._batch(self._opened[0], "element 0 of the dataset")
 
@@ -229,8 +229,8 @@ class DatasetSource:
         if not isinstance(element, tuple):
             element = (element,)
         if len(element) not in (1, 2, 3):
-            raise HostavgError(f"{what} is a tuple of {len(element)}; each element must be x, "
-                               f"(x,), (x, y) or (x, y, sample_weight)")
+            raise ArgumentError(f"{what} is a tuple of {len(element)}; each element must be x, "
+                                f"(x,), (x, y) or (x, y, sample_weight)")
         batch = as_batch(*(_arrays(part, name) for part, name in
                            zip(element + (None,) * (3 - len(element)),
                                ("x", "y", "sample_weight"))))
@@ -242,8 +242,8 @@ def checked_batch_size(batch_size, data) -> int | None:
     Keras refuses it), else an integer >= 1, by default Keras's 32."""
     if is_batches(data):
         if batch_size is not None:
-            raise HostavgError(f"batch_size={batch_size!r} with a {type(data).__name__}, whose "
-                               f"elements are the batches: leave batch_size None")
+            raise ArgumentError(f"batch_size={batch_size!r} with a {type(data).__name__}, whose "
+                                f"elements are the batches: leave batch_size None")
         return None
     return 32 if batch_size is None else positive_int("batch_size", batch_size)
 

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 
 from hostavg.compat.jax import used_inputs
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, StepError
 from hostavg.core.gradients import freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.keras.batch import leaves as _leaves
@@ -182,7 +182,7 @@ class KerasJaxBackend(CompiledModel):
         trains one model on one device per process."""
         distribution = keras.distribution.distribution()
         if distribution is not None:
-            raise HostavgError(
+            raise ArgumentError(
                 f"hostavg.keras runs under a keras.distribution {type(distribution).__name__}, "
                 f"which hostavg does not drive: it trains one model on one device per process "
                 f"and averages the micro-batches on the host. Unset it "
@@ -239,7 +239,7 @@ class KerasJaxBackend(CompiledModel):
         if self.spec is None:
             if self.nonfinite == "optimizer" and len(kept) < len(trainable):
                 unreached = [v.path for i, v in enumerate(trainable) if i not in kept]
-                raise HostavgError(
+                raise ArgumentError(
                     f"{what}: on Keras's JAX backend a LossScaleOptimizer applies to every "
                     f"trainable variable at once (its stateless_apply), but the loss reaches "
                     f"none of {unreached}; make them non-trainable (layer.trainable = False), "
@@ -258,7 +258,7 @@ class KerasJaxBackend(CompiledModel):
         self._build_metrics(signature, leaves, what)
         trainable = list(self.model.trainable_variables)
         if not trainable:
-            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+            raise ArgumentError(f"{what}: the model has no trainable variables: nothing to train")
         return trainable
 
     def _adopt(self, assigned: list, metrics: list) -> list:
@@ -409,9 +409,9 @@ class KerasJaxTrainStepBackend(OwnStep, KerasJaxBackend):
             jax.make_jaxpr(lambda *args: step(*args, seen))(
                 [v.value for v in trainable], untrained, metric_values, self._slots(), leaves)
         if seen["gradients"] != len(trainable):
-            raise HostavgError(f"{what}: model {model.name!r}'s train_step applies "
-                               f"{seen['gradients']} gradients, not one per trainable variable "
-                               f"({len(trainable)}), as stateless_apply takes them")
+            raise ArgumentError(f"{what}: model {model.name!r}'s train_step applies "
+                                f"{seen['gradients']} gradients, not one per trainable variable "
+                                f"({len(trainable)}), as stateless_apply takes them")
         spec = self._traced_spec(what, (), trainable, [(i, False) for i in range(len(trainable))])
         if self.spec is None:
             self.spec, self._kept = spec, list(range(len(trainable)))
@@ -545,7 +545,7 @@ def _jax_errors(call: str):
     try:
         yield
     except jax.errors.JaxRuntimeError as error:
-        raise HostavgError(f"JAX failed in the {call} ({_first_line(error)})") from error
+        raise StepError(f"JAX failed in the {call} ({_first_line(error)})") from error
 
 
 def _model_errors(what: str):

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import READ_OPS, concrete_call, eager_tensor, first_line
-from hostavg.core.errors import HostavgError, refused
+from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.keras.batch import leaves as _leaves
@@ -247,7 +247,7 @@ class KerasBackend(CompiledModel):
         self.build_optimizer()
         trainable = list(self.model.trainable_variables)
         if not trainable:
-            raise HostavgError(f"{what}: the model has no trainable variables: nothing to train")
+            raise ArgumentError(f"{what}: the model has no trainable variables: nothing to train")
         return trainable
 
     def _adopted(self, function, what: str, shape, trainable: list, kept: list):
@@ -367,9 +367,9 @@ class KerasTrainStepBackend(OwnStep, KerasBackend):
     def __init__(self, model, loss, optimizer, batch_norm: str = "micro",
                  check_applied: bool = True):
         if batch_norm != "micro":
-            raise HostavgError(f"batch_norm={batch_norm!r} moves the statistics of hostavg's own "
-                               f"forward pass, but model {model.name!r} trains by its own "
-                               f"train_step: use batch_norm='micro'")
+            raise ArgumentError(f"batch_norm={batch_norm!r} moves the statistics of hostavg's own "
+                                f"forward pass, but model {model.name!r} trains by its own "
+                                f"train_step: use batch_norm='micro'")
         super().__init__(model, loss, optimizer, check_applied=check_applied)
 
     def _trace_compute(self, leaves, signature, what: str):
@@ -398,7 +398,7 @@ class KerasTrainStepBackend(OwnStep, KerasBackend):
 
         function = self._trace(step, leaves, what)
         if "refused" in seen:  # without autograph's frames
-            raise HostavgError(*seen["refused"].args) from None
+            raise type(seen["refused"])(*seen["refused"].args) from None
         return self._adopted(function, what, tf.TensorShape(()), seen["variables"],
                              seen["kept"]), seen["names"]
 
@@ -467,7 +467,7 @@ def refuse_strategies(model) -> None:
         strategy, where = model.distribute_strategy, "for a model made in"
     else:
         return
-    raise HostavgError(
+    raise ArgumentError(
         f"hostavg.keras runs {where} a {type(strategy).__name__} scope, which hostavg does not "
         f"drive: it trains one model on one device per process and averages the micro-batches "
         f"on the host. Build the model and the Trainer outside the strategy; for several "
@@ -494,9 +494,9 @@ def _batch_norms(model) -> list:
         todo[:0] = getattr(layer, "layers", [])
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
             if getattr(layer, "renorm", False):
-                raise HostavgError(f"batch_norm='step' combines plain batch norm's moments; "
-                                   f"layer {layer.name!r} has renorm=True, whose statistics move "
-                                   f"otherwise: use batch_norm='micro'")
+                raise ArgumentError(f"batch_norm='step' combines plain batch norm's moments; "
+                                    f"layer {layer.name!r} has renorm=True, whose statistics move "
+                                    f"otherwise: use batch_norm='micro'")
             out.append((layer.moving_mean, layer.moving_variance, float(layer.momentum)))
     return out
 
@@ -521,7 +521,7 @@ def _tensorflow_errors(call: str):
         if isinstance(error, tf.errors.InvalidArgumentError):
             raise refused(f"TensorFlow refused the {call} ({said})",
                           "check that micro-batch's x and y") from error
-        raise HostavgError(f"TensorFlow failed in the {call} ({said})") from error
+        raise StepError(f"TensorFlow failed in the {call} ({said})") from error
 
 
 def _model_errors(what: str):

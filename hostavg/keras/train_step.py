@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import keras
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError, HostavgError
 from hostavg.keras.advice import TRAIN_STEP_ADVICE
 
 __all__ = ["OwnStep", "captured", "flat_logs", "held_optimizers", "log_value", "loss_tracker",
@@ -95,23 +95,23 @@ def the_apply(calls, model, what: str) -> tuple:
     (:func:`captured`'s records of a ``train_step``) hold; HostavgError for none, for an
     apply of another optimizer, and for several applies."""
     if not calls:
-        raise HostavgError(f"{what}: model {model.name!r}'s train_step applied no optimizer, so "
-                           f"there is nothing to average: it must call "
-                           f"self.optimizer.apply(grads, variables) (or apply_gradients)")
+        raise ArgumentError(f"{what}: model {model.name!r}'s train_step applied no optimizer, so "
+                            f"there is nothing to average: it must call "
+                            f"self.optimizer.apply(grads, variables) (or apply_gradients)")
     names = held_optimizers(model)
     applied = [names.get(id(optimizer), "an optimizer") for optimizer, _, _ in calls]
     if len(calls) > 1:
         raise several_optimizers(model, f"applies {' then '.join(applied)}")
     if calls[0][0] is not model.optimizer:
-        raise HostavgError(f"{what}: model {model.name!r}'s train_step applies {applied[0]}, "
-                           f"not model.optimizer: compile the model with that optimizer, which "
-                           f"hostavg then applies the mean with")
+        raise ArgumentError(f"{what}: model {model.name!r}'s train_step applies {applied[0]}, "
+                            f"not model.optimizer: compile the model with that optimizer, which "
+                            f"hostavg then applies the mean with")
     return calls[0][1], calls[0][2]
 
 
 def several_optimizers(model, said: str) -> HostavgError:
     """The refusal of a ``train_step`` that updates the weights more than once per batch."""
-    return HostavgError(
+    return ArgumentError(
         f"model {model.name!r}'s train_step {said}: hostavg runs train_step on each "
         f"micro-batch with the apply captured and applies the micro-batches' mean once, but a "
         f"second update would need the first's result (the weights after it), which no "
@@ -146,11 +146,11 @@ def flat_logs(logs, model, what: str) -> dict:
     """A ``train_step``'s returned logs flattened as Keras's fit flattens them (a dict within
     is merged, names sorted); HostavgError where they are not a dict holding a scalar "loss"."""
     if not isinstance(logs, dict):
-        raise HostavgError(f"{what}: model {model.name!r}'s train_step returns "
-                           f"{type(logs).__name__}, not a dict of logs")
+        raise ArgumentError(f"{what}: model {model.name!r}'s train_step returns "
+                            f"{type(logs).__name__}, not a dict of logs")
     flat = _flat(logs)
     if "loss" not in flat or tuple(keras.ops.shape(flat["loss"])) != ():
-        raise HostavgError(
+        raise ArgumentError(
             f"{what}: model {model.name!r}'s train_step returns logs {sorted(flat)} without a "
             f"scalar 'loss'; hostavg needs each micro-batch's loss: return it as logs['loss'] "
             f"(the loss it differentiates, or a keras.metrics.Mean(name='loss') tracking it)")
@@ -193,7 +193,7 @@ class OwnStep:
                                             f"compiled with none")
         super().__init__(model, loss, optimizer, **kwargs)
         if self._scales:
-            raise HostavgError(
+            raise ArgumentError(
                 f"model {model.name!r} has its own train_step and an optimizer that scales the "
                 f"loss ({type(self.optimizer).__name__}); hostavg cannot tell which gradients "
                 f"the step scaled: train it without loss scaling")

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import keras
 
 from hostavg.core.check import CheckReport
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import ArgumentError, HostavgError, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
 from hostavg.core.split import Cut, take
@@ -28,7 +28,8 @@ from hostavg.keras.train_step import overrides_train_step
 from hostavg.train.history import History
 from hostavg.train.progress import checked_verbose
 from hostavg.train.sources import Validation, refuse_endless
-from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, together_entries
+from hostavg.train.trainer import (DEFAULT_BATCH_SIZE, BaseTrainer, deprecated_form, is_integer,
+                                   together_entries)
 
 __all__ = ["Trainer", "step_together"]
 
@@ -109,17 +110,17 @@ class Trainer(BaseTrainer):
         """
         backend = _BACKENDS.get(keras.backend.backend())
         if backend is None:
-            raise HostavgError(f"hostavg.keras runs on Keras's {' or '.join(_BACKENDS)} backend, "
-                               f"got {keras.backend.backend()!r}; set KERAS_BACKEND to one of "
-                               f"them before importing keras")
+            raise ArgumentError(f"hostavg.keras runs on Keras's {' or '.join(_BACKENDS)} backend, "
+                                f"got {keras.backend.backend()!r}; set KERAS_BACKEND to one of "
+                                f"them before importing keras")
         if not isinstance(model, keras.Model):
-            raise HostavgError(f"model must be a keras.Model, got {type(model).__name__}")
+            raise ArgumentError(f"model must be a keras.Model, got {type(model).__name__}")
         if batch_norm not in BATCH_NORM_MODES:
-            raise HostavgError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
+            raise ArgumentError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
         if batch_norm == "step" and comm is not None:
-            raise HostavgError("batch_norm='step' combines the moments of every micro-batch of a "
-                               "step, but with comm= each rank sees only its own: use "
-                               "batch_norm='micro'")
+            raise ArgumentError("batch_norm='step' combines the moments of every micro-batch of a "
+                                "step, but with comm= each rank sees only its own: use "
+                                "batch_norm='micro'")
         super().__init__(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
@@ -127,8 +128,8 @@ class Trainer(BaseTrainer):
                          check_applied=check_applied, statistics=statistics)
         self.batch_norm = batch_norm
         if batch_norm != "micro" and keras.backend.backend() != "tensorflow":
-            raise HostavgError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
-                               f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
+            raise ArgumentError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "
+                                f"only; on {keras.backend.backend()!r} use batch_norm='micro'")
         extra = {"batch_norm": batch_norm} if batch_norm != "micro" else {}
         extra["check_applied"] = self.check_applied
         kind = backend[2] if overrides_train_step(model) else backend[1]
@@ -162,6 +163,10 @@ class Trainer(BaseTrainer):
 
     def check(self, x, y=None, sample_weight=None, *,
               micro_batch_size: int | None = None) -> CheckReport:
+        if is_integer(sample_weight) and micro_batch_size is None:  # 0.1.0's check(x, y, 32)
+            deprecated_form(f"check(x, y, {int(sample_weight)})",
+                            f"check(x, y, micro_batch_size={int(sample_weight)})")
+            sample_weight, micro_batch_size = None, sample_weight
         return self._check(self._backend, self._batch(x, y, sample_weight, "check"),
                            micro_batch_size)
 
@@ -180,15 +185,23 @@ class Trainer(BaseTrainer):
         return self._evaluate(self._backend, keras_data.Chunks(data, size))
 
     def _batch(self, x, y, sample_weight, call: str):
-        """One batch as the backend takes it, from Keras's ``x, y, sample_weight``."""
-        if isinstance(sample_weight, int) and not isinstance(sample_weight, bool):
-            raise HostavgError(f"{call} takes x, y, sample_weight as train_on_batch does, and got "
-                               f"the number {sample_weight} as sample_weight; pass "
-                               f"micro_batch_size by keyword: {call}(x, y, micro_batch_size=...)")
+        """One batch as the backend takes it, from Keras's ``x, y, sample_weight``; 0.1.0's one
+        tuple ``compute((x, y))`` (and ``per_sample``'s) unpacked, with a DeprecationWarning."""
+        if is_integer(sample_weight):
+            said = ("micro_batch_size by keyword: check(x, y, micro_batch_size=...)"
+                    if call == "check" else "an array of one weight per sample")
+            raise ArgumentError(f"{call} takes x, y, sample_weight as train_on_batch does, and got "
+                                f"the number {sample_weight!r} as sample_weight; pass {said}")
         if isinstance(x, tuple) and y is None and sample_weight is None and len(x) in (2, 3) \
                 and _input_count(self.model) <= 1:
-            raise HostavgError(f"{call} takes x, y, sample_weight as train_on_batch does, and got "
-                               f"one tuple of {len(x)} as x; unpack the batch: {call}(*batch)")
+            if call == "check":
+                raise ArgumentError(f"check takes x, y, sample_weight as train_on_batch does, and "
+                                    f"got one tuple of {len(x)} as x; unpack the batch: "
+                                    f"check(*batch)")
+            given = "x, y, sample_weight" if len(x) == 3 else "x, y"
+            deprecated_form(f"{call}(({given}))", f"{call}({given}) (or {call}(*batch))",
+                            stacklevel=4)
+            x, y, sample_weight = (*x, None)[:3]
         return structured(as_batch(x, y, sample_weight))
 
     def fit(self, x=None, y=None, *, batch_size: int | None = None,
@@ -256,18 +269,18 @@ class Trainer(BaseTrainer):
             try:
                 self._evaluate(self._backend, [take(first, slice(0, 1))])
             except HostavgError as e:
-                raise HostavgError(f"fit, validation_data: {e}") from e.__cause__
+                raise type(e)(f"fit, validation_data: {e}") from e.__cause__
 
     @staticmethod
     def _fit_data(x, y, sample_weight, class_weight, validation_split, validation_data):
         """fit's training data (weighted by class) and validation data, as Keras takes them."""
         if keras_data.is_batches(x):
             if y is not None or sample_weight is not None:
-                raise HostavgError(f"y and sample_weight come from the {type(x).__name__}'s "
-                                   f"elements: leave them None")
+                raise ArgumentError(f"y and sample_weight come from the {type(x).__name__}'s "
+                                    f"elements: leave them None")
             if validation_split:
-                raise HostavgError("validation_split needs arrays; with a dataset, pass "
-                                   "validation_data")
+                raise ArgumentError("validation_split needs arrays; with a dataset, pass "
+                                    "validation_data")
             return x, validation_data
         data = keras_data.samples(x, y, sample_weight)
         if validation_split and validation_data is None:  # as Keras: no class weights there
@@ -371,12 +384,12 @@ def _input_count(model) -> int:
 def _batches(batches, call: str):
     """``batches`` checked to be a list of batches (not one batch, not a mapping)."""
     if isinstance(batches, tuple) and batches and not isinstance(batches[0], (tuple, list)):
-        raise HostavgError(
+        raise ArgumentError(
             f"{call} takes a list of batches, one per micro-batch, got one batch (a tuple of "
             f"{', '.join(type(b).__name__ for b in batches)}); cut it with "
             f"hostavg.split((x, y), micro_batch_size)")
     if isinstance(batches, (Mapping, str)) or not isinstance(batches, Sequence):
-        raise HostavgError(
+        raise ArgumentError(
             f"{call} takes a list of (x, y) batches, one per micro-batch, got "
             f"{type(batches).__name__}; cut one with hostavg.split((x, y), micro_batch_size)")
     return [structured(batch) for batch in batches]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["FeedConformer", "brief", "feed_array", "resolve_feed"]
 
@@ -15,24 +15,24 @@ __all__ = ["FeedConformer", "brief", "feed_array", "resolve_feed"]
 def resolve_feed(graph, feed_dict: Mapping, what: str) -> dict:
     """The feed with every key a tensor of ``graph`` (names such as ``"x:0"`` are looked up)."""
     if not isinstance(feed_dict, Mapping):
-        raise HostavgError(f"{what}: a feed must be a dict {{placeholder: array}}, "
-                           f"got {type(feed_dict).__name__}")
+        raise ArgumentError(f"{what}: a feed must be a dict {{placeholder: array}}, "
+                            f"got {type(feed_dict).__name__}")
     out = {}
     for key, value in feed_dict.items():
         if isinstance(key, str):
             try:
                 key = graph.as_graph_element(key)
             except (KeyError, ValueError, TypeError) as e:
-                raise HostavgError(
+                raise ArgumentError(
                     f"{what}: feed key {key!r} names nothing in the trainer's graph ({e})") from None
             if isinstance(key, tf.Operation):  # "x" names the op; its one output is "x:0"
                 if len(key.outputs) != 1:
-                    raise HostavgError(
+                    raise ArgumentError(
                         f"{what}: feed key {key.name!r} names an op with {len(key.outputs)} "
                         f"outputs; name the tensor, such as {key.name + ':0'!r}")
                 key = key.outputs[0]
         if getattr(key, "graph", None) is not graph:
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: feed key {getattr(key, 'name', key)!r} is not in the trainer's graph; "
                 f"feed the placeholders of the graph the loss was built in")
         out[key] = value
@@ -68,13 +68,13 @@ class FeedConformer:
             array = feed_array(value, dtype, f"{what}: feed {key.name!r}")
             if shape is not None and not _fits(array.shape, shape):
                 if array.ndim and array.ndim == len(shape) and _fits(array.shape[1:], shape[1:]):
-                    raise HostavgError(
+                    raise ArgumentError(
                         f"{what}: placeholder {key.name!r} fixes the batch size: its shape is "
                         f"{tuple(shape)}, batches of exactly {shape[0]} rows, and this feed "
                         f"has {len(array)}. Make its first dimension None "
                         f"(tf.compat.v1.placeholder(..., shape=[None, ...])), and use "
                         f"tf.shape(x)[0], the rows the feed has, where the graph needs batch_size")
-                raise HostavgError(
+                raise ArgumentError(
                     f"{what}: feed {key.name!r} has shape {array.shape}, but it takes shape "
                     f"{tuple(shape)} (None: any length)")
             out[key] = array
@@ -97,31 +97,31 @@ def feed_array(value, dtype, what: str) -> np.ndarray:
     if isinstance(value, np.ndarray) and value.dtype == dtype:
         return value
     if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
-        raise HostavgError(f"{what} is an eager tensor; feed its value, such as tensor.numpy()")
+        raise ArgumentError(f"{what} is an eager tensor; feed its value, such as tensor.numpy()")
     if isinstance(value, (tf.Tensor, tf.Variable, tf.Operation)):
-        raise HostavgError(f"{what} is the graph element {value.name!r}; feed values, such as "
-                           f"NumPy arrays, not tensors: compute it with sess.run first")
+        raise ArgumentError(f"{what} is the graph element {value.name!r}; feed values, such as "
+                            f"NumPy arrays, not tensors: compute it with sess.run first")
     want = np.dtype(dtype)
     try:
         array = np.asarray(value)
     except ValueError as e:  # ragged nested lists
-        raise HostavgError(f"{what} cannot be made an array ({e})") from None
+        raise ArgumentError(f"{what} cannot be made an array ({e})") from None
     if want.kind not in "biufc" or array.dtype == want:
         return array.astype(want, copy=False)
     if array.dtype.kind not in "biuf" or (want.kind == "b" and array.dtype.kind == "f"):
-        raise HostavgError(f"{what} holds {brief(array)} of dtype {array.dtype}, but the "
-                           f"placeholder takes {want.name}")
+        raise ArgumentError(f"{what} holds {brief(array)} of dtype {array.dtype}, but the "
+                            f"placeholder takes {want.name}")
     if want.kind in "iu" and array.size:
         whole = np.isfinite(array) & (array == np.round(array)) if array.dtype.kind == "f" else True
         if not np.all(whole):
-            raise HostavgError(f"{what} holds values that are not integers (such as "
-                               f"{array[~whole].flat[0].item()!r}) for a {want.name} placeholder; feed "
-                               f"integers")
+            raise ArgumentError(f"{what} holds values that are not integers (such as "
+                                f"{array[~whole].flat[0].item()!r}) for a {want.name} placeholder; feed "
+                                f"integers")
         info = np.iinfo(want)
         low, high = array.min(), array.max()
         if low < info.min or high > info.max:
-            raise HostavgError(f"{what} holds values outside {want.name}'s range [{info.min}, "
-                               f"{info.max}] (min {low}, max {high})")
+            raise ArgumentError(f"{what} holds values outside {want.name}'s range [{info.min}, "
+                                f"{info.max}] (min {low}, max {high})")
     return array.astype(want)
 
 

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 
 __all__ = ["refuse_saver_checkpoint"]
 
@@ -26,7 +26,7 @@ def refuse_saver_checkpoint(path) -> None:
     prefix = re.sub(r"\.(index|meta|data-\d+-of-\d+)$", "", str(path))
     if Path(prefix + ".index").exists() or (path.is_dir() and (path / "checkpoint").exists()):
         shown = prefix if not path.is_dir() else _saver_latest(path) or path
-        raise HostavgError(
+        raise ArgumentError(
             f"{path} is a tf.train.Saver checkpoint, not one of hostavg's: restore it with "
             f"saver.restore(sess, {str(shown)!r}); trainer.restore reads the .npz files that "
             f"trainer.save and fit(checkpoint_dir=...) write")

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import first_line, session_call
-from hostavg.core.errors import HostavgError, positive_int, refused
+from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.tf1.feeds import brief, resolve_feed
@@ -60,7 +60,7 @@ class SessionBackend:
     def __init__(self, wiring, sess, fetches: tuple = ()):
         graph = getattr(sess, "graph", None)
         if graph is not wiring.graph:
-            raise HostavgError(
+            raise ArgumentError(
                 f"the session runs another graph than the trainer's (got {sess!r}); "
                 f"create it with tf.compat.v1.Session(graph=loss.graph)")
         self.wiring, self.session, self.fetches = wiring, sess, fetches
@@ -85,12 +85,12 @@ class SessionBackend:
         feed = self.conform(feed_dict, what)
         for fetch in self.fetches:
             if fetch in feed:
-                raise HostavgError(f"{what}: {fetch.name!r} is fed and fetched; a tensor this "
-                                   f"micro-batch feeds cannot be fetched (its value is the feed's)")
+                raise ArgumentError(f"{what}: {fetch.name!r} is fed and fetched; a tensor this "
+                                    f"micro-batch feeds cannot be fetched (its value is the feed's)")
         unfed = self.wiring.unfed(tuple(feed), self.fetches)
         if unfed:
             names = ", ".join(repr(t.name) for t in unfed)
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what}: the graph reads placeholder{'s' if len(unfed) > 1 else ''} {names}, "
                 f"which this feed does not give; feed {'them' if len(unfed) > 1 else 'it'} to "
                 f"every micro-batch")
@@ -103,7 +103,7 @@ class SessionBackend:
             n = lengths.pop() if len(lengths) == 1 and not blocks else feed_size(
                 feed, what, resolve_feed(self.wiring.graph, blocks, what))
             if n < 1:
-                raise HostavgError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
+                raise ArgumentError(f"{what}: a micro-batch must hold at least 1 sample, got {n}")
             return feed, n
         return feed, positive_int(f"{what}: size", size)
 
@@ -130,13 +130,13 @@ class SessionBackend:
             first = given[0]
             for i, value in enumerate(given):
                 if value is None:
-                    raise HostavgError(
+                    raise ArgumentError(
                         f"{what}: the train op reads {name!r}, which {whose} {i} does not feed; "
                         + ("feed it, the same value, to every micro-batch" if what == "step" else
                            "pass it: trainer.apply(sess, grads, feed_dict={placeholder: value})"))
                 if value is not first and not (value.shape == first.shape
                                                and np.array_equal(value, first)):
-                    raise HostavgError(
+                    raise ArgumentError(
                         f"{what}: micro-batches 0 and {i} feed different values to {name!r} "
                         f"({brief(first)} and {brief(value)}), which the train op reads; the "
                         f"train op runs once per step, so feed every micro-batch the same value")
@@ -161,8 +161,8 @@ class SessionBackend:
                 got = self.session.run(fetches, chunk)
             for name, value in got.items():
                 if np.ndim(value) != 0:
-                    raise HostavgError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
-                                       f"not a scalar; give the mean over the batch")
+                    raise StepError(f"evaluate: metric {name!r} has shape {np.shape(value)}, "
+                                    f"not a scalar; give the mean over the batch")
                 totals[name] += n * float(value)
             count += n
         return {name: total / count for name, total in totals.items()}
@@ -200,7 +200,7 @@ class _session_errors:
             return False
         said = f"{type(error).__name__}: {first_line(error)}"
         if isinstance(error, tf.errors.FailedPreconditionError) and "initializ" in str(error):
-            raise HostavgError(
+            raise StepError(
                 f"a variable is not initialized ({said}); run "
                 f"tf.compat.v1.global_variables_initializer() after building the Trainer, "
                 f"which creates the optimizer's slots and the global step") from error
@@ -209,7 +209,7 @@ class _session_errors:
             raise refused(f"the session refused the {self.call} ({said})",
                           "check that micro-batch's feed") from error
         if isinstance(error, (tf.errors.OpError, RuntimeError)):
-            raise HostavgError(f"the session failed in {self.call} ({said})") from error
+            raise StepError(f"the session failed in {self.call} ({said})") from error
         return False
 
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 
 import tensorflow as tf
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.tf1.feeds import resolve_feed
 from hostavg.train.sources import ArraySource, IterableSource
 
@@ -17,16 +17,16 @@ def feed_source(graph, data, inputs, batch_size, shuffle, blocks=None):
     """The batches of a TF1 trainer's ``data``: a feed dict, an iterable of them, or a tf.data.Dataset."""
     if isinstance(data, tf.data.Dataset):
         if inputs is None:
-            raise HostavgError("a tf.data.Dataset needs inputs=: a mapping from each element's "
-                               "keys (or positions) to placeholders")
+            raise ArgumentError("a tf.data.Dataset needs inputs=: a mapping from each element's "
+                                "keys (or positions) to placeholders")
         return DatasetSource(graph, data, inputs, batch_size, shuffle)
     if inputs is not None:
-        raise HostavgError("inputs= is only for a tf.data.Dataset")
+        raise ArgumentError("inputs= is only for a tf.data.Dataset")
     if isinstance(data, Mapping):
         return ArraySource(resolve_feed(graph, data, "data"), batch_size, shuffle, blocks)
     if callable(data) or isinstance(data, Iterable):
         return IterableSource(data, lambda feed, what: resolve_feed(graph, feed, what))
-    raise HostavgError(
+    raise ArgumentError(
         f"data must be a dict {{placeholder: array}}, an iterable (or a callable returning one) "
         f"of feed dicts, or a tf.data.Dataset; got {type(data).__name__}")
 
@@ -45,7 +45,7 @@ class DatasetSource:
         try:
             n = int(dataset.cardinality())
         except TypeError:  # its ops live in a graph: it cannot be iterated from Python
-            raise HostavgError(
+            raise ArgumentError(
                 "fit reads a tf.data.Dataset eagerly, but this one is in graph mode: make it, and "
                 "call fit, outside `with graph.as_default():`") from None
         self.n = n if n >= 0 else None
@@ -68,6 +68,6 @@ class DatasetSource:
                 yield resolve_feed(self.graph, {ph: element[k] for k, ph in self.inputs.items()},
                                    "inputs"), rows
             except (KeyError, IndexError, TypeError):
-                raise HostavgError(
+                raise ArgumentError(
                     f"inputs= names elements {list(self.inputs)} but the dataset's elements "
                     f"are {self.dataset.element_spec}") from None

@@ -7,12 +7,13 @@ session each call is given (:class:`~hostavg.tf1.session.SessionBackend`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 import tensorflow as tf
 
 from hostavg.core.check import CheckReport
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.split import feed_size, split
@@ -25,7 +26,8 @@ from hostavg.tf1.session import SESSION_THREADS, SessionBackend
 from hostavg.tf1.wiring import Wiring
 from hostavg.train.history import History
 from hostavg.train.sources import Validation
-from hostavg.train.trainer import DEFAULT_BATCH_SIZE, BaseTrainer, together_entries
+from hostavg.train.trainer import (DEFAULT_BATCH_SIZE, BaseTrainer, deprecated_form, is_integer,
+                                   together_entries)
 
 v1 = tf.compat.v1
 
@@ -33,6 +35,20 @@ v1 = tf.compat.v1
 VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
 
 __all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer", "step_together"]
+
+
+def _micro_batch_size_third(check):
+    """``check`` also taking an integer micro_batch_size third, after the session and the feed,
+    as 0.1.0's ``check(sess, feed_dict, 32)``, with a DeprecationWarning naming the keyword; its
+    signature (``inspect.signature``) stays the keyword one."""
+    @functools.wraps(check)
+    def checked(self, sess, feed_dict, *rest, **kwargs):
+        if len(rest) == 1 and is_integer(rest[0]) and "micro_batch_size" not in kwargs:
+            deprecated_form(f"check(sess, feed_dict, {int(rest[0])})",
+                            f"check(sess, feed_dict, micro_batch_size={int(rest[0])})")
+            rest, kwargs = (), {**kwargs, "micro_batch_size": rest[0]}
+        return check(self, sess, feed_dict, *rest, **kwargs)
+    return checked
 
 
 class Trainer(BaseTrainer):
@@ -114,27 +130,27 @@ class Trainer(BaseTrainer):
             statistics, counters the forward pass assigns); empty: no snapshot.
         """
         if not isinstance(loss, tf.Tensor) or not hasattr(loss, "graph"):
-            raise HostavgError(
+            raise ArgumentError(
                 f"loss must be a scalar tensor of a tf.compat.v1 graph, got {loss!r}; "
                 f"build the model inside `with tf.Graph().as_default():`")
         if loss.shape.rank not in (None, 0):
-            raise HostavgError(
+            raise ArgumentError(
                 f"loss must be a scalar (the mean over the micro-batch's samples), got "
                 f"shape {loss.shape}; reduce it with tf.reduce_mean")
         if not isinstance(optimizer, v1.train.Optimizer):
-            raise HostavgError(
+            raise ArgumentError(
                 f"optimizer must be a tf.compat.v1.train.Optimizer (e.g. "
                 f"tf.compat.v1.train.AdamOptimizer), got {type(optimizer).__name__}")
         if average not in AVERAGE_MODES:
-            raise HostavgError(f"average must be one of {AVERAGE_MODES}, got {average!r}")
+            raise ArgumentError(f"average must be one of {AVERAGE_MODES}, got {average!r}")
         if session_threads not in SESSION_THREADS:
-            raise HostavgError(
+            raise ArgumentError(
                 f"session_threads must be one of {SESSION_THREADS}, got {session_threads!r}")
         if var_list is not None:
             var_list = _variables(var_list, loss.graph)
         if comm is not None and average == "graph":
-            raise HostavgError("average='graph' cannot be combined with comm=: with several "
-                               "processes the mean is the MPI reduction of the host sums")
+            raise ArgumentError("average='graph' cannot be combined with comm=: with several "
+                                "processes the mean is the MPI reduction of the host sums")
         super().__init__(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
@@ -145,7 +161,7 @@ class Trainer(BaseTrainer):
             try:
                 tf.as_dtype(self.accum_dtype)
             except TypeError:
-                raise HostavgError(
+                raise ArgumentError(
                     f"accum_dtype {self.accum_dtype.name} has no TensorFlow dtype, and "
                     f"average='graph' sums in the session: pass float16, float32 or float64, or "
                     f"average='host'") from None
@@ -170,8 +186,8 @@ class Trainer(BaseTrainer):
         reducer = None
         if self.average == "graph":
             if sess is None:
-                raise HostavgError("average='graph' computes the mean in a session: pass it, as "
-                                   "trainer.accumulator(sess)")
+                raise ArgumentError("average='graph' computes the mean in a session: pass it, as "
+                                    "trainer.accumulator(sess)")
             reducer = self._wiring.reducer.bind(self._bind(sess).session)
         return self._accumulator(reducer)
 
@@ -187,6 +203,7 @@ class Trainer(BaseTrainer):
              rows: Sequence | None = None, *, fetches: Sequence | None = None) -> StepResult:
         return self._step(self._bind(sess, fetches), feeds, sizes, rows)
 
+    @_micro_batch_size_third
     def check(self, sess, feed_dict: Mapping, *, micro_batch_size: int | None = None,
               blocks: Mapping | None = None) -> CheckReport:
         feed = resolve_feed(self.graph, feed_dict, "check")
@@ -244,23 +261,23 @@ class Trainer(BaseTrainer):
     def _metrics(self, metrics, what: str) -> dict:
         """``metrics`` checked to map names other than "loss" to scalar tensors of the graph."""
         if metrics is not None and not isinstance(metrics, Mapping):
-            raise HostavgError(f"{what}: metrics must be a dict name -> scalar tensor, got "
-                               f"{type(metrics).__name__}")
+            raise ArgumentError(f"{what}: metrics must be a dict name -> scalar tensor, got "
+                                f"{type(metrics).__name__}")
         metrics = dict(metrics or {})
         if "loss" in metrics:
-            raise HostavgError("metrics may not be named 'loss': that name holds the loss")
+            raise ArgumentError("metrics may not be named 'loss': that name holds the loss")
         for name, metric in metrics.items():
             if not isinstance(metric, tf.Tensor):
-                raise HostavgError(f"{what}: metric {name!r} is {metric!r}, not a tensor of the "
-                                   f"loss's graph; give a scalar tensor of it")
+                raise ArgumentError(f"{what}: metric {name!r} is {metric!r}, not a tensor of the "
+                                    f"loss's graph; give a scalar tensor of it")
             if metric.graph is not self.graph:
-                raise HostavgError(f"{what}: metric {name!r} is {metric.name!r}, a tensor of "
-                                   f"another graph than the loss's; give a scalar tensor of the "
-                                   f"loss's graph")
+                raise ArgumentError(f"{what}: metric {name!r} is {metric.name!r}, a tensor of "
+                                    f"another graph than the loss's; give a scalar tensor of the "
+                                    f"loss's graph")
             if metric.shape.rank not in (None, 0):
-                raise HostavgError(f"{what}: metric {name!r} has shape "
-                                   f"{tuple(metric.shape.as_list())}, not a scalar; give the mean "
-                                   f"over the batch")
+                raise ArgumentError(f"{what}: metric {name!r} has shape "
+                                    f"{tuple(metric.shape.as_list())}, not a scalar; give the mean "
+                                    f"over the batch")
         return metrics
 
     def _blocks(self, blocks: Mapping | None) -> dict:
@@ -278,9 +295,9 @@ class Trainer(BaseTrainer):
             return ()
         if not isinstance(fetches, (list, tuple)):
             got = getattr(fetches, "name", None)
-            raise HostavgError(f"fetches must be a list or tuple of tensors or operations, got "
-                               f"{repr(got) if got else type(fetches).__name__}; such as "
-                               f"fetches=[accuracy, summary]")
+            raise ArgumentError(f"fetches must be a list or tuple of tensors or operations, got "
+                                f"{repr(got) if got else type(fetches).__name__}; such as "
+                                f"fetches=[accuracy, summary]")
         out = []
         for i, fetch in enumerate(fetches):
             what = f"fetches[{i}]"
@@ -288,24 +305,24 @@ class Trainer(BaseTrainer):
                 try:
                     fetch = self.graph.as_graph_element(fetch)
                 except (KeyError, ValueError, TypeError) as e:
-                    raise HostavgError(f"{what}: {fetch!r} names nothing in the trainer's graph "
-                                       f"({e})") from None
+                    raise ArgumentError(f"{what}: {fetch!r} names nothing in the trainer's graph "
+                                        f"({e})") from None
             if isinstance(fetch, tf.Variable) and fetch.op.type not in VARIABLE_OPS:
                 fetch = fetch.op  # what a resource variable's assign returns: its op
             name = getattr(fetch, "name", None)
             if isinstance(fetch, tf.Variable):
-                raise HostavgError(f"{what}: {name!r} is a variable; fetch a tensor that reads it "
-                                   f"(made with the graph, such as tf.identity(v)), or read it "
-                                   f"with sess.run after the step")
+                raise ArgumentError(f"{what}: {name!r} is a variable; fetch a tensor that reads it "
+                                    f"(made with the graph, such as tf.identity(v)), or read it "
+                                    f"with sess.run after the step")
             if not isinstance(fetch, (tf.Tensor, tf.Operation)):
-                raise HostavgError(f"{what}: {fetch!r} is not a tensor or an operation")
+                raise ArgumentError(f"{what}: {fetch!r} is not a tensor or an operation")
             if getattr(fetch, "graph", None) is not self.graph:
-                raise HostavgError(f"{what}: {name or 'an eager tensor'!r} is not in the "
-                                   f"trainer's graph; fetch tensors of the graph the loss was "
-                                   f"built in")
+                raise ArgumentError(f"{what}: {name or 'an eager tensor'!r} is not in the "
+                                    f"trainer's graph; fetch tensors of the graph the loss was "
+                                    f"built in")
             change = self._wiring.changes(fetch)
             if change is not None:
-                raise HostavgError(
+                raise ArgumentError(
                     f"{what}: {name!r} runs {change[0].name!r} ({change[0].type}), which "
                     f"{change[1]}: fetched, it would run with every micro-batch. hostavg applies "
                     f"the step's update itself, once per step; fetch what reads the graph "
@@ -324,19 +341,19 @@ def _variables(var_list, graph) -> list:
             or not isinstance(var_list, Iterable):
         what = f"the variable {var_list.op.name!r}" if isinstance(var_list, tf.Variable) \
             else repr(var_list)
-        raise HostavgError(f"var_list must be a list of variables, got {what}; e.g. var_list=[w]")
+        raise ArgumentError(f"var_list must be a list of variables, got {what}; e.g. var_list=[w]")
     var_list, seen = list(var_list), set()
     if not var_list:
-        raise HostavgError("var_list is empty: there is nothing to train")
+        raise ArgumentError("var_list is empty: there is nothing to train")
     for v in var_list:
         if not isinstance(v, tf.Variable):
             what = f"the tensor {v.name!r}" if isinstance(v, tf.Tensor) else repr(v)
-            raise HostavgError(f"var_list holds {what}, not a variable; list the variables to train")
+            raise ArgumentError(f"var_list holds {what}, not a variable; list the variables to train")
         if v.graph is not graph:
-            raise HostavgError(f"var_list holds variable {v.name!r} of another graph than the "
-                               f"loss's; pass variables of the graph the loss was built in")
+            raise ArgumentError(f"var_list holds variable {v.name!r} of another graph than the "
+                                f"loss's; pass variables of the graph the loss was built in")
         if v.op.name in seen:
-            raise HostavgError(f"var_list holds {v.op.name!r} twice; list each variable once")
+            raise ArgumentError(f"var_list holds {v.op.name!r} twice; list each variable once")
         seen.add(v.op.name)
     return var_list
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import READ_OPS, input_types, is_ref_dtype
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.tf1.walk import ops_run, placeholders_read
 
 __all__ = ["DATA_OPS", "assigned_variables", "find_global_step", "load_variables",
@@ -35,7 +35,7 @@ def find_global_step(graph, global_step):
     dtype = getattr(global_step, "dtype", None)
     if not isinstance(global_step, tf.Variable) or getattr(global_step, "graph", None) is not graph \
             or not dtype.base_dtype.is_integer or global_step.shape.rank != 0:
-        raise HostavgError(
+        raise ArgumentError(
             f"{what} must be a scalar integer variable of the loss's graph, got "
             f"{getattr(global_step, 'name', global_step)!r} "
             f"({'dtype ' + dtype.base_dtype.name + ', shape ' + str(global_step.shape) if dtype is not None else type(global_step).__name__}); "
@@ -56,8 +56,8 @@ def select_update_ops(graph, loss, update_ops) -> list:
         stray = [getattr(u, "name", u) for u in ops
                  if not isinstance(u, tf.Operation) or u.graph is not graph]
         if stray:
-            raise HostavgError(f"update_ops must be ops or tensors of the loss's graph, got "
-                               f"{stray[:3]}")
+            raise ArgumentError(f"update_ops must be ops or tensors of the loss's graph, got "
+                                f"{stray[:3]}")
         return ops
     needed = set(placeholders_read(loss, with_default=False))
     return [u for u in graph.get_collection(v1.GraphKeys.UPDATE_OPS)

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import first_line, is_ref_dtype, learning_rate
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.tf1.advice import advice_for
@@ -222,12 +222,12 @@ def _gradient_pairs(optimizer, loss, var_list) -> list:
         pairs = [(g, v) for g, v in optimizer.compute_gradients(loss, var_list=var_list)
                  if g is not None]
     except ValueError as e:  # TensorFlow's check of the variables' dtypes
-        raise HostavgError(
+        raise ArgumentError(
             f"the optimizer cannot train the variables the loss reaches ({first_line(e)}); "
             f"hostavg trains real floating-point variables: leave the others out with "
             f"var_list") from e
     if not pairs:
-        raise HostavgError(
+        raise ArgumentError(
             "nothing to train: no variable in var_list has a gradient with respect "
             "to the loss (check var_list, and that the loss depends on trainable "
             "variables)")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import StepError
 
 __all__ = ["shared_seed"]
 
@@ -23,7 +23,7 @@ def shared_seed(seed: int | None, settings: dict, gather: Callable | None) -> in
     differ = [f"{key} " + ", ".join(f"{s[key]!r} on rank {r}" for r, (_, s) in enumerate(everyone))
               for key in settings if len({repr(s[key]) for _, s in everyone}) > 1]
     if differ:
-        raise HostavgError(
+        raise StepError(
             f"the ranks run fit with different data or arguments, so nothing was trained on any: "
             f"{'; '.join(differ)}. fit splits each batch between the ranks: give every rank the "
             f"same data, arguments and checkpoint_dir")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hostavg.core.errors import HostavgError, non_negative_int, non_negative_number
+from hostavg.core.errors import ArgumentError, StepError, non_negative_int, non_negative_number
 
 __all__ = ["Callback", "EarlyStopping", "StopTraining"]
 
@@ -40,7 +40,7 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str = "val_loss", patience: int = 2, min_delta: float = 0.0,
                  mode: str = "min"):
         if mode not in MODES:
-            raise HostavgError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.monitor, self.patience = monitor, non_negative_int("patience", patience)
         self.min_delta = non_negative_number("min_delta", min_delta)
         self._sign = 1.0 if mode == "min" else -1.0
@@ -48,7 +48,7 @@ class EarlyStopping(Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict) -> None:
         if self.monitor not in logs:
-            raise HostavgError(
+            raise StepError(
                 f"EarlyStopping monitors {self.monitor!r}, which the epoch logs lack; they "
                 f"hold {sorted(logs)} (val_* need validation_data)")
         value = logs[self.monitor]

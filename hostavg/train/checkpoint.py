@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hostavg.core.dtypes import EXTENDED, decode, encode, name_of
-from hostavg.core.errors import HostavgError, positive_int
+from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive_int
 from hostavg.core.files import folder, fsync_dir, read_array, remove_stale, temporary
 from hostavg.train.history import History
 
@@ -49,8 +49,8 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
         (nothing is left behind then).
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise HostavgError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
-                           f"{path!r}")
+        raise ArgumentError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
+                            f"{path!r}")
     path = Path(path)
     arrays, forms = {}, {}
     for name, value in values.items():
@@ -60,8 +60,8 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
     arrays["meta"] = np.array(json.dumps({"format": FORMAT, "variables": forms, "fit": fit}))
     above = next(p for p in path.parents if p.exists())
     if not above.is_dir():
-        raise HostavgError(f"cannot write the checkpoint {str(path)!r}: {str(above)!r} is a file, "
-                           f"not a folder")
+        raise ArgumentError(f"cannot write the checkpoint {str(path)!r}: {str(above)!r} is a file, "
+                            f"not a folder")
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,9 +72,9 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise HostavgError(f"cannot write the checkpoint {str(path)!r} "
-                           f"({e.strerror or type(e).__name__}); name a file in a folder that can "
-                           f"be written") from None
+        raise StepError(f"cannot write the checkpoint {str(path)!r} "
+                        f"({e.strerror or type(e).__name__}); name a file in a folder that can "
+                        f"be written") from None
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink(missing_ok=True)
@@ -93,18 +93,18 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
         dtype than ``forms`` say).
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise HostavgError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
-                           f"{path!r}")
+        raise ArgumentError(f"a checkpoint's path must be a file name (str or os.PathLike), got "
+                            f"{path!r}")
     try:
         with zipfile.ZipFile(path) as z:
             meta = json.loads(str(read_array(z, "meta")[()]))
             written, fit = _check_meta(meta)
             stored = {name: read_array(z, f"var/{name}") for name in written}
     except _Damaged as e:
-        raise HostavgError(f"checkpoint {path} is damaged: {e}; use another checkpoint") from None
+        raise ArgumentError(f"checkpoint {path} is damaged: {e}; use another checkpoint") from None
     except Exception as e:  # noqa: BLE001 - a damaged zip or .npy header raises a dozen types
-        raise HostavgError(f"{path} is not a readable hostavg checkpoint "
-                           f"({type(e).__name__}: {e})") from None
+        raise ArgumentError(f"{path} is not a readable hostavg checkpoint "
+                            f"({type(e).__name__}: {e})") from None
     damaged = []
     for name, array in stored.items():
         shape, dtype = tuple(written[name][0]), written[name][1]
@@ -118,7 +118,7 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
             damaged.append(f"{name!r} is {array.shape} {name_of(array.dtype)}, its metadata says "
                            f"{shape} {dtype}")
     if damaged:
-        raise HostavgError(f"checkpoint {path} is damaged: {_few(damaged)}; use another checkpoint")
+        raise ArgumentError(f"checkpoint {path} is damaged: {_few(damaged)}; use another checkpoint")
     missing = [n for n in forms if n not in stored]
     extra = [n for n in stored if n not in forms]
     wrong = [f"{n!r}: {stored[n].shape} {stored[n].dtype} in the checkpoint, {tuple(shape)} "
@@ -126,7 +126,7 @@ def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[di
              for n, (shape, dtype) in forms.items()
              if n in stored and (stored[n].shape != tuple(shape) or stored[n].dtype != dtype)]
     if missing or extra or wrong:
-        raise HostavgError(
+        raise ArgumentError(
             f"checkpoint {path} was written by a different model: missing {_few(list(map(repr, missing)))}, "
             f"unexpected {_few(list(map(repr, extra)))}, mismatched {_few(wrong)}; restore it into the model "
             f"that wrote it, or use another checkpoint directory")

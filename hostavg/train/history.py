@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.core import distributions, schema
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
 from hostavg.core.schema import Kind
@@ -139,8 +139,8 @@ class History:
         """The kind of the quantity or user statistic ``name``; HostavgError naming the known ones."""
         kind = self.statistics.get(name) or _KINDS.get(name)
         if kind is None:
-            raise HostavgError(f"{where}: no quantity or statistic {name!r}; the quantities are "
-                               f"{list(_KINDS)}, the statistics {list(self.statistics)}")
+            raise ArgumentError(f"{where}: no quantity or statistic {name!r}; the quantities are "
+                                f"{list(_KINDS)}, the statistics {list(self.statistics)}")
         return kind
 
     def statistic(self, name: str):
@@ -197,7 +197,7 @@ class History:
         :meth:`variable_norms`, :meth:`statistic`.
         """
         if which not in ("steps", "epochs"):
-            raise HostavgError(f"which must be 'steps' or 'epochs', got {which!r}")
+            raise ArgumentError(f"which must be 'steps' or 'epochs', got {which!r}")
         pd = pandas("History.to_pandas")
         if which == "epochs":
             return pd.DataFrame(self.epochs)
@@ -266,12 +266,12 @@ class History:
             history.epochs, history.stopped = data["epochs"], data["stopped"]
             history.variables = tuple(data.get("variables", ()))
         except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise HostavgError(f"not a History's JSON ({type(e).__name__}: {e}): "
-                               f"{str(text)[:80]!r}") from None
+            raise ArgumentError(f"not a History's JSON ({type(e).__name__}: {e}): "
+                                f"{str(text)[:80]!r}") from None
         if not isinstance(history.epochs, list) or not all(isinstance(e, dict) for e in history.epochs) \
                 or not isinstance(history.stopped, (str, type(None))):
-            raise HostavgError(f"not a History's JSON: epochs must be a list of dicts and stopped "
-                               f"a string or null: {str(text)[:80]!r}")
+            raise ArgumentError(f"not a History's JSON: epochs must be a list of dicts and stopped "
+                                f"a string or null: {str(text)[:80]!r}")
         return history
 
     def _row(self, fields: dict) -> StepLog:

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from hostavg.core.check import RandomOp
-from hostavg.core.errors import HostavgError, flag, non_negative_int, object_list, positive_int
+from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, non_negative_int,
+                                  object_list, positive_int, within_step)
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS, StepResult
 from hostavg.core.split import Cut, as_arrays, feed_size, pieces, take
 from hostavg.engine.hooks import name_of
@@ -155,8 +156,8 @@ def fit_arguments(*, batch_size, cut: Cut, validation_freq, epochs=1, seed=None,
     if steps_per_epoch is not None:
         steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
     if checkpoint_every is not None and checkpoint_dir is None:
-        raise HostavgError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
-                           f"to write the checkpoints to")
+        raise ArgumentError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir, the folder "
+                            f"to write the checkpoints to")
     callbacks = object_list("callbacks", callbacks, HOOK_METHODS, "hostavg.EarlyStopping()")
     return FitArguments(
         batch_size=batch_size, cut=cut, epochs=epochs, seed=seed, drop_remainder=drop_remainder,
@@ -293,15 +294,15 @@ def _checked_source(source: BatchSource, arguments: FitArguments) -> BatchSource
     """``source``, once it is known to give a batch in each of the epochs, and each epoch to end."""
     refuse_endless(source, arguments.steps_per_epoch)
     if source.one_shot and arguments.epochs > 1:
-        raise HostavgError(
+        raise ArgumentError(
             f"data is a one-shot iterator, which serves one epoch, but fit was asked for "
             f"epochs={arguments.epochs}; pass a list, or a callable that returns a new iterable "
             f"for every epoch")
     n, batch_size = source.n, arguments.batch_size  # n: None where the source cannot tell
     if n == 0 or (arguments.drop_remainder and n is not None and n < batch_size):
-        raise HostavgError(f"data holds {n} samples, so an epoch has no batch of "
-                           f"batch_size {batch_size}{' (drop_remainder)' if n else ''}; "
-                           f"fit needs at least one batch")
+        raise ArgumentError(f"data holds {n} samples, so an epoch has no batch of "
+                            f"batch_size {batch_size}{' (drop_remainder)' if n else ''}; "
+                            f"fit needs at least one batch")
     return source
 
 
@@ -344,7 +345,8 @@ def checkpoint(run: Run, plan: FitPlan, state: FitState) -> int:
     """Writes a checkpoint of ``run`` at its global step, holding ``state``; returns the step."""
     global_step = run.global_step()
     saved = state.saved(plan.batch_size)
-    plan.checkpoints.save(global_step, lambda path: run.save(path, saved))
+    with within_step():  # fit's own path: no argument of the caller's now
+        plan.checkpoints.save(global_step, lambda path: run.save(path, saved))
     return global_step
 
 
@@ -376,7 +378,7 @@ def train_epoch(run: Run, source: BatchSource, plan: FitPlan, state: FitState,
     # Over MPI every rank ends the epoch here, or all raise: none waits for another.
     run.gather(f"the end of epoch {state.epoch + 1} of fit", state.batch)
     if not steps:
-        raise HostavgError(
+        raise ArgumentError(
             f"epoch {state.epoch} trained no step: the data gave {state.batch} batches"
             f"{', every one shorter than batch_size and dropped (drop_remainder)' if state.batch else ''}"
             f"; fit needs at least one batch per epoch")
@@ -485,7 +487,7 @@ def _refuse_empty_steps(steps: list, result) -> None:
     if len(last) < EMPTY_STEPS or any(s.size for s in last):
         return
     rows = sorted({r for s in last for r in s.nonfinite_rows})
-    error = HostavgError(
+    error = StepError(
         f"every micro-batch of the last {EMPTY_STEPS} steps was dropped, so nothing was trained "
         f"since global step {result.step}: "
         + (f"the data rows {rows[:20]}{' ...' if len(rows) > 20 else ''} made them non-finite "
@@ -592,11 +594,11 @@ def check_sizes(batch_size, cut: Cut, epochs=1, checkpoint_every=None) -> None:
     if checkpoint_every is not None:
         positive_int("checkpoint_every", checkpoint_every)
     if batch_size is not None and cut.size is not None and cut.size > batch_size:
-        raise HostavgError(
+        raise ArgumentError(
             f"micro_batch_size ({cut.size}) is larger than batch_size ({batch_size}); "
             f"a batch is cut into micro-batches, so use micro_batch_size <= batch_size")
     if batch_size is not None and cut.count is not None and cut.count > batch_size:
-        raise HostavgError(
+        raise ArgumentError(
             f"micro_batches ({cut.count}) is more than batch_size ({batch_size}); a batch is cut "
             f"into micro-batches of at least one sample, so use micro_batches <= batch_size")
 

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError
+from hostavg.core.errors import ArgumentError
 from hostavg.train.history import BOOKKEEPING
 
 __all__ = ["PROGRESS_MODES", "Progress", "VERBOSE", "checked_progress", "checked_verbose"]
@@ -26,7 +26,7 @@ VERBOSE = {"auto": "auto", 0: False, 1: "always", 2: "epoch"}
 def checked_verbose(verbose):
     """Keras's ``verbose``: "auto", 0, 1 or 2 (a bool as 0 or 1)."""
     if verbose not in VERBOSE or isinstance(verbose, float):
-        raise HostavgError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
+        raise ArgumentError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
     return int(verbose) if not isinstance(verbose, str) else verbose
 
 
@@ -34,8 +34,8 @@ def checked_progress(progress):
     """fit's ``progress``, one of :data:`PROGRESS_MODES` (a NumPy bool too)."""
     if not (isinstance(progress, (bool, np.bool_)) or (isinstance(progress, str)
                                                         and progress in PROGRESS_MODES)):
-        raise HostavgError(f"progress must be True, False, 'always', 'epoch' or 'auto', "
-                           f"got {progress!r}")
+        raise ArgumentError(f"progress must be True, False, 'always', 'epoch' or 'auto', "
+                            f"got {progress!r}")
     return progress
 
 

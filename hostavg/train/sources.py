@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.split import as_arrays, feed_size, take
 
 __all__ = ["ArraySource", "BatchSource", "IterableSource", "Validation", "refuse_endless",
@@ -102,7 +102,7 @@ def refuse_endless(source: BatchSource, steps_per_epoch) -> None:
     """Raises HostavgError for a source known never to end (a dataset's ``.repeat()``) without
     ``steps_per_epoch``: its first epoch would never end."""
     if source.endless and steps_per_epoch is None:
-        raise HostavgError(
+        raise ArgumentError(
             "the data never ends (a dataset of infinite cardinality: .repeat() without a "
             "count), so without steps_per_epoch the first epoch would never end; pass "
             "steps_per_epoch=, the number of steps (batches) per epoch")

@@ -15,11 +15,13 @@ Framework-free: nothing here imports TensorFlow, Keras or JAX.
 from __future__ import annotations
 
 import itertools
+import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.core.check import CheckReport
-from hostavg.core.errors import HostavgError, flag, positive_int
+from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
 from hostavg.core.results import StepResult
@@ -35,10 +37,23 @@ from hostavg.train.loop import fit as fit_loop
 from hostavg.train.progress import VERBOSE, checked_verbose
 from hostavg.train.sources import BatchSource, Validation, checked_validation_freq
 
-__all__ = ["BaseTrainer", "TrainerRun", "together_entries"]
+__all__ = ["BaseTrainer", "TrainerRun", "deprecated_form", "is_integer", "together_entries"]
 
 #: What fit cuts a batch of samples into when no batch size is given: Keras's default.
 DEFAULT_BATCH_SIZE = 32
+
+
+def deprecated_form(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warns (``DeprecationWarning``) that ``old``, a call form of the last release that still
+    works in this one, goes in the next, naming ``new``; ``stacklevel``: one more than the
+    frames between this function and the caller's call."""
+    warnings.warn(f"{old} is deprecated since hostavg 0.2.0 and will be removed in 0.3.0; "
+                  f"write {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer of any kind, Python's or NumPy's (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class BaseTrainer:
@@ -91,7 +106,7 @@ class BaseTrainer:
             (History, Record, TensorBoard, plots); see docs/guides/inspecting.md.
         """
         if accumulate not in ACCUMULATE_MODES:
-            raise HostavgError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
+            raise ArgumentError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self._cut = cut(micro_batch_size, micro_batches)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
@@ -385,7 +400,7 @@ class BaseTrainer:
 
     def _ready(self, what: str) -> Engine:
         if self._engine is None:
-            raise HostavgError(
+            raise ArgumentError(
                 f"{what} needs the trained variables, which the trainer learns from the first "
                 f"batch: run compute (or step, fit, evaluate) on a batch first")
         return self._engine
@@ -395,9 +410,9 @@ class BaseTrainer:
         trainer does; an error naming both where neither says."""
         how = cut(micro_batch_size) if micro_batch_size is not None else self._cut
         if how is None:
-            raise HostavgError(f"{what} needs micro_batch_size: pass it to {what}, or "
-                               f"micro_batch_size or micro_batches to the trainer "
-                               f"(Trainer(..., micro_batch_size=32))")
+            raise ArgumentError(f"{what} needs micro_batch_size: pass it to {what}, or "
+                                f"micro_batch_size or micro_batches to the trainer "
+                                f"(Trainer(..., micro_batch_size=32))")
         return how
 
     # --- The implementations, once, over a backend and its feeds -----------------------------
@@ -418,7 +433,7 @@ class BaseTrainer:
     def _for_step(self, backend: Backend, feeds) -> Engine:
         if self._engine is None:  # the face checked that ``feeds`` is a list of batches
             if not feeds:
-                raise HostavgError("step got no micro-batches; pass at least one batch")
+                raise ArgumentError("step got no micro-batches; pass at least one batch")
             return self._engine_for(backend, feeds[0], f"step, micro-batch 0 of {len(feeds)}")
         return self._engine
 
@@ -431,8 +446,8 @@ class BaseTrainer:
             name = backend.advice["batch_name"]
             found = ("arrays of 0 samples" if n == 0 else
                      f"only scalars: {', '.join(map(repr, leaves))}" if leaves else f"an empty {name}")
-            raise HostavgError(f"check: the {name} holds no array of samples to cut into "
-                               f"micro-batches ({found}). {backend.advice['no_samples']}")
+            raise ArgumentError(f"check: the {name} holds no array of samples to cut into "
+                                f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
         return engine.check(backend, data, pieces(data, how.sizes(n), n, blocks), n)
 
@@ -456,7 +471,7 @@ class BaseTrainer:
         if self._engine is None:
             first = next(chunks, None)
             if first is None:
-                raise HostavgError("evaluate: the data gives no batch (it is empty)")
+                raise ArgumentError("evaluate: the data gives no batch (it is empty)")
             self._engine_for(backend, take(first, slice(0, 1)), "evaluate")
             chunks = itertools.chain([first], chunks)
         with self._engine.leaving_no_trace(backend, "evaluate"):
@@ -556,13 +571,13 @@ def together_entries(steps, kind: type, call: str) -> list[tuple]:
     """``steps`` checked as ``(trainer, batches)`` or ``(trainer, batches, sizes)`` of ``kind``:
     ``(trainer, batches, sizes)`` each."""
     if isinstance(steps, Mapping) or not isinstance(steps, Sequence) or not steps:
-        raise HostavgError(f"{call} takes a non-empty list of (trainer, batches) pairs, got "
-                           f"{steps!r}")
+        raise ArgumentError(f"{call} takes a non-empty list of (trainer, batches) pairs, got "
+                            f"{steps!r}")
     out = []
     for entry in steps:
         if not isinstance(entry, tuple) or len(entry) not in (2, 3) or not isinstance(entry[0], kind):
-            raise HostavgError(f"{call} takes (trainer, batches) or (trainer, batches, sizes) per "
-                               f"trainer, each trainer a {kind.__module__}.{kind.__qualname__}; "
-                               f"got {entry!r}")
+            raise ArgumentError(f"{call} takes (trainer, batches) or (trainer, batches, sizes) per "
+                                f"trainer, each trainer a {kind.__module__}.{kind.__qualname__}; "
+                                f"got {entry!r}")
         out.append(entry if len(entry) == 3 else (*entry, None))
     return out
