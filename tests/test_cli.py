@@ -25,7 +25,7 @@ def test_train_on_digits_writes_a_json_summary_above_the_accuracy_bar(tmp_path, 
     printed = capsys.readouterr().out
     assert "epoch 6/6: loss" in printed and "test accuracy" in printed.splitlines()[-1]
     assert printed.splitlines()[1].startswith("self-check passed: 8 micro-batches give the whole "
-                                              "feed's gradient")
+                                              "batch's gradient")
 
 
 def test_train_with_the_keras_engine_gives_the_tf1_report(tmp_path, capsys):

@@ -15,7 +15,7 @@ and JAX's do not, as their modules say: ``BackupAndRestore``'s epoch is not resu
 a model compiled again gets its metrics anew, a variable the loss does not use is
 trained on zeros, a dataset may be reshuffled once less than by Keras's fit on JAX. ``HOSTAVG_PUBLIC_API_ONLY=1``, set before hostavg is imported,
 makes every wrapper its fallback (``0`` or unset: private where they work).
-Standard library only (and hostavg's one exception type). See
+Standard library only (and hostavg's exceptions). See
 docs/explanation/ownership.md for detection, the switch and an example.
 """
 

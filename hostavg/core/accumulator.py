@@ -118,8 +118,8 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     """``np.empty`` whose data starts on an ``align``-byte boundary.
 
     TensorFlow takes a fed array without copying it only when it is aligned
-    like its own tensors (64 bytes); NumPy guarantees 16. Measured on the 2M
-    parameter MLP: apply took 1.8 ms with NumPy's arrays, 1.1 ms with these.
+    like its own tensors (64 bytes); NumPy guarantees 16. What the copy costs an
+    apply: docs/explanation/performance.md, "Choices on the host".
     """
     dtype = np.dtype(dtype)
     size = int(np.prod(shape)) * dtype.itemsize

@@ -30,7 +30,8 @@ __all__ = ["CAUSES", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose", "fix
            "shows_fixed_batch"]
 
 #: Relative difference under which two gradients count as equal, by dtype:
-#: room for summation order (float32: ~1e-6 seen), far below any real cause.
+#: room for summation order (float32 sums in another order differ by about 1e-6), far below
+#: any real cause.
 TOLERANCE = {np.dtype("float16"): 1e-2, np.dtype("float32"): 1e-4, np.dtype("float64"): 1e-9}
 
 #: A variable's difference is judged relative to its own gradient's norm, but never to less

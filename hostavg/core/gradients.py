@@ -145,10 +145,10 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
     stable sort, then the rows of each index are summed: with few duplicates
     in the order they came (the first row of each index is copied and the
     others added to it: one fancy-indexed add when no index comes three times,
-    else ``np.add.at``, which costs ~20 us even for a few rows); with many by
-    ``np.add.reduceat`` over each run, in NumPy's own order (about an ulp from
-    the sequential sum; it costs about a microsecond per run of equal indices,
-    whatever its length). Either way the result depends only on the input.
+    else ``np.add.at``, whose fixed cost is large even for a few rows); with many
+    by ``np.add.reduceat`` over each run, in NumPy's own order (about an ulp from
+    the sequential sum; its cost grows with the number of runs of equal indices,
+    not with their length). Either way the result depends only on the input.
     """
     n = len(indices)
     if n < 2 or bool(np.all(indices[1:] > indices[:-1])):
@@ -177,7 +177,8 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
 
 def _stable_order(indices: np.ndarray) -> np.ndarray:
     """``np.argsort(indices, kind="stable")``, computed as the unstable sort of unique keys
-    (index, position), which NumPy does about five times faster (8192 int32: 0.13 vs 0.55 ms)."""
+    (index, position), which NumPy sorts faster than it sorts stably (the performance page,
+    "Choices on the host")."""
     n = len(indices)
     if n < 2 ** 31 and int(indices.max()) < 2 ** 31:
         keys = indices.astype(np.int64) << 32

@@ -216,8 +216,8 @@ class Hook(Protocol):
     the epoch training starts at), ``on_epoch_begin(epoch)``,
     ``on_batch_begin(batch)``, ``on_batch_end(batch, logs)``,
     ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``, and ``close()``
-    however fit ends. ``on_step_end(step, result)`` of earlier versions is
-    deprecated: fit warns, naming ``on_applied``.
+    however fit ends. ``on_step_end(step, result)`` is deprecated: fit still
+    calls it, warning, naming ``on_applied``.
     See docs/explanation/step.md for what each gets and returns.
 
     Hooks run in the order given, the trainer's before fit's callbacks; an

@@ -137,9 +137,10 @@ class SampleStats(NamedTuple):
 class Backend(Protocol):
     """What the engine needs of a framework: one model, bound to where its values live.
 
-    Errors of the framework are raised as :class:`~hostavg.HostavgError` whose
-    message says what failed and what to do, without saying where (the engine
-    adds the micro-batch).
+    Errors of the framework are raised as a :class:`~hostavg.StepError` (it
+    failed or refused to run) or an :class:`~hostavg.ArgumentError` (a batch
+    whose form it refuses before anything runs), whose message says what failed
+    and what to do, without saying where (the engine adds the micro-batch).
     """
 
     #: name -> VariableSpec of every trained variable.

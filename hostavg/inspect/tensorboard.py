@@ -30,8 +30,8 @@ __all__ = ["HISTOGRAM_BUCKETS", "HISTOGRAMS_EVERY", "TensorBoard"]
 #: (as ``tf.summary.histogram`` makes them).
 HISTOGRAM_BUCKETS = 30
 #: The default ``histograms_every``: often enough that a run of a few dozen steps shows its
-#: gradients' distributions over time; a histogram costs a few passes over the gradients on
-#: the host (about 15 ms per million parameters), this often a few percent of a step.
+#: gradients' distributions over time, seldom enough that the few passes over the gradients
+#: on the host a histogram costs stay a small part of training (the performance page).
 HISTOGRAMS_EVERY = 10
 #: What names an event file (as TensorBoard's own writers name them).
 _EVENTS = "events.out.tfevents."

@@ -259,8 +259,8 @@ class KerasBackend(CompiledModel):
         if self.spec is None:
             self.spec, self._trained = spec, [trainable[i] for i, _ in kept]
             # XLA fuses the optimizer's elementwise update into one pass over each variable
-            # (Adam on the 2M-parameter MLP: 3.8 ms against 9.6 ms); it needs fixed shapes,
-            # so a model with sparse gradients (rows that vary in number) applies without it.
+            # (what it saves: the performance page); it needs fixed shapes, so a model
+            # with sparse gradients (rows that vary in number) applies without it.
             self._apply_jit = not any(s.sparse for s in spec.values())
         self._note_assignments(function)
         self.trained_metrics |= self._metrics_assigned(function)

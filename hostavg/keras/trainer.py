@@ -29,7 +29,7 @@ from hostavg.train.history import History
 from hostavg.train.progress import checked_verbose
 from hostavg.train.sources import Validation, refuse_endless
 from hostavg.train.trainer import (DEFAULT_BATCH_SIZE, BaseTrainer, deprecated_form, is_integer,
-                                   together_entries)
+                                   micro_batch_size_third, together_entries)
 
 __all__ = ["Trainer", "step_together"]
 
@@ -161,12 +161,9 @@ class Trainer(BaseTrainer):
              rows: Sequence | None = None) -> StepResult:
         return self._step(self._backend, _batches(batches, "step"), sizes, rows)
 
+    @micro_batch_size_third("x, y")
     def check(self, x, y=None, sample_weight=None, *,
               micro_batch_size: int | None = None) -> CheckReport:
-        if is_integer(sample_weight) and micro_batch_size is None:  # 0.1.0's check(x, y, 32)
-            deprecated_form(f"check(x, y, {int(sample_weight)})",
-                            f"check(x, y, micro_batch_size={int(sample_weight)})")
-            sample_weight, micro_batch_size = None, sample_weight
         return self._check(self._backend, self._batch(x, y, sample_weight, "check"),
                            micro_batch_size)
 

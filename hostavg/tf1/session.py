@@ -27,7 +27,7 @@ v1 = tf.compat.v1
 #: Where a trainer's session calls run their ops. "pool" (the default): the session's
 #: inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
 #: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
-#: which costs 50-100 us a call on 2 cores, as much as a small model's whole compute. Two
+#: which can cost as much as a small model's whole compute (the performance page). Two
 #: differences make it opt-in: the calling thread does not flush denormal floats to zero as
 #: TensorFlow's pool threads do, so values below ~1.2e-38 (float32) can differ from
 #: ``sess.run``'s in kernels small enough to run inline; and a kernel that blocks its
@@ -216,8 +216,8 @@ class _session_errors:
 class Callables:
     """Compiled session calls, made once per (session, fetches, feed keys) and reused.
 
-    ``sess.run`` spends about 0.4 ms per call in Python, parsing fetches and
-    the feed dict, which is half a step of a small model (and public
+    ``sess.run`` parses its fetches and the feed dict in Python on every
+    call, a large part of a small model's step (and public
     ``make_callable`` falls back to ``run`` whenever there are feeds). A
     callable made by :func:`hostavg.compat.tensorflow.session_call` skips
     that where TensorFlow's private ``_make_callable_from_options`` serves

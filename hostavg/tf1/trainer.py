@@ -7,7 +7,6 @@ session each call is given (:class:`~hostavg.tf1.session.SessionBackend`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 import tensorflow as tf
@@ -26,7 +25,7 @@ from hostavg.tf1.session import SESSION_THREADS, SessionBackend
 from hostavg.tf1.wiring import Wiring
 from hostavg.train.history import History
 from hostavg.train.sources import Validation
-from hostavg.train.trainer import (DEFAULT_BATCH_SIZE, BaseTrainer, deprecated_form, is_integer,
+from hostavg.train.trainer import (DEFAULT_BATCH_SIZE, BaseTrainer, micro_batch_size_third,
                                    together_entries)
 
 v1 = tf.compat.v1
@@ -35,20 +34,6 @@ v1 = tf.compat.v1
 VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
 
 __all__ = ["AVERAGE_MODES", "Drop", "MicroBatch", "StepResult", "Trainer", "step_together"]
-
-
-def _micro_batch_size_third(check):
-    """``check`` also taking an integer micro_batch_size third, after the session and the feed,
-    as 0.1.0's ``check(sess, feed_dict, 32)``, with a DeprecationWarning naming the keyword; its
-    signature (``inspect.signature``) stays the keyword one."""
-    @functools.wraps(check)
-    def checked(self, sess, feed_dict, *rest, **kwargs):
-        if len(rest) == 1 and is_integer(rest[0]) and "micro_batch_size" not in kwargs:
-            deprecated_form(f"check(sess, feed_dict, {int(rest[0])})",
-                            f"check(sess, feed_dict, micro_batch_size={int(rest[0])})")
-            rest, kwargs = (), {**kwargs, "micro_batch_size": rest[0]}
-        return check(self, sess, feed_dict, *rest, **kwargs)
-    return checked
 
 
 class Trainer(BaseTrainer):
@@ -203,7 +188,7 @@ class Trainer(BaseTrainer):
              rows: Sequence | None = None, *, fetches: Sequence | None = None) -> StepResult:
         return self._step(self._bind(sess, fetches), feeds, sizes, rows)
 
-    @_micro_batch_size_third
+    @micro_batch_size_third("sess, feed_dict")
     def check(self, sess, feed_dict: Mapping, *, micro_batch_size: int | None = None,
               blocks: Mapping | None = None) -> CheckReport:
         feed = resolve_feed(self.graph, feed_dict, "check")

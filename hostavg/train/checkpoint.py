@@ -35,8 +35,8 @@ __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
 #: fit's state: key -> the least value it may hold ("batch_size" None too: the data gave its
-#: own batches). "pass", the passes over the data begun, is absent from the checkpoints of
-#: versions that had one pass per epoch.
+#: own batches). "pass", the passes over the data begun, is absent from 0.1.0's checkpoints,
+#: whose fit made one pass per epoch.
 _FIT = {"epoch": 0, "batch": 0, "samples": 0, "batch_size": 1, "seed": 0}
 _FIT_OPTIONAL = {"pass": 0}
 

@@ -314,7 +314,7 @@ def resume(run: Run, latest, hooks: dict, state: FitState) -> None:
     if saved is not None:
         state.epoch, state.batch, state.samples, state.seed = (
             saved[k] for k in ("epoch", "batch", "samples", "seed"))
-        state.data_pass = saved.get("pass", state.epoch)  # earlier versions: one pass per epoch
+        state.data_pass = saved.get("pass", state.epoch)  # none in 0.1.0: a pass per epoch
         state.history = History.from_json(saved["history"])
     resumed = run.global_step()
     for on_resume in hooks["on_resume"]:

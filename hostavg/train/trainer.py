@@ -14,6 +14,7 @@ Framework-free: nothing here imports TensorFlow, Keras or JAX.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 import warnings
@@ -37,7 +38,8 @@ from hostavg.train.loop import fit as fit_loop
 from hostavg.train.progress import VERBOSE, checked_verbose
 from hostavg.train.sources import BatchSource, Validation, checked_validation_freq
 
-__all__ = ["BaseTrainer", "TrainerRun", "deprecated_form", "is_integer", "together_entries"]
+__all__ = ["BaseTrainer", "TrainerRun", "deprecated_form", "is_integer", "micro_batch_size_third",
+           "together_entries"]
 
 #: What fit cuts a batch of samples into when no batch size is given: Keras's default.
 DEFAULT_BATCH_SIZE = 32
@@ -54,6 +56,24 @@ def deprecated_form(old: str, new: str, stacklevel: int = 3) -> None:
 def is_integer(value) -> bool:
     """Whether ``value`` is an integer of any kind, Python's or NumPy's (not a bool)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def micro_batch_size_third(given: str):
+    """Makes a face's ``check`` also take an integer micro_batch_size third, after the two
+    arguments ``given`` names (such as "x, y"), as 0.1.0's ``check(x, y, 32)`` did, with a
+    DeprecationWarning naming the keyword; its signature (``inspect.signature``) stays the
+    keyword one."""
+    def wrap(check):
+        @functools.wraps(check)
+        def checked(self, *args, **kwargs):
+            if len(args) == 3 and is_integer(args[2]) and "micro_batch_size" not in kwargs:
+                size = int(args[2])
+                deprecated_form(f"check({given}, {size})",
+                                f"check({given}, micro_batch_size={size})")
+                args, kwargs = args[:2], {**kwargs, "micro_batch_size": args[2]}
+            return check(self, *args, **kwargs)
+        return checked
+    return wrap
 
 
 class BaseTrainer:

@@ -36,6 +36,18 @@ def test_check_with_the_micro_batch_size_third_warns_and_checks_as_the_keyword(b
         want.ok, 3, want.max_rel_diff)
 
 
+def test_keras_check_with_the_size_third_keeps_its_sample_weight_keyword(backend):
+    face = backend.make()
+    if face.where:
+        pytest.skip("the TF1 face took blocks= then as now")
+    x, y = face.args(face.native(_data()))
+    weights = np.linspace(0.5, 1.5, len(y)).astype(np.float32)
+    with pytest.warns(DeprecationWarning, match=r"^check\(x, y, 8\) is deprecated"):
+        report = face.trainer.check(x, y, 8, sample_weight=weights)
+    want = face.trainer.check(x, y, weights, micro_batch_size=8)
+    assert report.max_rel_diff == want.max_rel_diff
+
+
 def test_check_with_a_third_argument_that_is_no_integer_is_still_refused(backend):
     face = backend.make()
     batch = face.args(face.native(_data()))
