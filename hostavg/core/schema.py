@@ -256,6 +256,9 @@ class UserStatistics:
             if not isinstance(name, str) or not name.isidentifier():
                 raise ArgumentError(f"statistics: a name must be a Python identifier (it becomes "
                                     f"a column, a key and a TensorBoard tag), got {name!r}")
+            if name in _BY_NAME:
+                raise ArgumentError(f"statistics: {name!r} is the name of a built-in quantity of "
+                                    f"a step; give the statistic another name")
             if not callable(fn):
                 raise ArgumentError(f"statistics[{name!r}] must be a function of the step's "
                                     f"result, got {fn!r}")

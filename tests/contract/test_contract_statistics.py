@@ -152,6 +152,7 @@ def test_a_statistic_keeps_its_kind_and_its_names_are_checked(backend):
     same(face.values(), before)
     for statistics, match in (({"a b": spread}, r"a name must be a Python identifier"),
                               ({"ok": 3}, r"statistics\['ok'\] must be a function"),
+                              ({"loss": spread}, r"'loss' is the name of a built-in quantity"),
                               ([spread], r"statistics must be a mapping")):
         with pytest.raises(hostavg.HostavgError, match=match):
             backend.make(statistics=statistics)
