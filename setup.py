@@ -58,7 +58,7 @@ setup(
         "legacy": LEGACY,
         "docs": DOCS,
         "jax": JAX,
-        "test": ["pytest"] + RUN_NOTEBOOKS + MPI + LEGACY + DOCS + JAX,
+        "test": ["pytest", "pytest-xdist"] + RUN_NOTEBOOKS + MPI + LEGACY + DOCS + JAX,
     },
     entry_points={"console_scripts": ["hostavg = hostavg.cli:main"]},
 )
