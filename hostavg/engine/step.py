@@ -42,7 +42,7 @@ from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
 from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
-from hostavg.engine.overflow import Overflow, overflowed
+from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
@@ -137,9 +137,14 @@ class Engine:
 
     def apply(self, backend: Backend, grads: Mapping, feed: Mapping) -> int:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
-        (:meth:`Backend.apply_feed`); returns the new global step."""
-        return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
-                             feed, ApplyRequest()).global_step
+        (:meth:`Backend.apply_feed`); returns the new global step. An apply the backend found
+        non-finite (and undid) raises StepError naming the variables it made so."""
+        applied = backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
+                                feed, ApplyRequest())
+        if applied.nonfinite:
+            raise StepError(f"{undone('apply', applied.nonfinite, 'apply')} Look at what produced "
+                            f"these gradients: scale them down, or clip them.")
+        return applied.global_step
 
     def check(self, backend: Backend, feed, micro_feeds: Sequence,
               size: int | None = None) -> CheckReport:
@@ -536,20 +541,26 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     then the means are applied in order (a simultaneous update). Atomic like
     one step: if any computation, hook or check fails, every snapshot is
     restored and nothing is applied; a signal arriving once the applies have
-    begun waits until they are done. (The applies run only once every mean
-    was checked; a session failing inside a later apply, or a later apply
-    found non-finite and undone, cannot undo an earlier one.) Once every apply
-    succeeded, each engine's ``on_applied`` hooks get its final result.
+    begun waits until they are done. Once every apply succeeded, each engine's
+    ``on_applied`` hooks get its final result.
 
-    A lone step (one entry, averaged on this host) whose apply went non-finite
-    is tried again from its snapshot, the micro-batch that drove it shown to
-    the ``on_micro_batch`` hooks with ``MicroBatch.overflows`` set: if one
-    drops it, the step goes on without it (again, for each micro-batch that
-    drives a try non-finite); else its error is raised.
+    An apply that fails once earlier ones went through (a session failing, an
+    apply found non-finite and undone) cannot undo them: its error says which
+    stay applied (their rollback variables keep the values their computes
+    left, and no ``on_applied`` hook hears of them); the others are restored.
+
+    An apply that went non-finite before any other went through (a lone step,
+    or the first trainer's), where the step is averaged on this host, has
+    every step tried again from its snapshot, the micro-batches that drove it
+    shown to their ``on_micro_batch`` hooks with ``MicroBatch.overflows`` set:
+    if one drops them, the steps go on without them (again, for each try that
+    goes non-finite); else the error is raised.
 
     Returns:
-      one :class:`~hostavg.StepResult` per entry, in order.
+      one :class:`~hostavg.StepResult` per entry, in order (``[]`` for no entry: nothing runs).
     """
+    if not steps:
+        return []
     out = _try(steps, {})
     while isinstance(out, Retry):
         out = _try(steps, out.flagged)
@@ -579,13 +590,13 @@ class Pending(NamedTuple):
 
 
 class Retry(NamedTuple):
-    """A try's decision that a lone step must be tried again from its snapshot (its apply went
-    non-finite and was undone).
+    """A try's decision that the steps must be tried again from their snapshots (an apply went
+    non-finite and was undone before any other went through).
 
     Attributes:
-      flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of each micro-batch that
-        drove a try of the step non-finite, this try's too: shown to the ``on_micro_batch``
-        hooks flagged, and left out where one drops it.
+      flagged: entry of ``steps`` -> (index -> :class:`~hostavg.engine.overflow.Overflow`) of
+        each micro-batch that drove a try non-finite, this try's too: shown to the
+        ``on_micro_batch`` hooks flagged, and left out where one drops it.
     """
 
     flagged: Mapping
@@ -593,12 +604,12 @@ class Retry(NamedTuple):
 
 def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
     """One try of :func:`step_together`, the micro-batches ``flagged`` by earlier tries: every
-    step's result, or the :class:`Retry` of a lone step whose apply went non-finite."""
-    held, taken, pending = [], [], []
+    step's result, or the :class:`Retry` of steps whose first apply went non-finite."""
+    held, taken, pending, results = [], [], [], []
     try:
         with region():
             try:
-                for engine, backend, feeds, sizes, *rows in steps:
+                for k, (engine, backend, feeds, sizes, *rows) in enumerate(steps):
                     if not engine._busy.acquire(blocking=False):
                         raise StepError(
                             "another step of this trainer is running (in another thread, a hook "
@@ -609,22 +620,17 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
                     snapshot = backend.snapshot()
                     taken.append((backend, snapshot))
                     pending.append(engine._step(backend, snapshot, feeds, sizes,
-                                                rows[0] if rows else None, flagged))
+                                                rows[0] if rows else None, flagged.get(k, {})))
                 hold()  # from here on a signal waits for the steps to be returned whole
-                results = []
-                for one in pending:
-                    applied = _apply(one, alone=len(steps) == 1)
-                    if isinstance(applied, Overflow):  # its snapshot is restored
-                        return Retry({**flagged, applied.index: applied})
+                for k, one in enumerate(pending):
+                    applied = _applied(one, k, results, len(pending))
+                    if not isinstance(applied, StepResult):  # its snapshot is restored
+                        _restore(taken, None)
+                        return Retry({**flagged, k: {**flagged.get(k, {}),
+                                                     **{o.index: o for o in applied}}})
                     results.append(applied)
             except BaseException as error:
-                for backend, snapshot in reversed(taken):
-                    try:
-                        backend.restore(snapshot)
-                    except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
-                        error.add_note(f"hostavg: restoring the variables the micro-batches assign "
-                                       f"failed too ({type(failed).__name__}: {failed}); they may "
-                                       f"hold this step's values")
+                _restore(taken[len(results):], error)  # an apply that went through stays
                 for engine in held:
                     engine.average.abandon(error)
                 raise
@@ -639,11 +645,47 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
     return results
 
 
-def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
+def _restore(taken: list, error: BaseException | None) -> None:
+    """Restores each (backend, snapshot) of ``taken``, the last first; a restore that fails
+    is a note of ``error`` (the step's own, the one to see), or raises where there is none."""
+    for backend, snapshot in reversed(taken):
+        try:
+            backend.restore(snapshot)
+        except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
+            if error is None:
+                raise
+            error.add_note(f"hostavg: restoring the variables the micro-batches assign "
+                           f"failed too ({type(failed).__name__}: {failed}); they may "
+                           f"hold this step's values")
+
+
+def _applied(pending: Pending, k: int, results: list, n: int) -> StepResult | list:
+    """:func:`_apply` of entry ``k`` of ``n``, ``results`` those applied before it: the entries
+    can be tried again where none was. An error once some were says which stay applied."""
+    try:
+        return _apply(pending, retry=not results)
+    except Exception as error:
+        if not results:
+            raise
+        them = "trainer 1" if k == 1 else f"trainers {', '.join(map(str, range(1, k)))} and {k}"
+        said = (f"step_together, trainer {k + 1} of {n}: the appl{'y' if k == 1 else 'ies'} of "
+                f"{them} before it went through and stay{'s' if k == 1 else ''} applied (no "
+                f"on_applied hook heard of {'it' if k == 1 else 'them'}); this trainer's and "
+                f"those after it were not applied")
+        if isinstance(error, HostavgError):
+            error.args = (f"{said}. {error.args[0]}", *error.args[1:])
+        else:
+            error.add_note(f"hostavg: {said}")
+        raise
+
+
+def _apply(pending: Pending, retry: bool) -> StepResult | list:
     """Applies one engine's checked mean (restores a skipped step's snapshot); the final result.
     An apply the backend found non-finite (and undid) has the snapshot restored and raises its
-    :func:`~hostavg.engine.overflow.overflowed` error, or, for a lone step on this host whose
-    ``on_micro_batch`` hooks may drop what drove it, returns its :class:`Overflow`."""
+    :func:`~hostavg.engine.overflow.overflowed` error, or, where the step can be tried again
+    (``retry``: no other apply went through), is averaged on this host and has
+    ``on_micro_batch`` hooks that may drop what drove it, returns its
+    :class:`~hostavg.engine.overflow.Overflow` list."""
     engine, backend = pending.engine, pending.backend
     if pending.mean is None:  # skipped: every micro-batch was dropped
         backend.restore(pending.snapshot)
@@ -653,11 +695,10 @@ def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
         ratios=bool(every) and after % every == 0, values=bool(seen) and after % seen == 0))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
-        error, overflow = overflowed(engine._search(backend), pending.result, applied.nonfinite,
-                                     pending.batches)
-        if overflow is not None and alone and engine._micro_hooks \
-                and engine.average.sees_every_micro_batch:
-            return overflow
+        error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
+                                      pending.batches)
+        if overflows and retry and engine._micro_hooks and engine.average.sees_every_micro_batch:
+            return overflows
         raise error
     kept = applied.weights is not None and applied.skipped is None
     return replace(pending.result, step=applied.global_step,

@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from hostavg.compat.keras import compile_arguments
+from hostavg.core.dtypes import is_float
 from hostavg.core.errors import ArgumentError, HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
@@ -275,8 +276,9 @@ class CompiledModel(ModelVariables):
         return spec
 
     def _checks(self, variable) -> bool:
-        """Whether an apply checks ``variable`` finite: a float one, where applies check."""
-        return self.check_applied and np.dtype(variable.dtype).kind == "f"
+        """Whether an apply checks ``variable`` finite: a float one (bfloat16 too, which NumPy
+        counts as kind "V"), where applies check."""
+        return self.check_applied and is_float(variable.dtype)
 
     def _report(self, out: ApplyOutputs, request: ApplyRequest, trained: list) -> Applied:
         """What an apply did, from its outputs ``out`` (on the host; ``trained``: the variables
