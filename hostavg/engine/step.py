@@ -35,7 +35,8 @@ from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fi
 from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
                                  within_step)
-from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
+from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
+                                    nonfinite_entries, squared_norm)
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
@@ -420,6 +421,10 @@ class Engine:
         n, start, where, rows = batch.size, batch.start, batch.where, batch.rows
         g, global_step, fetched = computed
         step = global_step + backend.increment
+        own = _sq_norms(g)
+        if not log.weighed and not math.isfinite(g.loss + math.fsum(own.values())):
+            _check_weights(backend)  # a non-finite weight, not the samples, is then to blame
+            log.weighed = True
         grads, dropped, changed_by = g, None, None
         flag = log.flagged.get(i)
         if self._micro_hooks:
@@ -436,14 +441,14 @@ class Engine:
                                                           f"{name_of(hook)}'s gradients"),
                                       loss=g.loss, size=n)
                     record = replace(record, grads=grads)
-        sq = _sq_norms(grads)
+        sq = own if grads is g else _sq_norms(grads)
         log.var_sq.append(sq)
 
         def nonfinite() -> bool:
             """Whether its own values, as computed (before any hook), are non-finite in a way
             its samples may explain: not a loss alone on a micro-batch smaller than the batch,
             which points at a batch size fixed in the graph (each sample alone would be too)."""
-            grads_ok = math.isfinite(math.fsum((sq if grads is g else _sq_norms(g)).values()))
+            grads_ok = math.isfinite(math.fsum(own.values()))
             if grads_ok and _loss_hint(g.loss, n, whole, backend.advice) is not None:
                 return False
             return not (grads_ok and math.isfinite(g.loss))
@@ -516,20 +521,22 @@ class _StepLog:
       kept: the accumulated ones' gradients in "stack" mode, else None.
       search: the dropped ones whose own loss or gradients were non-finite: their
         culprit samples are looked for once every micro-batch has run.
+      weighed: whether the weights were found finite (looked at once a micro-batch's own
+        values are not).
       failed: the one whose own non-finite values failed the step, or None.
       raised: the one whose compute raised the framework's error, or None.
       flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of those that drove an
         earlier try of the step's apply non-finite.
     """
 
-    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "failed", "raised",
-                 "flagged")
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "weighed", "failed",
+                 "raised", "flagged")
 
     def __init__(self, keep: bool, flagged: Mapping):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
         self.kept = [] if keep else None
         self.failed = self.raised = None
-        self.flagged = flagged
+        self.weighed, self.flagged = False, flagged
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
@@ -706,6 +713,23 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
                                                        applied.updates) if kept else None)
+
+
+def _check_weights(backend: Backend) -> None:
+    """Raises StepError naming the trained variables of ``backend`` that hold NaN or Inf: every
+    micro-batch computed from them is non-finite, and no sample is to blame."""
+    bad = []
+    for name, value in backend.weights().items():
+        nan, inf = nonfinite_entries(value)
+        if nan + inf:
+            bad.append(f"{name!r} holds {nan + inf} of {np.size(value)} entries non-finite: "
+                       f"{nan} NaN, {inf} Inf")
+    if bad:
+        raise StepError(
+            f"step: the weights were not finite before the step ({'; '.join(bad)}), so every "
+            f"micro-batch computed from them is non-finite and no sample is to blame; nothing "
+            f"was applied. They were made so outside a checked step (an assign, a restore, an "
+            f"apply with check_applied=False): set them from a checkpoint of finite weights.")
 
 
 def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:

@@ -275,6 +275,10 @@ class CompiledModel(ModelVariables):
                 f"batch the same structure")
         return spec
 
+    def weights(self) -> dict:
+        return {v.path: v.numpy() for v in self.model.trainable_variables
+                if v.path in (self.spec or ())}
+
     def _checks(self, variable) -> bool:
         """Whether an apply checks ``variable`` finite: a float one (bfloat16 too, which NumPy
         counts as kind "V"), where applies check."""

@@ -38,7 +38,8 @@ class Wiring:
 
     Attributes:
       graph: the loss's graph.
-      names: the trained variables' names (``var.op.name``), in order.
+      trained: the trained variables, in order.
+      names: their names (``var.op.name``).
       spec: name -> :class:`VariableSpec`.
       global_step: the global step variable.
       apply_inputs: name -> placeholder, each placeholder the train op reads
@@ -61,7 +62,8 @@ class Wiring:
             self.increment = 1 if increment_global_step else 0
             self.update_ops = select_update_ops(self.graph, loss, update_ops)
             pairs = _gradient_pairs(optimizer, loss, var_list)
-            self.names = [v.op.name for _, v in pairs]
+            self.trained = [v for _, v in pairs]
+            self.names = [v.op.name for v in self.trained]
             self.spec = _variable_specs(pairs)
             self._grads = [g for g, _ in pairs]
             self._fetches = _compute_fetches(loss, self.global_step, self._grads, self.update_ops)

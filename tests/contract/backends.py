@@ -298,7 +298,7 @@ class KerasFace(Face):
         variable, = [v for v in self.trainer.model.variables if v.path == name]
         variable.assign(value)
 
-    second_moment = "_hidden_kernel_velocity'"  # the optimizer's own name first: 'adam/...'
+    second_moment = "/hidden_kernel_velocity'"  # the optimizer's own name first: 'adam/...'
 
     def assigned(self):
         return {v.path for v in self.trainer.rollback_variables}

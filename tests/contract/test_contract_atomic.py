@@ -140,7 +140,8 @@ def test_a_weight_non_finite_before_the_step_is_named_instead_of_every_sample(ba
     before = face.values()
     with pytest.raises(hostavg.StepError) as raised:
         face.step(face.cut(data[1], SIZES), rows=ROWS)
-    same(face.values(), before)
+    same(face.values(), before, skip=("out/kernel",))
+    np.testing.assert_array_equal(face.values()["out/kernel"], kernel)  # (NaN where it was)
     said = str(raised.value)
     assert raised.value.culprits == () and raised.value.culprit_rows == [], said
     assert said.startswith("step: the weights were not finite before the step ('out/kernel' "
