@@ -224,7 +224,7 @@ class Engine:
         compute failed, are left out of it. No apply runs, and the rollback
         variables (moving statistics) are restored afterwards.
         """
-        rows = None if rows is None else row_indices(rows, len(feeds), "per_sample")
+        rows = None if rows is None else _distinct(row_indices(rows, len(feeds), "per_sample"))
         losses, norms, errors, kept, index = [], [], [], [], []
         acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
         with self.leaving_no_trace(backend, "per_sample"):
@@ -713,6 +713,19 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
                                                        applied.updates) if kept else None)
+
+
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """``rows``, each given once: ArgumentError naming the first row given twice."""
+    seen = {}
+    for i, row in enumerate(rows.tolist()):
+        if row in seen:
+            raise ArgumentError(
+                f"per_sample: rows must be distinct, since they index the table (table.loc[row]): "
+                f"row {row} is given for samples {seen[row]} and {i}; give each sample its own "
+                f"data row, or rows=None to index the table by sample")
+        seen[row] = i
+    return rows
 
 
 def _check_weights(backend: Backend) -> None:

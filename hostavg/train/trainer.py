@@ -260,8 +260,8 @@ class BaseTrainer:
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
-          rows: each sample's row in your data set (one integer per sample),
-            to index the table by; None: by position in the batch.
+          rows: each sample's row in your data set (one distinct integer per
+            sample), to index the table by; None: by position in the batch.
 
         Returns:
           a pandas DataFrame indexed by ``row`` (with ``rows``) or ``sample``
