@@ -648,7 +648,7 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
         if result.skipped is None:
             for hook, on_applied in engine._applied_hooks:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
-                      applied=True)
+                     applied=result)
     return results
 
 
