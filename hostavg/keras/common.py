@@ -14,6 +14,8 @@ trained.
 
 from __future__ import annotations
 
+import re
+
 import inspect
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -34,7 +36,7 @@ from hostavg.keras.batch import leaves
 from hostavg.keras.train_step import log_value, overrides_train_step
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ApplyOutputs", "CompiledModel", "ModelVariables",
-           "checked_optimizer", "compiled", "loss_function", "metric_results", "model_errors"]
+           "checked_optimizer", "compiled", "loss_function", "metric_results", "model_errors", "traced_message"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -352,6 +354,26 @@ class ApplyOutputs(NamedTuple):
     weights: list
     updates: list
     finite: np.ndarray
+
+
+def traced_message(error) -> str:
+    """What went wrong, from an error raised while a model is traced: TensorFlow's autograph
+    wraps it in a traceback ("in user code: ... ValueError: what went wrong"), and Keras adds
+    which call it was and the arguments it received (left out: they would hide the cause)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).strip().splitlines()]
+    if not lines:
+        return type(error).__name__
+    said, start = f"{type(error).__name__}: ", 0
+    if lines[0].startswith("in user code:"):
+        start = max((i for i, line in enumerate(lines) if line.startswith(said)),
+                    default=len(lines) - 1)
+    body = []
+    for line in [lines[start].removeprefix(said)] + lines[start + 1:]:
+        if line.startswith("Arguments received by"):
+            break
+        if line and not line.startswith("Exception encountered when calling"):
+            body.append(line)
+    return " ".join(body) or lines[start].removeprefix(said)
 
 
 @contextmanager

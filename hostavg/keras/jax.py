@@ -31,12 +31,12 @@ import keras
 import numpy as np
 
 from hostavg.compat.jax import used_inputs
-from hostavg.core.errors import ArgumentError, StepError
+from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
-from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors
+from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors, traced_message
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
@@ -101,7 +101,7 @@ class KerasJaxBackend(CompiledModel):
         untrained = [v.value for v in model.non_trainable_variables]
         metric_values = [v.value for v in model.metrics_variables]
         donated = self._donated_gradient_buffers()
-        with _jax_errors("compute"):
+        with _jax_errors("compute"), _traced_errors():
             loss, sq_norms, grads, assigned, logs = function(
                 trainable, untrained, metric_values, self._slots(), np.float32(share), donated,
                 leaves)
@@ -550,6 +550,21 @@ def _jax_errors(call: str):
 
 def _model_errors(what: str):
     return model_errors(what, _first_line)
+
+
+@contextmanager
+def _traced_errors():
+    """Turns what the model raises while JAX traces a compute for a new micro-batch's shapes
+    (JAX compiles per shape, at the first call) into the ArgumentError of a model that cannot
+    run on that micro-batch, its fact kept (a shape built from the full batch shows there)."""
+    try:
+        yield
+    except (HostavgError, jax.errors.JaxRuntimeError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the model's own code, traced
+        raise refused(f"the model cannot run on this micro-batch ({type(error).__name__}: "
+                      f"{traced_message(error)})", "check its x and y against the model's inputs "
+                      f"and the loss", ArgumentError) from error
 
 
 def _first_line(error) -> str:

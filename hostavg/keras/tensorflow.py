@@ -34,7 +34,8 @@ from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
-from hostavg.keras.common import ApplyOutputs, CompiledModel, loss_function, model_errors
+from hostavg.keras.common import (ApplyOutputs, CompiledModel, loss_function, model_errors,
+                                  traced_message)
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasBackend", "KerasTrainStepBackend", "refuse_strategies"]
@@ -525,23 +526,4 @@ def _tensorflow_errors(call: str):
 
 
 def _model_errors(what: str):
-    return model_errors(what, _message)
-
-
-def _message(error) -> str:
-    """What went wrong, from an error raised while tracing: autograph wraps it in a traceback
-    ("in user code: ... ValueError: what went wrong"), and Keras adds which call it was and the
-    arguments it received (left out: they would hide the cause)."""
-    text = str(error).strip()
-    if not text.startswith("in user code:"):
-        return first_line(error)
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines()]
-    said = f"{type(error).__name__}: "
-    start = max((i for i, line in enumerate(lines) if line.startswith(said)), default=len(lines) - 1)
-    body = []
-    for line in [lines[start].removeprefix(said)] + lines[start + 1:]:
-        if line.startswith("Arguments received by"):
-            break
-        if line and not line.startswith("Exception encountered when calling"):
-            body.append(line)
-    return " ".join(body) or lines[start].removeprefix(said)
+    return model_errors(what, traced_message)
