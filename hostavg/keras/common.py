@@ -36,7 +36,8 @@ from hostavg.keras.batch import leaves
 from hostavg.keras.train_step import log_value, overrides_train_step
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ApplyOutputs", "CompiledModel", "ModelVariables",
-           "checked_optimizer", "compiled", "loss_function", "metric_results", "model_errors", "traced_message"]
+           "checked_optimizer", "compiled", "loss_function", "metric_results",
+           "model_errors", "traced_message"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -244,7 +245,13 @@ class CompiledModel(ModelVariables):
         else:
             n = positive_int(f"{what}: size", size)
         if signature not in self._computes:
-            self._computes[signature] = self._trace_compute(flat, signature, what)
+            try:
+                self._computes[signature] = self._trace_compute(flat, signature, what)
+            except ArgumentError as error:
+                said = _explained(error, self.model, batch, what)
+                if said is error:
+                    raise
+                raise said from error.__cause__
             self._targets[signature] = targets.of(self.model, signature, flat)
         targets.check(self._targets[signature], flat, what)
         return (self._computes[signature], flat), n
@@ -354,6 +361,49 @@ class ApplyOutputs(NamedTuple):
     weights: list
     updates: list
     finite: np.ndarray
+
+
+def _explained(error: ArgumentError, model, batch: tuple, what: str) -> ArgumentError:
+    """``error``, of a ``model`` that cannot run on ``batch`` (:func:`model_errors`), said by
+    its cause where it is known: a model with no loss at all, or one loss for several outputs
+    of which one has another shape than its target; else ``error`` itself."""
+    fact = getattr(error, "fact", None)
+    if fact is None:
+        return error
+    if "No loss to compute" in str(error.__cause__):
+        return ArgumentError(
+            f"{what}: model {model.name!r} has no loss: it is compiled without one, none was "
+            f"given, and its forward pass adds none (add_loss); pass loss= (such as "
+            f"'sparse_categorical_crossentropy') or compile the model with one")
+    misfit = _misfit_output(model, batch)
+    if misfit is None:
+        return error
+    return ArgumentError(f"{fact}; {misfit}. Give each output a target of its shape, or each "
+                         f"output its own loss (a dict by output name)")
+
+
+def _misfit_output(model, batch: tuple) -> str | None:
+    """Where ``model`` has several outputs and one loss (which Keras applies to each), the first
+    output whose shape its target in ``batch`` does not have (of the same rank, another size
+    past axis 0), in words; else None."""
+    outputs = getattr(model, "outputs", None) or []
+    if len(outputs) < 2 or keras.tree.is_nested(model.loss) or len(batch) < 2:
+        return None
+    names, y = model.output_names, batch[1]
+    if isinstance(y, Mapping):
+        given = [y.get(name) for name in names]
+    elif isinstance(y, (list, tuple)) and len(y) == len(names):
+        given = list(y)
+    else:
+        return None
+    for name, output, target in zip(names, outputs, given):
+        shape, got = tuple(output.shape), np.shape(target)
+        if target is not None and len(shape) == len(got) and any(
+                s is not None and s != g for s, g in zip(shape[1:], got[1:])):
+            return (f"model {model.name!r} has {len(names)} outputs "
+                    f"({', '.join(map(repr, names))}) and one loss, which Keras applies to each "
+                    f"of them: output {name!r} gives shape {shape}, its target {got}")
+    return None
 
 
 def traced_message(error) -> str:
