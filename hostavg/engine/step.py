@@ -423,8 +423,7 @@ class Engine:
         step = global_step + backend.increment
         own = _sq_norms(g)
         if not log.weighed and not math.isfinite(g.loss + math.fsum(own.values())):
-            _check_weights(backend)  # a non-finite weight, not the samples, is then to blame
-            log.weighed = True
+            log.weighed = _check_weights(backend)  # a NaN weight, not a sample, is to blame
         grads, dropped, changed_by = g, None, None
         flag = log.flagged.get(i)
         if self._micro_hooks:
@@ -728,9 +727,9 @@ def _distinct(rows: np.ndarray) -> np.ndarray:
     return rows
 
 
-def _check_weights(backend: Backend) -> None:
+def _check_weights(backend: Backend) -> bool:
     """Raises StepError naming the trained variables of ``backend`` that hold NaN or Inf: every
-    micro-batch computed from them is non-finite, and no sample is to blame."""
+    micro-batch computed from them is non-finite, and no sample is to blame; else True."""
     bad = []
     for name, value in backend.weights().items():
         nan, inf = nonfinite_entries(value)
@@ -743,6 +742,7 @@ def _check_weights(backend: Backend) -> None:
             f"micro-batch computed from them is non-finite and no sample is to blame; nothing "
             f"was applied. They were made so outside a checked step (an assign, a restore, an "
             f"apply with check_applied=False): set them from a checkpoint of finite weights.")
+    return True
 
 
 def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:
