@@ -4,6 +4,8 @@ SkipNonFinite trains on without it; a label the framework refuses is traced to i
 HostavgError has culprit_rows. Both faces here; Keras on JAX in CI's KERAS_BACKEND=jax step
 (.ci/run)."""
 
+from types import SimpleNamespace
+
 import keras
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from models import graph_values
 
 import hostavg
 import hostavg.keras
+from hostavg.engine import overflow
 from hostavg.hooks import Record, SkipNonFinite
 from hostavg.train import loop
 
@@ -248,6 +251,27 @@ def several(bad: int, k: int = 3) -> tuple:
     rows = [np.array([*blown[i:i + 1], *(next(good) for _ in range(30 - (i < bad)))])
             for i in range(k)]
     return x, y, rows
+
+
+def step_of(norms, sizes=None, dropped=()):
+    """What :func:`overflow.drivers` reads of a step: its micro-batches' norms and sizes."""
+    sizes = sizes or [1] * len(norms)
+    micro = [SimpleNamespace(index=i, size=n, dropped="dropped" if i in dropped else None)
+             for i, n in enumerate(sizes)]
+    return SimpleNamespace(stats=SimpleNamespace(micro_norms=tuple(norms)), micro=micro)
+
+
+@pytest.mark.parametrize("norms, sizes, dropped, drivers", [
+    ([7e29, 7e29, 0.7], None, (), [0, 1]),         # two alike: each in the median of the other's
+    ([0.7, 0.5, 7e29, 0.6], None, (), [2]),
+    ([1.0, 1e3, 1e6, 1e9], None, (), []),         # no gap of a million anywhere
+    ([1.0, 2e6, 3e12], None, (), [1, 2]),          # over a million times the median below
+    ([0.5, 7e29], [1, 1], (1,), [0]),              # a dropped one does not count; alone: drives
+    ([0.5, float("inf"), 0.7], None, (), [1]),
+    ([1e-6, 0.7], [3, 1], (), []),                 # by samples times norm: 3e-6 and 0.7
+])
+def test_the_micro_batches_that_stand_out_of_the_others(norms, sizes, dropped, drivers):
+    assert overflow.drivers(step_of(norms, sizes, dropped))[0] == drivers
 
 
 @faces

@@ -50,21 +50,21 @@ def drivers(result) -> tuple[list[int], str]:
     does.
 
     A contribution stands out where it is not finite, or is over
-    :data:`~hostavg.engine.culprits.EXTREME` times the median of the others that do not
-    stand out (found from the largest down, so that two bad micro-batches do not hide each
-    other); a step's only micro-batch drives it alone.
+    :data:`~hostavg.engine.culprits.EXTREME` times the median of those that do not stand
+    out: the finite ones sorted, the first that is over that many times the median of
+    those below it stands out with every one above it (so that two bad micro-batches of
+    like norms do not hide each other, as in a median of the others that holds the other);
+    a step's only micro-batch drives it alone.
     """
     norms = result.stats.micro_norms
     kept = [m.index for m in result.micro if m.dropped is None]
     weight = {i: result.micro[i].size * norms[i] for i in kept}
-    out = set(kept) if len(kept) == 1 else {i for i in kept if not math.isfinite(weight[i])}
-    while True:
-        rest = [i for i in kept if i not in out]
-        new = {i for i in rest if len(rest) > 1 and weight[i] > culprits.EXTREME * float(
-            np.median([weight[j] for j in rest if j != i]))}
-        if not new:
+    finite = sorted((i for i in kept if math.isfinite(weight[i])), key=weight.get)
+    out = set(kept) if len(kept) == 1 else set(kept) - set(finite)
+    for j in range(1, len(finite)):
+        if weight[finite[j]] > culprits.EXTREME * float(np.median([weight[i] for i in finite[:j]])):
+            out |= set(finite[j:])
             break
-        out |= new
     if not out:
         listed = ", ".join(culprits.short(norms[i]) for i in kept[:8])
         return [], f"gradient norms {listed}{', ...' if len(kept) > 8 else ''}"
