@@ -265,6 +265,9 @@ class CompiledModel(ModelVariables):
                 f"{what}: the loss has shape {tuple(shape)}, not a scalar; give the micro-batch "
                 f"MEAN (a keras.losses.Loss reduces it)")
         if not kept:
+            if self.model.loss is None and not self.runs_train_step and \
+                    type(self.model).compute_loss is keras.Model.compute_loss:
+                raise _no_loss(what, self.model)  # on JAX, Keras's loss of no loss is 0
             raise ArgumentError(f"{what}: nothing to train: no trainable variable of the model has "
                                 f"a gradient with respect to the loss")
         spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
@@ -371,15 +374,20 @@ def _explained(error: ArgumentError, model, batch: tuple, what: str) -> Argument
     if fact is None:
         return error
     if "No loss to compute" in str(error.__cause__):
-        return ArgumentError(
-            f"{what}: model {model.name!r} has no loss: it is compiled without one, none was "
-            f"given, and its forward pass adds none (add_loss); pass loss= (such as "
-            f"'sparse_categorical_crossentropy') or compile the model with one")
+        return _no_loss(what, model)
     misfit = _misfit_output(model, batch)
     if misfit is None:
         return error
     return ArgumentError(f"{fact}; {misfit}. Give each output a target of its shape, or each "
                          f"output its own loss (a dict by output name)")
+
+
+def _no_loss(what: str, model) -> ArgumentError:
+    """The error of a ``model`` that has no loss at all."""
+    return ArgumentError(
+        f"{what}: model {model.name!r} has no loss: it is compiled without one, none was given, "
+        f"and its forward pass adds none (add_loss); pass loss= (such as "
+        f"'sparse_categorical_crossentropy') or compile the model with one")
 
 
 def _misfit_output(model, batch: tuple) -> str | None:
