@@ -54,6 +54,10 @@ CHECKS = {
                                   and "optimizer.iterations: 1" in out and "'accuracy'" in out),
     # The TF1 guide's tf.data recipe: 4 steps of 4 micro-batches of 64 from the iterator, checked;
     # a check on a copy; a queue's step, checked; fetches: a summary and a mean per micro-batch.
+    # The resume example: a fit that failed in an on_applied hook at step 6, resumed, ends with
+    # the weights of a fit that was not stopped.
+    "docs/guides/training.md": lambda ns, out: (
+        "stopped at step 6 ; history up to it: 6 steps\nTrue\n" in out),
     "docs/guides/tf1.md": lambda ns, out: (
         ns["data_res"].step == 4 and [m.size for m in ns["data_res"].micro] == [64] * 4
         and "4 256" in out and out.count("self-check passed") == 4

@@ -1237,3 +1237,55 @@ def test_steps_per_epoch_resumes_from_a_checkpoint_mid_pass_bit_for_bit(tmp_path
     assert got.history["loss"] == want.history["loss"]  # the steps' own, checkpointed
     # The metrics' state is not checkpointed: the resumed epoch's covers its steps after resuming.
     assert got.history["accuracy"][0::2] == want.history["accuracy"][0::2]
+
+
+# --- Messages that name what to change (issue 40 item 11) -------------------------------------
+
+
+def test_a_model_without_a_loss_is_told_to_give_one():
+    """Keras's 'No loss to compute' at the first batch (a model may add its loss in its forward
+    pass, which only running it shows): the error names the loss, not x and y."""
+    model = build()
+    trainer = hostavg.keras.Trainer(model, optimizer=keras.optimizers.Adam(0.01))
+    x, y = data()
+    with pytest.raises(hostavg.ArgumentError) as raised:
+        trainer.step(hostavg.split((x[:32], y[:32]), 16))
+    assert str(raised.value) == (
+        f"step, micro-batch 0 of 2: model {model.name!r} has no loss: it is compiled without "
+        f"one, none was given, and its forward pass adds none (add_loss); pass loss= (such as "
+        f"'sparse_categorical_crossentropy') or compile the model with one")
+
+
+def test_one_loss_for_two_outputs_names_the_output_whose_target_does_not_fit():
+    model = two_outputs()
+    trainer = hostavg.keras.Trainer(model, keras.losses.CategoricalCrossentropy(from_logits=True),
+                                    keras.optimizers.Adam(0.01))
+    x, y = data()
+    targets = {"label": np.eye(CLASSES, dtype=np.float32)[y[:16]],
+               "size": np.ones((16, 2), np.float32)}
+    with pytest.raises(hostavg.ArgumentError) as raised:
+        trainer.compute(x[:16], targets)
+    said = str(raised.value)
+    assert said.startswith("compute: the model cannot run on this batch ("), said
+    assert said.endswith(
+        f"; model {model.name!r} has 2 outputs ('label', 'size') and one loss, which Keras "
+        f"applies to each of them: output 'size' gives shape (None, 1), its target (16, 2). "
+        f"Give each output a target of its shape, or each output its own loss (a dict by output "
+        f"name)"), said
+
+
+def test_the_check_of_a_batch_norm_model_keeps_each_remedy_with_its_cause():
+    trainer = hostavg.keras.Trainer(build(batch_norm=True), logits_loss(),
+                                    keras.optimizers.SGD(0.1))
+    x, y = data()
+    report = trainer.check(x[:64], y[:64], micro_batch_size=16)
+    assert not report.ok
+    assert report.cause == (
+        "the micro-batches see something the whole batch does not: an op that computes over the "
+        "batch (each micro-batch's own statistics instead of the batch's), such as "
+        "keras.layers.BatchNormalization, which in training normalises each micro-batch by its "
+        "own statistics; or a loss over masked outputs (after Embedding(mask_zero=True) or "
+        "Masking), which Keras averages over each micro-batch's own unmasked entries: weigh each "
+        "micro-batch by its unmasked entries, step(batches, sizes=[...]), and the step is the "
+        "full batch's. Where nothing makes them agree, expect a k-micro-batch step to differ "
+        "from a full-batch step; larger micro-batches make it smaller")

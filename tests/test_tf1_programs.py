@@ -282,7 +282,8 @@ def test_the_check_names_every_training_mode_switch_and_one_that_switches_both()
             "shows what batch norm changes") in report.cause
     report = trainer.check(sess, {**feed, keep_prob: 1.0}, micro_batch_size=6)
     assert not report.ok and report.noise < 1e-4  # batch norm's difference, shown
-    assert "an op that computes over the batch, such as batch norm in training mode" in report.cause
+    assert ("an op that computes over the batch (each micro-batch's own statistics instead of "
+            "the batch's), such as batch norm in training mode") in report.cause
     assert "here switched by 'training:0'" in report.cause
 
 

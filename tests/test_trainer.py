@@ -501,6 +501,6 @@ def test_evaluate_refuses_a_metric_of_another_graph_or_not_a_scalar(tf1):
 
 def test_step_together_echoes_what_it_got(tf1):
     _, _, sess, _ = tf1
-    with pytest.raises(hostavg.HostavgError, match=r"^step_together takes a non-empty list of "
+    with pytest.raises(hostavg.HostavgError, match=r"^step_together takes a list of "
                                                    r"\(trainer, batches\) pairs, got None$"):
         hostavg.step_together(sess, None)

@@ -161,9 +161,10 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
                      f"samples, a division by a fixed batch size). {advice['scale']}")
         else:
             cause = (f"the micro-batches see something the whole batch does not: an op that "
-                     f"computes over the batch, {advice['batch']} (statistics of each "
-                     f"micro-batch instead of the batch). Expect a k-micro-batch step to differ "
-                     f"from a full-batch step; larger micro-batches make it smaller")
+                     f"computes over the batch (each micro-batch's own statistics instead of "
+                     f"the batch's), {advice['batch']}. Where nothing makes them agree, expect "
+                     f"a k-micro-batch step to differ from a full-batch step; larger "
+                     f"micro-batches make it smaller")
     return CheckReport(bool(ok), rel, micro_batches, scale, noise, cause)
 
 

@@ -252,9 +252,9 @@ def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) ->
     """The samples of a micro-batch whose compute raised ``refused``, sorted, and how they were
     found: each computed alone (``compute(part, size)``), those that raise ``refused`` named.
 
-    A lone sample is named without a compute; where every sample fails alone (the
-    micro-batch's form, not a value of one row) none is named. At most ``n`` computes; the
-    caller restores what they assign.
+    A lone sample is named without a compute; every sample is named where each fails alone
+    (values out of range in every row). At most ``n`` computes; the caller restores what
+    they assign.
     """
     if n == 1:
         return (_culprit(0, start, rows, "fails: the micro-batch's only sample"),), "at once"
@@ -265,8 +265,6 @@ def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) ->
             compute(take(feed, [j], n, blocks), 1)
         except refused:
             found.append(_culprit(j, start, rows, "fails alone"))
-    if len(found) == n:
-        return (), f"each of its {n} samples fails alone too"
     how = f"computing each of its {n} samples alone"
     return tuple(found), how + ("" if found else ", none fails")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from hostavg.core.errors import object_list
 from hostavg.core.results import HOOK_METHODS
 
@@ -13,13 +15,20 @@ def normalize_hooks(hooks) -> tuple:
     return object_list("hooks", hooks, HOOK_METHODS, "hostavg.hooks.SkipNonFinite()")
 
 
-def call(hook, method, args, where: str, applied: bool = False):
-    """``method(*args)``; an exception it raises propagates as it is, with a note naming the hook."""
+def call(hook, method, args, where: str, applied=None):
+    """``method(*args)``; an exception it raises propagates as it is, with a note naming the hook.
+
+    ``applied``: the StepResult of the step applied before the hook ran (an ``on_applied``
+    hook's), kept as the exception's ``.applied`` so that the caller can count the step.
+    """
     try:
         return method(*args)
     except Exception as e:
         e.add_note(f"hostavg: raised by hook {name_of(hook)} in {where}; "
-                   f"{'the step was applied' if applied else 'nothing was applied'}")
+                   f"{'nothing was applied' if applied is None else 'the step was applied'}")
+        if applied is not None:
+            with contextlib.suppress(AttributeError):  # an exception type with __slots__
+                e.applied = applied
         raise
 
 

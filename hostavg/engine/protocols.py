@@ -214,6 +214,9 @@ class Backend(Protocol):
     def variables(self) -> dict:
         """Every variable's value (model, optimizer state, global step) by name, in a fixed order."""
 
+    def weights(self) -> dict:
+        """The trained variables' values by their names in :attr:`spec`."""
+
     def assign(self, values: Mapping) -> None:
         """Sets every variable to ``values`` (:meth:`variables`' names)."""
 

@@ -35,14 +35,15 @@ from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fi
 from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
                                  within_step)
-from hostavg.core.gradients import INPUTS_HINT, Gradients, VariableSpec, check_finite, conform, squared_norm
+from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
+                                    nonfinite_entries, squared_norm)
 from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
 from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
-from hostavg.engine.overflow import Overflow, overflowed
+from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
@@ -137,9 +138,14 @@ class Engine:
 
     def apply(self, backend: Backend, grads: Mapping, feed: Mapping) -> int:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
-        (:meth:`Backend.apply_feed`); returns the new global step."""
-        return backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
-                             feed, ApplyRequest()).global_step
+        (:meth:`Backend.apply_feed`); returns the new global step. An apply the backend found
+        non-finite (and undid) raises StepError naming the variables it made so."""
+        applied = backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
+                                feed, ApplyRequest())
+        if applied.nonfinite:
+            raise StepError(f"{undone('apply', applied.nonfinite, 'apply')} Look at what produced "
+                            f"these gradients: scale them down, or clip them.")
+        return applied.global_step
 
     def check(self, backend: Backend, feed, micro_feeds: Sequence,
               size: int | None = None) -> CheckReport:
@@ -218,7 +224,7 @@ class Engine:
         compute failed, are left out of it. No apply runs, and the rollback
         variables (moving statistics) are restored afterwards.
         """
-        rows = None if rows is None else row_indices(rows, len(feeds), "per_sample")
+        rows = None if rows is None else _distinct(row_indices(rows, len(feeds), "per_sample"))
         losses, norms, errors, kept, index = [], [], [], [], []
         acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
         with self.leaving_no_trace(backend, "per_sample"):
@@ -415,6 +421,9 @@ class Engine:
         n, start, where, rows = batch.size, batch.start, batch.where, batch.rows
         g, global_step, fetched = computed
         step = global_step + backend.increment
+        own = _sq_norms(g)
+        if not log.weighed and not math.isfinite(g.loss + math.fsum(own.values())):
+            log.weighed = _check_weights(backend)  # a NaN weight, not a sample, is to blame
         grads, dropped, changed_by = g, None, None
         flag = log.flagged.get(i)
         if self._micro_hooks:
@@ -431,14 +440,14 @@ class Engine:
                                                           f"{name_of(hook)}'s gradients"),
                                       loss=g.loss, size=n)
                     record = replace(record, grads=grads)
-        sq = _sq_norms(grads)
+        sq = own if grads is g else _sq_norms(grads)
         log.var_sq.append(sq)
 
         def nonfinite() -> bool:
             """Whether its own values, as computed (before any hook), are non-finite in a way
             its samples may explain: not a loss alone on a micro-batch smaller than the batch,
             which points at a batch size fixed in the graph (each sample alone would be too)."""
-            grads_ok = math.isfinite(math.fsum((sq if grads is g else _sq_norms(g)).values()))
+            grads_ok = math.isfinite(math.fsum(own.values()))
             if grads_ok and _loss_hint(g.loss, n, whole, backend.advice) is not None:
                 return False
             return not (grads_ok and math.isfinite(g.loss))
@@ -511,20 +520,22 @@ class _StepLog:
       kept: the accumulated ones' gradients in "stack" mode, else None.
       search: the dropped ones whose own loss or gradients were non-finite: their
         culprit samples are looked for once every micro-batch has run.
+      weighed: whether the weights were found finite (looked at once a micro-batch's own
+        values are not).
       failed: the one whose own non-finite values failed the step, or None.
       raised: the one whose compute raised the framework's error, or None.
       flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of those that drove an
         earlier try of the step's apply non-finite.
     """
 
-    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "failed", "raised",
-                 "flagged")
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "weighed", "failed",
+                 "raised", "flagged")
 
     def __init__(self, keep: bool, flagged: Mapping):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
         self.kept = [] if keep else None
         self.failed = self.raised = None
-        self.flagged = flagged
+        self.weighed, self.flagged = False, flagged
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
@@ -536,20 +547,26 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     then the means are applied in order (a simultaneous update). Atomic like
     one step: if any computation, hook or check fails, every snapshot is
     restored and nothing is applied; a signal arriving once the applies have
-    begun waits until they are done. (The applies run only once every mean
-    was checked; a session failing inside a later apply, or a later apply
-    found non-finite and undone, cannot undo an earlier one.) Once every apply
-    succeeded, each engine's ``on_applied`` hooks get its final result.
+    begun waits until they are done. Once every apply succeeded, each engine's
+    ``on_applied`` hooks get its final result.
 
-    A lone step (one entry, averaged on this host) whose apply went non-finite
-    is tried again from its snapshot, the micro-batch that drove it shown to
-    the ``on_micro_batch`` hooks with ``MicroBatch.overflows`` set: if one
-    drops it, the step goes on without it (again, for each micro-batch that
-    drives a try non-finite); else its error is raised.
+    An apply that fails once earlier ones went through (a session failing, an
+    apply found non-finite and undone) cannot undo them: its error says which
+    stay applied (their rollback variables keep the values their computes
+    left, and no ``on_applied`` hook hears of them); the others are restored.
+
+    An apply that went non-finite before any other went through (a lone step,
+    or the first trainer's), where the step is averaged on this host, has
+    every step tried again from its snapshot, the micro-batches that drove it
+    shown to their ``on_micro_batch`` hooks with ``MicroBatch.overflows`` set:
+    if one drops them, the steps go on without them (again, for each try that
+    goes non-finite); else the error is raised.
 
     Returns:
-      one :class:`~hostavg.StepResult` per entry, in order.
+      one :class:`~hostavg.StepResult` per entry, in order (``[]`` for no entry: nothing runs).
     """
+    if not steps:
+        return []
     out = _try(steps, {})
     while isinstance(out, Retry):
         out = _try(steps, out.flagged)
@@ -579,13 +596,13 @@ class Pending(NamedTuple):
 
 
 class Retry(NamedTuple):
-    """A try's decision that a lone step must be tried again from its snapshot (its apply went
-    non-finite and was undone).
+    """A try's decision that the steps must be tried again from their snapshots (an apply went
+    non-finite and was undone before any other went through).
 
     Attributes:
-      flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of each micro-batch that
-        drove a try of the step non-finite, this try's too: shown to the ``on_micro_batch``
-        hooks flagged, and left out where one drops it.
+      flagged: entry of ``steps`` -> (index -> :class:`~hostavg.engine.overflow.Overflow`) of
+        each micro-batch that drove a try non-finite, this try's too: shown to the
+        ``on_micro_batch`` hooks flagged, and left out where one drops it.
     """
 
     flagged: Mapping
@@ -593,12 +610,12 @@ class Retry(NamedTuple):
 
 def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
     """One try of :func:`step_together`, the micro-batches ``flagged`` by earlier tries: every
-    step's result, or the :class:`Retry` of a lone step whose apply went non-finite."""
-    held, taken, pending = [], [], []
+    step's result, or the :class:`Retry` of steps whose first apply went non-finite."""
+    held, taken, pending, results = [], [], [], []
     try:
         with region():
             try:
-                for engine, backend, feeds, sizes, *rows in steps:
+                for k, (engine, backend, feeds, sizes, *rows) in enumerate(steps):
                     if not engine._busy.acquire(blocking=False):
                         raise StepError(
                             "another step of this trainer is running (in another thread, a hook "
@@ -609,22 +626,17 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
                     snapshot = backend.snapshot()
                     taken.append((backend, snapshot))
                     pending.append(engine._step(backend, snapshot, feeds, sizes,
-                                                rows[0] if rows else None, flagged))
+                                                rows[0] if rows else None, flagged.get(k, {})))
                 hold()  # from here on a signal waits for the steps to be returned whole
-                results = []
-                for one in pending:
-                    applied = _apply(one, alone=len(steps) == 1)
-                    if isinstance(applied, Overflow):  # its snapshot is restored
-                        return Retry({**flagged, applied.index: applied})
+                for k, one in enumerate(pending):
+                    applied = _applied(one, k, results, len(pending))
+                    if not isinstance(applied, StepResult):  # its snapshot is restored
+                        _restore(taken, None)
+                        return Retry({**flagged, k: {**flagged.get(k, {}),
+                                                     **{o.index: o for o in applied}}})
                     results.append(applied)
             except BaseException as error:
-                for backend, snapshot in reversed(taken):
-                    try:
-                        backend.restore(snapshot)
-                    except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
-                        error.add_note(f"hostavg: restoring the variables the micro-batches assign "
-                                       f"failed too ({type(failed).__name__}: {failed}); they may "
-                                       f"hold this step's values")
+                _restore(taken[len(results):], error)  # an apply that went through stays
                 for engine in held:
                     engine.average.abandon(error)
                 raise
@@ -635,15 +647,51 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
         if result.skipped is None:
             for hook, on_applied in engine._applied_hooks:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
-                      applied=True)
+                     applied=result)
     return results
 
 
-def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
+def _restore(taken: list, error: BaseException | None) -> None:
+    """Restores each (backend, snapshot) of ``taken``, the last first; a restore that fails
+    is a note of ``error`` (the step's own, the one to see), or raises where there is none."""
+    for backend, snapshot in reversed(taken):
+        try:
+            backend.restore(snapshot)
+        except Exception as failed:  # noqa: BLE001 - the step's own error is the one to see
+            if error is None:
+                raise
+            error.add_note(f"hostavg: restoring the variables the micro-batches assign "
+                           f"failed too ({type(failed).__name__}: {failed}); they may "
+                           f"hold this step's values")
+
+
+def _applied(pending: Pending, k: int, results: list, n: int) -> StepResult | list:
+    """:func:`_apply` of entry ``k`` of ``n``, ``results`` those applied before it: the entries
+    can be tried again where none was. An error once some were says which stay applied."""
+    try:
+        return _apply(pending, retry=not results)
+    except Exception as error:
+        if not results:
+            raise
+        them = "trainer 1" if k == 1 else f"trainers {', '.join(map(str, range(1, k)))} and {k}"
+        said = (f"step_together, trainer {k + 1} of {n}: the appl{'y' if k == 1 else 'ies'} of "
+                f"{them} before it went through and stay{'s' if k == 1 else ''} applied (no "
+                f"on_applied hook heard of {'it' if k == 1 else 'them'}); this trainer's and "
+                f"those after it were not applied")
+        if isinstance(error, HostavgError):
+            error.args = (f"{said}. {error.args[0]}", *error.args[1:])
+        else:
+            error.add_note(f"hostavg: {said}")
+        raise
+
+
+def _apply(pending: Pending, retry: bool) -> StepResult | list:
     """Applies one engine's checked mean (restores a skipped step's snapshot); the final result.
     An apply the backend found non-finite (and undid) has the snapshot restored and raises its
-    :func:`~hostavg.engine.overflow.overflowed` error, or, for a lone step on this host whose
-    ``on_micro_batch`` hooks may drop what drove it, returns its :class:`Overflow`."""
+    :func:`~hostavg.engine.overflow.overflowed` error, or, where the step can be tried again
+    (``retry``: no other apply went through), is averaged on this host and has
+    ``on_micro_batch`` hooks that may drop what drove it, returns its
+    :class:`~hostavg.engine.overflow.Overflow` list."""
     engine, backend = pending.engine, pending.backend
     if pending.mean is None:  # skipped: every micro-batch was dropped
         backend.restore(pending.snapshot)
@@ -653,11 +701,10 @@ def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
         ratios=bool(every) and after % every == 0, values=bool(seen) and after % seen == 0))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
-        error, overflow = overflowed(engine._search(backend), pending.result, applied.nonfinite,
-                                     pending.batches)
-        if overflow is not None and alone and engine._micro_hooks \
-                and engine.average.sees_every_micro_batch:
-            return overflow
+        error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
+                                      pending.batches)
+        if overflows and retry and engine._micro_hooks and engine.average.sees_every_micro_batch:
+            return overflows
         raise error
     kept = applied.weights is not None and applied.skipped is None
     return replace(pending.result, step=applied.global_step,
@@ -665,6 +712,37 @@ def _apply(pending: Pending, alone: bool) -> StepResult | Overflow:
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
                                                        applied.updates) if kept else None)
+
+
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """``rows``, each given once: ArgumentError naming the first row given twice."""
+    seen = {}
+    for i, row in enumerate(rows.tolist()):
+        if row in seen:
+            raise ArgumentError(
+                f"per_sample: rows must be distinct, since they index the table (table.loc[row]): "
+                f"row {row} is given for samples {seen[row]} and {i}; give each sample its own "
+                f"data row, or rows=None to index the table by sample")
+        seen[row] = i
+    return rows
+
+
+def _check_weights(backend: Backend) -> bool:
+    """Raises StepError naming the trained variables of ``backend`` that hold NaN or Inf: every
+    micro-batch computed from them is non-finite, and no sample is to blame; else True."""
+    bad = []
+    for name, value in backend.weights().items():
+        nan, inf = nonfinite_entries(value)
+        if nan + inf:
+            bad.append(f"{name!r} holds {nan + inf} of {np.size(value)} entries non-finite: "
+                       f"{nan} NaN, {inf} Inf")
+    if bad:
+        raise StepError(
+            f"step: the weights were not finite before the step ({'; '.join(bad)}), so every "
+            f"micro-batch computed from them is non-finite and no sample is to blame; nothing "
+            f"was applied. They were made so outside a checked step (an assign, a restore, an "
+            f"apply with check_applied=False): set them from a checkpoint of finite weights.")
+    return True
 
 
 def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:

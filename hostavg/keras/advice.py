@@ -20,7 +20,7 @@ ADVICE = {
     "scale": "Use a keras.losses.Loss with reduction='sum_over_batch_size' (the default), "
              "or a loss function that returns the mean over the batch",
     "batch": "such as keras.layers.BatchNormalization, which in training normalises each "
-             "micro-batch by its own statistics, or a loss over masked outputs (after "
+             "micro-batch by its own statistics; or a loss over masked outputs (after "
              "Embedding(mask_zero=True) or Masking), which Keras averages over each "
              "micro-batch's own unmasked entries: weigh each micro-batch by its unmasked "
              "entries, step(batches, sizes=[...]), and the step is the full batch's",

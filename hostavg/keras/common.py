@@ -25,6 +25,7 @@ import keras
 import numpy as np
 
 from hostavg.compat.keras import compile_arguments
+from hostavg.core.dtypes import is_float
 from hostavg.core.errors import ArgumentError, HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
@@ -35,7 +36,8 @@ from hostavg.keras.batch import leaves
 from hostavg.keras.train_step import log_value, overrides_train_step
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ApplyOutputs", "CompiledModel", "ModelVariables",
-           "checked_optimizer", "compiled", "loss_function", "metric_results", "model_errors", "traced_message"]
+           "checked_optimizer", "compiled", "loss_function", "metric_results",
+           "model_errors", "traced_message"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -243,7 +245,13 @@ class CompiledModel(ModelVariables):
         else:
             n = positive_int(f"{what}: size", size)
         if signature not in self._computes:
-            self._computes[signature] = self._trace_compute(flat, signature, what)
+            try:
+                self._computes[signature] = self._trace_compute(flat, signature, what)
+            except ArgumentError as error:
+                said = _explained(error, self.model, batch, what)
+                if said is error:
+                    raise
+                raise said from error.__cause__
             self._targets[signature] = targets.of(self.model, signature, flat)
         targets.check(self._targets[signature], flat, what)
         return (self._computes[signature], flat), n
@@ -257,6 +265,9 @@ class CompiledModel(ModelVariables):
                 f"{what}: the loss has shape {tuple(shape)}, not a scalar; give the micro-batch "
                 f"MEAN (a keras.losses.Loss reduces it)")
         if not kept:
+            if self.model.loss is None and not self.runs_train_step and \
+                    type(self.model).compute_loss is keras.Model.compute_loss:
+                raise _no_loss(what, self.model)  # on JAX, Keras's loss of no loss is 0
             raise ArgumentError(f"{what}: nothing to train: no trainable variable of the model has "
                                 f"a gradient with respect to the loss")
         spec = {trainable[i].path: VariableSpec(tuple(trainable[i].shape),
@@ -276,9 +287,14 @@ class CompiledModel(ModelVariables):
                 f"batch the same structure")
         return spec
 
+    def weights(self) -> dict:
+        return {v.path: v.numpy() for v in self.model.trainable_variables
+                if v.path in (self.spec or ())}
+
     def _checks(self, variable) -> bool:
-        """Whether an apply checks ``variable`` finite: a float one, where applies check."""
-        return self.check_applied and np.dtype(variable.dtype).kind == "f"
+        """Whether an apply checks ``variable`` finite: a float one (bfloat16 too, which NumPy
+        counts as kind "V"), where applies check."""
+        return self.check_applied and is_float(variable.dtype)
 
     def _report(self, out: ApplyOutputs, request: ApplyRequest, trained: list) -> Applied:
         """What an apply did, from its outputs ``out`` (on the host; ``trained``: the variables
@@ -348,6 +364,54 @@ class ApplyOutputs(NamedTuple):
     weights: list
     updates: list
     finite: np.ndarray
+
+
+def _explained(error: ArgumentError, model, batch: tuple, what: str) -> ArgumentError:
+    """``error``, of a ``model`` that cannot run on ``batch`` (:func:`model_errors`), said by
+    its cause where it is known: a model with no loss at all, or one loss for several outputs
+    of which one has another shape than its target; else ``error`` itself."""
+    fact = getattr(error, "fact", None)
+    if fact is None:
+        return error
+    if "No loss to compute" in str(error.__cause__):
+        return _no_loss(what, model)
+    misfit = _misfit_output(model, batch)
+    if misfit is None:
+        return error
+    return ArgumentError(f"{fact}; {misfit}. Give each output a target of its shape, or each "
+                         f"output its own loss (a dict by output name)")
+
+
+def _no_loss(what: str, model) -> ArgumentError:
+    """The error of a ``model`` that has no loss at all."""
+    return ArgumentError(
+        f"{what}: model {model.name!r} has no loss: it is compiled without one, none was given, "
+        f"and its forward pass adds none (add_loss); pass loss= (such as "
+        f"'sparse_categorical_crossentropy') or compile the model with one")
+
+
+def _misfit_output(model, batch: tuple) -> str | None:
+    """Where ``model`` has several outputs and one loss (which Keras applies to each), the first
+    output whose shape its target in ``batch`` does not have (of the same rank, another size
+    past axis 0), in words; else None."""
+    outputs = getattr(model, "outputs", None) or []
+    if len(outputs) < 2 or keras.tree.is_nested(model.loss) or len(batch) < 2:
+        return None
+    names, y = model.output_names, batch[1]
+    if isinstance(y, Mapping):
+        given = [y.get(name) for name in names]
+    elif isinstance(y, (list, tuple)) and len(y) == len(names):
+        given = list(y)
+    else:
+        return None
+    for name, output, target in zip(names, outputs, given):
+        shape, got = tuple(output.shape), np.shape(target)
+        if target is not None and len(shape) == len(got) and any(
+                s is not None and s != g for s, g in zip(shape[1:], got[1:])):
+            return (f"model {model.name!r} has {len(names)} outputs "
+                    f"({', '.join(map(repr, names))}) and one loss, which Keras applies to each "
+                    f"of them: output {name!r} gives shape {shape}, its target {got}")
+    return None
 
 
 def traced_message(error) -> str:

@@ -314,13 +314,16 @@ def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     means are applied in order. Atomic: if any micro-batch of any trainer
     fails, nothing is applied and every trainer's rollback variables are
     restored.
+    The first apply found non-finite has every step tried again without the
+    micro-batches that drove it where a hook drops them (``SkipNonFinite``);
+    a later one raises, saying which applies stay (docs/explanation/errors.md).
 
     Args:
       steps: ``(trainer, batches)`` or ``(trainer, batches, sizes)`` per
         trainer, as :meth:`Trainer.step` takes them; applied in this order.
 
     Returns:
-      one :class:`~hostavg.StepResult` per trainer, in order.
+      one :class:`~hostavg.StepResult` per trainer, in order (``[]`` for ``[]``).
 
     Example::
 

@@ -178,6 +178,9 @@ class SessionBackend:
         variables = self._globals()
         return dict(zip([v.op.name for v in variables], self.session.run(variables)))
 
+    def weights(self) -> dict:
+        return dict(zip(self.wiring.names, self.session.run(self.wiring.trained)))
+
     def assign(self, values) -> None:
         variables = self._globals()
         load_variables(self.session, variables, [values[v.op.name] for v in variables])

@@ -351,6 +351,9 @@ def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:
     own ``sess.run([train_d, train_g])`` over gradients computed first.
     Atomic: if any micro-batch of any trainer fails, nothing is applied and
     every trainer's rollback variables are restored.
+    The first apply found non-finite has every step tried again without the
+    micro-batches that drove it where a hook drops them (``SkipNonFinite``);
+    a later one raises, saying which applies stay (docs/explanation/errors.md).
 
     Args:
       sess: the session running the trainers' graph.
@@ -358,7 +361,7 @@ def step_together(sess, steps: Sequence[tuple]) -> list[StepResult]:
         as :meth:`Trainer.step` takes them; applied in this order.
 
     Returns:
-      one :class:`StepResult` per trainer, in order.
+      one :class:`StepResult` per trainer, in order (``[]`` for ``[]``).
 
     Example::
 

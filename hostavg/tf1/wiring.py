@@ -38,7 +38,8 @@ class Wiring:
 
     Attributes:
       graph: the loss's graph.
-      names: the trained variables' names (``var.op.name``), in order.
+      trained: the trained variables, in order.
+      names: their names (``var.op.name``).
       spec: name -> :class:`VariableSpec`.
       global_step: the global step variable.
       apply_inputs: name -> placeholder, each placeholder the train op reads
@@ -61,7 +62,8 @@ class Wiring:
             self.increment = 1 if increment_global_step else 0
             self.update_ops = select_update_ops(self.graph, loss, update_ops)
             pairs = _gradient_pairs(optimizer, loss, var_list)
-            self.names = [v.op.name for _, v in pairs]
+            self.trained = [v for _, v in pairs]
+            self.names = [v.op.name for v in self.trained]
             self.spec = _variable_specs(pairs)
             self._grads = [g for g, _ in pairs]
             self._fetches = _compute_fetches(loss, self.global_step, self._grads, self.update_ops)
@@ -339,10 +341,21 @@ def _checked_train_op(optimizer, pairs: list, global_step, train_op, apply_feeds
                                             global_step=global_step)
         checked = [v for v in written if v.dtype.base_dtype.is_floating]
         with tf.control_dependencies([applied]):
-            # (read_value: a new read within these dependencies, of a reference variable too)
-            finite = tf.stack([tf.reduce_all(tf.math.is_finite(v.read_value())) for v in checked])
+            finite = tf.stack([tf.reduce_all(tf.math.is_finite(_read_after(v))) for v in checked])
         return checked, _undo_where(tf.reduce_all(finite), finite, written, before), \
             before[:len(variables)]
+
+
+def _read_after(variable):
+    """A read of ``variable`` that stays within the control dependencies it is made in.
+
+    (read_value: a new read there.) A reference variable's read is an Identity of its buffer,
+    which grappler's arithmetic optimizer swaps with the IsFinite after it, leaving IsFinite
+    to read the buffer without the dependencies (before the update writes it): an Abs
+    between them, which no optimizer swaps, keeps the order.
+    """
+    value = variable.read_value()
+    return tf.abs(value) if is_ref_dtype(variable.dtype) else value
 
 
 def _undo_where(ok, finite, written: list, before: list):

@@ -444,12 +444,14 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: Progress, item: tu
             return False
         for on_batch_begin in hooks["on_batch_begin"]:
             on_batch_begin(steps)
-        result = run.step(*_micro_batches(feed, n, plan.cut, plan.rank, plan.size, plan.blocks,
-                                          rows))
-    state.batch, state.samples = state.batch + 1, state.samples + n
-    state.global_step = result.step
-    log = state.history.add(state.epoch, result)
-    release()
+        try:
+            result = run.step(*_micro_batches(feed, n, plan.cut, plan.rank, plan.size,
+                                              plan.blocks, rows))
+        except Exception as error:
+            if getattr(error, "applied", None) is not None:  # an on_applied hook raised
+                _count(state, n, error.applied)  # so that a checkpoint holds the step whole
+            raise
+    log = _count(state, n, result)
     _refuse_empty_steps(state.history.steps, result)
     bar.update(result)
     if (plan.checkpoints is not None and plan.checkpoint_every
@@ -463,6 +465,16 @@ def train_step(run: Run, plan: FitPlan, state: FitState, bar: Progress, item: tu
         for on_batch_end in hooks["on_batch_end"]:
             on_batch_end(steps, logs)
     return True
+
+
+def _count(state: FitState, n: int, result):
+    """Counts the step ``result`` of a batch of ``n`` samples, applied, in ``state``: its
+    position, global step and History; returns its History log."""
+    state.batch, state.samples = state.batch + 1, state.samples + n
+    state.global_step = result.step
+    log = state.history.add(state.epoch, result)
+    release()
+    return log
 
 
 def _abandon(run: Run, plan: FitPlan, state: FitState, bar: Progress,

@@ -260,8 +260,8 @@ class BaseTrainer:
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
-          rows: each sample's row in your data set (one integer per sample),
-            to index the table by; None: by position in the batch.
+          rows: each sample's row in your data set (one distinct integer per
+            sample), to index the table by; None: by position in the batch.
 
         Returns:
           a pandas DataFrame indexed by ``row`` (with ``rows``) or ``sample``
@@ -589,10 +589,9 @@ class TrainerRun:
 
 def together_entries(steps, kind: type, call: str) -> list[tuple]:
     """``steps`` checked as ``(trainer, batches)`` or ``(trainer, batches, sizes)`` of ``kind``:
-    ``(trainer, batches, sizes)`` each."""
-    if isinstance(steps, Mapping) or not isinstance(steps, Sequence) or not steps:
-        raise ArgumentError(f"{call} takes a non-empty list of (trainer, batches) pairs, got "
-                            f"{steps!r}")
+    ``(trainer, batches, sizes)`` each (none for an empty list)."""
+    if isinstance(steps, (Mapping, str)) or not isinstance(steps, Sequence):
+        raise ArgumentError(f"{call} takes a list of (trainer, batches) pairs, got {steps!r}")
     out = []
     for entry in steps:
         if not isinstance(entry, tuple) or len(entry) not in (2, 3) or not isinstance(entry[0], kind):

@@ -29,6 +29,7 @@ from models import (OPTIMIZERS, build, cuts, full_batch, keras_model, keras_opti
 
 import hostavg
 import hostavg.keras
+from hostavg.tf1.variables import load_variables
 
 #: The models every backend builds (see :meth:`Backend.make`).
 MODELS = (
@@ -110,6 +111,13 @@ class Face:
         """Every variable's value by name: weights, optimizer state, step, moving statistics."""
         raise NotImplementedError
 
+    def set(self, name: str, value) -> None:
+        """Sets the trained variable ``name`` (a key of the trainer's spec) to ``value``."""
+        raise NotImplementedError
+
+    #: What an error names the Adam second moment of the variable "hidden/kernel" by.
+    second_moment = ""
+
     def loss(self, data: dict) -> float:
         """The framework's own inference loss of the model as it is, over all ``data`` at once."""
         raise NotImplementedError
@@ -149,8 +157,9 @@ class Backend:
         :meth:`make` starts from; returns :meth:`Face.values` afterwards."""
         raise NotImplementedError
 
-    def pair(self) -> tuple[Face, Face]:
-        """Two faces whose trainers can step together (:meth:`step_together`)."""
+    def pair(self, hooks=((), ())) -> tuple[Face, Face]:
+        """Two faces whose trainers can step together (:meth:`step_together`), with ``hooks``
+        (one list per trainer)."""
         raise NotImplementedError
 
     def step_together(self, steps: list) -> list:
@@ -177,6 +186,12 @@ class TF1Face(Face):
 
     def values(self):
         return self.model.values(self.sess)
+
+    def set(self, name, value):
+        variable, = [v for v in self.model.graph.get_collection("variables") if v.op.name == name]
+        load_variables(self.sess, [variable], [value])
+
+    second_moment = "'hidden/kernel/Adam_1'"
 
     def assigned(self):
         return {v.op.name for v in self.trainer.rollback_variables}
@@ -210,15 +225,16 @@ class TF1(Backend):
     def oracle(self, model, optimizer, data):
         return full_batch(OPTIMIZERS[optimizer], data, **self.BUILD[model])
 
-    def pair(self):
+    def pair(self, hooks=((), ())):
         """Two trainers of one graph, a GAN's two networks: the hidden layer's and the output
         layer's, each with its own Adam; the second leaves the global step alone."""
         built, loss = self._model("mlp")
         with built.graph.as_default():
             hidden = [v for v in v1.trainable_variables() if v.op.name.startswith("hidden/")]
             out = [v for v in v1.trainable_variables() if v.op.name.startswith("out/")]
-            first = hostavg.Trainer(loss, make_optimizer("adam"), hidden)
-            second = hostavg.Trainer(loss, make_optimizer("adam"), out, increment_global_step=False)
+            first = hostavg.Trainer(loss, make_optimizer("adam"), hidden, hooks=hooks[0])
+            second = hostavg.Trainer(loss, make_optimizer("adam"), out, increment_global_step=False,
+                                     hooks=hooks[1])
             init = v1.global_variables_initializer()
         sess = v1.Session(graph=built.graph)
         sess.run(init)
@@ -278,6 +294,12 @@ class KerasFace(Face):
     def values(self):
         return keras_values(self.trainer.model, self.trainer.optimizer)
 
+    def set(self, name, value):
+        variable, = [v for v in self.trainer.model.variables if v.path == name]
+        variable.assign(value)
+
+    second_moment = "/hidden_kernel_velocity'"  # the optimizer's own name first: 'adam/...'
+
     def assigned(self):
         return {v.path for v in self.trainer.rollback_variables}
 
@@ -328,8 +350,8 @@ class Keras(Backend):
                 built.train_on_batch(*keras_batch(d))
         return keras_values(built, opt)
 
-    def pair(self):
-        return self.make(), self.make()
+    def pair(self, hooks=((), ())):
+        return self.make(hooks=hooks[0]), self.make(hooks=hooks[1])
 
     def step_together(self, steps):
         return hostavg.keras.step_together([(face.trainer, micro) for face, micro in steps])

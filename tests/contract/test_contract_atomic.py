@@ -103,3 +103,48 @@ def test_a_dropped_micro_batch_leaves_nothing_behind(backend, overlap):
     micro = others.cut(data, SIZES)
     others.step([micro[0], micro[2]])
     same(face.values(), others.values())
+
+
+def test_an_apply_that_goes_non_finite_raises_naming_the_slots_and_changes_nothing(backend):
+    """apply checks what it wrote as step does: gradients of 1e30 are finite, but Adam's second
+    moment of them (1e60) overflows float32; the update is undone and apply raises, naming it."""
+    face = backend.make("batchnorm")
+    data = batches(4, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))
+    grads = face.compute(face.cut(data[1], SIZES)[0])
+    before = face.values()  # after the compute, which moved the moving statistics
+    huge = {name: np.full(np.shape(g), 1e30, np.float32) for name, g in grads.items()}
+    with pytest.raises(hostavg.StepError) as raised:
+        face.apply(huge)
+    same(face.values(), before)
+    said = str(raised.value)
+    assert said.startswith("apply: it made ") and face.second_moment in said.split("non-finite")[0]
+    assert said.endswith(" non-finite (NaN or Inf), so it was undone: the weights, the "
+                         "optimizer's state and the global step are as before the apply. Look at "
+                         "what produced these gradients: scale them down, or clip them."), said
+    assert raised.value.culprit_rows == []
+    assert face.apply(grads) == 2  # and it applies on
+
+
+@pytest.mark.parametrize("skipping", [False, True], ids=["plain", "skip-non-finite"])
+def test_a_weight_non_finite_before_the_step_is_named_instead_of_every_sample(backend, skipping):
+    """A NaN already in a weight makes every micro-batch non-finite, every sample of it too: the
+    step names the weight, blames no sample, and fails with SkipNonFinite too (dropping
+    micro-batches cannot help)."""
+    face = backend.make("batchnorm", hooks=[SkipNonFinite()] if skipping else [])
+    data = batches(4, 2, BATCH)
+    face.step(face.cut(data[0], SIZES))
+    kernel = face.values()["out/kernel"].copy()
+    kernel[2, 1] = np.nan
+    face.set("out/kernel", kernel)
+    before = face.values()
+    with pytest.raises(hostavg.StepError) as raised:
+        face.step(face.cut(data[1], SIZES), rows=ROWS)
+    same(face.values(), before, skip=("out/kernel",))
+    np.testing.assert_array_equal(face.values()["out/kernel"], kernel)  # (NaN where it was)
+    said = str(raised.value)
+    assert raised.value.culprits == () and raised.value.culprit_rows == [], said
+    assert said.startswith("step: the weights were not finite before the step ('out/kernel' "
+                           "holds 1 of 24 entries non-finite: 1 NaN, 0 Inf), so every micro-batch "
+                           "computed from them is"), said
+    assert "no sample is to blame" in said and "data row" not in said, said

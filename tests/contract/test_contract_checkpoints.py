@@ -34,12 +34,29 @@ class StopAt(AfterStep):
             raise hostavg.StopTraining("enough")
 
 
-def test_a_fit_resumed_after_an_exception_equals_an_uninterrupted_fit(backend, tmp_path):
+class FailApplied:
+    """A hook whose ``on_applied`` raises RuntimeError("stopped on purpose") at global step
+    ``step``: the step was applied, and fit has not counted it yet."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_applied(self, result):
+        if result.step == self.step:
+            raise RuntimeError("stopped on purpose")
+
+
+#: Where a fit fails at step 5: after fit counted the step, or in an on_applied hook.
+FAILS = {"after-the-step": FailAt, "in-on-applied": FailApplied}
+
+
+@pytest.mark.parametrize("fail", FAILS.values(), ids=FAILS.keys())
+def test_a_fit_resumed_after_an_exception_equals_an_uninterrupted_fit(backend, tmp_path, fail):
     data = batches(6, 1, SAMPLES)[0]
     straight = backend.make("batchnorm")
     straight.fit(data, **FIT)
     with pytest.raises(RuntimeError, match="stopped on purpose"):
-        backend.make("batchnorm").fit(data, checkpoint_dir=tmp_path, callbacks=[FailAt(5)],
+        backend.make("batchnorm").fit(data, checkpoint_dir=tmp_path, callbacks=[fail(5)],
                                       **FIT)
     resumed = backend.make("batchnorm")  # as a new process would: another model, from the files
     steps = Steps()
@@ -48,6 +65,24 @@ def test_a_fit_resumed_after_an_exception_equals_an_uninterrupted_fit(backend, t
     same(resumed.values(), straight.values())
     assert [s.step for s in history.steps] == list(range(1, 9))
     assert [s.size for s in history.steps] == [32, 32, 32, 4] * 2
+
+
+def test_a_hook_raising_in_on_applied_leaves_a_checkpoint_of_one_step(backend, tmp_path):
+    """The step whose on_applied hook raised was applied: fit counts it before the exception
+    leaves, so the checkpoint written on the way out holds its weights, its position and its
+    History, together."""
+    data = batches(6, 1, SAMPLES)[0]
+    failed = backend.make("batchnorm")
+    with pytest.raises(RuntimeError, match="stopped on purpose") as raised:
+        failed.fit(data, checkpoint_dir=tmp_path, callbacks=[FailApplied(5)], **FIT)
+    assert [s.step for s in raised.value.history.steps] == [1, 2, 3, 4, 5]
+    newest = sorted(tmp_path.glob("ckpt-*.npz"))[-1]
+    assert newest.name == "ckpt-0000000005.npz"
+    held = backend.make("batchnorm")
+    fit = held.restore(newest)
+    same(held.values(), failed.values())
+    assert (fit["epoch"], fit["batch"], fit["samples"]) == (1, 1, 32)
+    assert [s.step for s in hostavg.History.from_json(fit["history"]).steps] == [1, 2, 3, 4, 5]
 
 
 def test_a_fit_stopped_by_a_callback_stays_stopped(backend, tmp_path):

@@ -56,6 +56,27 @@ def test_a_nan_micro_batch_is_a_step_error(backend):
     assert "micro-batch 1 of 3" in str(error) and "non-finite gradients" in str(error)
 
 
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_a_micro_batch_every_sample_of_which_is_refused_names_every_one(backend, model):
+    """Labels 9 of 3 classes (refused by TF1's session, by the Keras face on the host) or ids
+    past the embedding's 50 rows (refused by TensorFlow; NaN rows on JAX) in every sample of a
+    micro-batch: each sample fails alone, so each is named, by its data row."""
+    face = backend.make(model)
+    first, data = batches(8, 2, 12, sparse=model == "embedding")
+    face.step(face.cut(first, 4))  # (a Keras optimizer is built by its first step)
+    if model == "mlp":
+        data["y"][4:8] = 9
+    else:
+        data["ids"][4:8, 1] = 60
+    before = face.values()
+    with pytest.raises(hostavg.HostavgError) as raised:
+        face.step(face.cut(data, 4), rows=[np.arange(100, 104), np.arange(104, 108),
+                                           np.arange(108, 112)])
+    same(face.values(), before)
+    assert raised.value.culprit_rows == [104, 105, 106, 107], str(raised.value)
+    assert "micro-batch 1 of 3" in str(raised.value), str(raised.value)
+
+
 def test_a_step_while_another_runs_is_a_step_error(backend):
     class Again:
         """Steps the trainer again from inside its own step, once given its face: refused."""

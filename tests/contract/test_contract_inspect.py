@@ -66,6 +66,18 @@ def test_per_sample_is_each_sample_computed_alone_and_changes_nothing(backend):
             assert by_row.loc[row, column] == pytest.approx(cosine, rel=1e-4, abs=1e-6), column
 
 
+def test_per_sample_refuses_rows_that_repeat(backend):
+    """The table is indexed by row: a row given twice would make table.loc[row] two rows."""
+    face = backend.make()
+    sample = {k: v[:4] for k, v in batches(9, 1, BATCH)[0].items()}
+    with pytest.raises(hostavg.ArgumentError) as raised:
+        face.per_sample(sample, rows=np.array([7, 3, 7, 9]))
+    assert str(raised.value) == (
+        "per_sample: rows must be distinct, since they index the table (table.loc[row]): row 7 "
+        "is given for samples 0 and 2; give each sample its own data row, or rows=None to index "
+        "the table by sample")
+
+
 def test_per_sample_keeps_the_row_of_a_sample_whose_compute_fails(backend):
     """A target out of range: the framework's error on TF1, hostavg's own check on Keras (which
     JAX would train on silently); the others are as without it, and nothing changes."""

@@ -1,8 +1,12 @@
 """Trainers stepped together, and who hears of a step: hooks and fit callbacks."""
 
 import numpy as np
+import pytest
 from backends import BATCH, SIZES, same
 from models import batches
+
+import hostavg
+from hostavg.hooks import SkipNonFinite
 
 #: fit over 40 samples in batches of 16 cut into micro-batches of 8, twice:
 #: micro-batches 2, 2 and 1 an epoch, 6 steps in all.
@@ -65,6 +69,85 @@ def test_stepping_together_equals_computing_both_then_applying_both(backend):
         for name in mean:
             np.testing.assert_array_equal(result.grads[name], mean[name])
     assert results[0].step == 1
+
+
+def test_stepping_an_empty_list_together_returns_no_result_and_changes_nothing(backend):
+    """A loop whose list of active trainers is empty this round gets [] (one result per
+    trainer); what is no list of (trainer, batches) pairs is still refused."""
+    a, b = backend.pair()
+    before = a.values()
+    assert together(backend, a, []) == []
+    same(a.values(), before)
+    call = "hostavg.step_together" if backend.id == "tf1" else "hostavg.keras.step_together"
+    for wrong in (None, {}, a.trainer):
+        with pytest.raises(hostavg.ArgumentError, match=r"^step_together takes a list of "
+                                                        r"\(trainer, batches\) pairs, got "):
+            together(backend, a, wrong)
+    same(a.values(), before)
+
+
+def together(backend, face, steps):
+    """``step_together`` called with ``steps`` as they are (``backend.step_together`` takes faces)."""
+    if backend.id == "tf1":
+        return hostavg.step_together(face.sess, steps)
+    return hostavg.keras.step_together(steps)
+
+
+class Blow:
+    """A hook that makes micro-batch 1's gradients 1e30 times larger, once armed: finite, but
+    Adam's second moment of them (1e60) overflows float32, so the apply goes non-finite."""
+
+    armed = False
+
+    def on_micro_batch(self, micro):
+        if self.armed and micro.index == 1:
+            return {name: np.asarray(g) * np.float32(1e30) for name, g in micro.grads.items()}
+        return None
+
+
+def blowing_pair(backend):
+    """Two trainers that step together (:meth:`Backend.pair`), each with a :class:`Blow` hook
+    before SkipNonFinite, stepped once (slots and step non-trivial), and the next batch."""
+    hooks = [Blow(), Blow()]
+    a, b = backend.pair(hooks=[[hook, SkipNonFinite()] for hook in hooks])
+    data = batches(14, 2, BATCH)
+    backend.step_together([(a, a.cut(data[0], SIZES)), (b, b.cut(data[0], SIZES))])
+    return a, b, hooks, data[1]
+
+
+def test_stepping_together_retries_without_the_micro_batch_that_blew_the_first_apply_up(backend):
+    """The first trainer's apply goes non-finite before any apply went through: every trainer is
+    tried again from the same weights, without that micro-batch, as a lone step is."""
+    a, b, hooks, data = blowing_pair(backend)
+    twin_a, twin_b, _, _ = blowing_pair(backend)
+    hooks[0].armed = True
+    results = backend.step_together([(a, a.cut(data, SIZES)), (b, b.cut(data, SIZES))])
+    assert results[0].dropped == (1,) and results[1].dropped == ()
+    micro = twin_a.cut(data, SIZES)
+    backend.step_together([(twin_a, [micro[0], micro[2]]), (twin_b, twin_b.cut(data, SIZES))])
+    same(a.values(), twin_a.values())
+    same(b.values(), twin_b.values())
+
+
+def test_stepping_together_says_which_applies_stay_when_a_later_one_blows_up(backend):
+    """The second trainer's apply goes non-finite once the first's went through, which cannot be
+    undone: the second is as before the step, the first applied, and the error says so."""
+    a, b, hooks, data = blowing_pair(backend)
+    twin, _, _, _ = blowing_pair(backend)
+    hooks[1].armed = True
+    before = b.values()
+    with pytest.raises(hostavg.StepError) as raised:
+        backend.step_together([(a, a.cut(data, SIZES)), (b, b.cut(data, SIZES))])
+    said = str(raised.value)
+    assert "so it was undone" in said, said
+    assert said.startswith("step_together, trainer 2 of 2: the apply of trainer 1 before it "
+                           "went through and stays applied (no on_applied hook heard of it); "
+                           "this trainer's and those after it were not applied. step, the "
+                           "apply: it made "), said
+    twin.step(twin.cut(data, SIZES))  # what the first trainer's apply did: its step, alone
+    same(a.values(), twin.values())  # (TF1: the whole graph, the second trainer's too)
+    if backend.id != "tf1":
+        same(b.values(), before)
 
 
 def fit_data():
