@@ -468,15 +468,26 @@ from hostavg.hooks import TensorBoard
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
 model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-hostavg.keras.Trainer(model, micro_batch_size=8, hooks=[TensorBoard(sys.argv[1], 1)]).fit(
-    x, np.arange(32) % 3, batch_size=16, epochs=1, verbose=0)
-print("tensorflow" in sys.modules)
+trainer = hostavg.keras.Trainer(model, micro_batch_size=8, distributions_every=2,
+                                hooks=[TensorBoard(sys.argv[1], 1)])
+trainer.fit(x, np.arange(32) % 3, batch_size=16, epochs=1, verbose=0)
+print("tensorflow" in sys.modules, float(np.asarray(model.layers[0].kernel).sum()))
 """
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tb")], env=dict(
         ENV, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False"]
+    imported, kernel_sum = out.stdout.split()
+    assert imported == "False"
     assert [step for step, _ in events(tmp_path / "tb")["hostavg/loss"]] == [1, 2]
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    reader = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.HISTOGRAMS: 0}).Reload()
+    for kind in ("weights", "updates"):  # step 2 kept its distributions: the weights after it
+        assert {t for t in reader.Tags()["histograms"] if t.startswith(kind)} == {
+            f"{kind}/sequential/dense/kernel", f"{kind}/sequential/dense/bias"}
+        assert [h.step for h in reader.Histograms(f"{kind}/sequential/dense/kernel")] == [2]
+    (weights,) = reader.Histograms("weights/sequential/dense/kernel")
+    assert weights.histogram_value.num == 12
+    assert weights.histogram_value.sum == pytest.approx(float(kernel_sum), rel=1e-5)
 
 
 def test_a_tensorboard_folder_of_another_run_is_refused_unless_overwritten(tmp_path):

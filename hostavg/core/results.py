@@ -137,6 +137,10 @@ class StepResult:
         percentiles (:mod:`hostavg.core.distributions`) where kept, else None.
       statistics: name -> value of each user statistic (``Trainer(statistics=...)``),
         read-only; empty in what ``on_step`` hooks see.
+      weights, updates: name -> each trained variable's value after the apply, and
+        after minus before (read-only arrays read back in the apply's own call), on
+        the steps that kept ``distributions``; else None. History and the Record
+        keep only their percentiles; the TensorBoard hook draws their histograms.
     """
 
     loss: float | None
@@ -152,6 +156,8 @@ class StepResult:
     fetched: tuple = ()
     distributions: dict | None = None
     statistics: Mapping = field(default_factory=dict)
+    weights: Mapping | None = field(default=None, repr=False, compare=False)
+    updates: Mapping | None = field(default=None, repr=False, compare=False)
 
     @property
     def dropped(self) -> tuple:
