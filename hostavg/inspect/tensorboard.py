@@ -51,9 +51,8 @@ class TensorBoard:
     ``gradients/``, ``weights/`` and ``updates/<variable>`` histograms. The
     event file is flushed after every step.
 
-    Only applied steps are written (``on_applied``). ``fit`` closes the hook
-    when it ends; after a hand-written loop call :meth:`close` (a later step
-    opens a new event file).
+    Only applied steps are written (``on_applied``); ``fit`` closes the hook,
+    a hand-written loop calls :meth:`close` (a later step opens a new file).
 
     A folder that already holds event files belongs to another run (a cell
     run twice): the first write raises HostavgError naming the folder, as
