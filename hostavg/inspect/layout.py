@@ -45,13 +45,14 @@ TEN = 10
 VARIABLES_MAP, VARIABLES_END = "viridis", 0.9
 
 
-def checked(plot: str, x: str, yscale: str, legend_mode) -> None:
-    """Refuses an ``x``, ``yscale`` or ``legend`` that is none of the known ones."""
+def checked(where: str, x: str, yscale: str, legend_mode) -> None:
+    """Refuses an ``x``, ``yscale`` or ``legend`` that is none of the known ones, the error
+    starting with ``where`` (the function's public name)."""
     for name, value, known in (("x", x, X_AXES), ("yscale", yscale, YSCALES),
                                ("legend", legend_mode, LEGENDS)):
         if not any(value is k or (isinstance(k, str) and isinstance(value, str) and value == k)
                    for k in known):
-            raise ArgumentError(f"hostavg.plot.{plot}: {name} must be one of "
+            raise ArgumentError(f"{where}: {name} must be one of "
                                 f"{', '.join(map(repr, known))}; got {value!r}")
 
 

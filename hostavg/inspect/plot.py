@@ -283,7 +283,7 @@ def micro_norms(steps, ax=None, x: str = "step", yscale: str = "log", legend="au
     are drawn too (hollow), beside the clipped ones that were accumulated.
     Several runs: one colour per run, its mean a line and its micro-batches dots.
     """
-    layout.checked("micro_norms", x, yscale, legend)
+    layout.checked("hostavg.plot.micro_norms", x, yscale, legend)
     runs = _runs(steps, "micro_norms", x)
     frame = _Frame(_axes(ax, "micro_norms"), x, yscale)
     for i, run in enumerate(runs):
@@ -315,7 +315,7 @@ def noise_scale(steps, ax=None, beta: float = NOISE_SCALE_BETA, x: str = "step",
     B_simple can grow with little loss of sample efficiency. Several runs:
     one colour per run.
     """
-    layout.checked("noise_scale", x, yscale, legend)
+    layout.checked("hostavg.plot.noise_scale", x, yscale, legend)
     runs = _runs(steps, "noise_scale", x)
     drawn = [(run, [s for s in run.steps if s.trace_sigma is not None]) for run in runs]
     empty = [run.label for run, rows in drawn if not rows]
@@ -358,7 +358,7 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm", x: str = "step",
         about 1e-3 is usual).
     """
     check_quantity(quantity)
-    layout.checked("variable_norms", x, yscale, legend)
+    layout.checked("hostavg.plot.variable_norms", x, yscale, legend)
     runs = _runs(steps, "variable_norms", x)
     field = _variable_field(runs, quantity, "variable_norms")
     what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
@@ -368,9 +368,10 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm", x: str = "step",
 
 
 def _variable_field(runs: list, quantity: str, plot: str) -> str:
-    """The per-variable quantity of ``quantity``, or HostavgError where no step holds it."""
+    """The per-variable quantity of ``quantity``, or HostavgError where no step holds a
+    value of it (a History keeps NaN where it was not measured)."""
     field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
-    if not any(getattr(s, field) for run in runs for s in run.steps):
+    if all(math.isnan(v) for run in runs for s in run.steps for v in getattr(s, field).values()):
         why = ("update ratios are measured only when the trainer is made with "
                "update_ratios_every=N (then every N-th step has them)"
                if quantity == "update_ratio" else "the steps hold no variables")
@@ -420,7 +421,7 @@ def statistic(steps, name: str, ax=None, x: str = "step", yscale: str = "linear"
         trainer = hostavg.Trainer(loss, opt, statistics={"largest": lambda r: max(r.stats.micro_norms)})
         hostavg.plot.statistic(trainer.fit(sess, data, batch_size=256), "largest")
     """
-    layout.checked("statistic", x, yscale, legend)
+    layout.checked("hostavg.plot.statistic", x, yscale, legend)
     runs = _runs(steps, "statistic", x)
     kinds = {run.kinds[name] for run in runs if name in run.kinds}
     if not kinds:
@@ -467,7 +468,7 @@ def distributions(steps, variable: str, quantity: str = "gradient", ax=None, x: 
 
         hostavg.plot.distributions(history, "dense/kernel", "update", yscale="symlog")
     """
-    layout.checked("distributions", x, yscale, legend)
+    layout.checked("hostavg.plot.distributions", x, yscale, legend)
     runs = _runs(steps, "distributions", x)
     where = "hostavg.plot.distributions"
     tables = [_distributions.table([(s.step, s.distributions) for s in run.steps], variable,
@@ -498,7 +499,7 @@ def micro_losses(steps, ax=None, x: str = "step", yscale: str = "linear", legend
     are drawn too, a non-finite loss in the strip above. Several runs: one
     colour per run.
     """
-    layout.checked("micro_losses", x, yscale, legend)
+    layout.checked("hostavg.plot.micro_losses", x, yscale, legend)
     runs = _runs(steps, "micro_losses", x)
     frame = _Frame(_axes(ax, "micro_losses"), x, yscale)
     for i, run in enumerate(runs):
@@ -526,7 +527,7 @@ def loss(steps, ax=None, x: str = "samples", yscale: str = "linear", legend="aut
 
         hostavg.plot.loss({"batch 512": history_512, "batch 64": history_64}, yscale="log")
     """
-    layout.checked("loss", x, yscale, legend)
+    layout.checked("hostavg.plot.loss", x, yscale, legend)
     runs = _runs(steps, "loss", x)
     frame = _Frame(_axes(ax, "loss"), x, yscale)
     for i, run in enumerate(runs):
@@ -557,7 +558,7 @@ def variable_heatmap(steps, quantity: str = "grad_norm", ax=None, x: str = "step
       quantity: ``"grad_norm"`` or ``"update_ratio"``, as :func:`variable_norms`.
     """
     check_quantity(quantity)
-    layout.checked("variable_heatmap", x, "log", False)
+    layout.checked("hostavg.plot.variable_heatmap", x, "log", False)
     runs = _runs(steps, "variable_heatmap", x)
     field = _variable_field(runs, quantity, "variable_heatmap")
     names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))

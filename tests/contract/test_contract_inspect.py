@@ -7,7 +7,8 @@ from backends import BATCH, SIZES, same
 from models import CLASSES, FEATURES, LEARNING_RATES, batches
 
 import hostavg
-from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record, SkipNonFinite, TensorBoard
+from hostavg.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, LivePlot, Record, SkipNonFinite,
+                           TensorBoard)
 
 
 @pytest.mark.parametrize("model,ok,verdict", [
@@ -262,3 +263,18 @@ def test_tensorboard_holds_weight_and_update_histograms_of_the_steps_that_kept_t
             assert (h.step, value.num) == (2, want.size), (kind, name)
             assert (value.min, value.max) == pytest.approx((want.min(), want.max()), abs=1e-7)
             assert value.sum == pytest.approx(want.sum(), rel=1e-5, abs=1e-6)
+
+
+def test_liveplot_draws_the_steps_fit_applied_every_n_and_at_the_end(backend, tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image
+    live = LivePlot(every=2, panels=("loss", "micro_norms"), path=tmp_path / "live.png")
+    face = backend.make("mlp", hooks=[live])
+    history = face.fit(batches(12, 1, 3 * BATCH)[0], batch_size=BATCH, micro_batch_size=8,
+                       progress=False)
+    assert live.redraws == 2  # step 2, and fit's end (step 3)
+    assert [s.loss for s in live.history.steps] == [s.loss for s in history.steps]
+    assert matplotlib.image.imread(tmp_path / "live.png").std() > 0
+    loss, norms = live.figure().axes[:2]
+    np.testing.assert_array_equal(norms.lines[0].get_ydata(), [s.grad_norm for s in history.steps])
