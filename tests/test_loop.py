@@ -579,6 +579,7 @@ def test_the_tf1_bar_shows_the_last_gradient_norm_and_the_running_noise_scale(tf
             noise.update(hostavg.stats.NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple))
         assert f"grad_norm={last[-1].grad_norm:.4g}" in bar, bar
         assert f"B_simple={noise.b_simple:.4g}" in bar and "loss=" in bar, bar
+        assert "samples=" not in bar and "steps=" not in bar  # the bar says them: 1/1 steps
 
 
 def test_fit_and_check_take_the_trainers_micro_batch_size_and_need_one(tf1):

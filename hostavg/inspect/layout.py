@@ -89,7 +89,7 @@ def thinned(ax, axis: str, positions: Sequence, labels: Sequence[str]) -> None:
         return
     size = ax.get_window_extent().width if axis == "x" else ax.get_window_extent().height
     points = size * 72 / ax.figure.dpi
-    font = 10.0 if axis == "x" else 8.0
+    font = 9.0  # both axes alike: a heatmap of micro-batches reads the same both ways
     each = font * (0.62 * max(len(s) for s in labels) + 0.8) if axis == "x" else font * 1.5
     k = max(1, math.ceil(len(positions) * each / max(points, 1.0)))
     getattr(ax, f"set_{axis}ticks")(list(positions[::k]), list(labels[::k]),
@@ -104,18 +104,18 @@ class Strips:
     axis exact zeros and negative values for the one below, infinite values
     (and NaN ones, where NaN is not "not measured") for the one above.
     :meth:`draw` makes the strips that got points: thin axes sharing x, each
-    labelled ("= 0", "≤ 0", "inf", "NaN"), one row per series that set ``row``.
+    labelled ("= 0", "≤ 0", "inf", "NaN"), one row per series (its ``row``)
+    that has points there, so that a few marks are large enough to see.
     """
 
     #: A strip's height, as a share of its axes' height, per row, at least and at most.
-    ROW, LOW, HIGH = 0.012, 0.06, 0.2
+    ROW, LOW, HIGH = 0.012, 0.08, 0.2
     #: The gap between a strip and the data area, a share of the axes' height.
     GAP = 0.02
 
     def __init__(self, ax, log: bool):
         self.ax, self.log = ax, log
         self.below, self.above = [], []  # (x, kind per point, colour, row)
-        self.rows = 1
 
     def placed(self, x, y, colour, row: int = 0, missing: bool = True) -> np.ndarray:
         """``y`` (a float array over ``x``) with what ``ax`` cannot place set to NaN, kept
@@ -125,7 +125,6 @@ class Strips:
         with np.errstate(invalid="ignore"):
             low = (y <= 0) if self.log else np.zeros(y.shape, bool)
         high = np.isinf(y) | (np.isnan(y) if missing else np.zeros(y.shape, bool))
-        self.rows = max(self.rows, row + 1)
         if low.any():
             self.below.append((x[low], np.where(y[low] < 0, "neg", "zero"), colour, row))
         if high.any():
@@ -138,9 +137,8 @@ class Strips:
         """Makes the strips that hold points; returns them (bottom first). The x tick labels
         and the x label move to the bottom strip."""
         made = []
-        height = min(max(self.LOW, self.ROW * self.rows), self.HIGH)
         if self.below:
-            strip = self._strip(-self.GAP - height, height, self.below,
+            strip = self._strip(-self.GAP, self.below,
                                 "≤ 0" if any("neg" in k for _, k, _, _ in self.below) else "= 0", "v")
             self.ax.tick_params(labelbottom=False)
             strip.set_xlabel(self.ax.get_xlabel())
@@ -149,20 +147,25 @@ class Strips:
             made.append(strip)
         if self.above:
             kinds = {k for _, ks, _, _ in self.above for k in ks}
-            made.append(self._strip(1 + self.GAP, height, self.above,
+            made.append(self._strip(1 + self.GAP, self.above,
                                     ", ".join(w for w in ("inf", "NaN") if w.lower() in kinds),
                                     "^"))
         return made
 
-    def _strip(self, bottom: float, height: float, points: list, said: str, marker: str):
+    def _strip(self, edge: float, points: list, said: str, marker: str):
+        """A strip of ``points`` from ``edge`` (a share of the axes' height) outwards: up from
+        above the axes (edge > 1), down from below it."""
+        rows = {row: i for i, row in enumerate(sorted({p[3] for p in points}))}
+        height = min(max(self.LOW, self.ROW * len(rows)), self.HIGH)
+        bottom = edge if edge > 1 else edge - height
         strip = self.ax.inset_axes([0, bottom, 1, height], sharex=self.ax)
         strip.set_facecolor("0.94")
-        row_points = self.ax.get_window_extent().height * height / self.rows * 72 / self.ax.figure.dpi
-        size = float(np.clip(row_points * 0.9, 2.5, 5.0)) ** 2  # markers of a row stay in it
+        row_points = self.ax.get_window_extent().height * height / len(rows) * 72 / self.ax.figure.dpi
+        size = float(np.clip(row_points * 0.8, 2.5, 6.0)) ** 2  # markers of a row stay in it
         for x, _, colour, row in points:
-            strip.scatter(x, np.full(len(x), self.rows - row - 0.5), marker=marker, s=size,
-                          color=colour, clip_on=False, zorder=3, linewidths=0)
-        strip.set_ylim(0, self.rows)
+            strip.scatter(x, np.full(len(x), len(rows) - rows[row] - 0.5), marker=marker,
+                          s=size, color=colour, clip_on=False, zorder=3, linewidths=0)
+        strip.set_ylim(0, len(rows))
         strip.set_yticks([])
         strip.set_ylabel(said, rotation=0, ha="right", va="center", fontsize="small")
         strip.tick_params(labelbottom=False, bottom=False)

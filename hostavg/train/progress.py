@@ -56,7 +56,8 @@ class Progress:
     scale (``B_simple``: :class:`~hostavg.NoiseScale`'s, over every step of
     fit with two micro-batches or more; absent before one) and samples/s; in Jupyter, one line of text, updated in place at most every
     half second, so a saved notebook keeps one final line per epoch. Either
-    ends on the epoch's results, the last gradient norm and noise scale. A line per epoch: printed on stdout when the
+    ends on the epoch's results (its loss and metrics, the last gradient
+    norm and noise scale, then validation's). A line per epoch: printed on stdout when the
     epoch ends, with its steps, time and results.
     """
 
@@ -109,9 +110,11 @@ class Progress:
 
     def close(self, logs):
         if logs:
+            said = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items()
+                    if k not in BOOKKEEPING}  # the bar says the steps
             kept = {k: self._postfix[k] for k in ("grad_norm", "B_simple") if k in self._postfix}
-            self._postfix = {**{k: f"{v:.4g}" if isinstance(v, float) else v
-                                for k, v in logs.items() if k != "epoch"}, **kept}
+            self._postfix = {**{k: v for k, v in said.items() if not k.startswith("val_")},
+                             **kept, **{k: v for k, v in said.items() if k.startswith("val_")}}
             if self.lines and self._started is not None:
                 shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                   for k, v in logs.items() if k not in BOOKKEEPING)
@@ -130,4 +133,4 @@ class Progress:
         self._shown = time.perf_counter()
         postfix = ", ".join(f"{k}={v}" for k, v in self._postfix.items())
         return tqdm.format_meter(self._n, self._total, self._shown - self._t0, prefix=self._desc,
-                                 unit="step", postfix=postfix or None, ncols=120)
+                                 unit="step", postfix=postfix or None)  # never cut
