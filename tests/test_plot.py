@@ -79,6 +79,9 @@ def test_several_runs_draw_one_labelled_line_per_run_from_each_runs_numbers(runs
         j = runs["slow"].variables.index(name)
         np.testing.assert_array_equal(line.get_ydata(), [s.variable_norms[j] for s in runs["slow"].steps])
     assert [line.get_color() for line in fast.lines] == [line.get_color() for line in slow.lines]
+    assert not fast.get_shared_x_axes().joined(fast, slow)  # steps of different runs: their own x
+    fast, slow = hostavg.plot.variable_norms(runs, x="samples")  # samples compare: one x
+    assert fast.get_shared_x_axes().joined(fast, slow) and fast.get_shared_y_axes().joined(fast, slow)
 
 
 def test_the_loss_is_drawn_against_samples_seen_with_validation_at_each_epochs_end(runs, tmp_path):
@@ -484,6 +487,10 @@ def test_legends_go_where_asked_and_leave_no_holes_in_a_grid(runs, deep):
     inner, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
     assert box.x0 <= inner.x0 and inner.x1 <= box.x1
     assert hostavg.plot.variable_norms(deep, legend=False).get_legend() is None
+    for source, outside in ((runs["fast"], False), (runs, True)):  # 2 entries fit inside; 4 not
+        ax = hostavg.plot.micro_norms(source)
+        ax.figure.canvas.draw()
+        assert bool(ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1) is outside
     ax = hostavg.plot.variable_norms(deep)  # alone in its figure: beside it
     ax.figure.canvas.draw()
     assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1

@@ -35,8 +35,9 @@ YSCALES = ("linear", "log", "symlog")
 #: it when it shares the figure, and inside for a few entries), "outside", "inside", or
 #: False for none.
 LEGENDS = ("auto", "outside", "inside", False)
-#: A legend with more entries than this goes beside its axes ("auto", the axes alone).
-INSIDE = 4
+#: A legend with more entries than this goes beside its axes ("auto", the axes alone):
+#: inside, a longer one would cover data (a lone run's two, training and validation, fit).
+INSIDE = 2
 #: Line styles that tell runs apart, and neighbouring variables beyond ten.
 STYLES = ("-", "--", ":", "-.")
 #: Variables up to this many get matplotlib's ten distinct colours; more, a colormap's.

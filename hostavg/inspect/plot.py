@@ -57,7 +57,7 @@ X_LABELS = {"step": "global step", "samples": "samples seen", "epoch": "epoch"}
 #: The heatmap of variables: its colormap (log scale), and the colours of the cells a log
 #: scale cannot place, each with its legend entry. A cell never measured is left blank.
 HEATMAP_MAP = "viridis"
-HEATMAP_SPECIAL = (("exactly 0", "tab:red"), ("infinite", "black"))
+HEATMAP_SPECIAL = (("exactly 0", "tab:red"), ("infinite", "magenta"))  # neither in viridis
 
 
 class _Step:
@@ -382,11 +382,15 @@ def _variable_field(runs: list, quantity: str, plot: str) -> str:
 def _per_variable(runs: list, ax, field: str, title: str, ylabel: str, x: str, yscale: str,
                   legend, plot: str):
     """A line per variable of the per-variable quantity ``field``: one axes for one run, a
-    panel per run (sharing y, one figure legend) for several; NaN is "not measured"."""
+    panel per run (sharing y, and x unless it is steps; one legend) for several; NaN is "not
+    measured"."""
     names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
     styles = layout.variable_styles(len(names))
     several = len(runs) > 1
-    axes = _panels(ax, plot, len(runs), (5.5, 4), sharey=True) if several else [_axes(ax, plot)]
+    # samples and epochs compare across runs: one x for all panels; steps of different batch
+    # sizes do not, so each panel spans its own
+    axes = _panels(ax, plot, len(runs), (5.5, 4), sharey=True, sharex=x != "step") if several \
+        else [_axes(ax, plot)]
     from matplotlib.lines import Line2D
     keys = [Line2D([], [], color=c, linestyle=s) for c, s in styles]
     for r, (run, panel) in enumerate(zip(runs, axes)):
@@ -548,7 +552,7 @@ def variable_heatmap(steps, quantity: str = "grad_norm", ax=None, x: str = "step
     The compact form of :func:`variable_norms` for many variables. Colours
     are the values on a log scale (its colour bar); cells a log scale cannot
     place have colours of their own, named in the legend
-    (:data:`HEATMAP_SPECIAL`: an exact 0, red; an infinite value, black); a
+    (:data:`HEATMAP_SPECIAL`: an exact 0, red; an infinite value, magenta); a
     step that did not measure the quantity (update ratios every N steps) is
     left blank. Variables run top to bottom in the model's order, their names
     thinned where they would not fit. Several runs: one panel each, stacked,
