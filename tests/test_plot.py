@@ -508,3 +508,23 @@ def test_legends_go_where_asked_and_leave_no_holes_in_a_grid(runs, deep):
     for a in axes.ravel():
         legend = a.get_legend().get_window_extent()
         assert a.get_window_extent().x0 <= legend.x0 and legend.x1 <= a.get_window_extent().x1
+
+
+def test_one_axes_for_several_runs_is_drawn_as_0_1_0_drew_it_with_a_deprecation(runs):
+    """0.1.0's call form ``variable_norms(runs, ax=ax)`` still draws, on that axes, a line per
+    variable and run (a colour per variable, a line style per run), and warns."""
+    ax = plt.subplots()[1]
+    with pytest.warns(DeprecationWarning, match="one axes for 2 runs is deprecated.*pass ax=None"):
+        assert hostavg.plot.variable_norms(runs, ax=ax) is ax
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    names = list(runs["fast"].variables)
+    for label, style in (("fast", "-"), ("slow", "--")):
+        for i, name in enumerate(names):
+            line = lines[f"{label}: {name}"]
+            assert line.get_linestyle() == style
+            assert line.get_color() == lines[f"fast: {name}"].get_color()
+            np.testing.assert_array_equal(
+                line.get_ydata(), [s.variable_norms[i] for s in runs[label].steps])
+    assert len({lines[f"fast: {n}"].get_color() for n in names}) == len(names)
+    with pytest.raises(hostavg.ArgumentError, match="ax must be 2 axes, got 3"):
+        hostavg.plot.variable_norms(runs, ax=list(plt.subplots(1, 3)[1]))

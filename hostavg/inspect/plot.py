@@ -20,6 +20,7 @@ each; per variable, where colours name the variables, a panel each.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -349,8 +350,9 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm", x: str = "step",
     exactly 0, marked in the strip below the data area (a log scale has no
     0). Every variable has its own colour; several runs are drawn as one
     panel each, side by side, with one legend, and the list of axes returned
-    (``ax``: None or that many axes). Many variables read better as
-    :func:`variable_heatmap`.
+    (``ax``: None or that many axes; one axes for several runs draws them
+    on it with a line style per run, as 0.1.0 did, with a DeprecationWarning:
+    refused from 0.3.0). Many variables read better as :func:`variable_heatmap`.
 
     Args:
       quantity: ``"grad_norm"`` (the applied mean gradient's norm, per
@@ -387,6 +389,8 @@ def _per_variable(runs: list, ax, field: str, title: str, ylabel: str, x: str, y
     names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
     styles = layout.variable_styles(len(names))
     several = len(runs) > 1
+    if several and ax is not None and not isinstance(ax, (list, tuple, np.ndarray)):
+        return _runs_on_one_axes(runs, ax, field, title, ylabel, x, yscale, legend, plot, names)
     # samples and epochs compare across runs: one x for all panels; steps of different batch
     # sizes do not, so each panel spans its own
     axes = _panels(ax, plot, len(runs), (5.5, 4), sharey=True, sharex=x != "step") if several \
@@ -409,6 +413,28 @@ def _per_variable(runs: list, ax, field: str, title: str, ylabel: str, x: str, y
         axes[0].figure.suptitle(title, fontsize="medium")
         return axes
     return axes[0]
+
+
+#: Line styles of several runs drawn on one given axes, as 0.1.0 drew them (deprecated).
+RUN_STYLES = ("-", "--", ":", "-.")
+
+
+def _runs_on_one_axes(runs: list, ax, field: str, title: str, ylabel: str, x: str, yscale: str,
+                      legend, plot: str, names: list):
+    """Several runs' per-variable lines on the one axes ``ax`` (a colour per variable, a line
+    style per run), as 0.1.0 drew them: deprecated (a panel per run since 0.2.0), warns."""
+    warnings.warn(f"hostavg.plot.{plot}: one axes for {len(runs)} runs is deprecated and will be "
+                  f"refused in 0.3.0: pass ax=None for a panel per run, or a list of {len(runs)} "
+                  f"axes", DeprecationWarning, stacklevel=4)
+    frame = _Frame(_axes(ax, plot), x, yscale)
+    colours = [colour for colour, _ in layout.variable_styles(len(names))]
+    for r, run in enumerate(runs):
+        xs = [frame.at(s) for s in run.steps]
+        for j, name in enumerate(names):
+            frame.line(xs, [getattr(s, field).get(name, math.nan) for s in run.steps],
+                       colours[j], j, missing=False, label=_named(run, name), linewidth=1,
+                       linestyle=RUN_STYLES[r % len(RUN_STYLES)])
+    return frame.finish(title, ylabel, legend)
 
 
 def statistic(steps, name: str, ax=None, x: str = "step", yscale: str = "linear",
