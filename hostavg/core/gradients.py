@@ -275,8 +275,9 @@ class Gradients(Mapping):
 
 
 def _shape(value) -> str:
-    """A gradient's shape and dtype in words: ``(20, 64) float32``, ``3 rows of (50, 4) float32``."""
-    rows = f"{len(value.indices)} rows of " if isinstance(value, SparseGradient) else ""
+    """A gradient's shape and dtype in words: ``(20, 64) float32``, ``sparse 3 rows of (50, 4)
+    float32``."""
+    rows = f"sparse {len(value.indices)} rows of " if isinstance(value, SparseGradient) else ""
     return f"{rows}{tuple(value.shape)} {value.dtype}"
 
 
