@@ -18,10 +18,10 @@ hostavg.import_tensorflow()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (CI runs ``-n 2 --dist loadgroup``), every test that starts processes
-    runs on one worker, one at a time: two MPI jobs or two killed-and-resumed fits at once on two
-    cores would put more processes than cores behind the deadlines those tests assert, while the
-    in-process tests share the other worker."""
+    """Under pytest-xdist with ``--dist loadgroup``, every test that starts processes runs on one
+    worker, one at a time: two MPI jobs or two killed-and-resumed fits at once on two cores would
+    put more processes than cores behind the deadlines those tests assert. (CI runs them in a
+    step of their own, without workers: .ci/run.)"""
     for item in items:
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.xdist_group("processes"))
