@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hostavg.core.errors import ArgumentError, StepError
+from hostavg.core.gradients import freeze
 from hostavg.core.optional import pandas
 
 __all__ = ["HISTORY", "Kind", "MICRO", "QUANTITIES", "Quantity", "UserStatistics", "by_name", "frame",
@@ -45,7 +46,8 @@ class Kind(enum.Enum):
     MICRO_VARIABLE = "micro_variable"
     #: A sorted tuple of integers (micro-batch indices, data rows).
     INDICES = "indices"
-    #: A tuple, one tuple of data rows per micro-batch (dropped ones too), or None where unknown.
+    #: A tuple, one read-only int64 array of data rows per micro-batch (dropped ones too; None
+    #: where unknown), or None where the step was not told any.
     ROWS = "rows"
     #: A tuple of mappings, one per event of the step (an outlier's culprit row).
     RECORDS = "records"
@@ -116,7 +118,7 @@ def _micro_rows(r) -> tuple | None:
     """Each micro-batch's data rows, or None where the step was not told them."""
     if all(m.rows is None for m in r.micro):
         return None
-    return tuple(None if m.rows is None else tuple(m.rows.tolist()) for m in r.micro)
+    return tuple(m.rows for m in r.micro)
 
 
 def _outliers(r) -> tuple:
@@ -161,7 +163,7 @@ QUANTITIES = (
              "the mean gradient's norm before ClipGlobalNorm clipped it, or None",
              tag="hostavg/grad_norm_before_clip"),
     Quantity("micro_sizes", M, lambda r: tuple(m.size for m in r.micro),
-             "each micro-batch's number of samples", column="size"),
+             "each micro-batch's number of samples"),
     Quantity("micro_rows", Kind.ROWS, _micro_rows,
              "each micro-batch's data rows, where the step was told them (fit is), or None"),
     Quantity("micro_losses", M, lambda r: tuple(m.loss for m in r.micro),
@@ -198,8 +200,9 @@ QUANTITIES = (
 
 #: The quantities a History keeps, in order.
 HISTORY = tuple(q for q in QUANTITIES if q.history)
-#: The per-micro-batch quantities, in the order the tables of micro-batches show them.
-MICRO = tuple(q for q in QUANTITIES if q.kind is Kind.MICRO)
+#: The per-micro-batch quantities, in the order the tables of micro-batches show them (but
+#: ``micro_sizes``: those tables show each micro-batch's ``size`` beside its ``start``).
+MICRO = tuple(q for q in QUANTITIES if q.kind is Kind.MICRO and q.name != "micro_sizes")
 
 _BY_NAME = {q.name: q for q in QUANTITIES}
 
@@ -231,8 +234,8 @@ def plain(kind: Kind, value):
                      for m in value)
     if kind is Kind.INDICES:
         return tuple(int(i) for i in value)
-    if kind is Kind.ROWS:
-        return tuple(None if rows is None else tuple(int(i) for i in rows) for rows in value)
+    if kind is Kind.ROWS:  # read-only int64 arrays: 8 bytes a sample, not a Python int's 36
+        return tuple(None if rows is None else freeze(np.asarray(rows, np.int64)) for rows in value)
     if kind is Kind.RECORDS:
         return tuple(MappingProxyType(dict(event)) for event in value)
     return value

@@ -201,7 +201,7 @@ class History:
         """
         pd = pandas("History.micro_table")
         rows = [(s.step, i, _at(s.micro_sizes, i), None if s.micro_rows is None or s.micro_rows[i] is None
-                 else list(s.micro_rows[i]), _at(s.micro_losses, i), _at(s.micro_norms, i),
+                 else s.micro_rows[i].tolist(), _at(s.micro_losses, i), _at(s.micro_norms, i),
                  i in s.dropped)
                 for s in self.steps for i in range(len(s.micro_losses))]
         return pd.DataFrame(rows, columns=["step", "micro_batch", "size", "rows", "loss",
