@@ -99,13 +99,13 @@ def step_figure():
     st = res.stats
     k = len(st.micro_norms)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
-    left.bar(range(k), st.micro_norms, color="tab:blue", label="each micro-batch's gradient")
-    left.axhline(st.grad_norm, color="black", linestyle="--",
-                 label=f"their mean, the step's gradient ({st.grad_norm:.2f})")
+    left.bar(range(k), st.micro_norms, color="tab:blue", label="each micro-batch's gradient norm")
+    left.axhline(st.grad_norm, color="black", linestyle="--",  # not the mean of the norms
+                 label=f"norm of their mean, the step's gradient ({st.grad_norm:.2f})")
     left.set(xlabel="micro-batch (32 samples each)", ylabel="gradient norm (L2)",
              title=f"Gradient norms in step {res.step}", xticks=range(0, k, 3),
              ylim=(0, 1.4 * max(st.micro_norms)))
-    left.legend(loc="upper right", fontsize="small", ncol=2)
+    left.legend(loc="upper right", fontsize="small", ncol=1)
     right.bar(range(k), st.cosines, color="tab:orange")
     right.set(xlabel="micro-batch", ylabel="cosine with the mean", ylim=(0, 1),
               title="Agreement with the mean", xticks=range(0, k, 3))

@@ -555,6 +555,23 @@ def test_verbose_shows_keras_progress_bar_as_model_fit(capsys):
     assert capsys.readouterr().out.startswith("epoch 1/2: 4 steps in ")
 
 
+def test_progress_always_swaps_keras_bar_for_hostavgs_with_norm_and_noise_scale(capsys):
+    """The option: fit(progress="always") shows hostavg's bar (the last gradient norm, the
+    running noise scale) in place of Keras's; History's keys stay Keras's."""
+    x, y = data(13)
+    kw = dict(batch_size=BATCH, epochs=2, validation_data=(x[:20], y[:20]))
+    model = compiled()
+    history = hostavg.keras.Trainer(model, micro_batch_size=MICRO).fit(x, y, progress="always",
+                                                                       **kw)
+    ours = capsys.readouterr()
+    bars = [line.split("\r")[-1] for line in ours.err.split("\n") if line]
+    assert ours.out == "" and len(bars) == 2 and "━" not in ours.err
+    assert f"grad_norm={history.steps[-1].grad_norm:.4g}" in bars[-1] and "B_simple=" in bars[-1]
+    keras_model = compiled()
+    keras_model.fit(x, y, verbose=0, **kw)
+    assert sorted(model.history.history) == sorted(keras_model.history.history)
+
+
 def test_fit_argument_errors_are_found_before_training():
     x, y = data(14)
     trainer = hostavg.keras.Trainer(compiled())

@@ -567,6 +567,22 @@ def test_tf1_fit_shows_what_verbose_asks_unless_progress_is_given(tf1, capsys, v
     assert capsys.readouterr().out == ""
 
 
+def test_the_tf1_bar_shows_the_last_gradient_norm_and_the_running_noise_scale(tf1, capsys):
+    model, trainer, sess, feed = tf1
+    history = trainer.fit(sess, feed, batch_size=10, micro_batch_size=5, epochs=2,
+                          progress="always", seed=0)
+    bars = [line.split("\r")[-1] for line in capsys.readouterr().err.split("\n") if line]
+    assert [b.split(":")[0] for b in bars] == ["epoch 1/2", "epoch 2/2"], bars
+    noise = hostavg.NoiseScale()
+    for epoch, bar in zip((0, 1), bars):
+        last = [s for s in history.steps if s.epoch == epoch]
+        for s in last:  # every step so far, over epochs: a running estimate
+            noise.update(hostavg.stats.NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple))
+        assert f"grad_norm={last[-1].grad_norm:.4g}" in bar, bar
+        assert f"B_simple={noise.b_simple:.4g}" in bar and "loss=" in bar, bar
+        assert "samples=" not in bar and "steps=" not in bar  # the bar says them: 1/1 steps
+
+
 def test_fit_and_check_take_the_trainers_micro_batch_size_and_need_one(tf1):
     model, trainer, sess, feed = tf1
     with pytest.raises(hostavg.HostavgError, match=r"^fit needs micro_batch_size: pass it to fit, "

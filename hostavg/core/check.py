@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hostavg.core import display
 from hostavg.core.gradients import SparseGradient
 
 __all__ = ["CAUSES", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose", "fixed_batch_hint",
@@ -108,6 +109,19 @@ class CheckReport:
             return (f"self-check passed: {self.micro_batches} micro-batches give the whole "
                     f"batch's gradient ({said})")
         return f"self-check FAILED: {self.micro_batches} micro-batches differ ({said}): {self.cause}"
+
+    def __repr__(self) -> str:
+        return display.shortened(str(self))
+
+    def _repr_html_(self) -> str:
+        verdict = "passed" if self.ok else "FAILED"
+        lines = [f"whole / mean gradient norm: {display.number(self.scale)}; the whole batch run "
+                 f"twice differs by {display.number(self.noise)}"]
+        if self.cause is not None:
+            lines.insert(0, f"cause: {self.cause}")
+        rows = sorted(self.max_rel_diff.items(), key=lambda kv: -kv[1])
+        return display.html(f"self-check {verdict}: {self.micro_batches} micro-batches against "
+                            f"the whole batch", ["variable", "relative difference"], rows, lines)
 
 
 def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hostavg.core import display
 from hostavg.core.dtypes import can_cast
 from hostavg.core.errors import ArgumentError, StepError
 
@@ -135,6 +136,10 @@ class SparseGradient:
         dense = np.zeros(self.dense_shape, self.values.dtype)
         np.add.at(dense, self.indices, self.values)
         return dense
+
+    def __repr__(self) -> str:
+        return display.shortened(f"SparseGradient({len(self.indices)} rows of {self.dense_shape} "
+                                 f"{self.dtype})")
 
 
 def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -249,10 +254,31 @@ class Gradients(Mapping):
         return global_norm(self._values, self.sq_norms)
 
     def __repr__(self) -> str:
-        parts = ", ".join(
-            f"{name!r}: {'sparse ' + str(len(v.indices)) + ' rows of ' if isinstance(v, SparseGradient) else ''}"
-            f"{v.shape} {v.dtype}" for name, v in self._values.items())
-        return f"Gradients({{{parts}}}, loss={self.loss}, size={self.size})"
+        tail = display.fields({"loss": self.loss, "size": self.size})
+        room = display.REPR_LIMIT - len(tail) - 40
+        parts = []
+        for name, v in self._values.items():
+            part = f"{name!r}: {_shape(v)}"
+            if sum(len(p) + 2 for p in parts) + len(part) > room:
+                parts.append(f"… {len(self) - len(parts)} more")
+                break
+            parts.append(part)
+        return display.shortened(f"Gradients({{{', '.join(parts)}}}{', ' + tail if tail else ''})")
+
+    def _repr_html_(self) -> str:
+        rows = [[name, _shape(v), math.sqrt(self.sq_norms[name]) if name in self.sq_norms
+                 else math.sqrt(squared_norm(v))] for name, v in self._values.items()]
+        caption = (f"Gradients of {len(self)} variables: global norm "
+                   f"{display.number(self.global_norm())}, loss {display.number(self.loss)}, "
+                   f"size {display.number(self.size)}")
+        return display.html(caption, ["variable", "shape and dtype", "norm"], rows)
+
+
+def _shape(value) -> str:
+    """A gradient's shape and dtype in words: ``(20, 64) float32``, ``sparse 3 rows of (50, 4)
+    float32``."""
+    rows = f"sparse {len(value.indices)} rows of " if isinstance(value, SparseGradient) else ""
+    return f"{rows}{tuple(value.shape)} {value.dtype}"
 
 
 def squared_norm(value) -> float:

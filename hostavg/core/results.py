@@ -18,7 +18,7 @@ import numpy as np
 
 from hostavg.core.gradients import Gradients
 from hostavg.core.errors import ArgumentError, short
-from hostavg.core import schema
+from hostavg.core import display, schema
 from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
@@ -158,6 +158,11 @@ class MicroBatch:
     overflows: str | None = field(default=None, repr=False, compare=False)
     outlier: Outlier | None = field(default=None, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        return display.summary("MicroBatch", {"index": self.index, "size": self.size,
+                                              "loss": self.loss, "start": self.start,
+                                              "step": self.step, "dropped": self.dropped})
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -181,15 +186,16 @@ class StepResult:
       update_ratios: name -> |w_after - w_before| / |w_before| of each
         trained variable over this step's apply (about 1e-3 is usual, 0: it
         did not move), measured in the apply's own call; None until applied.
-      learning_rate: the optimizer's learning rate at this apply (a
-        schedule's value), or None where the optimizer exposes none, or
-        before the apply.
+      learning_rate: the optimizer's learning rate at this apply (a schedule's
+        value), or None where the optimizer exposes none, or before the apply.
       fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
         rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
       distributions: ``"gradient"``, ``"weight"``, ``"update"`` -> variable -> nine
-        percentiles (:mod:`hostavg.core.distributions`) where kept, else None.
+        percentiles (:mod:`hostavg.core.distributions`) where kept (distributions_every).
       statistics: name -> value of each user statistic (``Trainer(statistics=...)``),
         read-only; empty in what ``on_step`` hooks see.
+      weights, updates: name -> each variable after the apply and after minus before
+        (read-only), where ``distributions`` were kept, else None; kept by no History.
     """
 
     loss: float | None
@@ -205,11 +211,45 @@ class StepResult:
     fetched: tuple = ()
     distributions: dict | None = None
     statistics: Mapping = field(default_factory=dict)
+    weights: Mapping | None = field(default=None, repr=False, compare=False)
+    updates: Mapping | None = field(default=None, repr=False, compare=False)
 
     @property
     def dropped(self) -> tuple:
         """Indices of the micro-batches that hooks dropped."""
         return tuple(m.index for m in self.micro if m.dropped is not None)
+
+    def __repr__(self) -> str:
+        return display.summary("StepResult", {
+            "step": self.step, "loss": self.loss, "size": self.size, "micro_batches": len(self.micro),
+            "grad_norm": None if self.stats is None else self.stats.grad_norm,
+            "dropped": self.dropped or None, "skipped": self.skipped})
+
+    def _verdicts(self) -> list[str]:
+        """What went wrong in the step, a line each: why it was skipped, each dropped
+        micro-batch with its reason and culprit samples; [] for a step that went as asked."""
+        lines = [] if self.skipped is None else [f"skipped: {self.skipped}"]
+        for m in self.micro:
+            if m.dropped is not None:
+                found = "" if not m.culprits else "; " + "; ".join(map(str, m.culprits[:3])) + (
+                    f" and {len(m.culprits) - 3} more" if len(m.culprits) > 3 else "")
+                lines.append(f"micro-batch {m.index} dropped: {m.dropped}{found}")
+        return lines
+
+    def _repr_html_(self) -> str:
+        columns = schema.micro_columns(schema.read(self, schema.MICRO), self.statistics)
+        rows = [[m.index, m.start, m.size, *(v[i] for v in columns.values()), m.dropped or ""]
+                for i, m in enumerate(self.micro)]
+        st = self.stats
+        mean = {"loss": self.loss, "norm": None if st is None else st.grad_norm}
+        rows.append(["mean", "", self.size, *(mean.get(c) for c in columns), ""])
+        caption = (f"Step {self.step}: loss {display.number(self.loss)} over {self.size} samples "
+                   f"in {len(self.micro)} micro-batches")
+        if st is not None and st.b_simple is not None:
+            caption += f"; B_simple {display.number(st.b_simple)}, norm test " \
+                       f"{display.number(st.norm_test)}"
+        return display.html(caption, ["micro-batch", "start", "size", *columns, "dropped"], rows,
+                            self._verdicts())
 
     def micro_table(self):
         """A pandas DataFrame indexed by micro-batch ``index``: its ``start``, ``size``, each

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hostavg.core import display
 from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import BLOCK, SparseGradient, global_norm, squared_norm
 
@@ -107,6 +108,23 @@ class StepStats:
     mean: Mapping | None = field(default=None, repr=False, compare=False)
     sq_norms: tuple | None = field(default=None, repr=False, compare=False)
     mean_sq_norm: float | None = field(default=None, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        return display.summary("StepStats", {
+            "grad_norm": self.grad_norm, "micro_batches": len(self.micro_norms), "g2": self.g2,
+            "trace_sigma": self.trace_sigma, "b_simple": self.b_simple,
+            "norm_test": self.norm_test, "stack": "yes" if self.stack is not None else None})
+
+    def _repr_html_(self) -> str:
+        names = ("grad_norm", "g2", "trace_sigma", "b_simple", "norm_test", "inner_product_test",
+                 "orthogonality_test", "gsnr")
+        found = [(n, getattr(self, n)) for n in names]
+        columns = {"loss": self.micro_losses, "norm": self.micro_norms}
+        if self.cosines is not None and len(self.cosines) == len(self.micro_norms):
+            columns["cosine"] = self.cosines  # (with a dropped one, they do not line up)
+        rows = [[i, *values] for i, values in enumerate(zip(*columns.values()))]
+        caption = "; ".join(f"{n} {display.number(v)}" for n, v in found if v is not None)
+        return display.html(f"StepStats: {caption}", ["micro-batch", *columns], rows)
 
     def applied(self, mean: Mapping) -> StepStats:
         """These statistics with ``grad_norm`` and ``variable_norms`` of ``mean``, the mean a hook applied instead.

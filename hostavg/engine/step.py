@@ -25,6 +25,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,7 +37,7 @@ from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
                                  within_step)
 from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
-                                    nonfinite_entries, squared_norm)
+                                    freeze, nonfinite_entries, squared_norm)
 from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
@@ -742,7 +743,14 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                    update_ratios=None if applied.skipped else applied.update_ratios,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
-                                                       applied.updates) if kept else None)
+                                                       applied.updates) if kept else None,
+                   weights=_frozen(applied.weights) if kept else None,
+                   updates=_frozen(applied.updates) if kept else None)
+
+
+def _frozen(values: Mapping) -> Mapping:
+    """``values`` (name -> an array the apply read back) read-only, without a copy."""
+    return MappingProxyType({name: freeze(value) for name, value in values.items()})
 
 
 def _distinct(rows: np.ndarray) -> np.ndarray:

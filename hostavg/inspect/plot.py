@@ -2,64 +2,75 @@
 
 Each function takes what training produced, any of: a record
 (:func:`hostavg.load_record`, or the :class:`~hostavg.hooks.Record` hook that
-wrote it), a list of ``StepResult`` (say, ``results.append(trainer.step(...))``),
-or the :class:`~hostavg.History` that ``fit`` returns; or several runs to
-compare, as a mapping ``{label: one of them}``, drawn one labelled line (and
-colour) per run. It checks everything it was given before drawing anything,
-draws on ``ax`` (a new figure's axes by default) and returns the axes.
-Skipped steps are left out.
+wrote it), a list of ``StepResult``, or the :class:`~hostavg.History` that
+``fit`` returns; or several runs to compare, as a mapping ``{label: one of
+them}``. It checks everything it was given before drawing anything, draws on
+``ax`` (a new figure's axes by default) and returns the axes. Skipped steps
+are left out.
 
-Every figure is laid out tightly (matplotlib's "tight" layout engine, unless
-the figure has a layout engine of its own), so panels side by side keep their
-labels apart; steps and micro-batches are ticked at whole numbers.
+Every plot over time takes ``x`` (:data:`~hostavg.inspect.layout.X_AXES`:
+global step, samples seen, epoch), ``yscale`` ("linear", "log", "symlog") and
+``legend`` (:data:`~hostavg.inspect.layout.LEGENDS`). What an axis cannot
+place (a zero or a negative value on a log axis, an Inf, a NaN) is marked in
+a labelled strip beside the data area, never among the data; every variable
+has a colour of its own (:mod:`hostavg.inspect.layout`). Runs have a colour
+each; per variable, where colours name the variables, a panel each.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
+from hostavg.core import distributions as _distributions
 from hostavg.core import schema
+from hostavg.core.distributions import PERCENTILES
 from hostavg.core.errors import ArgumentError
 from hostavg.core.results import StepResult
 from hostavg.core.schema import Kind
-from hostavg.core import distributions as _distributions
-from hostavg.core.distributions import PERCENTILES
 from hostavg.core.stats import (NOISE_SCALE_BETA, NoiseScale, NoiseScaleEstimate, flatten,
                                 pairwise_cosines)
+from hostavg.inspect import layout
+from hostavg.inspect.layout import STYLES, Strips
 from hostavg.inspect.record import Record, RecordedStep, RecordReader, check_quantity
 from hostavg.train.history import History
 
 __all__ = ["cosine_heatmap", "distributions", "loss", "micro_losses", "micro_norms", "noise_scale",
-           "statistic", "variable_norms"]
+           "statistic", "variable_heatmap", "variable_norms"]
 
 #: What every plot takes.
 SOURCES = ("a record (hostavg.load_record(path), or the Record hook), a list of StepResults, or "
            "the History that fit returns, or several runs as a mapping {label: one of them}")
 #: A micro-batch cosine matrix larger than this is drawn without its values in the cells.
 ANNOTATED = 16
-#: Line styles that tell runs apart where colours tell variables apart.
-STYLES = ("-", "--", ":", "-.")
-#: A legend with more entries than this is drawn beside the axes, outside the data.
-INSIDE = 4
-#: The cosine heatmap's default scale: every cosine there is, diverging around 0.
-COSINE_SCALE = (-1.0, 1.0, "RdBu_r")
+#: The cosine heatmap's colormaps by the signs its scale spans: sequential where every
+#: cosine shares a sign, diverging around 0 where they have both.
+COSINE_MAPS = {"positive": "Reds", "negative": "Blues_r", "both": "RdBu_r"}
 #: TensorBoard's bands: pairs of percentiles (indices into PERCENTILES), outermost first.
 BANDS = ((0, 8), (1, 7), (2, 6), (3, 5))
+#: Each x of :data:`~hostavg.inspect.layout.X_AXES` as its axis is labelled.
+X_LABELS = {"step": "global step", "samples": "samples seen", "epoch": "epoch"}
+#: The heatmap of variables: its colormap (log scale), and the colours of the cells a log
+#: scale cannot place, each with its legend entry. A cell never measured is left blank.
+HEATMAP_MAP = "viridis"
+HEATMAP_SPECIAL = (("exactly 0", "tab:red"), ("infinite", "magenta"))  # neither in viridis
 
 
 class _Step:
-    """One step, whatever it came from: the samples seen so far (this step's included) and every
-    quantity and user statistic by name (:data:`hostavg.core.schema.QUANTITIES`; per-variable
-    ones as dicts), read as attributes: ``s.loss``, ``s.micro_norms``."""
+    """One step, whatever it came from: the samples seen so far (this step's included), its
+    place in epochs (a History's, else None) and every quantity and user statistic by name
+    (:data:`hostavg.core.schema.QUANTITIES`; per-variable ones as dicts), read as
+    attributes: ``s.loss``, ``s.micro_norms``."""
 
-    __slots__ = ("samples", "values")
+    __slots__ = ("samples", "epoch", "values")
 
-    def __init__(self, samples: int, values: dict):
-        self.samples, self.values = samples, values
+    def __init__(self, samples: int, values: dict, epoch: float | None = None):
+        self.samples, self.values, self.epoch = samples, values, epoch
 
     def __getattr__(self, name: str):
         try:
@@ -70,8 +81,8 @@ class _Step:
 
 class _Run(NamedTuple):
     """One run to draw: its label (None for a lone source), its applied steps, the kind of each
-    quantity and statistic they hold, and its validation results as (samples seen, val_loss) at
-    each epoch's end (a History's only)."""
+    quantity and statistic they hold, and its validation losses at each epoch's end (a
+    History's only), as steps holding ``step``, ``samples``, ``epoch`` and ``val_loss``."""
 
     label: str | None
     steps: list
@@ -79,14 +90,22 @@ class _Run(NamedTuple):
     validation: list
 
 
-def _runs(source, plot: str) -> list[_Run]:
+def _runs(source, plot: str, x: str = "step") -> list[_Run]:
     """``source`` (one run, or a mapping of labelled runs) as runs, or HostavgError before
-    anything is drawn."""
+    anything is drawn (``x="epoch"`` needs epochs: a History's)."""
     if isinstance(source, Mapping) and not isinstance(source, History):
         if not source:
             raise ArgumentError(f"hostavg.plot.{plot} takes {SOURCES}; got an empty mapping")
-        return [_run(value, plot, str(label)) for label, value in source.items()]
-    return [_run(source, plot, None)]
+        runs = [_run(value, plot, str(label)) for label, value in source.items()]
+    else:
+        runs = [_run(source, plot, None)]
+    lacking = [run.label for run in runs if run.steps[0].epoch is None]
+    if x == "epoch" and lacking:
+        which = "" if runs[0].label is None else f" (runs {lacking})"
+        raise ArgumentError(f"hostavg.plot.{plot}: x='epoch' needs the History that fit returns"
+                            f"{which}: a record or a list of StepResults holds no epochs; draw "
+                            f"it with x='step' or x='samples'")
+    return runs
 
 
 #: The kind of every built-in quantity, by name.
@@ -100,10 +119,11 @@ def _run(source, plot: str, label: str | None) -> _Run:
     validation, kinds = [], dict(_KINDS)
     if isinstance(source, History):
         kinds.update(source.statistics)
-        out = [_of_log(s, source) for s in source.steps]
-        last = {s.epoch: s.samples for s in source.steps}
-        validation = [(last[e["epoch"]], e["val_loss"]) for e in source.epochs
-                      if "val_loss" in e and e.get("epoch") in last]
+        out = [_of_log(s, source, e) for s, e in zip(source.steps, _epochs(source.steps))]
+        last = {log.epoch: s for log, s in zip(source.steps, out)}
+        validation = [_Step(last[e["epoch"]].samples, {"step": last[e["epoch"]].step,
+                                                       "val_loss": e["val_loss"]}, e["epoch"] + 1)
+                      for e in source.epochs if "val_loss" in e and e.get("epoch") in last]
     elif isinstance(source, RecordReader) or (
             isinstance(source, (list, tuple)) and source
             and all(isinstance(s, (StepResult, RecordedStep)) for s in source)):
@@ -130,14 +150,30 @@ def _run(source, plot: str, label: str | None) -> _Run:
     return _Run(label, out, kinds, validation)
 
 
-def _of_log(log, history: History) -> _Step:
+def _epochs(logs: list) -> list[float]:
+    """Each StepLog's place in epochs: its epoch (from 0) plus the share of that epoch's
+    samples seen by its end (the share of its steps, for an epoch of no samples)."""
+    totals, counts = defaultdict(int), defaultdict(int)
+    for s in logs:
+        totals[s.epoch] += s.size
+        counts[s.epoch] += 1
+    seen, done, out = defaultdict(int), defaultdict(int), []
+    for s in logs:
+        seen[s.epoch] += s.size
+        done[s.epoch] += 1
+        share = seen[s.epoch] / totals[s.epoch] if totals[s.epoch] else done[s.epoch] / counts[s.epoch]
+        out.append(s.epoch + share)
+    return out
+
+
+def _of_log(log, history: History, epoch: float) -> _Step:
     """A History's StepLog as a step to draw: per-variable tuples as dicts."""
     kinds = {**_KINDS, **history.statistics}
     values = {**{k: v for k, v in log._asdict().items() if k in _KINDS}, **log.statistics}
     for name, value in values.items():
         if kinds[name] is Kind.VARIABLE:
             values[name] = dict(zip(history.variables, value))
-    return _Step(log.samples, values)
+    return _Step(log.samples, values, epoch)
 
 
 def _of_result(result: StepResult) -> dict:
@@ -165,54 +201,24 @@ def _axes(ax, plot: str, figsize=(7, 4)):
     return _pyplot().subplots(figsize=figsize)[1]
 
 
+def _panels(ax, plot: str, count: int, figsize: tuple, **kw) -> list:
+    """One axes per run: ``ax`` (that many axes) or a new figure's row of them."""
+    if ax is None:
+        return list(_pyplot().subplots(1, count, figsize=(figsize[0] * count, figsize[1]),
+                                       squeeze=False, **kw)[1][0])
+    axes = list(np.ravel(ax)) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
+    if len(axes) != count:
+        raise ArgumentError(f"hostavg.plot.{plot} draws one panel per run: ax must be {count} "
+                            f"axes, got {len(axes)}")
+    return [_axes(a, plot) for a in axes]
+
+
 def _pyplot():
     try:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ArgumentError("hostavg.plot needs matplotlib: pip install matplotlib") from None
     return plt
-
-
-def _finish(ax, title: str, xlabel: str, ylabel: str, legend: bool = True,
-            integer_x: bool = True):
-    """Labels, whole-number ticks along x, a legend, and a tight layout for ``ax``'s figure."""
-    from matplotlib.ticker import MaxNLocator
-    ax.set_title(title, fontsize="medium")
-    ax.set(xlabel=xlabel, ylabel=ylabel)
-    if integer_x:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if legend:
-        _legend(ax)
-    _tight(ax.figure)
-    return ax
-
-
-def _legend(ax, handles=None, labels=None) -> None:
-    """A legend of ``ax`` (its own entries by default): beside the axes, outside the data,
-    once it has more than :data:`INSIDE` entries."""
-    if handles is None:
-        handles, labels = ax.get_legend_handles_labels()
-    if len(handles) > INSIDE:
-        ax.legend(handles, labels, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1),
-                  borderaxespad=0)
-    else:
-        ax.legend(handles, labels, fontsize="small")
-
-
-def _edge(ax, x, y, colour, marked: list, missing: bool = True) -> None:
-    """Marks along the top edge, in ``colour``, the points of ``y`` a plot cannot place: infinite
-    ones and (with ``missing``) NaN ones; the first marks of a figure get a legend entry
-    (``marked``, a list shared by one plot, remembers it)."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    bad = np.isinf(y) | (np.isnan(y) if missing else np.zeros(y.shape, bool))
-    if not bad.any():
-        return
-    ax.scatter(x[bad], np.ones(int(bad.sum())), transform=ax.get_xaxis_transform(), marker="^",
-               s=30, color=colour, clip_on=False, zorder=3,
-               label=None if marked else "infinite or NaN (at the top edge)")
-    ax.dataLim.update_from_data_x(x[bad], ignore=False)  # the x axis reaches them
-    ax.autoscale_view()
-    marked.append(True)
 
 
 def _tight(figure) -> None:
@@ -229,82 +235,124 @@ def _named(run: _Run, what: str) -> str:
     return what if run.label is None else f"{run.label}: {what}"
 
 
-def micro_norms(steps, ax=None):
-    """Each micro-batch's gradient norm (dots) and the mean's norm (line) over global steps.
+class _Frame:
+    """One axes a plot over time draws on: where each step goes along ``x``, the y scale, and
+    the :class:`~hostavg.inspect.layout.Strips` for what that scale cannot place."""
+
+    def __init__(self, ax, x: str, yscale: str):
+        self.ax, self.x, self.yscale = ax, x, yscale
+        self.strips = Strips(ax, yscale == "log")
+        ax.set_yscale(yscale)
+
+    def at(self, step) -> float:
+        """Where ``step`` (a :class:`_Step`) lies along x."""
+        return step.step if self.x == "step" else step.samples if self.x == "samples" \
+            else step.epoch
+
+    def scatter(self, xs, ys, colour, row: int = 0, missing: bool = True, **kw):
+        y = self.strips.placed(xs, [math.nan if v is None else v for v in ys], colour, row, missing)
+        return self.ax.scatter(np.asarray(xs, float), y, color=colour, **kw)
+
+    def line(self, xs, ys, colour, row: int = 0, missing: bool = True, **kw):
+        y = self.strips.placed(xs, [math.nan if v is None else v for v in ys], colour, row, missing)
+        return self.ax.plot(np.asarray(xs, float), y, color=colour, **kw)[0]
+
+    def finish(self, title: str, ylabel: str, legend, handles=None, labels=None):
+        """Title, axis labels, ticks, the legend (``ax``'s own entries by default), the strips
+        and a tight layout; returns the axes."""
+        from matplotlib.ticker import EngFormatter, MaxNLocator
+        ax = self.ax
+        ax.set_title(title, fontsize="medium")
+        scale = "" if self.yscale == "linear" else f" ({self.yscale} scale)"
+        ax.set(xlabel=X_LABELS[self.x], ylabel=ylabel + scale)
+        if self.x != "epoch":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if self.x == "samples":
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 12.5k, not 12500
+        if handles is None and legend is not False:
+            handles, labels = ax.get_legend_handles_labels()
+        layout.legend(ax, handles, labels, legend)
+        self.strips.draw()
+        _tight(ax.figure)
+        return ax
+
+
+def micro_norms(steps, ax=None, x: str = "step", yscale: str = "log", legend="auto"):
+    """Each micro-batch's gradient norm (dots) and the mean's norm (line) over time.
 
     With :class:`~hostavg.hooks.ClipMicroBatchNorm`, the norms before clipping
     are drawn too (hollow), beside the clipped ones that were accumulated.
     Several runs: one colour per run, its mean a line and its micro-batches dots.
     """
-    runs = _runs(steps, "micro_norms")
-    ax = _axes(ax, "micro_norms")
-    marked = []
+    layout.checked("hostavg.plot.micro_norms", x, yscale, legend)
+    runs = _runs(steps, "micro_norms", x)
+    frame = _Frame(_axes(ax, "micro_norms"), x, yscale)
     for i, run in enumerate(runs):
         rows = run.steps
         clipped = any(s.micro_norms_before_clip is not None for s in rows)
-        xs = [s.step for s in rows for _ in s.micro_norms]
-        ys = [n for s in rows for n in s.micro_norms]
-        ax.scatter(xs, ys, s=8, alpha=0.5, color=_colour(runs, i, "C0"),
-                   label=_named(run, "micro-batch gradient norm" + (", clipped" if clipped else "")))
-        _edge(ax, xs, ys, _colour(runs, i, "C0"), marked)
+        xs = [frame.at(s) for s in rows for _ in s.micro_norms]
+        frame.scatter(xs, [n for s in rows for n in s.micro_norms], _colour(runs, i, "C0"), i,
+                      s=8, alpha=0.5, label=_named(run, "micro-batch gradient norm"
+                                                   + (", clipped" if clipped else "")))
         if clipped:
-            before = [(s.step, n) for s in rows for n in (s.micro_norms_before_clip or ())]
-            ax.scatter(*zip(*before), s=14, facecolors="none", alpha=0.6,
-                       edgecolors=_colour(runs, i, "tab:red"),
-                       label=_named(run, "micro-batch gradient norm before clipping"))
-        ax.plot([s.step for s in rows], [s.grad_norm for s in rows],
-                color=_colour(runs, i, "black"), label=_named(run, "norm of the mean"))
-    ax.set_yscale("log")
-    return _finish(ax, "Gradient norms: micro-batches, mean", "global step",
-                   "L2 norm (log scale)")
+            before = [(frame.at(s), n) for s in rows for n in (s.micro_norms_before_clip or ())]
+            frame.scatter(*zip(*before), _colour(runs, i, "tab:red"), i, missing=False, s=14,
+                          alpha=0.6, facecolors="none",
+                          label=_named(run, "micro-batch gradient norm before clipping"))
+        frame.line([frame.at(s) for s in rows], [s.grad_norm for s in rows],
+                   _colour(runs, i, "black"), i, label=_named(run, "norm of the mean"))
+    return frame.finish("Gradient norms: micro-batches, mean", "L2 norm", legend)
 
 
-def noise_scale(steps, ax=None, beta: float = NOISE_SCALE_BETA):
-    """The simple noise scale B_simple over global steps: each step's estimate and a running one.
+def noise_scale(steps, ax=None, beta: float = NOISE_SCALE_BETA, x: str = "step",
+                yscale: str = "log", legend="auto"):
+    """The simple noise scale B_simple over time: each step's estimate and a running one.
 
     The running estimate is :class:`hostavg.NoiseScale` with ``beta`` (the
-    same default as the class and the TensorBoard hook); steps whose single
-    estimate is negative (g2 < 0, which happens) are left out but still feed
-    the running estimate; an infinite one is marked at the top edge. A dotted
-    line is the batch size the steps used (their most common one): a batch
-    well below B_simple can grow with little loss of sample efficiency.
-    Several runs: one colour per run.
+    same default as the class and the TensorBoard hook); every step feeds it.
+    Estimates a log scale cannot place (g2 < 0 makes one negative, which
+    happens, and meaningless) go to the strip below. A dotted line is the
+    batch size the steps used (their most common one): a batch well below
+    B_simple can grow with little loss of sample efficiency. Several runs:
+    one colour per run.
     """
-    runs = _runs(steps, "noise_scale")
+    layout.checked("hostavg.plot.noise_scale", x, yscale, legend)
+    runs = _runs(steps, "noise_scale", x)
     drawn = [(run, [s for s in run.steps if s.trace_sigma is not None]) for run in runs]
     empty = [run.label for run, rows in drawn if not rows]
     if empty:
         which = "" if runs[0].label is None else f" (runs {empty})"
         raise ArgumentError(f"no step has a noise-scale estimate{which}: they need 2 or more "
                             f"micro-batches")
-    ax = _axes(ax, "noise_scale")
-    marked = []
+    frame = _Frame(_axes(ax, "noise_scale"), x, yscale)
     for i, (run, rows) in enumerate(drawn):
         tracker = NoiseScale(beta)
         running = [tracker.update(NoiseScaleEstimate(s.g2, s.trace_sigma, s.b_simple), s.step)
                    for s in rows]
-        single = [b if b is not None and b > 0 else np.nan for b in (s.b_simple for s in rows)]
-        steps_x = [s.step for s in rows]
-        ax.scatter(steps_x, single, s=8, alpha=0.4, color=_colour(runs, i, "C0"),
-                   label=_named(run, "one step's estimate"))
-        ax.plot(steps_x, running, color=_colour(runs, i, "black"),
-                label=_named(run, f"running estimate (beta={beta})"))
-        _edge(ax, steps_x + steps_x, single + running, _colour(runs, i, "C0"), marked, False)
+        xs = [frame.at(s) for s in rows]
+        frame.scatter(xs, [s.b_simple for s in rows], _colour(runs, i, "C0"), i, missing=False,
+                      s=8, alpha=0.4, label=_named(run, "one step's estimate"))
+        frame.line(xs, running, _colour(runs, i, "black"), i,
+                   label=_named(run, f"running estimate (beta={beta})"))
         sizes, counts = np.unique([s.size for s in rows], return_counts=True)
         batch = int(sizes[np.argmax(counts)])
-        ax.axhline(batch, color=_colour(runs, i, "tab:green"), linestyle=":", linewidth=1.5,
-                   label=_named(run, f"batch size ({batch})"))
-    ax.set_yscale("log")
-    return _finish(ax, "Gradient noise scale", "global step", "B_simple (samples, log scale)")
+        frame.ax.axhline(batch, color=_colour(runs, i, "tab:green"), linestyle=":",
+                         linewidth=1.5, label=_named(run, f"batch size ({batch})"))
+    return frame.finish("Gradient noise scale", "B_simple (samples)", legend)
 
 
-def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
-    """One line per trained variable over global steps: its gradient norm, or its update ratio.
+def variable_norms(steps, ax=None, quantity: str = "grad_norm", x: str = "step",
+                   yscale: str = "log", legend="auto"):
+    """One line per trained variable over time: its gradient norm, or its update ratio.
 
     Where the micro-batch norms and the noise scale look flat, this is where
     a layer that stopped learning shows: dead ReLUs give a gradient of
-    exactly 0, drawn as triangles on the bottom edge (a log scale has no 0).
-    Several runs: a colour per variable and a line style per run.
+    exactly 0, marked in the strip below the data area (a log scale has no
+    0). Every variable has its own colour; several runs are drawn as one
+    panel each, side by side, with one legend, and the list of axes returned
+    (``ax``: None or that many axes; one axes for several runs draws them
+    on it with a line style per run, as 0.1.0 did, with a DeprecationWarning:
+    refused from 0.3.0). Many variables read better as :func:`variable_heatmap`.
 
     Args:
       quantity: ``"grad_norm"`` (the applied mean gradient's norm, per
@@ -312,81 +360,99 @@ def variable_norms(steps, ax=None, quantity: str = "grad_norm"):
         about 1e-3 is usual).
     """
     check_quantity(quantity)
-    runs = _runs(steps, "variable_norms")
+    layout.checked("hostavg.plot.variable_norms", x, yscale, legend)
+    runs = _runs(steps, "variable_norms", x)
+    field = _variable_field(runs, quantity, "variable_norms")
+    what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
+    return _per_variable(runs, ax, field, f"Per variable: {what}",
+                         "gradient norm" if quantity == "grad_norm" else "update ratio",
+                         x, yscale, legend, "variable_norms")
+
+
+def _variable_field(runs: list, quantity: str, plot: str) -> str:
+    """The per-variable quantity of ``quantity``, or HostavgError where no step holds a
+    value of it (a History keeps NaN where it was not measured)."""
     field = "variable_norms" if quantity == "grad_norm" else "update_ratios"
-    if not any(getattr(s, field) for run in runs for s in run.steps):
+    if all(math.isnan(v) for run in runs for s in run.steps for v in getattr(s, field).values()):
         why = ("update ratios are measured only when the trainer is made with "
                "update_ratios_every=N (then every N-th step has them)"
                if quantity == "update_ratio" else "the steps hold no variables")
-        raise ArgumentError(f"hostavg.plot.variable_norms: no step holds {quantity} values: {why}")
-    what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
-    return _per_variable(runs, ax, field, f"Per variable: {what}",
-                         "gradient norm" if quantity == "grad_norm" else "update ratio", log=True)
+        raise ArgumentError(f"hostavg.plot.{plot}: no step holds {quantity} values: {why}")
+    return field
 
 
-def _per_variable(runs: list, ax, field: str, title: str, ylabel: str, log: bool):
-    """A line per variable of the per-variable quantity ``field`` over global steps (a colour
-    per variable, a line style per run); on a log scale, exact zeros as triangles at the
-    bottom edge."""
+def _per_variable(runs: list, ax, field: str, title: str, ylabel: str, x: str, yscale: str,
+                  legend, plot: str):
+    """A line per variable of the per-variable quantity ``field``: one axes for one run, a
+    panel per run (sharing y, and x unless it is steps; one legend) for several; NaN is "not
+    measured"."""
     names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
-    ax = _axes(ax, "variable_norms")
-    table = [(run, np.array([s.step for s in run.steps]),
-              np.array([[getattr(s, field).get(n, np.nan) for n in names] for s in run.steps],
-                       float)) for run in runs]
-    positive = np.concatenate([v[np.isfinite(v) & (v > 0)] for _, _, v in table])
-    floor = positive.min() / 3 if positive.size else 1e-12
-    zeros, marked = False, []  # the first marks drawn are labelled for the legend
-    for r, (run, x, values) in enumerate(table):
-        for j, name in enumerate(names):
-            y = values[:, j]
-            # NaN: not measured that step (update_ratios_every); a log scale has no 0
-            shown = np.isfinite(y) & ((y > 0) if log else True)
-            ax.plot(x[shown], y[shown], label=_named(run, name), linewidth=1,
-                    color=f"C{j % 10}", linestyle=STYLES[r % len(STYLES)])
-            _edge(ax, x, y, f"C{j % 10}", marked, missing=False)
-            zero = y == 0
-            if log and zero.any():  # each variable a little lower than the last: none hides another
-                ax.scatter(x[zero], np.full(zero.sum(), floor * 0.8 ** (j % 8)), marker="v",
-                           s=14, color=f"C{j % 10}",
-                           label=None if zeros else "exactly 0 (at the bottom)")
-                zeros = True
-    if log:
-        ax.set_yscale("log")
-    _finish(ax, title, "global step", ylabel + (" (log scale)" if log else ""), legend=False)
-    _legend(ax, *_keys(ax, names, runs))
-    return ax
-
-
-def _keys(ax, names: list, runs: list) -> tuple[list, list]:
-    """A legend's entries for runs x variables: a colour per variable, a line style per run
-    (for several), then the marks ``ax`` holds."""
+    styles = layout.variable_styles(len(names))
+    several = len(runs) > 1
+    if several and ax is not None and not isinstance(ax, (list, tuple, np.ndarray)):
+        return _runs_on_one_axes(runs, ax, field, title, ylabel, x, yscale, legend, plot, names)
+    # samples and epochs compare across runs: one x for all panels; steps of different batch
+    # sizes do not, so each panel spans its own
+    axes = _panels(ax, plot, len(runs), (5.5, 4), sharey=True, sharex=x != "step") if several \
+        else [_axes(ax, plot)]
     from matplotlib.lines import Line2D
-    handles = [Line2D([], [], color=f"C{j % 10}") for j in range(len(names))]
-    labels = list(names)
-    if len(runs) > 1:
-        handles += [Line2D([], [], color="0.3", linestyle=STYLES[r % len(STYLES)])
-                    for r in range(len(runs))]
-        labels += [f"run {run.label}" for run in runs]
-    marks = [(h, said) for h, said in zip(*ax.get_legend_handles_labels())
-             if not isinstance(h, Line2D)]  # the lines are in the keys above
-    return handles + [h for h, _ in marks], labels + [said for _, said in marks]
+    keys = [Line2D([], [], color=c, linestyle=s) for c, s in styles]
+    for r, (run, panel) in enumerate(zip(runs, axes)):
+        frame = _Frame(panel, x, yscale)
+        xs = [frame.at(s) for s in run.steps]
+        for j, (name, (colour, style)) in enumerate(zip(names, styles)):
+            frame.line(xs, [getattr(s, field).get(name, math.nan) for s in run.steps], colour,
+                       j, missing=False, label=_named(run, name), linewidth=1, linestyle=style)
+        # several panels: one legend, beside the last (a row of panels keeps no hole)
+        shown = legend if r == len(runs) - 1 else False
+        frame.finish(run.label if several else title, ylabel,
+                     "outside" if several and shown == "auto" else shown, keys, names)
+        if r:
+            panel.set_ylabel("")  # the first panel's says it: y is shared
+    if several:
+        axes[0].figure.suptitle(title, fontsize="medium")
+        return axes
+    return axes[0]
 
 
-def statistic(steps, name: str, ax=None):
-    """One quantity or user statistic (``Trainer(statistics={name: fn})``) over global steps,
-    drawn by its kind.
+#: Line styles of several runs drawn on one given axes, as 0.1.0 drew them (deprecated).
+RUN_STYLES = ("-", "--", ":", "-.")
+
+
+def _runs_on_one_axes(runs: list, ax, field: str, title: str, ylabel: str, x: str, yscale: str,
+                      legend, plot: str, names: list):
+    """Several runs' per-variable lines on the one axes ``ax`` (a colour per variable, a line
+    style per run), as 0.1.0 drew them: deprecated (a panel per run since 0.2.0), warns."""
+    warnings.warn(f"hostavg.plot.{plot}: one axes for {len(runs)} runs is deprecated and will be "
+                  f"refused in 0.3.0: pass ax=None for a panel per run, or a list of {len(runs)} "
+                  f"axes", DeprecationWarning, stacklevel=4)
+    frame = _Frame(_axes(ax, plot), x, yscale)
+    colours = [colour for colour, _ in layout.variable_styles(len(names))]
+    for r, run in enumerate(runs):
+        xs = [frame.at(s) for s in run.steps]
+        for j, name in enumerate(names):
+            frame.line(xs, [getattr(s, field).get(name, math.nan) for s in run.steps],
+                       colours[j], j, missing=False, label=_named(run, name), linewidth=1,
+                       linestyle=RUN_STYLES[r % len(RUN_STYLES)])
+    return frame.finish(title, ylabel, legend)
+
+
+def statistic(steps, name: str, ax=None, x: str = "step", yscale: str = "linear",
+              legend="auto"):
+    """One quantity or user statistic (``Trainer(statistics={name: fn})``) over time, drawn by
+    its kind.
 
     Per step: a line (with dots for a short run). Per micro-batch: a dot per
-    micro-batch at its step. Per variable: a line per variable (a colour per
-    variable, a line style per run). Values a plot cannot place (Inf, NaN) are
-    marked at the top edge. Several runs: one colour per run.
+    micro-batch at its step. Per variable: a line per variable, as
+    :func:`variable_norms` draws them. Several runs: one colour per run.
 
     Example::
 
         trainer = hostavg.Trainer(loss, opt, statistics={"largest": lambda r: max(r.stats.micro_norms)})
         hostavg.plot.statistic(trainer.fit(sess, data, batch_size=256), "largest")
     """
-    runs = _runs(steps, "statistic")
+    layout.checked("hostavg.plot.statistic", x, yscale, legend)
+    runs = _runs(steps, "statistic", x)
     kinds = {run.kinds[name] for run in runs if name in run.kinds}
     if not kinds:
         raise ArgumentError(f"hostavg.plot.statistic: no quantity or statistic {name!r}; the "
@@ -396,32 +462,31 @@ def statistic(steps, name: str, ax=None):
         raise ArgumentError(f"hostavg.plot.statistic draws a per-step, per-micro-batch or "
                             f"per-variable value; {name!r} is {kind.said}")
     if kind is Kind.VARIABLE:
-        return _per_variable(runs, ax, name, name, name, log=False)
-    ax = _axes(ax, "statistic")
-    marked = []
+        return _per_variable(runs, ax, name, name, name, x, yscale, legend, "statistic")
+    frame = _Frame(_axes(ax, "statistic"), x, yscale)
     for i, run in enumerate(runs):
         colour = _colour(runs, i, "C0")
         rows = [s for s in run.steps if s.values.get(name) is not None]
         if kind is Kind.STEP:
-            xs, ys = [s.step for s in rows], [s.values[name] for s in rows]
-            ax.plot(xs, ys, color=colour, linewidth=1, marker="o" if len(xs) < 30 else None,
-                    markersize=3, label=_named(run, name))
+            xs = [frame.at(s) for s in rows]
+            frame.line(xs, [s.values[name] for s in rows], colour, i, linewidth=1,
+                       marker="o" if len(xs) < 30 else None, markersize=3, label=_named(run, name))
         else:
-            xs = [s.step for s in rows for _ in s.values[name]]
-            ys = [v for s in rows for v in s.values[name]]
-            ax.scatter(xs, ys, s=8, alpha=0.6, color=colour, label=_named(run, f"{name} (each "
-                                                                              f"micro-batch)"))
-        _edge(ax, xs, ys, colour, marked)
-    return _finish(ax, name, "global step", name)
+            frame.scatter([frame.at(s) for s in rows for _ in s.values[name]],
+                          [v for s in rows for v in s.values[name]], colour, i, s=8, alpha=0.6,
+                          label=_named(run, f"{name} (each micro-batch)"))
+    return frame.finish(name, name, legend)
 
 
-def distributions(steps, variable: str, quantity: str = "gradient", ax=None):
-    """One variable's distribution over global steps, as TensorBoard's Distributions view.
+def distributions(steps, variable: str, quantity: str = "gradient", ax=None, x: str = "step",
+                  yscale: str = "linear", legend="auto"):
+    """One variable's distribution over time, as TensorBoard's Distributions view.
 
     Bands between TensorBoard's percentiles (:data:`~hostavg.core.distributions.PERCENTILES`:
     min-max, then the spans of 1.5, 1 and 0.5 standard deviations of a normal
     distribution, darker inwards) and the median as a line, at the steps that
     kept distributions (a trainer made with ``distributions_every=N``).
+    ``yscale="symlog"`` spreads values of both signs over orders of magnitude.
     Several runs: one colour per run.
 
     Args:
@@ -431,103 +496,185 @@ def distributions(steps, variable: str, quantity: str = "gradient", ax=None):
 
     Example::
 
-        hostavg.plot.distributions(history, "dense/kernel", "update")
+        hostavg.plot.distributions(history, "dense/kernel", "update", yscale="symlog")
     """
-    runs = _runs(steps, "distributions")
+    layout.checked("hostavg.plot.distributions", x, yscale, legend)
+    runs = _runs(steps, "distributions", x)
     where = "hostavg.plot.distributions"
     tables = [_distributions.table([(s.step, s.distributions) for s in run.steps], variable,
                                    quantity, where if run.label is None
                                    else f"{where}, run {run.label!r}") for run in runs]
-    ax = _axes(ax, "distributions")
-    marked = []
+    frame = _Frame(_axes(ax, "distributions"), x, yscale)
     for i, (run, table) in enumerate(zip(runs, tables)):
         colour = _colour(runs, i, "C0")
-        x, values = table.index.to_numpy(), table.to_numpy()
+        at = {s.step: frame.at(s) for s in run.steps}
+        xs = np.array([at[step] for step in table.index], float)
+        values = np.column_stack([frame.strips.placed(xs, column, colour, i)
+                                  for column in table.to_numpy().T])
         for depth, (low, high) in enumerate(BANDS):
-            ax.fill_between(x, values[:, low], values[:, high], color=colour, linewidth=0,
-                            alpha=0.15 + 0.12 * depth)
-        ax.plot(x, values[:, 4], color=colour, linewidth=1.2, marker="o" if len(x) < 8 else None,
-                markersize=3, label=_named(run, "median"))
-        _edge(ax, np.repeat(x, len(PERCENTILES)), values.ravel(), colour, marked, False)
-    return _finish(ax, f"Distribution of the {quantity} of {variable}\n(bands: min-max, then "
-                       f"a normal's +-1.5, +-1, +-0.5 sd)", "global step", quantity)
+            frame.ax.fill_between(xs, values[:, low], values[:, high], color=colour, linewidth=0,
+                                  alpha=0.15 + 0.12 * depth)
+        frame.ax.plot(xs, values[:, 4], color=colour, linewidth=1.2,
+                      marker="o" if len(xs) < 8 else None, markersize=3,
+                      label=_named(run, "median"))
+    return frame.finish(f"Distribution of the {quantity} of {variable}\n(bands: min-max, then "
+                        f"a normal's +-1.5, +-1, +-0.5 sd)", quantity, legend)
 
 
-def micro_losses(steps, ax=None):
-    """Each micro-batch's loss (dots) and the step's mean loss (line) over global steps.
+def micro_losses(steps, ax=None, x: str = "step", yscale: str = "linear", legend="auto"):
+    """Each micro-batch's loss (dots) and the step's mean loss (line) over time.
 
     A micro-batch whose loss stands apart from its step's others holds
     unusual samples (``micro_table`` names its rows); dropped micro-batches
-    are drawn too, a non-finite loss marked at the top edge. Several runs:
-    one colour per run.
+    are drawn too, a non-finite loss in the strip above. Several runs: one
+    colour per run.
     """
-    runs = _runs(steps, "micro_losses")
-    ax = _axes(ax, "micro_losses")
-    marked = []
+    layout.checked("hostavg.plot.micro_losses", x, yscale, legend)
+    runs = _runs(steps, "micro_losses", x)
+    frame = _Frame(_axes(ax, "micro_losses"), x, yscale)
     for i, run in enumerate(runs):
-        xs = [s.step for s in run.steps for _ in s.micro_losses]
-        ys = [math.nan if v is None else v for s in run.steps for v in s.micro_losses]
         colour = _colour(runs, i, "C0")
-        ax.scatter(xs, ys, s=8, alpha=0.5, color=colour, label=_named(run, "micro-batch loss"))
-        ax.plot([s.step for s in run.steps], [s.loss for s in run.steps],
-                color=_colour(runs, i, "black"), linewidth=1, label=_named(run, "the step's loss"))
-        _edge(ax, xs, ys, colour, marked)
-    return _finish(ax, "Loss: micro-batches, step", "global step", "loss")
+        frame.scatter([frame.at(s) for s in run.steps for _ in s.micro_losses],
+                      [v for s in run.steps for v in s.micro_losses], colour, i, s=8, alpha=0.5,
+                      label=_named(run, "micro-batch loss"))
+        frame.line([frame.at(s) for s in run.steps], [s.loss for s in run.steps],
+                   _colour(runs, i, "black"), i, linewidth=1, label=_named(run, "the step's loss"))
+    return frame.finish("Loss: micro-batches, step", "loss", legend)
 
 
-def loss(steps, ax=None):
-    """The training loss of every step against the samples seen, and the validation loss.
+def loss(steps, ax=None, x: str = "samples", yscale: str = "linear", legend="auto"):
+    """The training loss of every step and the validation loss, against the samples seen.
 
-    x: samples seen by ``fit`` (a History's own count), or for a record or a
+    Samples seen: by ``fit`` (a History's own count), or for a record or a
     list of StepResults the samples of the steps given, summed (a record of
-    every N-th step counts only those). The validation loss (a History's
-    epochs with ``val_loss``) is drawn at each epoch's end, as dots on a
-    dashed line in the run's colour. Several runs: one colour per run.
+    every N-th step counts only those); ``x="step"`` or ``"epoch"`` instead.
+    The validation loss (a History's epochs with ``val_loss``) is drawn at
+    each epoch's end, as dots on a dashed line in the run's colour.
+    ``yscale="log"`` keeps a healthy run visible beside one whose loss blew
+    up. Several runs: one colour per run.
 
     Example::
 
-        hostavg.plot.loss({"micro 32": history_32, "micro 8": history_8})
+        hostavg.plot.loss({"batch 512": history_512, "batch 64": history_64}, yscale="log")
     """
-    runs = _runs(steps, "loss")
-    ax = _axes(ax, "loss")
-    marked = []
+    layout.checked("hostavg.plot.loss", x, yscale, legend)
+    runs = _runs(steps, "loss", x)
+    frame = _Frame(_axes(ax, "loss"), x, yscale)
     for i, run in enumerate(runs):
         colour = _colour(runs, i, "C0")
-        shown = [s for s in run.steps if math.isfinite(s.loss)]
-        ax.plot([s.samples for s in shown], [s.loss for s in shown], color=colour, linewidth=1,
-                label=_named(run, "training loss (each step)"))
-        _edge(ax, [s.samples for s in run.steps], [s.loss for s in run.steps], colour, marked)
+        frame.line([frame.at(s) for s in run.steps], [s.loss for s in run.steps], colour, i,
+                   linewidth=1, label=_named(run, "training loss (each step)"))
         if run.validation:
-            ax.plot(*zip(*run.validation), "o--", color=colour if len(runs) > 1 else "C1",
-                    label=_named(run, "validation loss (each epoch)"))
-    return _finish(ax, "Loss", "samples seen", "loss")
+            frame.line([frame.at(v) for v in run.validation],
+                       [v.val_loss for v in run.validation], colour if len(runs) > 1 else "C1",
+                       i, marker="o", linestyle="--",
+                       label=_named(run, "validation loss (each epoch)"))
+    return frame.finish("Loss", "loss", legend)
 
 
-def cosine_heatmap(step, ax=None, vmin: float | None = COSINE_SCALE[0],
-                   vmax: float | None = COSINE_SCALE[1], cmap: str = COSINE_SCALE[2]):
+def variable_heatmap(steps, quantity: str = "grad_norm", ax=None, x: str = "step"):
+    """Every trained variable over time as one picture: a row per variable, a column per step.
+
+    The compact form of :func:`variable_norms` for many variables. Colours
+    are the values on a log scale (its colour bar); cells a log scale cannot
+    place have colours of their own, named in the legend
+    (:data:`HEATMAP_SPECIAL`: an exact 0, red; an infinite value, magenta); a
+    step that did not measure the quantity (update ratios every N steps) is
+    left blank. Variables run top to bottom in the model's order, their names
+    thinned where they would not fit. Several runs: one panel each, stacked,
+    on one colour scale; returns the list of axes.
+
+    Args:
+      quantity: ``"grad_norm"`` or ``"update_ratio"``, as :func:`variable_norms`.
+    """
+    check_quantity(quantity)
+    layout.checked("hostavg.plot.variable_heatmap", x, "log", False)
+    runs = _runs(steps, "variable_heatmap", x)
+    field = _variable_field(runs, quantity, "variable_heatmap")
+    names = list(dict.fromkeys(n for run in runs for s in run.steps for n in getattr(s, field)))
+    tables = [np.array([[getattr(s, field).get(n, math.nan) for s in run.steps] for n in names],
+                       float) for run in runs]
+    several = len(runs) > 1
+    height = 1.2 + 0.22 * len(names)
+    axes = _panels(ax, "variable_heatmap", len(runs), (8, height), sharex=False) if several \
+        else [_axes(ax, "variable_heatmap", (8, height))]
+    norm = _log_norm(tables)
+    what = "gradient norm of the mean" if quantity == "grad_norm" else "|update| / |weights|"
+    for run, panel, table in zip(runs, axes, tables):
+        frame = _Frame(panel, x, "linear")
+        mesh = _cells(panel, [frame.at(s) for s in run.steps], table, norm)
+        panel.figure.colorbar(mesh, ax=panel, label=f"{quantity} (log scale)")
+        layout.thinned(panel, "y", list(range(len(names))), names)
+        panel.set_ylim(len(names) - 0.5, -0.5)  # the model's first variable on top
+        frame.finish(f"Per variable: {what}" if not several else f"{run.label}: {what}", "",
+                     False)
+    _special_legend(axes[-1])
+    return axes if several else axes[0]
+
+
+def _log_norm(tables: list):
+    """A log colour scale over the positive finite values of ``tables``."""
+    from matplotlib import colors
+    found = np.concatenate([t[np.isfinite(t) & (t > 0)] for t in tables])
+    low, high = (found.min(), found.max()) if found.size else (1e-12, 1.0)
+    return colors.LogNorm(low, high if high > low else low * 10)
+
+
+def _cells(ax, xs: list, table: np.ndarray, norm):
+    """Draws ``table`` (variables x steps) as cells centred on ``xs``: its positive finite
+    values on ``norm`` (the mesh returned), zeros and infinite values in
+    :data:`HEATMAP_SPECIAL`'s colours, NaN (not measured) blank."""
+    from matplotlib import colormaps, colors
+    xs = np.asarray(xs, float)
+    mid = (xs[1:] + xs[:-1]) / 2 if len(xs) > 1 else np.array([])
+    first, last = (xs[0] - 0.5, xs[-1] + 0.5) if len(xs) == 1 else (
+        xs[0] - (mid[0] - xs[0]), xs[-1] + (xs[-1] - mid[-1]))
+    edges = np.concatenate([[first], mid, [last]])
+    rows = np.arange(table.shape[0] + 1) - 0.5
+    with np.errstate(invalid="ignore"):
+        placed = np.isfinite(table) & (table > 0)
+        special = np.where(table == 0, 0.0, np.where(np.isinf(table), 1.0, np.nan))
+    mesh = ax.pcolormesh(edges, rows, np.ma.masked_where(~placed, table), norm=norm,
+                         cmap=colormaps[HEATMAP_MAP].with_extremes(bad=(0, 0, 0, 0)))
+    palette = colors.ListedColormap([c for _, c in HEATMAP_SPECIAL]).with_extremes(
+        bad=(0, 0, 0, 0))
+    ax.pcolormesh(edges, rows, np.ma.masked_invalid(special), cmap=palette, vmin=-0.5, vmax=1.5)
+    return mesh
+
+
+def _special_legend(ax) -> None:
+    from matplotlib.patches import Patch
+    ax.legend([Patch(color=c) for _, c in HEATMAP_SPECIAL], [said for said, _ in HEATMAP_SPECIAL],
+              fontsize="small", loc="upper left", bbox_to_anchor=(0, -0.18), ncol=2,
+              frameon=False)
+
+
+def cosine_heatmap(step, ax=None, vmin: float | None = None, vmax: float | None = None,
+                   cmap: str | None = None):
     """The cosine between every two accumulated micro-batches' gradients in one step.
 
     ``step`` is a ``StepResult`` of ``accumulate="stack"`` (its
     ``stats.pairwise_cosines``) or a recorded step with micro-batch gradients
     (``record[step]``); a record or a list of StepResults means its last
     step. Dropped micro-batches are left out; the ticks are the micro-batches'
-    indices in the step.
+    indices in the step (thinned where they would collide).
 
-    The colours span every cosine there is, -1 to 1, on a diverging scale
-    (red agrees, blue opposes, white is orthogonal), the same in every
-    figure and panel, so that a colour always means the same cosine; the
-    diagonal (1, each micro-batch with itself) is grey and off the scale.
+    The colour scale spans the off-diagonal cosines themselves (their
+    smallest to their largest, over every panel), so that small differences
+    show; its colormap follows their signs (:data:`COSINE_MAPS`): sequential
+    (reds) where every cosine is positive, diverging around 0 (blue opposes,
+    white is orthogonal, red agrees) where they have both signs. The colour
+    bar says the range; ``vmin=-1, vmax=1`` fixes it, the same in every figure.
+    The diagonal (1, each micro-batch with itself) is grey and off the scale.
     Each cell shows its value, up to :data:`ANNOTATED` micro-batches.
 
     Several runs, ``{label: step}``: one panel per run, side by side (``ax``:
     None, or that many axes), on one scale; returns the list of axes.
 
     Args:
-      vmin: the scale's low end; None: the smallest off-diagonal cosine of
-        every panel, to see small differences (diverging around 0 where the
-        cosines have both signs).
-      vmax: the scale's high end; None: the largest such cosine.
-      cmap: a matplotlib colormap's name; diverging ones suit cosines.
+      vmin: the scale's low end; None: the smallest off-diagonal cosine.
+      vmax: its high end; None: the largest.
+      cmap: a matplotlib colormap's name; None: by the signs, as above.
     """
     if isinstance(step, Mapping) and not isinstance(step, History):
         if not step:
@@ -535,28 +682,22 @@ def cosine_heatmap(step, ax=None, vmin: float | None = COSINE_SCALE[0],
                                 f"record[step]) or {SOURCES}; got an empty mapping")
         found = [(str(label), *_cosines(value, f" for run {label!r}"))
                  for label, value in step.items()]
-        if ax is None:
-            axes = _pyplot().subplots(1, len(found), figsize=(5.5 * len(found), 4.5),
-                                      squeeze=False)[1][0]
-        else:
-            axes = list(np.ravel(ax)) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
-            if len(axes) != len(found):
-                raise ArgumentError(f"cosine_heatmap draws one panel per run: ax must be "
-                                    f"{len(found)} axes, got {len(axes)}")
         scale = _scale([m for _, m, _, _ in found], vmin, vmax, cmap)
+        axes = _panels(ax, "cosine_heatmap", len(found), (5.5, 4.5))
         for a, (label, matrix, index, number) in zip(axes, found):
             _heatmap(a, matrix, index, f"{label}, step {number}", *scale)
         axes[0].figure.suptitle("Cosine between micro-batch gradients")
-        return list(axes)
+        return axes
     matrix, index, number = _cosines(step, "")
     return _heatmap(_axes(ax, "cosine_heatmap", (6, 5)), matrix, index,
                     f"Cosine between micro-batch gradients, step {number}",
                     *_scale([matrix], vmin, vmax, cmap))
 
 
-def _scale(matrices: list, vmin, vmax, cmap: str) -> tuple:
+def _scale(matrices: list, vmin, vmax, cmap: str | None) -> tuple:
     """(norm, colormap) of the heatmaps of ``matrices``: from ``vmin`` to ``vmax``, an end
-    left None being their off-diagonal cosines' own, diverging around 0 where it lies between."""
+    left None being their off-diagonal cosines' own; centred on 0 where the range holds it,
+    the colormap (unless given) by the range's signs (:data:`COSINE_MAPS`)."""
     from matplotlib import colors
     found = np.concatenate([m[~np.eye(len(m), dtype=bool) & np.isfinite(m)] for m in matrices])
     low = (float(found.min()) if found.size else -1.0) if vmin is None else float(vmin)
@@ -565,10 +706,13 @@ def _scale(matrices: list, vmin, vmax, cmap: str) -> tuple:
         if vmin is not None and vmax is not None:
             raise ArgumentError(f"cosine_heatmap: vmin must be below vmax, got {vmin} and {vmax}")
         low, high = low - 5e-4, high + 5e-4  # all alike: a little room, so colours mean something
-    norm = colors.TwoSlopeNorm(0.0, low, high) if low < 0 < high else colors.Normalize(low, high)
+    both = low < 0 < high
+    norm = colors.TwoSlopeNorm(0.0, low, high) if both else colors.Normalize(low, high)
+    name = cmap if cmap is not None else COSINE_MAPS["both" if both else
+                                                      "positive" if low >= 0 else "negative"]
     try:
-        return norm, _colormap(cmap)
-    except (KeyError, ValueError):
+        return norm, _colormap(name)
+    except (KeyError, ValueError, TypeError):
         raise ArgumentError(f"cosine_heatmap: cmap must be a matplotlib colormap's name, got "
                             f"{cmap!r}") from None
 
@@ -622,10 +766,12 @@ def _heatmap(ax, matrix: np.ndarray, index: list, title: str, norm, palette):
                 dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=size,
                         color="white" if dark else "black")
-    ticks = range(0, k, math.ceil(k / ANNOTATED))
-    ax.set_xticks(list(ticks), [str(index[t]) for t in ticks])
-    ax.set_yticks(list(ticks), [str(index[t]) for t in ticks])
-    _finish(ax, title, "micro-batch", "micro-batch", legend=False, integer_x=False)
+    ax.set_title(title, fontsize="medium")
+    ax.set(xlabel="micro-batch", ylabel="micro-batch")
+    _tight(ax.figure)
+    labels = [str(i) for i in index]
+    layout.thinned(ax, "x", list(range(k)), labels)
+    layout.thinned(ax, "y", list(range(k)), labels)
     return ax
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hostavg.core import distributions, schema
+from hostavg.core import display, distributions, schema
 from hostavg.core.dtypes import decode, encode
 from hostavg.core.errors import ArgumentError, HostavgError, flag, positive_int
 from hostavg.core.files import folder, read_array, remove_stale, temporary
@@ -255,7 +255,8 @@ class RecordedStep:
         return decode(read_array(archive, key), self._encoded.get(key))
 
     def __repr__(self) -> str:
-        return f"RecordedStep(step={self.step}, loss={self.loss}, micro={len(self.micro)})"
+        return display.summary("RecordedStep", {"step": self.step, "loss": self.loss,
+                                                "size": self.size, "micro": len(self.micro)})
 
 
 class RecordReader:
@@ -365,7 +366,18 @@ class RecordReader:
                                    quantity, "RecordReader.distributions")
 
     def __repr__(self) -> str:
-        return f"RecordReader({str(self.path)!r}, {len(self.steps)} steps)"
+        return display.shortened(f"RecordReader({str(self.path)!r}, {len(self.steps)} steps)")
+
+    def _repr_html_(self) -> str:
+        shown, hidden = display.ends(self.steps)
+        rows = []
+        for number in shown:  # read lazily: the steps a table shows, not the whole record
+            s = self[number]
+            rows.append([s.step, s.loss, s.size, s.values.get("grad_norm"), len(s.micro),
+                         sum(m["recorded"] for m in s.micro)])
+        return display.html(f"Record at {self.path}: {len(self)} steps",
+                            ["step", "loss", "size", "grad_norm", "micro-batches",
+                             "gradients recorded"] if rows else [], rows, hidden=hidden)
 
 
 def load_record(path) -> RecordReader:

@@ -1,4 +1,4 @@
-"""The TensorBoard hook: scalars every applied step, gradient histograms every so many.
+"""The TensorBoard hook: scalars every applied step, histograms of gradients, weights and updates.
 
 Written with the ``tensorboard`` package's protocol buffers and its record
 writer (the TFRecord framing and checksums, ``tensorboard.summary.writer.
@@ -40,18 +40,19 @@ _FILES = itertools.count()
 
 
 class TensorBoard:
-    """Writes scalars every applied step and gradient histograms every ``histograms_every`` steps.
+    """Writes scalars every applied step, and histograms of gradients, weights and updates.
 
     Tags (docs/guides/inspecting.md lists them): every applied step, each
     quantity of :data:`hostavg.core.schema.QUANTITIES` that has a tag, the
     running noise scale ``hostavg/b_simple`` and each user statistic
     (``statistics/<name>``); per epoch of ``fit``, ``epoch/*``; every
-    ``histograms_every`` steps, ``gradients/<variable>`` histograms. The event
-    file is flushed after every step.
+    ``histograms_every`` steps, ``gradients/<variable>`` histograms; on the
+    steps that keep distributions (the trainer's ``distributions_every``),
+    ``gradients/``, ``weights/`` and ``updates/<variable>`` histograms. The
+    event file is flushed after every step.
 
-    Only applied steps are written (``on_applied``). ``fit`` closes the hook
-    when it ends; after a hand-written loop call :meth:`close` (a later step
-    opens a new event file).
+    Only applied steps are written (``on_applied``); ``fit`` closes the hook,
+    a hand-written loop calls :meth:`close` (a later step opens a new file).
 
     A folder that already holds event files belongs to another run (a cell
     run twice): the first write raises HostavgError naming the folder, as
@@ -140,9 +141,13 @@ class TensorBoard:
             _add(q.tag, q.kind, values[q.name], scalars, histograms)
         for name, value in result.statistics.items():
             _add(f"statistics/{name}", schema.kind_of(value), value, scalars, histograms)
-        if result.step % self.histograms_every == 0:
+        kept = result.weights is not None  # a step that kept distributions (distributions_every)
+        if kept or result.step % self.histograms_every == 0:
             histograms.update({f"gradients/{name}": v.values if isinstance(v, SparseGradient)
                                else v for name, v in result.grads.items()})
+        if kept:
+            for kind, values in (("weights", result.weights), ("updates", result.updates)):
+                histograms.update({f"{kind}/{name}": v for name, v in values.items()})
         self._write(result.step, scalars, histograms)
 
     def on_epoch_end(self, epoch: int, logs: dict) -> None:

@@ -300,11 +300,9 @@ class Trainer(BaseTrainer):
     def _stop_requested(self) -> str | None:
         return "model.stop_training was set (by a callback)" if self.model.stop_training else None
 
-    def __repr__(self) -> str:
-        known = "unknown until the first batch" if self._engine is None else len(self.spec)
-        return (f"hostavg.keras.Trainer(model={self.model.name!r}, variables={known}, "
-                f"accumulate={self.accumulate!r}, accum_dtype={self.accum_dtype}, "
-                f"batch_norm={self.batch_norm!r})")
+    def _face(self) -> dict:
+        return {"face": "hostavg.keras.Trainer", "model": self.model.name,
+                "batch_norm": self.batch_norm}
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:

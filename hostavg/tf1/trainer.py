@@ -316,9 +316,8 @@ class Trainer(BaseTrainer):
             out.append(fetch)
         return tuple(out)
 
-    def __repr__(self) -> str:
-        return (f"Trainer(variables={len(self.spec)}, accumulate={self.accumulate!r}, "
-                f"average={self.average!r}, accum_dtype={self.accum_dtype})")
+    def _face(self) -> dict:
+        return {"face": "hostavg.Trainer", "average": self.average}
 
 
 def _variables(var_list, graph) -> list:

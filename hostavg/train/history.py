@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hostavg.core import distributions, schema
+from hostavg.core import display, distributions, schema
 from hostavg.core.errors import ArgumentError
 from hostavg.core.optional import pandas
 from hostavg.core.results import check_quantity
@@ -54,6 +54,12 @@ class StepLog(_Row):
     """
 
     __slots__ = ()
+
+    def __repr__(self) -> str:
+        return display.summary("StepLog", {"epoch": self.epoch, "step": self.step,
+                                           "loss": self.loss, "size": self.size,
+                                           "samples": self.samples, "grad_norm": self.grad_norm,
+                                           "dropped": self.dropped or None})
 
 
 #: The keys of an epoch's logs that are fit's bookkeeping, not measurements (left out of
@@ -320,8 +326,24 @@ class History:
 
     def __repr__(self) -> str:
         last = f", last loss {self.steps[-1].loss:.4g}" if self.steps else ""
-        return (f"History({len(self.steps)} steps, {len(self.epochs)} epochs, "
-                f"{self.samples} samples{last}{', stopped' if self.stopped else ''})")
+        return display.shortened(f"History({len(self.steps)} steps, {len(self.epochs)} epochs, "
+                                 f"{self.samples} samples{last}"
+                                 f"{', stopped' if self.stopped else ''})")
+
+    def _repr_html_(self) -> str:
+        caption = f"History: {len(self.steps)} steps, {len(self.epochs)} epochs, {self.samples} samples"
+        lines = [] if self.stopped is None else [f"stopped: {self.stopped}"]
+        if self.steps:
+            last = self.steps[-1]
+            lines.append(f"last step {last.step}: loss {display.number(last.loss)}, gradient norm "
+                         f"{display.number(last.grad_norm)}")
+        dropped = sum(len(s.dropped) for s in self.steps)
+        if dropped:
+            lines.append(f"{dropped} micro-batches dropped; rows that made them non-finite: "
+                         f"{display.shortened(str(self.nonfinite_rows().tolist()), 80)}")
+        names = ["epoch", *dict.fromkeys(k for e in self.epochs for k in e if k != "epoch")]
+        rows = [[e.get(n) for n in names] for e in self.epochs]
+        return display.html(caption, names if rows else [], rows, lines)
 
 
 def _format_1(row) -> dict:

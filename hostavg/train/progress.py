@@ -8,9 +8,11 @@ import time
 import numpy as np
 
 from hostavg.core.errors import ArgumentError
+from hostavg.core.stats import NoiseScale
 from hostavg.train.history import BOOKKEEPING
 
-__all__ = ["PROGRESS_MODES", "Progress", "VERBOSE", "checked_progress", "checked_verbose"]
+__all__ = ["PROGRESS_MODES", "Progress", "VERBOSE", "checked_progress", "checked_verbose",
+           "in_notebook"]
 
 #: What fit shows while it trains: True: a progress bar on a terminal or in Jupyter, nothing
 #: elsewhere; "always": a bar anywhere; "epoch": one line per epoch on stdout; "auto": a bar
@@ -21,6 +23,13 @@ PROGRESS_MODES = (True, False, "always", "epoch", "auto")
 #: (:data:`PROGRESS_MODES`): "auto" a bar on a terminal or in Jupyter and one line per epoch
 #: elsewhere, 0 nothing, 1 a bar, 2 one line per epoch.
 VERBOSE = {"auto": "auto", 0: False, 1: "always", 2: "epoch"}
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (ipykernel loaded, stderr not a terminal), where
+    a display updated in place shows progress."""
+    tty = getattr(sys.stderr, "isatty", lambda: False)()
+    return "ipykernel" in sys.modules and not tty
 
 
 def checked_verbose(verbose):
@@ -42,21 +51,25 @@ def checked_progress(progress):
 class Progress:
     """What fit shows of each epoch (see :data:`PROGRESS_MODES`).
 
-    A bar: on a terminal, a tqdm bar on stderr, with the step's loss and
-    samples/s; in Jupyter, one line of text, updated in place at most every
+    A bar: on a terminal, a tqdm bar on stderr, with the last step's loss
+    and gradient norm (``grad_norm``: the applied mean's), the running noise
+    scale (``B_simple``: :class:`~hostavg.NoiseScale`'s, over every step of
+    fit with two micro-batches or more; absent before one) and samples/s; in Jupyter, one line of text, updated in place at most every
     half second, so a saved notebook keeps one final line per epoch. Either
-    ends on the epoch's results. A line per epoch: printed on stdout when the
+    ends on the epoch's results (its loss and metrics, the last gradient
+    norm and noise scale, then validation's). A line per epoch: printed on stdout when the
     epoch ends, with its steps, time and results.
     """
 
     def __init__(self, progress):
         tty = getattr(sys.stderr, "isatty", lambda: False)()
-        self.jupyter = "ipykernel" in sys.modules and not tty
+        self.jupyter = in_notebook()
         interactive = tty or self.jupyter
         self.enabled = progress == "always" or (progress in (True, "auto") and interactive)
         self.lines = progress == "epoch" or (progress == "auto" and not interactive)
         self._bar = self._line = None
         self._started = None
+        self._noise, self._postfix = NoiseScale(), {}
 
     def start(self, desc, total):
         if self.lines:
@@ -79,8 +92,14 @@ class Progress:
             return
         self._samples += result.size
         rate = self._samples / max(time.perf_counter() - self._t0, 1e-9)
-        self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}",
-                         "samples/s": f"{rate:.0f}"}
+        self._postfix = {"loss": "skipped" if result.skipped else f"{result.loss:.4f}"}
+        if result.stats is not None:
+            if not result.skipped:  # a skipped step's estimate would poison the average
+                self._noise.on_step(None, result)
+            self._postfix["grad_norm"] = f"{result.stats.grad_norm:.4g}"
+        if self._noise.b_simple is not None:
+            self._postfix["B_simple"] = f"{self._noise.b_simple:.4g}"
+        self._postfix["samples/s"] = f"{rate:.0f}"
         if self._bar is not None:
             self._bar.set_postfix(self._postfix, refresh=False)
             self._bar.update(1)
@@ -91,8 +110,11 @@ class Progress:
 
     def close(self, logs):
         if logs:
-            self._postfix = {k: f"{v:.4g}" if isinstance(v, float) else v
-                             for k, v in logs.items() if k != "epoch"}
+            said = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items()
+                    if k not in BOOKKEEPING}  # the bar says the steps
+            kept = {k: self._postfix[k] for k in ("grad_norm", "B_simple") if k in self._postfix}
+            self._postfix = {**{k: v for k, v in said.items() if not k.startswith("val_")},
+                             **kept, **{k: v for k, v in said.items() if k.startswith("val_")}}
             if self.lines and self._started is not None:
                 shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                   for k, v in logs.items() if k not in BOOKKEEPING)
@@ -111,4 +133,4 @@ class Progress:
         self._shown = time.perf_counter()
         postfix = ", ".join(f"{k}={v}" for k, v in self._postfix.items())
         return tqdm.format_meter(self._n, self._total, self._shown - self._t0, prefix=self._desc,
-                                 unit="step", postfix=postfix or None, ncols=120)
+                                 unit="step", postfix=postfix or None)  # never cut

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
+from hostavg.core import display
 from hostavg.core.check import CheckReport
 from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.gradients import Gradients
@@ -44,6 +45,9 @@ __all__ = ["BaseTrainer", "TrainerRun", "deprecated_form", "is_integer", "micro_
 
 #: What fit cuts a batch of samples into when no batch size is given: Keras's default.
 DEFAULT_BATCH_SIZE = 32
+#: The settings a trainer's one-line repr shows (its HTML table shows them all).
+_REPR = ("model", "variables", "micro_batch_size", "micro_batches", "accumulate", "average",
+         "accum_dtype", "batch_norm", "hooks")
 
 
 def deprecated_form(old: str, new: str, stacklevel: int = 3) -> None:
@@ -402,6 +406,38 @@ class BaseTrainer:
     @micro_batches.setter
     def micro_batches(self, value) -> None:
         self._cut = cut(self.micro_batch_size, value)
+
+    # --- How it shows itself: repr (one line) and a table in a notebook -----------------------
+
+    def _face(self) -> dict:
+        """What the face shows before the shared settings: its name under "face" and its own
+        settings (the TF1 face's averaging, the Keras face's model)."""
+        raise NotImplementedError
+
+    def _settings(self) -> dict:
+        """name -> value of every setting, the face's first; None where not set."""
+        return {**self._face(),
+                "variables": "unknown until the first batch" if self._engine is None
+                else len(self.spec),
+                "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
+                "accumulate": self.accumulate,
+                "accum_dtype": None if self.accum_dtype is None else str(self.accum_dtype),
+                "hooks": ", ".join(type(h).__name__ for h in self.hooks) or None,
+                "statistics": ", ".join(self.statistics.functions) or None,
+                "update_ratios_every": self.update_ratios_every,
+                "distributions_every": self.distributions_every,
+                "overlap": self.overlap or None, "check_applied": self.check_applied,
+                "processes": None if self.comm is None else self.comm.Get_size()}
+
+    def __repr__(self) -> str:
+        settings = self._settings()
+        return display.summary(settings["face"], {k: settings[k] for k in _REPR if k in settings})
+
+    def _repr_html_(self) -> str:
+        settings = self._settings()
+        name = settings.pop("face")
+        rows = [[k, "" if v is None else v] for k, v in settings.items()]
+        return display.html(name, ["setting", "value"], rows)
 
     # --- The engine -------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ from backends import BATCH, SIZES, same
 from models import CLASSES, FEATURES, LEARNING_RATES, batches
 
 import hostavg
-from hostavg.hooks import ClipGlobalNorm, ClipMicroBatchNorm, Record, SkipNonFinite, TensorBoard
+from hostavg.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, LivePlot, Record, SkipNonFinite,
+                           TensorBoard)
 
 
 @pytest.mark.parametrize("model,ok,verdict", [
@@ -242,3 +243,50 @@ def test_distributions_are_the_percentiles_of_what_a_hook_reads(backend, model, 
                           record.distributions(name, quantity)):
                 assert list(table.index) == [2]
                 np.testing.assert_array_equal(table.loc[2].to_numpy(), want, err_msg=name)
+
+
+def test_tensorboard_holds_weight_and_update_histograms_of_the_steps_that_kept_them(
+        backend, tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    reads = Reads()
+    face = backend.make("embedding", distributions_every=2,
+                        hooks=[reads, TensorBoard(tmp_path / "tb", histograms_every=100)])
+    reads.face = face
+    results = [face.step(face.cut(d, SIZES)) for d in batches(13, 3, BATCH, sparse=True)]
+    assert [r.weights is not None for r in results] == [False, True, False]
+    kept = results[1]
+    for name, value in kept.weights.items():  # what the apply read back, as a hook reads it
+        np.testing.assert_array_equal(value, reads.seen[2]["weight"][name])
+        np.testing.assert_allclose(kept.updates[name], reads.seen[2]["update"][name], atol=1e-7)
+        with pytest.raises(ValueError, match="read-only"):
+            value[...] = 0
+    face.trainer.hooks[1].close()
+    reader = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.HISTOGRAMS: 0}).Reload()
+    names = list(face.trainer.spec)
+    assert {t for t in reader.Tags()["histograms"] if "/" in t and not t.startswith("hostavg/")} \
+        == {f"{kind}/{n}" for kind in ("gradients", "weights", "updates") for n in names}
+    for kind, quantity in (("weights", "weight"), ("updates", "update"), ("gradients", "gradient")):
+        for name in names:
+            (h,) = reader.Histograms(f"{kind}/{name}")  # step 2 alone: histograms_every is 100
+            want = np.asarray(reads.seen[2][quantity][name], np.float64)
+            if kind == "gradients" and isinstance(kept.grads[name], hostavg.SparseGradient):
+                want = np.asarray(kept.grads[name].values, np.float64)  # the touched rows
+            value = h.histogram_value
+            assert (h.step, value.num) == (2, want.size), (kind, name)
+            assert (value.min, value.max) == pytest.approx((want.min(), want.max()), abs=1e-7)
+            assert value.sum == pytest.approx(want.sum(), rel=1e-5, abs=1e-6)
+
+
+def test_liveplot_draws_the_steps_fit_applied_every_n_and_at_the_end(backend, tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image
+    live = LivePlot(every=2, panels=("loss", "micro_norms"), path=tmp_path / "live.png")
+    face = backend.make("mlp", hooks=[live])
+    history = face.fit(batches(12, 1, 3 * BATCH)[0], batch_size=BATCH, micro_batch_size=8,
+                       progress=False)
+    assert live.redraws == 2  # step 2, and fit's end (step 3)
+    assert [s.loss for s in live.history.steps] == [s.loss for s in history.steps]
+    assert matplotlib.image.imread(tmp_path / "live.png").std() > 0
+    loss, norms = live.figure().axes[:2]
+    np.testing.assert_array_equal(norms.lines[0].get_ydata(), [s.grad_norm for s in history.steps])
