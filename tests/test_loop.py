@@ -190,7 +190,7 @@ def test_validation_metrics_history_table_and_callbacks():
     assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
                                    "trace_sigma", "b_simple", "norm_test", "inner_product_test",
                                    "orthogonality_test", "gsnr", "learning_rate",
-                                   "grad_norm_before_clip", "micro_losses",
+                                   "grad_norm_before_clip", "micro_sizes", "micro_losses",
                                    "micro_norms_before_clip", "micro_norms", "cosines", "dropped",
                                    "nonfinite_rows"]
     assert table["samples"].iloc[-1] == 2 * N

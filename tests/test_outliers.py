@@ -54,10 +54,6 @@ class TF1:
     def fit(self, x, y, **kw):
         return self.trainer.fit(self.sess, {self.x: x, self.y: y}, **kw)
 
-    def step(self, x, y, rows):
-        return self.trainer.step(self.sess, hostavg.split({self.x: x, self.y: y}, MICRO),
-                                 rows=np.split(rows, len(rows) // MICRO))
-
     def values(self):
         return {v.name: self.sess.run(v) for v in self.graph.get_collection("variables")}
 
@@ -76,9 +72,6 @@ class Keras:
 
     def fit(self, x, y, **kw):
         return self.trainer.fit(x, y, **kw)
-
-    def step(self, x, y, rows):
-        return self.trainer.step(hostavg.split((x, y), MICRO), rows=np.split(rows, len(rows) // MICRO))
 
     def values(self):
         return {f"{i}": np.array(v.numpy()) for i, v in

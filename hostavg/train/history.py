@@ -206,9 +206,8 @@ class History:
             table.sort_values("loss").tail(3).rows  # the rows of the three largest losses
         """
         pd = pandas("History.micro_table")
-        rows = [(s.step, i, _at(s.micro_sizes, i), None if s.micro_rows is None or s.micro_rows[i] is None
-                 else s.micro_rows[i].tolist(), _at(s.micro_losses, i), _at(s.micro_norms, i),
-                 i in s.dropped)
+        rows = [(s.step, i, _at(s.micro_sizes, i), _rows(s.micro_rows, i), _at(s.micro_losses, i),
+                 _at(s.micro_norms, i), i in s.dropped)
                 for s in self.steps for i in range(len(s.micro_losses))]
         return pd.DataFrame(rows, columns=["step", "micro_batch", "size", "rows", "loss",
                                            "grad_norm", "dropped"]).set_index(
@@ -357,6 +356,11 @@ def _format_1(row) -> dict:
 
 def _at(values: tuple, i: int) -> float:
     return values[i] if i < len(values) else math.nan
+
+
+def _rows(rows: tuple | None, i: int) -> list | None:
+    """Micro-batch ``i``'s data rows as a list, or None where unknown."""
+    return None if rows is None or rows[i] is None else rows[i].tolist()
 
 
 def _tuple(kind: Kind, value):
