@@ -416,6 +416,22 @@ class Engine:
             return g.loss, math.fsum(_sq_norms(g).values())
         return culprits.CulpritSearch(backend, compute)
 
+    def _shown(self, record: MicroBatch, where: str) -> tuple:
+        """Shows ``record`` to the ``on_micro_batch`` hooks: (its gradients as the hooks left
+        them, why one dropped it or None, the last hook that replaced them or None)."""
+        grads, changed_by = record.grads, None
+        for hook, on_micro_batch in self._micro_hooks:
+            out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
+            if isinstance(out, Drop):
+                return grads, out.reason, changed_by
+            if out is not None:
+                changed_by = hook
+                grads = Gradients(self._returned(out, f"step, {where}, on_micro_batch hook "
+                                                      f"{name_of(hook)}'s gradients"),
+                                  loss=record.loss, size=record.size)
+                record = replace(record, grads=grads)
+        return grads, None, changed_by
+
     def _micro_batch(self, i, batch: Prepared, computed, backend, log: _StepLog, whole: int) -> int:
         """Shows micro-batch ``i`` (``computed``) to the hooks, checks it and accumulates it
         (``whole``: the step's samples); returns the global step."""
@@ -428,19 +444,9 @@ class Engine:
         grads, dropped, changed_by = g, None, None
         flag = log.flagged.get(i)
         if self._micro_hooks:
-            record = MicroBatch(i, n, g.loss, g, start, step, rows=rows, fetched=fetched,
-                                overflows=None if flag is None else flag.reason)
-            for hook, on_micro_batch in self._micro_hooks:
-                out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
-                if isinstance(out, Drop):
-                    dropped = out.reason
-                    break
-                if out is not None:
-                    changed_by = hook
-                    grads = Gradients(self._returned(out, f"step, {where}, on_micro_batch hook "
-                                                          f"{name_of(hook)}'s gradients"),
-                                      loss=g.loss, size=n)
-                    record = replace(record, grads=grads)
+            grads, dropped, changed_by = self._shown(MicroBatch(
+                i, n, g.loss, g, start, step, rows=rows, fetched=fetched,
+                overflows=None if flag is None else flag.reason), where)
         sq = own if grads is g else _sq_norms(grads)
         log.var_sq.append(sq)
 
