@@ -14,9 +14,8 @@ trained.
 
 from __future__ import annotations
 
-import re
-
 import inspect
+import re
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -288,6 +287,7 @@ class CompiledModel(ModelVariables):
         return spec
 
     def weights(self) -> dict:
+        """The trained variables' values as NumPy arrays, by path."""
         return {v.path: v.numpy() for v in self.model.trainable_variables
                 if v.path in (self.spec or ())}
 
