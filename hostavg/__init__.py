@@ -27,6 +27,7 @@ from hostavg.core.errors import ArgumentError, HostavgError, StepError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
 from hostavg.train.loop import ResumeWarning
+from hostavg.train.hooks import OutlierWarning
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
 from hostavg.core.split import split
@@ -54,6 +55,7 @@ __all__ = [
     "HostavgError",
     "MicroBatch",
     "NoiseScale",
+    "OutlierWarning",
     "ResumeWarning",
     "SparseGradient",
     "StepLog",

@@ -3,13 +3,14 @@
 import contextlib
 import math
 import numbers
+import re
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 __all__ = ["ArgumentError", "HostavgError", "StepError", "flag", "non_negative_int",
            "non_negative_number", "object_list", "positive_int", "positive_number", "refused",
-           "within_step"]
+           "short", "within_step"]
 
 
 class HostavgError(Exception):
@@ -69,6 +70,11 @@ def refused(fact: str, advice: str, kind: type = StepError) -> HostavgError:
     error = kind(f"{fact}; {advice}")
     error.fact = fact
     return error
+
+
+def short(value: float) -> str:
+    """A number in 3 digits for a message, exponents as ``1e30``, ``1e4``, ``1e-5``."""
+    return re.sub(r"e\+?(-?)0*(\d)", r"e\1\2", f"{float(value):.3g}")
 
 
 def positive_int(name: str, value) -> int:

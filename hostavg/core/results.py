@@ -10,20 +10,20 @@ the hook.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from hostavg.core.gradients import Gradients
-from hostavg.core.errors import ArgumentError
+from hostavg.core.errors import ArgumentError, short
 from hostavg.core import display, schema
 from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
-__all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "STEP_METHODS",
-           "StepResult", "check_quantity"]
+__all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "Outlier",
+           "STEP_METHODS", "Search", "StepResult", "check_quantity"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,55 @@ class Drop:
 
     Attributes:
       reason: recorded as the micro-batch's ``dropped``.
+      search: a :class:`Search` to run on the dropped micro-batch too, or None.
     """
 
     reason: str = "dropped by a hook"
+    search: Search | None = None
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """Why a micro-batch stands out among those of the last steps (``MicroBatch.outlier``).
+
+    Attributes:
+      quantity: ``"loss"`` or ``"grad_norm"``, the one that stands out.
+      value: the micro-batch's value of it.
+      median: the median of that quantity over the micro-batches it was judged against.
+      factor: ``value / median``.
+    """
+
+    quantity: str
+    value: float
+    median: float
+    factor: float
+
+    def __str__(self) -> str:
+        said = "loss" if self.quantity == "loss" else "gradient norm"
+        return f"{said} {short(self.value)}, {short(self.factor)}x the median {short(self.median)}"
+
+
+@dataclass(frozen=True)
+class Search:
+    """Returned by a hook's ``on_micro_batch`` (or held by a :class:`Drop`): once every
+    micro-batch of the step has run, at the step's weights before the apply, look for this
+    micro-batch's culprit samples as ``judge`` says (each sample computed alone, what the
+    computes assign restored).
+
+    The engine keeps what it found as ``MicroBatch.culprits`` and ``outlier`` as
+    ``MicroBatch.outlier``, then calls ``then(micro)`` with that MicroBatch, still
+    before the apply (on a step whose every micro-batch was dropped too): an
+    exception it raises fails the step with nothing applied.
+
+    Attributes:
+      judge: what a culprit is (a judge of :mod:`hostavg.engine.culprits`).
+      outlier: why the micro-batch is searched, or None.
+      then: called with the searched MicroBatch, or None.
+    """
+
+    judge: object
+    outlier: Outlier | None = None
+    then: Callable[[MicroBatch], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,11 +97,15 @@ class Culprit:
         (``fit`` tells them); else None.
       reason: what is wrong with it, e.g. ``"x holds NaN in column 2"`` or
         ``"finite inputs, non-finite loss"``.
+      loss, grad_norm: its loss and gradient norm computed alone, where the search
+        computed it (an outlier's culprits); else None.
     """
 
     sample: int
     row: int | None
     reason: str
+    loss: float | None = field(default=None, compare=False)
+    grad_norm: float | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         where = f"sample {self.sample} of the step" if self.row is None else f"data row {self.row}"
@@ -86,7 +136,9 @@ class MicroBatch:
         the :class:`Culprit` samples that make it so, sorted (empty when no
         sample is non-finite alone); None for every other micro-batch, and
         in what ``on_micro_batch`` hooks see (the samples are looked at once
-        every micro-batch of the step has run).
+        every micro-batch of the step has run). For a micro-batch a hook asked
+        to search (:class:`Search`), the samples that stand out, the largest first.
+      outlier: for a micro-batch a hook judged an :class:`Outlier` and searched, why; else None.
       fetched: the values of the tensors the step was asked to fetch
         (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
         own session call, before the step's update, in the order asked (None
@@ -104,6 +156,7 @@ class MicroBatch:
     culprits: tuple | None = field(default=None, repr=False, compare=False)
     fetched: tuple = field(default=(), repr=False, compare=False)
     overflows: str | None = field(default=None, repr=False, compare=False)
+    outlier: Outlier | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return display.summary("MicroBatch", {"index": self.index, "size": self.size,
@@ -248,7 +301,9 @@ class Hook(Protocol):
 
     Per step (by the trainer, inside every step, fit's or yours):
     ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
-    None, replacement gradients or a :class:`Drop`), ``on_step(mean, result)``
+    None, replacement gradients, a :class:`Drop` or a :class:`Search`; a hook that
+    never drops may say ``drops = False``, and no snapshot is taken before each
+    compute for it), ``on_step(mean, result)``
     before the apply (returns None or a replacement mean), ``on_applied(result)``
     once the apply succeeded (never for a step that failed or was skipped).
 
@@ -266,7 +321,7 @@ class Hook(Protocol):
     applied; raised in ``on_applied``, the step was applied.
     """
 
-    def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | None: ...
+    def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | Search | None: ...
 
     def on_step(self, mean: Gradients, result: StepResult) -> Mapping | None: ...
 

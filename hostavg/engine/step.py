@@ -38,7 +38,7 @@ from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, p
                                  within_step)
 from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
                                     freeze, nonfinite_entries, squared_norm)
-from hostavg.core.results import Drop, MicroBatch, StepResult
+from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
@@ -116,6 +116,8 @@ class Engine:
     def _look_up_hooks(self, hooks) -> None:
         """Each step-level hook method looked up once: (hook, bound method) per method."""
         self._micro_hooks = methods(hooks, "on_micro_batch")
+        # A hook that says it never drops (``drops = False``) needs no snapshot before each compute.
+        self._may_drop = any(getattr(hook, "drops", True) for hook, _ in self._micro_hooks)
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
 
@@ -355,7 +357,7 @@ class Engine:
         (:mod:`hostavg.engine.culprits`): named in the error of the one that failed the
         step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
-        keep = bool(self._micro_hooks)
+        keep = self._may_drop
         whole = sum(batch.size for batch in batches)
 
         def run(i):
@@ -406,7 +408,22 @@ class Engine:
                 log.micro[i] = replace(log.micro[i], dropped=(
                     f"{log.micro[i].dropped} (looking for the samples that made it non-finite "
                     f"failed: {type(failed).__name__}: {failed})"))
+        for i, hook, asked in log.asked:
+            self._searched(backend, batches[i], log, i, hook, asked)
         return global_step
+
+    def _searched(self, backend, batch: Prepared, log: _StepLog, i: int, hook,
+                  asked: Search) -> None:
+        """Runs the :class:`Search` that ``hook`` asked for on micro-batch ``i``: its culprits
+        (none where computing its samples alone fails) and outlier kept in its MicroBatch, then
+        ``asked.then`` called with that MicroBatch."""
+        try:
+            found = self._search(backend).find(batch, asked.judge)[0]
+        except HostavgError:  # a sample the framework refuses alone: no row to name
+            found = ()
+        log.micro[i] = replace(log.micro[i], culprits=found, outlier=asked.outlier)
+        if asked.then is not None:
+            call(hook, asked.then, (log.micro[i],), f"the search of {batch.where}")
 
     def _search(self, backend) -> culprits.CulpritSearch:
         """The culprit search over ``backend``'s micro-batches: each part computed as a step
@@ -416,15 +433,20 @@ class Engine:
             return g.loss, math.fsum(_sq_norms(g).values())
         return culprits.CulpritSearch(backend, compute)
 
-    def _shown(self, record: MicroBatch, where: str) -> tuple:
-        """Shows ``record`` to the ``on_micro_batch`` hooks: (its gradients as the hooks left
-        them, why one dropped it or None, the last hook that replaced them or None)."""
+    def _shown(self, record: MicroBatch, where: str, log: _StepLog) -> tuple:
+        """Shows ``record`` to the ``on_micro_batch`` hooks, noting in ``log`` the searches they
+        ask for; (its gradients as the hooks left them, why one dropped it or None, the last
+        hook that replaced them or None)."""
         grads, changed_by = record.grads, None
         for hook, on_micro_batch in self._micro_hooks:
             out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
             if isinstance(out, Drop):
+                if out.search is not None:
+                    log.asked.append((record.index, hook, out.search))
                 return grads, out.reason, changed_by
-            if out is not None:
+            if isinstance(out, Search):
+                log.asked.append((record.index, hook, out))
+            elif out is not None:
                 changed_by = hook
                 grads = Gradients(self._returned(out, f"step, {where}, on_micro_batch hook "
                                                       f"{name_of(hook)}'s gradients"),
@@ -446,7 +468,7 @@ class Engine:
         if self._micro_hooks:
             grads, dropped, changed_by = self._shown(MicroBatch(
                 i, n, g.loss, g, start, step, rows=rows, fetched=fetched,
-                overflows=None if flag is None else flag.reason), where)
+                overflows=None if flag is None else flag.reason), where, log)
         sq = own if grads is g else _sq_norms(grads)
         log.var_sq.append(sq)
 
@@ -527,6 +549,8 @@ class _StepLog:
       kept: the accumulated ones' gradients in "stack" mode, else None.
       search: the dropped ones whose own loss or gradients were non-finite: their
         culprit samples are looked for once every micro-batch has run.
+      asked: (index, hook, :class:`~hostavg.core.results.Search`) of each one a hook asked
+        to search, run once every micro-batch has run.
       weighed: whether the weights were found finite (looked at once a micro-batch's own
         values are not).
       failed: the one whose own non-finite values failed the step, or None.
@@ -535,11 +559,12 @@ class _StepLog:
         earlier try of the step's apply non-finite.
     """
 
-    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "weighed", "failed",
-                 "raised", "flagged")
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "asked", "weighed",
+                 "failed", "raised", "flagged")
 
     def __init__(self, keep: bool, flagged: Mapping):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
+        self.asked = []
         self.kept = [] if keep else None
         self.failed = self.raised = None
         self.weighed, self.flagged = False, flagged
@@ -710,7 +735,7 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
                                       pending.batches)
-        if overflows and retry and engine._micro_hooks and engine.average.sees_every_micro_batch:
+        if overflows and retry and engine._may_drop and engine.average.sees_every_micro_batch:
             return overflows
         raise error
     kept = applied.weights is not None and applied.skipped is None
