@@ -28,15 +28,14 @@ __all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch
 
 @dataclass(frozen=True)
 class Drop:
-    """Returned by a hook's ``on_micro_batch``: leave this micro-batch out of the step.
+    """Returned by a hook's ``on_micro_batch``: leave this micro-batch out of the step (or by a
+    :class:`Search`'s ``then``: compute the step again without it).
 
     Attributes:
       reason: recorded as the micro-batch's ``dropped``.
-      search: a :class:`Search` to run on the dropped micro-batch too, or None.
     """
 
     reason: str = "dropped by a hook"
-    search: Search | None = None
 
 
 @dataclass(frozen=True)
@@ -48,12 +47,16 @@ class Outlier:
       value: the micro-batch's value of it.
       median: the median of that quantity over the micro-batches it was judged against.
       factor: ``value / median``.
+      alone: whether its step had no other micro-batch to judge it against: it is then an
+        outlier only where its search finds a sample that stands out alone (a step of one
+        micro-batch whose every sample rose is the step's, not a micro-batch's).
     """
 
     quantity: str
     value: float
     median: float
     factor: float
+    alone: bool = False
 
     def __str__(self) -> str:
         said = "loss" if self.quantity == "loss" else "gradient norm"
@@ -62,25 +65,31 @@ class Outlier:
 
 @dataclass(frozen=True)
 class Search:
-    """Returned by a hook's ``on_micro_batch`` (or held by a :class:`Drop`): once every
-    micro-batch of the step has run, at the step's weights before the apply, look for this
-    micro-batch's culprit samples as ``judge`` says (each sample computed alone, what the
-    computes assign restored).
+    """Returned by a hook's ``on_micro_batch``: once every micro-batch of the step has run, at
+    the step's weights before the apply, look for this micro-batch's culprit samples as
+    ``judge`` says (each sample computed alone, what the computes assign restored).
 
-    The engine keeps what it found as ``MicroBatch.culprits`` and ``outlier`` as
-    ``MicroBatch.outlier``, then calls ``then(micro)`` with that MicroBatch, still
-    before the apply (on a step whose every micro-batch was dropped too): an
-    exception it raises fails the step with nothing applied.
+    First ``still(micro)`` is asked, where given: the micro-batch's :class:`Outlier` now
+    that the step's other micro-batches are known, or None to search nothing (a step whose
+    micro-batches rose together). Where the search finds no culprit of an outlier judged
+    ``alone``, that is the end of it. Else the engine keeps what it found as
+    ``MicroBatch.culprits`` and the outlier as ``MicroBatch.outlier``, then calls ``then(micro)`` with that
+    MicroBatch, still before the apply (on a step whose every micro-batch was dropped
+    too). ``then`` may return a :class:`Drop`: the step is computed again from its start
+    without that micro-batch (hooks see every micro-batch again; the searches are not run
+    again). An exception it raises fails the step with nothing applied.
 
     Attributes:
       judge: what a culprit is (a judge of :mod:`hostavg.engine.culprits`).
       outlier: why the micro-batch is searched, or None.
       then: called with the searched MicroBatch, or None.
+      still: asked with the micro-batch once the step's every micro-batch has run, or None.
     """
 
     judge: object
     outlier: Outlier | None = None
-    then: Callable[[MicroBatch], None] | None = None
+    then: Callable[[MicroBatch], Drop | None] | None = None
+    still: Callable[[MicroBatch], Outlier | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,8 @@ class MicroBatch:
         in what ``on_micro_batch`` hooks see (the samples are looked at once
         every micro-batch of the step has run). For a micro-batch a hook asked
         to search (:class:`Search`), the samples that stand out, the largest first.
-      outlier: for a micro-batch a hook judged an :class:`Outlier` and searched, why; else None.
+      outlier: for a micro-batch a hook judged an :class:`Outlier` and searched, why (also
+        as the hooks see it again, in a step computed again without it); else None.
       fetched: the values of the tensors the step was asked to fetch
         (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
         own session call, before the step's update, in the order asked (None

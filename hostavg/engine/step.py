@@ -284,6 +284,12 @@ class Engine:
             batches = prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b.feed for b in batches], "step") if batches else None
             global_step = self._micro_batches(backend, batches, log)
+            if log.dropping:  # a search's hook dropped micro-batches: the step again without them
+                backend.restore(snapshot)
+                acc.reset()
+                log = log.again()
+                global_step = self._micro_batches(backend, batches, log)
+            micro = log.micro
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
@@ -357,7 +363,7 @@ class Engine:
         (:mod:`hostavg.engine.culprits`): named in the error of the one that failed the
         step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
-        keep = self._may_drop
+        keep = self._may_drop or bool(log.searched)
         whole = sum(batch.size for batch in batches)
 
         def run(i):
@@ -408,22 +414,34 @@ class Engine:
                 log.micro[i] = replace(log.micro[i], dropped=(
                     f"{log.micro[i].dropped} (looking for the samples that made it non-finite "
                     f"failed: {type(failed).__name__}: {failed})"))
-        for i, hook, asked in log.asked:
-            self._searched(backend, batches[i], log, i, hook, asked)
+        if log.searched is None:  # the step's first computation: its searches
+            for i, hook, asked in log.asked:
+                self._searched(backend, batches[i], log, i, hook, asked)
         return global_step
 
     def _searched(self, backend, batch: Prepared, log: _StepLog, i: int, hook,
                   asked: Search) -> None:
-        """Runs the :class:`Search` that ``hook`` asked for on micro-batch ``i``: its culprits
-        (none where computing its samples alone fails) and outlier kept in its MicroBatch, then
-        ``asked.then`` called with that MicroBatch."""
+        """Runs the :class:`Search` that ``hook`` asked for on micro-batch ``i``, unless its
+        ``still`` finds no outlier now: its culprits (none where computing its samples alone
+        fails; then nothing, for an outlier judged ``alone``) and outlier kept in its
+        MicroBatch, then ``asked.then`` called with that
+        MicroBatch (a :class:`Drop` it returns noted in ``log.dropping``)."""
+        outlier = asked.outlier
+        if asked.still is not None:
+            outlier = call(hook, asked.still, (log.micro[i],), f"the search of {batch.where}")
+            if outlier is None:
+                return
         try:
             found = self._search(backend).find(batch, asked.judge)[0]
         except HostavgError:  # a sample the framework refuses alone: no row to name
             found = ()
-        log.micro[i] = replace(log.micro[i], culprits=found, outlier=asked.outlier)
+        if not found and outlier is not None and outlier.alone:
+            return
+        log.micro[i] = replace(log.micro[i], culprits=found, outlier=outlier)
         if asked.then is not None:
-            call(hook, asked.then, (log.micro[i],), f"the search of {batch.where}")
+            out = call(hook, asked.then, (log.micro[i],), f"the search of {batch.where}")
+            if isinstance(out, Drop) and log.micro[i].dropped is None:
+                log.dropping[i] = out.reason
 
     def _search(self, backend) -> culprits.CulpritSearch:
         """The culprit search over ``backend``'s micro-batches: each part computed as a step
@@ -441,8 +459,6 @@ class Engine:
         for hook, on_micro_batch in self._micro_hooks:
             out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
             if isinstance(out, Drop):
-                if out.search is not None:
-                    log.asked.append((record.index, hook, out.search))
                 return grads, out.reason, changed_by
             if isinstance(out, Search):
                 log.asked.append((record.index, hook, out))
@@ -465,10 +481,14 @@ class Engine:
             log.weighed = _check_weights(backend)  # a NaN weight, not a sample, is to blame
         grads, dropped, changed_by = g, None, None
         flag = log.flagged.get(i)
+        found, outlier, again = (None if flag is None else flag.culprits), None, None
+        if log.searched and i in log.searched:  # searched in the step's first computation
+            found, outlier, again = log.searched[i]
         if self._micro_hooks:
             grads, dropped, changed_by = self._shown(MicroBatch(
                 i, n, g.loss, g, start, step, rows=rows, fetched=fetched,
-                overflows=None if flag is None else flag.reason), where, log)
+                overflows=None if flag is None else flag.reason, outlier=outlier), where, log)
+        dropped = dropped or again
         sq = own if grads is g else _sq_norms(grads)
         log.var_sq.append(sq)
 
@@ -509,7 +529,7 @@ class Engine:
                 log.search.append(i)
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
                                     dropped=dropped, rows=rows, fetched=fetched,
-                                    culprits=None if flag is None else flag.culprits))
+                                    culprits=found, outlier=outlier))
         return global_step
 
     def _compute(self, backend, feed, n: int, where: str,
@@ -557,17 +577,28 @@ class _StepLog:
       raised: the one whose compute raised the framework's error, or None.
       flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of those that drove an
         earlier try of the step's apply non-finite.
+      searched: index -> (culprits, outlier, why it is dropped or None) of each one the
+        hooks' searches found in the step's first computation, where this is the step
+        computed again without those a search's ``then`` dropped; else None.
+      dropping: index -> why, of each one a search's ``then`` dropped (the step is then
+        computed again without them).
     """
 
     __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "asked", "weighed",
-                 "failed", "raised", "flagged")
+                 "failed", "raised", "flagged", "searched", "dropping")
 
-    def __init__(self, keep: bool, flagged: Mapping):
+    def __init__(self, keep: bool, flagged: Mapping, searched: Mapping | None = None):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
-        self.asked = []
+        self.asked, self.dropping = [], {}
         self.kept = [] if keep else None
         self.failed = self.raised = None
-        self.weighed, self.flagged = False, flagged
+        self.weighed, self.flagged, self.searched = False, flagged, searched
+
+    def again(self) -> _StepLog:
+        """The log of the step computed again without the micro-batches ``dropping`` names."""
+        searched = {m.index: (m.culprits, m.outlier, self.dropping.get(m.index))
+                    for m in self.micro if m.outlier is not None}
+        return _StepLog(self.kept is not None, self.flagged, searched)
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:

@@ -196,7 +196,7 @@ class History:
     def micro_table(self):
         """One row per micro-batch of every step, indexed by (``step``, ``micro_batch``, its
         index in the step, from 0): ``size``, ``rows`` (its data rows, a list, or None where
-        unknown), ``loss``, ``grad_norm`` (as accumulated; NaN for a dropped one over MPI) and
+        unknown: not told, or read back from JSON, which holds no rows), ``loss``, ``grad_norm`` (as accumulated; NaN for a dropped one over MPI) and
         ``dropped`` (whether a hook dropped it).
 
         Example::
@@ -285,8 +285,12 @@ class History:
     def to_json(self) -> str:
         """The History as JSON (what a checkpoint holds): ``"format": 2``, each step an object of
         named fields; an array a metric logged (Keras's F1Score, one value per class) becomes a
-        list."""
-        return json.dumps({"format": FORMAT, "steps": [s._asdict() for s in self.steps],
+        list. Without the micro-batches' data rows (``micro_rows`` is null): one integer per
+        sample would grow every checkpoint by the data set's size each epoch (a
+        :class:`~hostavg.inspect.record.Record` keeps them, a step at a time)."""
+        unsaved = {q.name: None for q in schema.HISTORY if q.kind is Kind.ROWS}
+        return json.dumps({"format": FORMAT, "steps": [{**s._asdict(), **unsaved}
+                                                       for s in self.steps],
                            "epochs": self.epochs, "variables": self.variables,
                            "statistics": {n: k.value for n, k in self.statistics.items()},
                            "stopped": self.stopped}, default=_plain)

@@ -21,6 +21,7 @@ import math
 import statistics
 import warnings
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
@@ -130,20 +131,27 @@ WARMUP = 3
 
 
 class WatchOutliers:
-    """Names the micro-batches whose loss or gradient norm is over ``factor`` times the median
-    of the micro-batches of the last ``window`` steps (judged once :data:`WARMUP` steps are
-    held), and their culprit rows; in every trainer's hooks by default (``watch_outliers=False``
-    turns it off).
+    """Names the micro-batches whose loss or gradient norm stands out, and their culprit rows;
+    in every trainer's hooks by default (``watch_outliers=False`` turns it off).
+
+    A micro-batch is an outlier where its loss or gradient norm is over ``factor`` times the
+    median of that quantity over the micro-batches of the last ``window`` steps (judged once
+    :data:`WARMUP` steps are held) AND over ``factor`` times the median of its own step's
+    other micro-batches: a step whose micro-batches rose together (a learning rate too high)
+    is the step's, not a micro-batch's. A step of one micro-batch has no others: it is an
+    outlier only where a sample of it stands out alone.
 
     An outlier's samples are computed alone at the step's weights, before its apply (a
     :class:`~hostavg.core.results.Search` with
     :class:`~hostavg.engine.culprits.Contribution`); those whose loss or gradient norm is
     over ``factor`` times the median of its samples' are its culprits, the largest first
-    (``MicroBatch.culprits``, ``History.outliers()``). A healthy step costs two medians
+    (``MicroBatch.culprits``, ``History.outliers()``). A healthy step costs a few medians
     and no framework call. ``action``: ``"warn"`` (an :class:`OutlierWarning` per outlier
-    micro-batch), ``"skip"`` (drop it, as :class:`SkipNonFinite` drops one, and warn) or
-    ``"raise"`` (a StepError before the apply: nothing changes).
+    micro-batch), ``"skip"`` (warn, and compute the step again without it) or ``"raise"``
+    (a StepError before the apply: nothing changes).
     """
+
+    drops = False  # it drops through its searches (the step computed again), never at once
 
     def __init__(self, factor: float = FACTOR, window: int = 20, action: str = "warn"):
         self.factor = positive_number("factor", factor)
@@ -154,9 +162,8 @@ class WatchOutliers:
         if action not in OUTLIER_ACTIONS:
             raise ArgumentError(f"action must be one of {OUTLIER_ACTIONS}, got {action!r}")
         self.action = action
-        self.drops = action == "skip"  # the engine snapshots before each compute only then
         self._past = deque(maxlen=self.window)  # per step: (its losses, its norms)
-        self._step, self._now, self._medians = None, ([], []), None
+        self._step, self._now, self._medians = None, {}, None
 
     def on_micro_batch(self, micro):
         if micro.step != self._step or micro.index == 0:  # a new step, or a try again
@@ -164,38 +171,52 @@ class WatchOutliers:
         loss, norm = micro.loss, micro.grads.global_norm()
         if not (math.isfinite(loss) and math.isfinite(norm)) or micro.overflows is not None:
             return None  # SkipNonFinite's to judge
-        self._now[0].append(loss)
-        self._now[1].append(norm)
+        if micro.outlier is not None:
+            return None  # judged in the step's first computation, which this one repeats
+        self._now[micro.index] = (loss, norm)
         if self._medians is None:
             return None
-        outlier = self._judged(loss, norm)
+        outlier = self._judged((loss, norm), self._medians)
         if outlier is None:
             return None
-        search = Search(Contribution(self.factor), outlier, self._found)
-        return Drop(f"an outlier: {outlier}", search) if self.drops else search
+        return Search(Contribution(self.factor), outlier, self._found, self._still)
 
     def _next(self, step: int) -> None:
         """Starts the micro-batches of global step ``step``: the last step's join the window
         (unless ``step`` is tried again), and the medians are taken once."""
-        if step != self._step and self._now[0]:
-            self._past.append(self._now)
-        self._step, self._now = step, ([], [])
+        if step != self._step and self._now:
+            self._past.append(tuple(zip(*self._now.values())))
+        self._step, self._now = step, {}
         if len(self._past) >= min(WARMUP, self.window):
             self._medians = tuple(statistics.median([v for s in self._past for v in s[k]])
                                   for k in (0, 1))  # on a few hundred floats, NumPy's is slower
 
-    def _judged(self, loss: float, norm: float) -> Outlier | None:
-        """The :class:`Outlier` that ``loss`` or ``norm`` makes of a micro-batch, or None."""
-        for quantity, value, median in zip(("loss", "grad_norm"), (loss, norm), self._medians):
+    def _judged(self, values: tuple, medians: tuple) -> Outlier | None:
+        """The :class:`Outlier` that (loss, norm) ``values`` make of a micro-batch against
+        ``medians``, or None."""
+        for quantity, value, median in zip(("loss", "grad_norm"), values, medians):
             if median > 0 and value > self.factor * median:
                 return Outlier(quantity, value, median, value / median)
         return None
 
-    def _found(self, micro) -> None:
-        """Warns, or raises, naming the searched outlier ``micro`` and its culprit rows."""
+    def _still(self, micro) -> Outlier | None:
+        """The outlier ``micro`` is once its step's every micro-batch ran: over ``factor`` times
+        the median of its step's others too (None where it is not); left out of the window."""
+        values = self._now.pop(micro.index)
+        others = list(zip(*self._now.values()))
+        if others and self._judged(values, tuple(map(statistics.median, others))) is None:
+            self._now[micro.index] = values
+            return None
+        outlier = self._judged(values, self._medians)
+        return outlier if others else replace(outlier, alone=True)
+
+    def _found(self, micro) -> Drop | None:
+        """Warns, or raises, naming the searched outlier ``micro`` and its culprit rows; drops
+        it where ``action`` is "skip"."""
+        against = "the only one of its step" if micro.outlier.alone else "its step's others"
         said = (f"step {micro.step}, micro-batch {micro.index} ({micro.size} samples) is an "
                 f"outlier: {micro.outlier}, over the micro-batches of the last "
-                f"{len(self._past)} steps (WatchOutliers(factor={self.factor:g}))")
+                f"{len(self._past)} steps and {against} (WatchOutliers(factor={self.factor:g}))")
         found = micro.culprits or ()
         lines = "".join(f"\n  {c}" for c in found[:LISTED]) if found else \
             "\n  no sample of it stands out alone: it is large as a whole"
@@ -203,6 +224,7 @@ class WatchOutliers:
             raise StepError(f"{said}; nothing was applied. The samples that stand out:{lines}\n"
                             f"Look at those rows, or pass WatchOutliers(action='skip') to drop "
                             f"such micro-batches.")
-        done = "dropped" if self.drops else "kept"
+        done = "dropped" if self.action == "skip" else "kept"
         warnings.warn(OutlierWarning(f"{said}; {done}. The samples that stand out:{lines}"),
                       stacklevel=2)
+        return Drop(f"an outlier: {micro.outlier}") if self.action == "skip" else None
