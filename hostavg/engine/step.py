@@ -283,12 +283,7 @@ class Engine:
         try:
             batches = prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b.feed for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, log)
-            if log.dropping:  # a search's hook dropped micro-batches: the step again without them
-                backend.restore(snapshot)
-                acc.reset()
-                log = log.again()
-                global_step = self._micro_batches(backend, batches, log)
+            global_step, log = self._computed(backend, snapshot, batches, log)
             micro = log.micro
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
@@ -348,6 +343,17 @@ class Engine:
         return Pending(self, backend, snapshot, result,
                        self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse"),
                        tally.apply_feed, batches)
+
+    def _computed(self, backend, snapshot, batches: list[Prepared], log: _StepLog) -> tuple:
+        """:meth:`_micro_batches`, and again from ``snapshot`` without those a search's hook
+        dropped, if any: (the global step, the log of the computation kept)."""
+        global_step = self._micro_batches(backend, batches, log)
+        if log.dropping:
+            backend.restore(snapshot)
+            self._acc.reset()
+            log = log.again()
+            global_step = self._micro_batches(backend, batches, log)
+        return global_step, log
 
     def _micro_batches(self, backend, batches: list[Prepared], log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
