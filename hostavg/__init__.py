@@ -27,6 +27,7 @@ from hostavg.core.errors import ArgumentError, HostavgError, StepError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
 from hostavg.train.loop import ResumeWarning
+from hostavg.train.diagnose import DiagnosisWarning
 from hostavg.train.hooks import OutlierWarning
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
@@ -49,6 +50,7 @@ __all__ = [
     "Accumulator",
     "ArgumentError",
     "Callback",
+    "DiagnosisWarning",
     "EarlyStopping",
     "Gradients",
     "History",

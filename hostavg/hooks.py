@@ -1,7 +1,8 @@
 """Public namespace ``hostavg.hooks``: the built-in hooks (:class:`~hostavg.core.results.Hook`).
 
 Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
-:class:`ClipMicroBatchNorm`, :class:`WatchOutliers` (:mod:`hostavg.train.hooks`). Writing what
+:class:`ClipMicroBatchNorm`, :class:`WatchOutliers` (:mod:`hostavg.train.hooks`). Judging the
+run: :class:`Diagnose` (:mod:`hostavg.train.diagnose`). Writing what
 happened: :class:`Record` (:mod:`hostavg.inspect.record`) and
 :class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`). Watching it: :class:`LivePlot`
 (:mod:`hostavg.inspect.live`).
@@ -11,8 +12,10 @@ from hostavg.core.results import Drop, Hook, Search
 from hostavg.inspect.live import LivePlot
 from hostavg.inspect.record import Record
 from hostavg.inspect.tensorboard import TensorBoard
+from hostavg.train.diagnose import Diagnose, DiagnosisWarning
 from hostavg.train.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, OutlierWarning, SkipNonFinite,
                                  WatchOutliers)
 
-__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "Hook", "LivePlot", "OutlierWarning",
+__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Diagnose", "DiagnosisWarning", "Drop", "Hook",
+           "LivePlot", "OutlierWarning",
            "Record", "Search", "SkipNonFinite", "TensorBoard", "WatchOutliers"]

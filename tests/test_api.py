@@ -5,8 +5,8 @@ import sys
 
 import hostavg
 
-PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "Callback", "OutlierWarning",
-          "EarlyStopping", "StepError",
+PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "Callback",
+          "DiagnosisWarning", "OutlierWarning", "EarlyStopping", "StepError",
           "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "ResumeWarning",
           "SparseGradient",
           "StepLog", "StepResult", "StepStats", "StopTraining", "Trainer", "VariableSpec",

@@ -193,9 +193,9 @@ class StepResult:
         non-finite mean (a Keras ``LossScaleOptimizer``: ``loss`` and the mean
         in ``grads`` are the step's, the scale was lowered).
       info: what hooks reported, by key (e.g. norms before clipping).
-      update_ratios: name -> |w_after - w_before| / |w_before| of each
-        trained variable over this step's apply (about 1e-3 is usual, 0: it
-        did not move), measured in the apply's own call; None until applied.
+      update_ratios, weight_norms: name -> |w_after - w_before| / |w_before| (about 1e-3 is
+        usual, 0: it did not move) and |w_before| of each trained variable, measured in the
+        apply's own call (update_ratios_every); None until applied, or where not measured.
       learning_rate: the optimizer's learning rate at this apply (a schedule's
         value), or None where the optimizer exposes none, or before the apply.
       fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
@@ -223,6 +223,7 @@ class StepResult:
     statistics: Mapping = field(default_factory=dict)
     weights: Mapping | None = field(default=None, repr=False, compare=False)
     updates: Mapping | None = field(default=None, repr=False, compare=False)
+    weight_norms: dict | None = None
 
     @property
     def dropped(self) -> tuple:
@@ -315,7 +316,9 @@ class Hook(Protocol):
     never drops may say ``drops = False``, and no snapshot is taken before each
     compute for it), ``on_step(mean, result)``
     before the apply (returns None or a replacement mean), ``on_applied(result)``
-    once the apply succeeded (never for a step that failed or was skipped).
+    once the apply succeeded (never for a step that failed or was skipped), and
+    ``wants_update_ratios(step)`` before the apply of global step ``step``: True has that
+    apply measure ``update_ratios`` and ``weight_norms`` whatever ``update_ratios_every``.
 
     Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
     the epoch training starts at), ``on_epoch_begin(epoch)``,
@@ -337,6 +340,8 @@ class Hook(Protocol):
 
     def on_applied(self, result: StepResult) -> None: ...
 
+    def wants_update_ratios(self, step: int) -> bool: ...
+
     def on_resume(self, step: int) -> None: ...
 
     def on_train_begin(self) -> int | None: ...
@@ -355,7 +360,7 @@ class Hook(Protocol):
 
 
 #: The hook methods a step calls (the trainer), and those fit calls.
-STEP_METHODS = ("on_micro_batch", "on_step", "on_applied")
+STEP_METHODS = ("on_micro_batch", "on_step", "on_applied", "wants_update_ratios")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.

@@ -182,6 +182,9 @@ QUANTITIES = (
     Quantity("update_ratios", V, lambda r: r.update_ratios,
              "per trained variable, |update| / |weights| of the apply "
              "(update_ratios_every), or None", tag="update_ratio"),
+    Quantity("weight_norms", V, lambda r: r.weight_norms,
+             "per trained variable, |weights| before the apply, where update_ratios were "
+             "measured, or None", tag="weight_norm"),
     Quantity("micro_variable_norms", Kind.MICRO_VARIABLE,
              lambda r: None if r.stats is None else r.stats.micro_variable_norms,
              "per micro-batch and trained variable, its gradient's norm (None over MPI)",
@@ -194,6 +197,9 @@ QUANTITIES = (
     Quantity("outliers", Kind.RECORDS, _outliers,
              "each outlier micro-batch's culprit rows (WatchOutliers): micro_batch, row, its "
              "loss and grad_norm alone, factor (the micro-batch's over the median), quantity"),
+    Quantity("diagnoses", Kind.RECORDS, lambda r: r.info.get("diagnoses", ()),
+             "each verdict Diagnose first reached at this step: kind, variables, evidence, "
+             "advice"),
     Quantity("distributions", Kind.DISTRIBUTION, lambda r: r.distributions,
              "quantity -> variable -> nine percentiles (distributions_every), or None"),
 )

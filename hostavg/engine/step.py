@@ -120,6 +120,7 @@ class Engine:
         self._may_drop = any(getattr(hook, "drops", True) for hook, _ in self._micro_hooks)
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
+        self._ratio_hooks = methods(hooks, "wants_update_ratios")
 
     @contextlib.contextmanager
     def hooked(self, extra: Sequence):
@@ -766,8 +767,11 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
         backend.restore(pending.snapshot)
         return pending.result
     every, seen, after = engine.update_ratios_every, engine.distributions_every, pending.result.step
+    asked = any(call(hook, wants, (after,), f"wants_update_ratios of step {after}")
+                for hook, wants in engine._ratio_hooks)
     applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
-        ratios=bool(every) and after % every == 0, values=bool(seen) and after % seen == 0))
+        ratios=asked or (bool(every) and after % every == 0),
+        values=bool(seen) and after % seen == 0))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
@@ -778,6 +782,7 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
     kept = applied.weights is not None and applied.skipped is None
     return replace(pending.result, step=applied.global_step,
                    update_ratios=None if applied.skipped else applied.update_ratios,
+                   weight_norms=None if applied.skipped else applied.weight_norms,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
                                                        applied.updates) if kept else None,

@@ -227,6 +227,17 @@ class History:
         return pd.DataFrame([{"step": s.step, **event} for s in self.steps for event in s.outliers],
                             columns=columns)
 
+    def diagnoses(self):
+        """The verdicts :class:`~hostavg.hooks.Diagnose` reached, a pandas DataFrame of one row
+        each, in step order: ``step`` (first reached), ``kind`` (one of
+        :data:`~hostavg.train.diagnose.DIAGNOSES`), ``variables`` (a tuple, from the input side;
+        empty for ``"exploding"``), ``evidence`` (the numbers) and ``advice``.
+        """
+        pd = pandas("History.diagnoses")
+        columns = ["step", "kind", "variables", "evidence", "advice"]
+        return pd.DataFrame([{"step": s.step, **event} for s in self.steps
+                             for event in s.diagnoses], columns=columns)
+
     def to_pandas(self, which: str = "steps"):
         """A pandas DataFrame of the ``"steps"`` or the ``"epochs"``.
 

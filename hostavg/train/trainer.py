@@ -34,6 +34,7 @@ from hostavg.engine.protocols import Backend, HostAverage
 from hostavg.engine.step import Engine
 from hostavg.train import checkpoint
 from hostavg.train.history import History
+from hostavg.train.diagnose import Diagnose
 from hostavg.train.hooks import WatchOutliers
 from hostavg.train.loop import FitArguments, fit_arguments
 from hostavg.train.loop import fit as fit_loop
@@ -101,7 +102,7 @@ class BaseTrainer:
                  accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
                  update_ratios_every: int | None = None, overlap: bool = False,
                  distributions_every: int | None = None, check_applied: bool = True,
-                 statistics=None, watch_outliers: bool = True):
+                 statistics=None, watch_outliers: bool = True, diagnose: bool = True):
         """The settings every face takes, by keyword.
 
         Args:
@@ -131,14 +132,16 @@ class BaseTrainer:
             (History, Record, TensorBoard, plots); see docs/guides/inspecting.md.
           watch_outliers: run a :class:`~hostavg.hooks.WatchOutliers` (warn) after ``hooks``;
             False: don't.
+          diagnose: run a :class:`~hostavg.hooks.Diagnose` before ``hooks`` (its verdicts are in
+            what their ``on_applied`` sees); False: don't.
         """
         if accumulate not in ACCUMULATE_MODES:
             raise ArgumentError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self._cut = cut(micro_batch_size, micro_batches)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
-        self.hooks = normalize_hooks(hooks) + (
-            (WatchOutliers(),) if flag("watch_outliers", watch_outliers) else ())
+        self.hooks = ((Diagnose(),) if flag("diagnose", diagnose) else ()) + normalize_hooks(
+            hooks) + ((WatchOutliers(),) if flag("watch_outliers", watch_outliers) else ())
         self.update_ratios_every = None if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
         self.overlap = flag("overlap", overlap)

@@ -1,4 +1,4 @@
-"""WatchOutliers, on by default in every trainer, stays silent on healthy runs: 200 steps of
+"""WatchOutliers and Diagnose, on by default in every trainer, stay silent on healthy runs: 200 steps of
 each of the tests' models (fresh data every step, micro-batches of unequal sizes)."""
 
 import warnings
@@ -12,15 +12,15 @@ from models import batches
 import hostavg
 from hostavg.core.results import Drop, Outlier, Search
 from hostavg.engine import culprits
-from hostavg.hooks import WatchOutliers
+from hostavg.hooks import Diagnose, WatchOutliers
 
 STEPS = 200
 
 
 @pytest.mark.parametrize("model", ["mlp", "embedding", "batchnorm", "sum"])
-def test_a_healthy_run_of_each_model_warns_of_no_outlier(backend, model):
+def test_a_healthy_run_of_each_model_warns_of_no_outlier_and_reaches_no_verdict(backend, model):
     face = backend.make(model, "adam")
-    assert [type(h) for h in face.trainer.hooks] == [WatchOutliers]
+    assert [type(h) for h in face.trainer.hooks] == [Diagnose, WatchOutliers]
     data = batches(0, STEPS, BATCH, sparse=model == "embedding")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -28,6 +28,12 @@ def test_a_healthy_run_of_each_model_warns_of_no_outlier(backend, model):
     assert results[-1].step == STEPS
     assert not [str(w.message) for w in caught if issubclass(w.category, hostavg.OutlierWarning)]
     assert not any(m.outlier for r in results for m in r.micro)
+    assert not [str(w.message) for w in caught
+                if issubclass(w.category, hostavg.DiagnosisWarning)]
+    assert not any("diagnoses" in r.info for r in results)
+    # Diagnose asked for the ratios of the first 20 applies, then one in 10
+    assert [r.step for r in results if r.update_ratios is not None] == \
+        list(range(1, 21)) + list(range(30, STEPS + 1, 10))
 
 
 class DropsOne:
