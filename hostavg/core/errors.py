@@ -4,13 +4,15 @@ import contextlib
 import math
 import numbers
 import re
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 __all__ = ["ArgumentError", "HostavgError", "StepError", "flag", "non_negative_int",
            "non_negative_number", "object_list", "positive_int", "positive_number", "refused",
-           "short", "within_step"]
+           "short", "warn", "within_step"]
 
 
 class HostavgError(Exception):
@@ -138,3 +140,13 @@ def object_list(name: str, value, methods: tuple, example: str) -> tuple:
         if not fits(obj):
             raise ArgumentError(f"{name[:-1]} {obj!r} has none of the methods {methods}")
     return value
+
+
+def warn(warning: Warning) -> None:
+    """Warns ``warning`` at the first frame outside hostavg: the user's line that called fit
+    or step, not the hook inside it."""
+    package = __name__.split(".")[0]
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import warnings
 from collections import deque
 from types import MappingProxyType
 
-from hostavg.core.errors import short
+from hostavg.core.errors import short, warn
 
 __all__ = ["DEAD_STEPS", "DIAGNOSES", "Diagnose", "DiagnosisWarning", "EXPLODING",
            "EXPLODING_STEPS", "MEASURED_FIRST", "MEASURE_EVERY", "UPDATE_STEPS",
@@ -108,8 +107,8 @@ class Diagnose:
             records.append(MappingProxyType({"kind": kind, "variables": tuple(names),
                                              "evidence": evidence, "advice": _ADVICE[kind]}))
             said = f" ({', '.join(names)})" if names else ""
-            warnings.warn(DiagnosisWarning(f"step {result.step}: {kind}{said}: {evidence}. "
-                                           f"Advice: {_ADVICE[kind]}."), stacklevel=2)
+            warn(DiagnosisWarning(f"step {result.step}: {kind}{said}: {evidence}. "
+                                  f"Advice: {_ADVICE[kind]}."))
         if records:
             result.info["diagnoses"] = tuple(records)
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import warnings
 from collections import deque
 from dataclasses import replace
 
 import numpy as np
 
-from hostavg.core.errors import ArgumentError, StepError, positive_int, positive_number
+from hostavg.core.errors import ArgumentError, StepError, positive_int, positive_number, warn
 from hostavg.core.gradients import SparseGradient, nonfinite_entries
 from hostavg.core.results import Drop, Outlier, Search
 from hostavg.engine.culprits import LISTED, Contribution
@@ -227,6 +226,5 @@ class WatchOutliers:
                             f"Look at those rows, or pass WatchOutliers(action='skip') to drop "
                             f"such micro-batches.")
         done = "dropped" if self.action == "skip" else "kept"
-        warnings.warn(OutlierWarning(f"{said}; {done}. The samples that stand out:{lines}"),
-                      stacklevel=2)
+        warn(OutlierWarning(f"{said}; {done}. The samples that stand out:{lines}"))
         return Drop(f"an outlier: {micro.outlier}") if self.action == "skip" else None
