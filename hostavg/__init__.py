@@ -27,6 +27,8 @@ from hostavg.core.errors import ArgumentError, HostavgError, StepError
 from hostavg.core.gradients import Gradients, SparseGradient, VariableSpec
 from hostavg.train.history import History, StepLog
 from hostavg.train.loop import ResumeWarning
+from hostavg.train.diagnose import DiagnosisWarning
+from hostavg.train.hooks import OutlierWarning
 from hostavg.inspect.record import load_record
 from hostavg.core.results import MicroBatch, StepResult
 from hostavg.core.split import split
@@ -48,12 +50,14 @@ __all__ = [
     "Accumulator",
     "ArgumentError",
     "Callback",
+    "DiagnosisWarning",
     "EarlyStopping",
     "Gradients",
     "History",
     "HostavgError",
     "MicroBatch",
     "NoiseScale",
+    "OutlierWarning",
     "ResumeWarning",
     "SparseGradient",
     "StepLog",

@@ -1,17 +1,21 @@
 """Public namespace ``hostavg.hooks``: the built-in hooks (:class:`~hostavg.core.results.Hook`).
 
 Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
-:class:`ClipMicroBatchNorm` (:mod:`hostavg.train.hooks`). Writing what
+:class:`ClipMicroBatchNorm`, :class:`WatchOutliers` (:mod:`hostavg.train.hooks`). Judging the
+run: :class:`Diagnose` (:mod:`hostavg.train.diagnose`). Writing what
 happened: :class:`Record` (:mod:`hostavg.inspect.record`) and
 :class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`). Watching it: :class:`LivePlot`
 (:mod:`hostavg.inspect.live`).
 """
 
-from hostavg.core.results import Drop, Hook
+from hostavg.core.results import Drop, Hook, Search
 from hostavg.inspect.live import LivePlot
 from hostavg.inspect.record import Record
 from hostavg.inspect.tensorboard import TensorBoard
-from hostavg.train.hooks import ClipGlobalNorm, ClipMicroBatchNorm, SkipNonFinite
+from hostavg.train.diagnose import Diagnose, DiagnosisWarning
+from hostavg.train.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, OutlierWarning, SkipNonFinite,
+                                 WatchOutliers)
 
-__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "Hook", "LivePlot", "Record", "SkipNonFinite",
-           "TensorBoard"]
+__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Diagnose", "DiagnosisWarning", "Drop", "Hook",
+           "LivePlot", "OutlierWarning",
+           "Record", "Search", "SkipNonFinite", "TensorBoard", "WatchOutliers"]

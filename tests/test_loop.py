@@ -190,7 +190,7 @@ def test_validation_metrics_history_table_and_callbacks():
     assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
                                    "trace_sigma", "b_simple", "norm_test", "inner_product_test",
                                    "orthogonality_test", "gsnr", "learning_rate",
-                                   "grad_norm_before_clip", "micro_losses",
+                                   "grad_norm_before_clip", "micro_sizes", "micro_losses",
                                    "micro_norms_before_clip", "micro_norms", "cosines", "dropped",
                                    "nonfinite_rows"]
     assert table["samples"].iloc[-1] == 2 * N
@@ -481,7 +481,8 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
         trainer.fit(sess, data, callbacks=hostavg.EarlyStopping(), **FIT)
     model = build()
     with model.graph.as_default():
-        assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None).hooks == ()
+        assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None,
+                               watch_outliers=False).hooks == ()
         with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
                            r"on_micro_batch or on_step or on_applied or on_resume or "
                            r"on_train_begin or on_epoch_begin or on_batch_begin or on_batch_end "

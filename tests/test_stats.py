@@ -90,7 +90,25 @@ def test_noise_scale_tracker_bias_corrects_each_average():
     # Averages 0.25 * first + 0.5 * second, divided by 1 - 0.5^2; g2's comes to 0.
     assert t.trace_sigma == pytest.approx((0.25 * 10 + 0.5 * 20) / 0.75)
     assert t.g2 == pytest.approx((0.25 * 2 - 0.5 * 1) / 0.75)
-    assert t.b_simple == math.inf and [s for s, _ in t.history] == [1, 2]
+    assert math.isnan(t.b_simple) and [s for s, _ in t.history] == [1, 2]
+    assert t.nan_reason.startswith("the averaged |G|^2 (g2) is 0, not > 0: the micro-batches'")
+
+
+def test_a_running_noise_scale_that_is_no_number_is_nan_with_its_reason_not_kept_as_one():
+    """The first running estimate a researcher met was -1048.5: a g2 average below 0 makes no
+    noise scale. It is NaN, with a reason, until the average is positive; then a number."""
+    t = NoiseScale(beta=0.9)
+    t.update(stats.NoiseScaleEstimate(g2=-0.002, trace_sigma=2.097, b_simple=-1048.5))
+    assert math.isnan(t.b_simple) and math.isnan(t.history[-1][1])
+    assert t.nan_reason == ("the averaged |G|^2 (g2) is -0.002, not > 0: the micro-batches' "
+                            "spread still hides the mean gradient; it needs more steps, or more "
+                            "samples per step")
+    for _ in range(3):
+        t.update(stats.NoiseScaleEstimate(g2=0.01, trace_sigma=1.0, b_simple=100.0))
+    assert t.nan_reason is None and t.g2 > 0
+    assert t.b_simple == pytest.approx(t.trace_sigma / t.g2) and t.history[-1][1] == t.b_simple
+    t.update(stats.NoiseScaleEstimate(g2=math.inf, trace_sigma=1.0, b_simple=0.0))
+    assert math.isnan(t.b_simple) and t.nan_reason.startswith("a step's estimate was not finite")
 
 
 def test_estimators_refuse_one_micro_batch_and_bad_sizes():

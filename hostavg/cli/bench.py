@@ -38,16 +38,22 @@ DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-grap
                            "full-batch", "hostavg-keras", "keras-accum")
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
                                              "hostavg-caller", "hostavg-unchecked",
-                                             "hostavg-keras-overlap", "hostavg-keras-unchecked")
+                                             "hostavg-watched", "hostavg-keras-overlap",
+                                             "hostavg-keras-unchecked", "hostavg-keras-watched")
 #: The implementations that run on any Keras backend (the others are TF1 graphs).
 KERAS_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "hostavg-keras-unchecked",
-                         "keras-accum")
+                         "hostavg-keras-watched", "keras-accum")
 #: What runs by default on a Keras backend other than TensorFlow.
 KERAS_DEFAULT_IMPLEMENTATIONS = ("hostavg-keras", "keras-accum")
 #: What ``hostavg bench --grid gpu`` runs unless told otherwise.
 GPU_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
 OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph")
+#: What every hostavg implementation is made with but the "-watched" ones: the bench steps
+#: each round's micro-batches many times, so a model that learns them by heart meets the next
+#: round's as a spike, which :class:`~hostavg.hooks.WatchOutliers` (on by default) would then
+#: search sample by sample, inside the timing; the "-watched" ones time it.
+UNWATCHED = {"watch_outliers": False}
 #: The optimizers a configuration can name (see :func:`_optimizer`).
 OPTIMIZERS = ("adam", "sgd")
 #: Most consecutive steps one timed sample may hold (see :func:`time_config`).
@@ -201,7 +207,7 @@ class _Impl:
 
 class _Hostavg(_Impl):
     def __init__(self, config, read_stats=False, trainer_kw=None, **kw):
-        self.read_stats, self.trainer_kw = read_stats, trainer_kw or {}
+        self.read_stats, self.trainer_kw = read_stats, {**UNWATCHED, **(trainer_kw or {})}
         super().__init__(config, **kw)
 
     def _build(self):
@@ -294,7 +300,7 @@ class _HostavgKeras(_KerasImpl):
         from hostavg.cli import models
         from hostavg.keras.trainer import Trainer
         self.trainer = Trainer(self.model, models.keras_loss(), _keras_optimizer(config.optimizer),
-                               **trainer_kw)
+                               **{**UNWATCHED, **trainer_kw})
 
     def step(self, micro):
         self.trainer.step(micro)
@@ -326,12 +332,14 @@ def _make(name: str, config: Config, session_config=None):
                                                **kw),
             "hostavg-unchecked": lambda: _Hostavg(config, trainer_kw={"check_applied": False},
                                                   **kw),
+            "hostavg-watched": lambda: _Hostavg(config, trainer_kw={"watch_outliers": True}, **kw),
             "in-graph": lambda: _InGraph(config, **kw),
             "plain-host": lambda: _PlainHost(config, **kw),
             "full-batch": lambda: _FullBatch(config, **kw),
             "hostavg-keras": lambda: _HostavgKeras(config),
             "hostavg-keras-overlap": lambda: _HostavgKeras(config, overlap=True),
             "hostavg-keras-unchecked": lambda: _HostavgKeras(config, check_applied=False),
+            "hostavg-keras-watched": lambda: _HostavgKeras(config, watch_outliers=True),
             "keras-accum": lambda: _KerasAccumulation(config)}[name]()
 
 

@@ -235,7 +235,8 @@ def _bench_selection_options(group) -> None:
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
                             "hostavg-stack+stats, hostavg-overlap, hostavg-caller, "
-                            "hostavg-unchecked, hostavg-keras-overlap, hostavg-keras-unchecked. "
+                            "hostavg-unchecked, hostavg-watched, hostavg-keras-overlap, "
+                            "hostavg-keras-unchecked, hostavg-keras-watched. "
                             "With KERAS_BACKEND=jax only the hostavg-keras ones and keras-accum "
                             "run (default hostavg-keras and keras-accum), and TensorFlow is not "
                             "imported")

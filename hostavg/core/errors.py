@@ -3,13 +3,16 @@
 import contextlib
 import math
 import numbers
+import re
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 __all__ = ["ArgumentError", "HostavgError", "StepError", "flag", "non_negative_int",
            "non_negative_number", "object_list", "positive_int", "positive_number", "refused",
-           "within_step"]
+           "short", "warn", "within_step"]
 
 
 class HostavgError(Exception):
@@ -69,6 +72,11 @@ def refused(fact: str, advice: str, kind: type = StepError) -> HostavgError:
     error = kind(f"{fact}; {advice}")
     error.fact = fact
     return error
+
+
+def short(value: float) -> str:
+    """A number in 3 digits for a message, exponents as ``1e30``, ``1e4``, ``1e-5``."""
+    return re.sub(r"e\+?(-?)0*(\d)", r"e\1\2", f"{float(value):.3g}")
 
 
 def positive_int(name: str, value) -> int:
@@ -132,3 +140,13 @@ def object_list(name: str, value, methods: tuple, example: str) -> tuple:
         if not fits(obj):
             raise ArgumentError(f"{name[:-1]} {obj!r} has none of the methods {methods}")
     return value
+
+
+def warn(warning: Warning) -> None:
+    """Warns ``warning`` at the first frame outside hostavg: the user's line that called fit
+    or step, not the hook inside it."""
+    package = __name__.split(".")[0]
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)

@@ -10,31 +10,86 @@ the hook.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from hostavg.core.gradients import Gradients
-from hostavg.core.errors import ArgumentError
+from hostavg.core.errors import ArgumentError, short
 from hostavg.core import display, schema
 from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
-__all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "STEP_METHODS",
-           "StepResult", "check_quantity"]
+__all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "Outlier",
+           "STEP_METHODS", "Search", "StepResult", "check_quantity"]
 
 
 @dataclass(frozen=True)
 class Drop:
-    """Returned by a hook's ``on_micro_batch``: leave this micro-batch out of the step.
+    """Returned by a hook's ``on_micro_batch``: leave this micro-batch out of the step (or by a
+    :class:`Search`'s ``then``: compute the step again without it).
 
     Attributes:
       reason: recorded as the micro-batch's ``dropped``.
     """
 
     reason: str = "dropped by a hook"
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """Why a micro-batch stands out among those of the last steps (``MicroBatch.outlier``).
+
+    Attributes:
+      quantity: ``"loss"`` or ``"grad_norm"``, the one that stands out.
+      value: the micro-batch's value of it.
+      median: the median of that quantity over the micro-batches it was judged against.
+      factor: ``value / median``.
+      alone: whether its step had no other micro-batch to judge it against: it is then an
+        outlier only where its search finds a sample that stands out alone (a step of one
+        micro-batch whose every sample rose is the step's, not a micro-batch's).
+    """
+
+    quantity: str
+    value: float
+    median: float
+    factor: float
+    alone: bool = False
+
+    def __str__(self) -> str:
+        said = "loss" if self.quantity == "loss" else "gradient norm"
+        return f"{said} {short(self.value)}, {short(self.factor)}x the median {short(self.median)}"
+
+
+@dataclass(frozen=True)
+class Search:
+    """Returned by a hook's ``on_micro_batch``: once every micro-batch of the step has run, at
+    the step's weights before the apply, look for this micro-batch's culprit samples as
+    ``judge`` says (each sample computed alone, what the computes assign restored).
+
+    First ``still(micro)`` is asked, where given: the micro-batch's :class:`Outlier` now
+    that the step's other micro-batches are known, or None to search nothing (a step whose
+    micro-batches rose together). Where the search finds no culprit of an outlier judged
+    ``alone``, that is the end of it. Else the engine keeps what it found as
+    ``MicroBatch.culprits`` and the outlier as ``MicroBatch.outlier``, then calls ``then(micro)`` with that
+    MicroBatch, still before the apply (on a step whose every micro-batch was dropped
+    too). ``then`` may return a :class:`Drop`: the step is computed again from its start
+    without that micro-batch (hooks see every micro-batch again; the searches are not run
+    again). An exception it raises fails the step with nothing applied.
+
+    Attributes:
+      judge: what a culprit is (a judge of :mod:`hostavg.engine.culprits`).
+      outlier: why the micro-batch is searched, or None.
+      then: called with the searched MicroBatch, or None.
+      still: asked with the micro-batch once the step's every micro-batch has run, or None.
+    """
+
+    judge: object
+    outlier: Outlier | None = None
+    then: Callable[[MicroBatch], Drop | None] | None = None
+    still: Callable[[MicroBatch], Outlier | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,11 +106,15 @@ class Culprit:
         (``fit`` tells them); else None.
       reason: what is wrong with it, e.g. ``"x holds NaN in column 2"`` or
         ``"finite inputs, non-finite loss"``.
+      loss, grad_norm: its loss and gradient norm computed alone, where the search
+        computed it (an outlier's culprits); else None.
     """
 
     sample: int
     row: int | None
     reason: str
+    loss: float | None = field(default=None, compare=False)
+    grad_norm: float | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         where = f"sample {self.sample} of the step" if self.row is None else f"data row {self.row}"
@@ -86,7 +145,10 @@ class MicroBatch:
         the :class:`Culprit` samples that make it so, sorted (empty when no
         sample is non-finite alone); None for every other micro-batch, and
         in what ``on_micro_batch`` hooks see (the samples are looked at once
-        every micro-batch of the step has run).
+        every micro-batch of the step has run). For a micro-batch a hook asked
+        to search (:class:`Search`), the samples that stand out, the largest first.
+      outlier: for a micro-batch a hook judged an :class:`Outlier` and searched, why (also
+        as the hooks see it again, in a step computed again without it); else None.
       fetched: the values of the tensors the step was asked to fetch
         (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
         own session call, before the step's update, in the order asked (None
@@ -104,6 +166,7 @@ class MicroBatch:
     culprits: tuple | None = field(default=None, repr=False, compare=False)
     fetched: tuple = field(default=(), repr=False, compare=False)
     overflows: str | None = field(default=None, repr=False, compare=False)
+    outlier: Outlier | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return display.summary("MicroBatch", {"index": self.index, "size": self.size,
@@ -130,9 +193,9 @@ class StepResult:
         non-finite mean (a Keras ``LossScaleOptimizer``: ``loss`` and the mean
         in ``grads`` are the step's, the scale was lowered).
       info: what hooks reported, by key (e.g. norms before clipping).
-      update_ratios: name -> |w_after - w_before| / |w_before| of each
-        trained variable over this step's apply (about 1e-3 is usual, 0: it
-        did not move), measured in the apply's own call; None until applied.
+      update_ratios, weight_norms: name -> |w_after - w_before| / |w_before| (about 1e-3 is
+        usual, 0: it did not move) and |w_before| of each trained variable, measured in the
+        apply's own call (update_ratios_every); None until applied, or where not measured.
       learning_rate: the optimizer's learning rate at this apply (a schedule's
         value), or None where the optimizer exposes none, or before the apply.
       fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
@@ -160,6 +223,7 @@ class StepResult:
     statistics: Mapping = field(default_factory=dict)
     weights: Mapping | None = field(default=None, repr=False, compare=False)
     updates: Mapping | None = field(default=None, repr=False, compare=False)
+    weight_norms: dict | None = None
 
     @property
     def dropped(self) -> tuple:
@@ -248,9 +312,13 @@ class Hook(Protocol):
 
     Per step (by the trainer, inside every step, fit's or yours):
     ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
-    None, replacement gradients or a :class:`Drop`), ``on_step(mean, result)``
+    None, replacement gradients, a :class:`Drop` or a :class:`Search`; a hook that
+    never drops may say ``drops = False``, and no snapshot is taken before each
+    compute for it), ``on_step(mean, result)``
     before the apply (returns None or a replacement mean), ``on_applied(result)``
-    once the apply succeeded (never for a step that failed or was skipped).
+    once the apply succeeded (never for a step that failed or was skipped), and
+    ``wants_update_ratios(step)`` before the apply of global step ``step``: True has that
+    apply measure ``update_ratios`` and ``weight_norms`` whatever ``update_ratios_every``.
 
     Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
     the epoch training starts at), ``on_epoch_begin(epoch)``,
@@ -266,11 +334,13 @@ class Hook(Protocol):
     applied; raised in ``on_applied``, the step was applied.
     """
 
-    def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | None: ...
+    def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | Search | None: ...
 
     def on_step(self, mean: Gradients, result: StepResult) -> Mapping | None: ...
 
     def on_applied(self, result: StepResult) -> None: ...
+
+    def wants_update_ratios(self, step: int) -> bool: ...
 
     def on_resume(self, step: int) -> None: ...
 
@@ -290,7 +360,7 @@ class Hook(Protocol):
 
 
 #: The hook methods a step calls (the trainer), and those fit calls.
-STEP_METHODS = ("on_micro_batch", "on_step", "on_applied")
+STEP_METHODS = ("on_micro_batch", "on_step", "on_applied", "wants_update_ratios")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.

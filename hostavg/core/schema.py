@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hostavg.core.errors import ArgumentError, StepError
+from hostavg.core.gradients import freeze
 from hostavg.core.optional import pandas
 
 __all__ = ["HISTORY", "Kind", "MICRO", "QUANTITIES", "Quantity", "UserStatistics", "by_name", "frame",
@@ -45,6 +46,11 @@ class Kind(enum.Enum):
     MICRO_VARIABLE = "micro_variable"
     #: A sorted tuple of integers (micro-batch indices, data rows).
     INDICES = "indices"
+    #: A tuple, one read-only int64 array of data rows per micro-batch (dropped ones too; None
+    #: where unknown), or None where the step was not told any.
+    ROWS = "rows"
+    #: A tuple of mappings, one per event of the step (an outlier's culprit row).
+    RECORDS = "records"
     #: "gradient", "weight", "update" -> variable -> nine percentiles
     #: (:mod:`hostavg.core.distributions`), or None on steps that kept none.
     DISTRIBUTION = "distribution"
@@ -54,7 +60,8 @@ class Kind(enum.Enum):
         """The kind in words: "a number per step", "a number per micro-batch", ..."""
         return {"micro": "a number per micro-batch",
                 "micro_variable": "a number per micro-batch and variable",
-                "indices": "a list of indices",
+                "indices": "a list of indices", "rows": "data rows per micro-batch",
+                "records": "a list of events",
                 "distribution": "percentiles per variable"}.get(self.value,
                                                                 f"a number per {self.value}")
 
@@ -107,6 +114,22 @@ def _nonfinite_rows(r) -> tuple:
                         if c.row is not None))
 
 
+def _micro_rows(r) -> tuple | None:
+    """Each micro-batch's data rows, or None where the step was not told them."""
+    if all(m.rows is None for m in r.micro):
+        return None
+    return tuple(m.rows for m in r.micro)
+
+
+def _outliers(r) -> tuple:
+    """One mapping per culprit row of each outlier micro-batch (one with row None where none
+    stood out alone): micro_batch, row, its loss and grad_norm alone, factor, quantity."""
+    return tuple({"micro_batch": m.index, "row": c.row if c else None,
+                  "loss": c.loss if c else None, "grad_norm": c.grad_norm if c else None,
+                  "factor": m.outlier.factor, "quantity": m.outlier.quantity}
+                 for m in r.micro if m.outlier is not None for c in (m.culprits or (None,)))
+
+
 S, M, V, I = Kind.STEP, Kind.MICRO, Kind.VARIABLE, Kind.INDICES
 
 #: The built-in quantities, in the order tables show them.
@@ -139,6 +162,10 @@ QUANTITIES = (
     Quantity("grad_norm_before_clip", S, _info("grad_norm_before_clip"),
              "the mean gradient's norm before ClipGlobalNorm clipped it, or None",
              tag="hostavg/grad_norm_before_clip"),
+    Quantity("micro_sizes", M, lambda r: tuple(m.size for m in r.micro),
+             "each micro-batch's number of samples"),
+    Quantity("micro_rows", Kind.ROWS, _micro_rows,
+             "each micro-batch's data rows, where the step was told them (fit is), or None"),
     Quantity("micro_losses", M, lambda r: tuple(m.loss for m in r.micro),
              "each micro-batch's mean loss", tag="hostavg/micro_losses", column="loss"),
     Quantity("micro_norms_before_clip", M, _info("micro_norms_before_clip"),
@@ -155,6 +182,9 @@ QUANTITIES = (
     Quantity("update_ratios", V, lambda r: r.update_ratios,
              "per trained variable, |update| / |weights| of the apply "
              "(update_ratios_every), or None", tag="update_ratio"),
+    Quantity("weight_norms", V, lambda r: r.weight_norms,
+             "per trained variable, |weights| before the apply, where update_ratios were "
+             "measured, or None", tag="weight_norm"),
     Quantity("micro_variable_norms", Kind.MICRO_VARIABLE,
              lambda r: None if r.stats is None else r.stats.micro_variable_norms,
              "per micro-batch and trained variable, its gradient's norm (None over MPI)",
@@ -164,14 +194,21 @@ QUANTITIES = (
     Quantity("nonfinite_rows", I, _nonfinite_rows,
              "the data rows of the dropped micro-batches' culprit samples",
              tag="hostavg/nonfinite_rows"),
+    Quantity("outliers", Kind.RECORDS, _outliers,
+             "each outlier micro-batch's culprit rows (WatchOutliers): micro_batch, row, its "
+             "loss and grad_norm alone, factor (the micro-batch's over the median), quantity"),
+    Quantity("diagnoses", Kind.RECORDS, lambda r: r.info.get("diagnoses", ()),
+             "each verdict Diagnose first reached at this step: kind, variables, evidence, "
+             "advice"),
     Quantity("distributions", Kind.DISTRIBUTION, lambda r: r.distributions,
              "quantity -> variable -> nine percentiles (distributions_every), or None"),
 )
 
 #: The quantities a History keeps, in order.
 HISTORY = tuple(q for q in QUANTITIES if q.history)
-#: The per-micro-batch quantities, in the order the tables of micro-batches show them.
-MICRO = tuple(q for q in QUANTITIES if q.kind is Kind.MICRO)
+#: The per-micro-batch quantities, in the order the tables of micro-batches show them (but
+#: ``micro_sizes``: those tables show each micro-batch's ``size`` beside its ``start``).
+MICRO = tuple(q for q in QUANTITIES if q.kind is Kind.MICRO and q.name != "micro_sizes")
 
 _BY_NAME = {q.name: q for q in QUANTITIES}
 
@@ -203,6 +240,10 @@ def plain(kind: Kind, value):
                      for m in value)
     if kind is Kind.INDICES:
         return tuple(int(i) for i in value)
+    if kind is Kind.ROWS:  # read-only int64 arrays: 8 bytes a sample, not a Python int's 36
+        return tuple(None if rows is None else freeze(np.asarray(rows, np.int64)) for rows in value)
+    if kind is Kind.RECORDS:
+        return tuple(MappingProxyType(dict(event)) for event in value)
     return value
 
 

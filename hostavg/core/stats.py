@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.core import display
-from hostavg.core.errors import ArgumentError
+from hostavg.core.errors import ArgumentError, short
 from hostavg.core.gradients import BLOCK, SparseGradient, global_norm, squared_norm
 
 __all__ = [
@@ -512,10 +512,16 @@ class NoiseScale:
     Use it as a trainer hook (``hooks=[hostavg.NoiseScale()]``), or call
     :meth:`update` with each step's estimate.
 
+    B_simple is an upper estimate of the critical batch size, not the critical batch size
+    itself (McCandlish et al. 2018, section 2.2: it equals B_crit only where the Hessian is a
+    multiple of the identity); a sweep measures B_crit (docs: "The noise scale").
+
     Attributes:
       beta: the averages' decay per step (default :data:`NOISE_SCALE_BETA`).
       trace_sigma, g2: the bias-corrected averages (None before any update).
-      b_simple: trace_sigma / g2, or None before any update.
+      b_simple: trace_sigma / g2; NaN where that is no noise scale (:attr:`nan_reason` says
+        why: the averaged |G|^2 not > 0 yet); None before any update.
+      nan_reason: why ``b_simple`` is NaN, or None where it is a number.
       history: (step, b_simple) after each update.
     """
 
@@ -548,7 +554,20 @@ class NoiseScale:
     def b_simple(self) -> float | None:
         if not self._n:
             return None
-        return self._s / self._g2 if self._g2 != 0 else math.inf
+        return math.nan if self.nan_reason else self._s / self._g2
+
+    @property
+    def nan_reason(self) -> str | None:
+        finite = math.isfinite(self._s) and math.isfinite(self._g2)
+        if not self._n or (finite and self._g2 > 0 and self._s >= 0):
+            return None
+        if not finite:
+            return (f"a step's estimate was not finite (averages: trace_sigma "
+                    f"{short(self.trace_sigma)}, g2 {short(self.g2)})")
+        if self._s < 0:
+            return f"the averaged trace_sigma is {short(self.trace_sigma)}, below 0"
+        return (f"the averaged |G|^2 (g2) is {short(self.g2)}, not > 0: the micro-batches' spread "
+                f"still hides the mean gradient; it needs more steps, or more samples per step")
 
     def on_step(self, mean, result) -> None:
         """The hook: updates from ``result.stats`` when the step had two micro-batches or more."""

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
-from hostavg.core.errors import HostavgError, StepError
+from hostavg.core.errors import HostavgError, StepError, short
 from hostavg.core.results import Culprit
 from hostavg.core.split import arrays, take
 
-__all__ = ["EXTREME", "NONE_FAILING", "CulpritSearch", "Extreme", "Failing", "NonFinite", "describe",
+__all__ = ["EXTREME", "NONE_FAILING", "Contribution", "CulpritSearch", "Extreme", "Failing",
+           "NonFinite", "describe",
            "failing", "find", "in_inputs", "key_name", "rows_of", "short"]
 
 #: The names of a batch tuple's parts, by position.
@@ -205,11 +207,6 @@ def _large(name: str, values: np.ndarray, big: np.ndarray, deep: bool) -> str:
     return f"{name} holds {what} in {int(big.sum())} of {big.size} {'entries' if deep else 'columns'}"
 
 
-def short(value: float) -> str:
-    """A number in 3 digits, exponents as ``1e30``."""
-    return f"{float(value):.3g}".replace("e+", "e")
-
-
 def find(feed, n: int, start: int, rows, compute: Callable,
          judge: NonFinite = NonFinite()) -> tuple[tuple, str]:
     """The culprit samples of a micro-batch's ``feed``, sorted, and how they were found.
@@ -281,6 +278,54 @@ class Failing:
 
     def search(self, feed, n: int, start: int, rows, compute: Callable) -> tuple[tuple, str]:
         return failing(feed, n, start, rows, compute, self.refused)
+
+
+class Contribution:
+    """What a search of an outlier micro-batch looks for: the samples whose contribution, their
+    loss or their gradient norm computed alone (a sample's weight included where the loss
+    weighs it), is over ``factor`` times the median of the micro-batch's samples' and within
+    ``factor`` of the largest (a row scaled by 1e4 is named, not the ordinary samples at 15x
+    the median beside it); the largest first (by how many times the median). Each sample is
+    computed alone: ``n`` computes."""
+
+    what = "stand out"
+    none_alone = "No sample of it stands out alone ({how}): it is large as a whole."
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def search(self, feed, n: int, start: int, rows, compute: Callable) -> tuple[tuple, str]:
+        laid = _samples(feed, n)
+        blocks = {path: a.shape[0] for path, a in laid.items() if a.shape[0] > 1}
+        alone = [compute(take(feed, [j], n, blocks), 1) for j in range(n)]
+        losses = np.array([loss for loss, _ in alone], np.float64)
+        norms = np.sqrt(np.array([sq for _, sq in alone], np.float64))
+        times = np.maximum(_times(losses), _times(norms))
+        found = []
+        for j in np.argsort(-times, kind="stable"):
+            if not (times[j] > self.factor and times[j] * self.factor >= times.max()):
+                break
+            said = (f"loss {short(losses[j])}, {short(_times(losses)[j])}x the median; gradient "
+                    f"norm {short(norms[j])}, {short(_times(norms)[j])}x the median"
+                    + "".join(f"; {key_name(p)}'s largest value {short(_peak(a, j))}"
+                              for p, a in laid.items() if a.dtype.kind == "f"))
+            found.append(replace(_culprit(int(j), start, rows, said), loss=float(losses[j]),
+                                 grad_norm=float(norms[j])))
+        return tuple(found), f"computing each of its {n} samples alone"
+
+
+def _times(values: np.ndarray) -> np.ndarray:
+    """Each of ``values`` over their median (0 where the median is 0 or a value not finite)."""
+    median = np.median(values)
+    if not median > 0:
+        return np.zeros_like(values)
+    return np.nan_to_num(values / median, nan=0.0, posinf=0.0)
+
+
+def _peak(blocks: np.ndarray, j: int) -> float:
+    """Sample ``j``'s largest value by magnitude (signed) in an input laid as (blocks, n, ...)."""
+    values = np.moveaxis(blocks, 1, 0)[j].ravel()
+    return float(values[np.argmax(np.abs(values))]) if values.size else math.nan
 
 
 class CulpritSearch:

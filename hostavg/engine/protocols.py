@@ -3,6 +3,7 @@ and the small records they exchange. Pure Python: a new backend implements these
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -84,6 +85,8 @@ class Applied(NamedTuple):
         one of them, the global step too, is as before it (the other fields
         are then their defaults). () where all are finite, or the backend was
         made not to check.
+      weight_norms: name -> |w_before| of each trained variable (L2, read in the same
+        call), where the ratios were; else None.
     """
 
     global_step: int
@@ -93,6 +96,7 @@ class Applied(NamedTuple):
     weights: dict | None = None
     updates: dict | None = None
     nonfinite: tuple = ()
+    weight_norms: dict | None = None
 
     @classmethod
     def of(cls, names: Sequence[str], global_step: int, learning_rate: float | None,
@@ -101,15 +105,16 @@ class Applied(NamedTuple):
         ``names``' order: ``squares``, the updates' squared norms then the weights' before
         (made the ratios where ``request.ratios``); ``weights`` after and ``updates`` (kept
         by name where ``request.values``)."""
-        ratios = None
+        ratios = norms = None
         if request.ratios:
             squares, k = [float(q) for q in squares], len(names)
             ratios = {name: update_ratio(u, w)
                       for name, u, w in zip(names, squares[:k], squares[k:])}
+            norms = {name: math.sqrt(w) for name, w in zip(names, squares[k:])}
         if not request.values:
-            return cls(global_step, ratios, learning_rate)
+            return cls(global_step, ratios, learning_rate, weight_norms=norms)
         return cls(global_step, ratios, learning_rate, None, dict(zip(names, weights)),
-                   dict(zip(names, updates)))
+                   dict(zip(names, updates)), weight_norms=norms)
 
 
 class SampleStats(NamedTuple):

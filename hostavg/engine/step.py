@@ -38,7 +38,7 @@ from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, p
                                  within_step)
 from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
                                     freeze, nonfinite_entries, squared_norm)
-from hostavg.core.results import Drop, MicroBatch, StepResult
+from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
 from hostavg.engine import culprits
@@ -116,8 +116,11 @@ class Engine:
     def _look_up_hooks(self, hooks) -> None:
         """Each step-level hook method looked up once: (hook, bound method) per method."""
         self._micro_hooks = methods(hooks, "on_micro_batch")
+        # A hook that says it never drops (``drops = False``) needs no snapshot before each compute.
+        self._may_drop = any(getattr(hook, "drops", True) for hook, _ in self._micro_hooks)
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
+        self._ratio_hooks = methods(hooks, "wants_update_ratios")
 
     @contextlib.contextmanager
     def hooked(self, extra: Sequence):
@@ -281,7 +284,8 @@ class Engine:
         try:
             batches = prepare(backend, feeds, sizes, rows=rows)
             apply_feed = backend.apply_feed([b.feed for b in batches], "step") if batches else None
-            global_step = self._micro_batches(backend, batches, log)
+            global_step, log = self._computed(backend, snapshot, batches, log)
+            micro = log.micro
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
                                        sum(m.size for m in micro if m.dropped is None), global_step,
@@ -341,6 +345,17 @@ class Engine:
                        self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse"),
                        tally.apply_feed, batches)
 
+    def _computed(self, backend, snapshot, batches: list[Prepared], log: _StepLog) -> tuple:
+        """:meth:`_micro_batches`, and again from ``snapshot`` without those a search's hook
+        dropped, if any: (the global step, the log of the computation kept)."""
+        global_step = self._micro_batches(backend, batches, log)
+        if log.dropping:
+            backend.restore(snapshot)
+            self._acc.reset()
+            log = log.again()
+            global_step = self._micro_batches(backend, batches, log)
+        return global_step, log
+
     def _micro_batches(self, backend, batches: list[Prepared], log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
         returns the global step.
@@ -355,7 +370,7 @@ class Engine:
         (:mod:`hostavg.engine.culprits`): named in the error of the one that failed the
         step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
         """
-        keep = bool(self._micro_hooks)
+        keep = self._may_drop or bool(log.searched)
         whole = sum(batch.size for batch in batches)
 
         def run(i):
@@ -406,7 +421,34 @@ class Engine:
                 log.micro[i] = replace(log.micro[i], dropped=(
                     f"{log.micro[i].dropped} (looking for the samples that made it non-finite "
                     f"failed: {type(failed).__name__}: {failed})"))
+        if log.searched is None:  # the step's first computation: its searches
+            for i, hook, asked in log.asked:
+                self._searched(backend, batches[i], log, i, hook, asked)
         return global_step
+
+    def _searched(self, backend, batch: Prepared, log: _StepLog, i: int, hook,
+                  asked: Search) -> None:
+        """Runs the :class:`Search` that ``hook`` asked for on micro-batch ``i``, unless its
+        ``still`` finds no outlier now: its culprits (none where computing its samples alone
+        fails; then nothing, for an outlier judged ``alone``) and outlier kept in its
+        MicroBatch, then ``asked.then`` called with that
+        MicroBatch (a :class:`Drop` it returns noted in ``log.dropping``)."""
+        outlier = asked.outlier
+        if asked.still is not None:
+            outlier = call(hook, asked.still, (log.micro[i],), f"the search of {batch.where}")
+            if outlier is None:
+                return
+        try:
+            found = self._search(backend).find(batch, asked.judge)[0]
+        except HostavgError:  # a sample the framework refuses alone: no row to name
+            found = ()
+        if not found and outlier is not None and outlier.alone:
+            return
+        log.micro[i] = replace(log.micro[i], culprits=found, outlier=outlier)
+        if asked.then is not None:
+            out = call(hook, asked.then, (log.micro[i],), f"the search of {batch.where}")
+            if isinstance(out, Drop) and log.micro[i].dropped is None:
+                log.dropping[i] = out.reason
 
     def _search(self, backend) -> culprits.CulpritSearch:
         """The culprit search over ``backend``'s micro-batches: each part computed as a step
@@ -416,15 +458,18 @@ class Engine:
             return g.loss, math.fsum(_sq_norms(g).values())
         return culprits.CulpritSearch(backend, compute)
 
-    def _shown(self, record: MicroBatch, where: str) -> tuple:
-        """Shows ``record`` to the ``on_micro_batch`` hooks: (its gradients as the hooks left
-        them, why one dropped it or None, the last hook that replaced them or None)."""
+    def _shown(self, record: MicroBatch, where: str, log: _StepLog) -> tuple:
+        """Shows ``record`` to the ``on_micro_batch`` hooks, noting in ``log`` the searches they
+        ask for; (its gradients as the hooks left them, why one dropped it or None, the last
+        hook that replaced them or None)."""
         grads, changed_by = record.grads, None
         for hook, on_micro_batch in self._micro_hooks:
             out = call(hook, on_micro_batch, (record,), f"on_micro_batch of {where}")
             if isinstance(out, Drop):
                 return grads, out.reason, changed_by
-            if out is not None:
+            if isinstance(out, Search):
+                log.asked.append((record.index, hook, out))
+            elif out is not None:
                 changed_by = hook
                 grads = Gradients(self._returned(out, f"step, {where}, on_micro_batch hook "
                                                       f"{name_of(hook)}'s gradients"),
@@ -443,10 +488,14 @@ class Engine:
             log.weighed = _check_weights(backend)  # a NaN weight, not a sample, is to blame
         grads, dropped, changed_by = g, None, None
         flag = log.flagged.get(i)
+        found, outlier, again = (None if flag is None else flag.culprits), None, None
+        if log.searched and i in log.searched:  # searched in the step's first computation
+            found, outlier, again = log.searched[i]
         if self._micro_hooks:
             grads, dropped, changed_by = self._shown(MicroBatch(
                 i, n, g.loss, g, start, step, rows=rows, fetched=fetched,
-                overflows=None if flag is None else flag.reason), where)
+                overflows=None if flag is None else flag.reason, outlier=outlier), where, log)
+        dropped = dropped or again
         sq = own if grads is g else _sq_norms(grads)
         log.var_sq.append(sq)
 
@@ -487,7 +536,7 @@ class Engine:
                 log.search.append(i)
         log.micro.append(MicroBatch(i, n, g.loss, grads if self._keep_micro else None, start, step,
                                     dropped=dropped, rows=rows, fetched=fetched,
-                                    culprits=None if flag is None else flag.culprits))
+                                    culprits=found, outlier=outlier))
         return global_step
 
     def _compute(self, backend, feed, n: int, where: str,
@@ -527,22 +576,36 @@ class _StepLog:
       kept: the accumulated ones' gradients in "stack" mode, else None.
       search: the dropped ones whose own loss or gradients were non-finite: their
         culprit samples are looked for once every micro-batch has run.
+      asked: (index, hook, :class:`~hostavg.core.results.Search`) of each one a hook asked
+        to search, run once every micro-batch has run.
       weighed: whether the weights were found finite (looked at once a micro-batch's own
         values are not).
       failed: the one whose own non-finite values failed the step, or None.
       raised: the one whose compute raised the framework's error, or None.
       flagged: index -> :class:`~hostavg.engine.overflow.Overflow` of those that drove an
         earlier try of the step's apply non-finite.
+      searched: index -> (culprits, outlier, why it is dropped or None) of each one the
+        hooks' searches found in the step's first computation, where this is the step
+        computed again without those a search's ``then`` dropped; else None.
+      dropping: index -> why, of each one a search's ``then`` dropped (the step is then
+        computed again without them).
     """
 
-    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "weighed", "failed",
-                 "raised", "flagged")
+    __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "asked", "weighed",
+                 "failed", "raised", "flagged", "searched", "dropping")
 
-    def __init__(self, keep: bool, flagged: Mapping):
+    def __init__(self, keep: bool, flagged: Mapping, searched: Mapping | None = None):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
+        self.asked, self.dropping = [], {}
         self.kept = [] if keep else None
         self.failed = self.raised = None
-        self.weighed, self.flagged = False, flagged
+        self.weighed, self.flagged, self.searched = False, flagged, searched
+
+    def again(self) -> _StepLog:
+        """The log of the step computed again without the micro-batches ``dropping`` names."""
+        searched = {m.index: (m.culprits, m.outlier, self.dropping.get(m.index))
+                    for m in self.micro if m.outlier is not None}
+        return _StepLog(self.kept is not None, self.flagged, searched)
 
 
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
@@ -704,18 +767,22 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
         backend.restore(pending.snapshot)
         return pending.result
     every, seen, after = engine.update_ratios_every, engine.distributions_every, pending.result.step
+    asked = any(call(hook, wants, (after,), f"wants_update_ratios of step {after}")
+                for hook, wants in engine._ratio_hooks)
     applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
-        ratios=bool(every) and after % every == 0, values=bool(seen) and after % seen == 0))
+        ratios=asked or (bool(every) and after % every == 0),
+        values=bool(seen) and after % seen == 0))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
                                       pending.batches)
-        if overflows and retry and engine._micro_hooks and engine.average.sees_every_micro_batch:
+        if overflows and retry and engine._may_drop and engine.average.sees_every_micro_batch:
             return overflows
         raise error
     kept = applied.weights is not None and applied.skipped is None
     return replace(pending.result, step=applied.global_step,
                    update_ratios=None if applied.skipped else applied.update_ratios,
+                   weight_norms=None if applied.skipped else applied.weight_norms,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
                                                        applied.updates) if kept else None,

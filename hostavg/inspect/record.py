@@ -137,8 +137,8 @@ def jsonable(info: dict) -> dict:
 
 
 def _jsonable(value):
-    if isinstance(value, np.generic):
-        return value.item()
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, Mapping):

@@ -77,7 +77,7 @@ class Trainer(BaseTrainer):
                  hooks=(), comm=None, update_ratios_every: int | None = None,
                  overlap: bool = False, batch_norm: str = "micro",
                  distributions_every: int | None = None, check_applied: bool = True,
-                 statistics=None):
+                 statistics=None, watch_outliers: bool = True, diagnose: bool = True):
         """Takes the model as compiled, compiling it with ``loss`` and ``optimizer`` where given.
 
         The keywords every face takes are :class:`~hostavg.train.trainer.BaseTrainer`'s
@@ -125,7 +125,8 @@ class Trainer(BaseTrainer):
                          accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
                          distributions_every=distributions_every,
-                         check_applied=check_applied, statistics=statistics)
+                         check_applied=check_applied, statistics=statistics,
+                         watch_outliers=watch_outliers, diagnose=diagnose)
         self.batch_norm = batch_norm
         if batch_norm != "micro" and keras.backend.backend() != "tensorflow":
             raise ArgumentError(f"batch_norm={batch_norm!r} is built for Keras's TensorFlow backend "

@@ -75,7 +75,7 @@ class Trainer(BaseTrainer):
                  update_ops=None, hooks=(), comm=None, update_ratios_every: int | None = None,
                  session_threads: str = "pool", overlap: bool = False,
                  distributions_every: int | None = None, check_applied: bool = True,
-                 statistics=None):
+                 statistics=None, watch_outliers: bool = True, diagnose: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
 
         The keywords every face takes are :class:`~hostavg.train.trainer.BaseTrainer`'s
@@ -140,7 +140,8 @@ class Trainer(BaseTrainer):
                          accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
                          distributions_every=distributions_every,
-                         check_applied=check_applied, statistics=statistics)
+                         check_applied=check_applied, statistics=statistics,
+                         watch_outliers=watch_outliers, diagnose=diagnose)
         self.average = average
         if average == "graph" and self.accum_dtype is not None:
             try:

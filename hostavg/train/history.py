@@ -33,7 +33,7 @@ FORMAT_1 = ("epoch", "step", "loss", "size", "samples", "grad_norm", "g2", "trac
             "variable_norms", "update_ratios", "dropped", "nonfinite_rows", "micro_losses",
             "distributions")
 #: What a field of each kind holds where a step has no value: tuples stay tuples.
-_EMPTY = {Kind.MICRO: (), Kind.VARIABLE: (), Kind.INDICES: ()}
+_EMPTY = {Kind.MICRO: (), Kind.VARIABLE: (), Kind.INDICES: (), Kind.RECORDS: ()}
 #: The kinds whose values a StepLog (and its JSON) keeps as tuples: per variable, in
 #: :attr:`History.variables`' order.
 _TUPLES = (Kind.MICRO, Kind.VARIABLE, Kind.INDICES)
@@ -72,8 +72,9 @@ _KINDS = {q.name: q.kind for q in schema.HISTORY}
 class History:
     """The record fit returns, and keeps in its checkpoints.
 
-    Memory: per step, a few numbers plus two per micro-batch and two per
-    trained variable (and 27 per variable on steps that keep distributions).
+    Memory: per step, a few numbers plus three per micro-batch and two per
+    trained variable (and 27 per variable on steps that keep distributions),
+    and one integer per sample where fit knows the data rows (``micro_rows``).
 
     Attributes:
       steps: one :class:`StepLog` per optimizer step.
@@ -192,6 +193,51 @@ class History:
         rows = [r for s in self.steps for r in s.nonfinite_rows]
         return np.unique(np.asarray(rows, np.int64))
 
+    def micro_table(self):
+        """One row per micro-batch of every step, indexed by (``step``, ``micro_batch``, its
+        index in the step, from 0): ``size``, ``rows`` (its data rows, a list, or None where
+        unknown: not told, or read back from JSON, which holds no rows), ``loss``, ``grad_norm`` (as accumulated; NaN for a dropped one over MPI) and
+        ``dropped`` (whether a hook dropped it).
+
+        Example::
+
+            table = history.micro_table()
+            table.loc[37]                           # step 37's micro-batches
+            table.sort_values("loss").tail(3).rows  # the rows of the three largest losses
+        """
+        pd = pandas("History.micro_table")
+        rows = [(s.step, i, _at(s.micro_sizes, i), _rows(s.micro_rows, i), _at(s.micro_losses, i),
+                 _at(s.micro_norms, i), i in s.dropped)
+                for s in self.steps for i in range(len(s.micro_losses))]
+        return pd.DataFrame(rows, columns=["step", "micro_batch", "size", "rows", "loss",
+                                           "grad_norm", "dropped"]).set_index(
+            ["step", "micro_batch"])
+
+    def outliers(self):
+        """The outlier micro-batches' culprit rows (:class:`~hostavg.hooks.WatchOutliers`), a
+        pandas DataFrame of one row each, in step order, the largest first within a
+        micro-batch: ``step``, ``micro_batch``, ``row`` (its data row; None where no sample
+        stood out alone, or the rows are unknown), ``loss`` and ``grad_norm`` (the row's,
+        computed alone at that step's weights), ``factor`` (the micro-batch's ``quantity``
+        over the median of the last steps' micro-batches) and ``quantity`` (``"loss"`` or
+        ``"grad_norm"``).
+        """
+        pd = pandas("History.outliers")
+        columns = ["step", "micro_batch", "row", "loss", "grad_norm", "factor", "quantity"]
+        return pd.DataFrame([{"step": s.step, **event} for s in self.steps for event in s.outliers],
+                            columns=columns)
+
+    def diagnoses(self):
+        """The verdicts :class:`~hostavg.hooks.Diagnose` reached, a pandas DataFrame of one row
+        each, in step order: ``step`` (first reached), ``kind`` (one of
+        :data:`~hostavg.train.diagnose.DIAGNOSES`), ``variables`` (a tuple, from the input side;
+        empty for ``"exploding"``), ``evidence`` (the numbers) and ``advice``.
+        """
+        pd = pandas("History.diagnoses")
+        columns = ["step", "kind", "variables", "evidence", "advice"]
+        return pd.DataFrame([{"step": s.step, **event} for s in self.steps
+                             for event in s.diagnoses], columns=columns)
+
     def to_pandas(self, which: str = "steps"):
         """A pandas DataFrame of the ``"steps"`` or the ``"epochs"``.
 
@@ -250,8 +296,12 @@ class History:
     def to_json(self) -> str:
         """The History as JSON (what a checkpoint holds): ``"format": 2``, each step an object of
         named fields; an array a metric logged (Keras's F1Score, one value per class) becomes a
-        list."""
-        return json.dumps({"format": FORMAT, "steps": [s._asdict() for s in self.steps],
+        list. Without the micro-batches' data rows (``micro_rows`` is null): one integer per
+        sample would grow every checkpoint by the data set's size each epoch (a
+        :class:`~hostavg.inspect.record.Record` keeps them, a step at a time)."""
+        unsaved = {q.name: None for q in schema.HISTORY if q.kind is Kind.ROWS}
+        return json.dumps({"format": FORMAT, "steps": [{**s._asdict(), **unsaved}
+                                                       for s in self.steps],
                            "epochs": self.epochs, "variables": self.variables,
                            "statistics": {n: k.value for n, k in self.statistics.items()},
                            "stopped": self.stopped}, default=_plain)
@@ -319,9 +369,20 @@ def _format_1(row) -> dict:
     return dict(zip(FORMAT_1, row))
 
 
+def _at(values: tuple, i: int) -> float:
+    return values[i] if i < len(values) else math.nan
+
+
+def _rows(rows: tuple | None, i: int) -> list | None:
+    """Micro-batch ``i``'s data rows as a list, or None where unknown."""
+    return None if rows is None or rows[i] is None else rows[i].tolist()
+
+
 def _tuple(kind: Kind, value):
     """A JSON value as a StepLog keeps it: lists of the tuple kinds as tuples, a distribution's
     percentiles as tuples."""
+    if kind in (Kind.ROWS, Kind.RECORDS) and value is not None:
+        return schema.plain(kind, value)
     if kind is Kind.DISTRIBUTION and value is not None:
         return {q: {n: tuple(p) for n, p in by_variable.items()} for q, by_variable in value.items()}
     return tuple(value) if kind in _TUPLES and isinstance(value, list) else value

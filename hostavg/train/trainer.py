@@ -34,6 +34,8 @@ from hostavg.engine.protocols import Backend, HostAverage
 from hostavg.engine.step import Engine
 from hostavg.train import checkpoint
 from hostavg.train.history import History
+from hostavg.train.diagnose import Diagnose
+from hostavg.train.hooks import WatchOutliers
 from hostavg.train.loop import FitArguments, fit_arguments
 from hostavg.train.loop import fit as fit_loop
 from hostavg.train.progress import VERBOSE, checked_verbose
@@ -100,7 +102,7 @@ class BaseTrainer:
                  accumulate: str = "sum", accum_dtype=None, hooks=(), comm=None,
                  update_ratios_every: int | None = None, overlap: bool = False,
                  distributions_every: int | None = None, check_applied: bool = True,
-                 statistics=None):
+                 statistics=None, watch_outliers: bool = True, diagnose: bool = True):
         """The settings every face takes, by keyword.
 
         Args:
@@ -128,13 +130,18 @@ class BaseTrainer:
             mean, before the apply) a number, k numbers (per micro-batch) or ``{variable:
             number}``, kept as ``StepResult.statistics[name]`` and shown wherever a step is
             (History, Record, TensorBoard, plots); see docs/guides/inspecting.md.
+          watch_outliers: run a :class:`~hostavg.hooks.WatchOutliers` (warn) after ``hooks``;
+            False: don't.
+          diagnose: run a :class:`~hostavg.hooks.Diagnose` before ``hooks`` (its verdicts are in
+            what their ``on_applied`` sees); False: don't.
         """
         if accumulate not in ACCUMULATE_MODES:
             raise ArgumentError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self._cut = cut(micro_batch_size, micro_batches)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
-        self.hooks = normalize_hooks(hooks)
+        self.hooks = ((Diagnose(),) if flag("diagnose", diagnose) else ()) + normalize_hooks(
+            hooks) + ((WatchOutliers(),) if flag("watch_outliers", watch_outliers) else ())
         self.update_ratios_every = None if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
         self.overlap = flag("overlap", overlap)
