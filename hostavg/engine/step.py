@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
-from hostavg.core import distributions
+from hostavg.core import curvature, distributions
+from hostavg.core.curvature import Curvature, CurvatureSettings
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
@@ -46,6 +47,7 @@ from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
+from hostavg.engine.products import Operator
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
@@ -175,17 +177,42 @@ class Engine:
     @contextlib.contextmanager
     def leaving_no_trace(self, backend: Backend, call: str):
         """Within the block no step of this trainer runs, and afterwards what the computes
-        assigned (moving statistics) is as before: for calls that only look."""
+        assigned (moving statistics) is as before: for calls that only look. Gives the
+        snapshot it restores."""
         if not self._busy.acquire(blocking=False):
             raise StepError(f"{call}: a step of this trainer is running; call it between steps")
         try:
             snapshot = backend.snapshot()
             try:
-                yield
+                yield snapshot
             finally:
                 backend.restore(snapshot)
         finally:
             self._busy.release()
+
+    def hvp(self, backend: Backend, micro_feeds: Sequence, vectors: Mapping) -> Gradients:
+        """H v of the batch cut into ``micro_feeds``, for ``vectors`` (:mod:`~hostavg.engine.products`);
+        changes nothing."""
+        with self._operator(backend, micro_feeds, "hvp") as product:
+            return product.gradients(product(product.vector(vectors)))
+
+    def curvature(self, backend: Backend, micro_feeds: Sequence,
+                  settings: CurvatureSettings) -> Curvature:
+        """The :class:`~hostavg.core.curvature.Curvature` of the batch cut into ``micro_feeds``,
+        measured as ``settings`` say; changes nothing."""
+        with self._operator(backend, micro_feeds, "curvature") as product:
+            spec = product.spec
+            found = curvature.measure(lambda v: curvature.flat(spec, product(
+                curvature.unflat(spec, v))), spec, settings)
+            return replace(found, loss=product.loss)
+
+    @contextlib.contextmanager
+    def _operator(self, backend: Backend, micro_feeds: Sequence, call: str):
+        """Within the block, the :class:`~hostavg.engine.products.Operator` of the batch cut
+        into ``micro_feeds``; afterwards what its products assigned is as before."""
+        with self.leaving_no_trace(backend, call) as snapshot:
+            yield Operator(backend, prepare(backend, micro_feeds, None, call), self.spec,
+                           snapshot, call)
 
     def _checked(self, grads: Mapping, what: str, hint: str, mine: bool = False,
                  finite: bool = True) -> dict:
