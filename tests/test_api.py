@@ -5,7 +5,7 @@ import sys
 
 import hostavg
 
-PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "Callback",
+PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "Callback", "Curvature",
           "EarlyStopping", "StepError",
           "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "ResumeWarning",
           "SparseGradient",
