@@ -127,3 +127,16 @@ def test_the_engine_weights_micro_batches_by_samples_and_fixes_the_state():
     want = np.linalg.eigvalsh(operator)
     np.testing.assert_allclose(found.top_eigenvalues, want[np.argsort(-np.abs(want))], rtol=1e-9)
     assert found.products == 3 and found.loss == 2.5 and backend.draws == 0
+
+
+@pytest.mark.parametrize("quadratic,alpha", [
+    ((1.0, -1.0, 0.25), 1.0),   # (t - 0.5)^2: the step lands at the start's height again
+    ((1.0, -2.0, 1.0), 0.0),    # (t - 1)^2: at the minimum
+    ((1.0, -4.0, 4.0), -0.5),   # (t - 2)^2: half way to it
+    ((1.0, 1.0, 0.0), 3.0),     # t^2 + t: uphill from a minimum behind the start, at -1/2
+    ((-1.0, 1.0, 0.0), np.nan),  # concave: no minimum along the step
+])
+def test_step_quality_on_exact_quadratics(quadratic, alpha):
+    a, b, c = quadratic
+    got = curvature.step_quality(c, b, a + b + c, 2 * a + b)
+    np.testing.assert_allclose(got, alpha, atol=1e-12)

@@ -24,9 +24,10 @@ from types import MappingProxyType
 import numpy as np
 
 from hostavg.core.errors import ArgumentError, non_negative_int, positive_int, positive_number
-from hostavg.core.gradients import VariableSpec, freeze
+from hostavg.core.gradients import SparseGradient, VariableSpec, freeze
 
-__all__ = ["Curvature", "CurvatureSettings", "flat", "hutchinson", "lanczos", "unflat"]
+__all__ = ["Curvature", "CurvatureSettings", "flat", "hutchinson", "lanczos", "measure",
+           "step_quality", "unflat"]
 
 Product = Callable[[np.ndarray], np.ndarray]
 
@@ -88,9 +89,12 @@ class Curvature:
     products: int
 
 
-def flat(spec: Mapping[str, VariableSpec], values: Mapping) -> np.ndarray:
-    """``values`` (name -> array of its variable's shape) as one float64 vector, in spec's order."""
-    return np.concatenate([np.asarray(values[name], np.float64).ravel() for name in spec])
+def flat(spec, values: Mapping) -> np.ndarray:
+    """``values`` (name -> array of its variable's shape, or SparseGradient) as one float64
+    vector, in the order of ``spec``'s names (a spec, or a list of names)."""
+    return np.concatenate([np.asarray(v.to_dense() if isinstance(v, SparseGradient) else v,
+                                      np.float64).ravel()
+                           for v in (values[name] for name in spec)])
 
 
 def unflat(spec: Mapping[str, VariableSpec], vector: np.ndarray) -> dict:
@@ -101,6 +105,22 @@ def unflat(spec: Mapping[str, VariableSpec], vector: np.ndarray) -> dict:
         out[name] = vector[start:start + size].reshape(s.shape)
         start += size
     return out
+
+
+def step_quality(loss_before: float, slope_before: float, loss_after: float,
+                 slope_after: float) -> float:
+    """Cockpit's alpha: where a step lands on the quadratic ``q(t) = a t^2 + b t + c`` fitted
+    (least squares) along it to the loss and its directional derivative before it (t = 0)
+    and after it (t = 1): ``alpha = (1 - t*) / |t*|``, t* = -b / 2a the fit's minimum, so -1
+    stays, 0 lands at the minimum, +1 overshoots to the starting height. NaN where the fit
+    has no minimum (a <= 0)."""
+    design = np.array([[0.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    (a, b, _), *_ = np.linalg.lstsq(
+        design, np.array([loss_before, loss_after, slope_before, slope_after]), rcond=None)
+    if not a > 0 or b == 0:
+        return math.nan
+    minimum = -b / (2 * a)
+    return float((1 - minimum) / abs(minimum))
 
 
 def hutchinson(product: Product, dim: int, samples: int, rng: np.random.Generator

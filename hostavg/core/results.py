@@ -249,8 +249,14 @@ class Hook(Protocol):
     Per step (by the trainer, inside every step, fit's or yours):
     ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
     None, replacement gradients or a :class:`Drop`), ``on_step(mean, result)``
-    before the apply (returns None or a replacement mean), ``on_applied(result)``
-    once the apply succeeded (never for a step that failed or was skipped).
+    before the apply (returns None or a replacement mean),
+    ``on_step_batch(batch, result)`` after the ``on_step`` hooks, with the step's own
+    micro-batches at its weights (:class:`~hostavg.engine.products.StepBatch`: its
+    curvature, its gradient), returning None or a mapping for ``result.info``, and then
+    ``on_applied_batch(batch, result)`` once the apply succeeded, for a hook whose
+    ``on_step_batch`` returned a mapping (also a mapping for ``result.info``), before
+    ``on_applied(result)``, which runs once the apply succeeded (never for a step that
+    failed or was skipped).
 
     Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
     the epoch training starts at), ``on_epoch_begin(epoch)``,
@@ -269,6 +275,10 @@ class Hook(Protocol):
     def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | None: ...
 
     def on_step(self, mean: Gradients, result: StepResult) -> Mapping | None: ...
+
+    def on_step_batch(self, batch, result: StepResult) -> Mapping | None: ...
+
+    def on_applied_batch(self, batch, result: StepResult) -> Mapping | None: ...
 
     def on_applied(self, result: StepResult) -> None: ...
 
@@ -290,7 +300,7 @@ class Hook(Protocol):
 
 
 #: The hook methods a step calls (the trainer), and those fit calls.
-STEP_METHODS = ("on_micro_batch", "on_step", "on_applied")
+STEP_METHODS = ("on_micro_batch", "on_step", "on_step_batch", "on_applied_batch", "on_applied")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.

@@ -14,12 +14,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from dataclasses import replace
+
+from hostavg.core import curvature
+from hostavg.core.accumulator import Accumulator
+from hostavg.core.curvature import Curvature, CurvatureSettings
 from hostavg.core.errors import ArgumentError, HostavgError
 from hostavg.core.gradients import Gradients, VariableSpec, check_finite, conform, freeze
 from hostavg.engine.batches import Prepared
 from hostavg.engine.protocols import Backend
 
-__all__ = ["Operator", "dense_spec"]
+__all__ = ["Operator", "StepBatch", "dense_spec", "measured"]
 
 
 def dense_spec(spec: Mapping[str, VariableSpec]) -> dict:
@@ -77,3 +82,45 @@ class Operator:
         """``product`` as the variables' dtypes: read-only, with the batch's loss and size."""
         return Gradients({name: freeze(np.asarray(p, self.spec[name].dtype))
                           for name, p in product.items()}, loss=self.loss, size=self._total)
+
+
+def measured(product: Operator, settings: CurvatureSettings) -> Curvature:
+    """The :class:`~hostavg.core.curvature.Curvature` of ``product``'s batch, with its loss."""
+    spec = product.spec
+    found = curvature.measure(lambda v: curvature.flat(spec, product(curvature.unflat(spec, v))),
+                              spec, settings)
+    return replace(found, loss=product.loss)
+
+
+class StepBatch:
+    """A step's own micro-batches at the weights as they are, for the hooks that measure on
+    them (``on_step_batch`` before the apply, ``on_applied_batch`` after it).
+
+    Each measurement leaves what the micro-batches' forward passes assign (moving
+    statistics, seed states) as it found it, and changes no weight.
+    """
+
+    def __init__(self, backend: Backend, batches: Sequence[Prepared], spec: Mapping, compute):
+        self._backend, self._batches, self._spec, self._compute = backend, batches, spec, compute
+
+    def curvature(self, **settings) -> Curvature:
+        """The batch's :class:`~hostavg.Curvature` (``trainer.curvature``'s keywords)."""
+        checked = CurvatureSettings(**settings)
+        snapshot = self._backend.snapshot()
+        try:
+            return measured(Operator(self._backend, self._batches, self._spec, snapshot,
+                                     "curvature"), checked)
+        finally:
+            self._backend.restore(snapshot)
+
+    def gradient(self) -> Gradients:
+        """The batch's sample-weighted mean gradient (float64), with its loss, at the weights now."""
+        snapshot = self._backend.snapshot()
+        acc = Accumulator(self._spec, accum_dtype=np.float64)
+        try:
+            for batch in self._batches:
+                g = self._compute(batch)
+                acc.add(g)
+        finally:
+            self._backend.restore(snapshot)
+        return acc.mean()

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
-from hostavg.core import curvature, distributions
+from hostavg.core import distributions
 from hostavg.core.curvature import Curvature, CurvatureSettings
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.dtypes import accumulation_dtype
@@ -47,7 +47,7 @@ from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
-from hostavg.engine.products import Operator
+from hostavg.engine.products import Operator, StepBatch, measured
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
@@ -120,6 +120,7 @@ class Engine:
         self._micro_hooks = methods(hooks, "on_micro_batch")
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
+        self._batch_hooks = methods(hooks, "on_step_batch")
 
     @contextlib.contextmanager
     def hooked(self, extra: Sequence):
@@ -201,10 +202,7 @@ class Engine:
         """The :class:`~hostavg.core.curvature.Curvature` of the batch cut into ``micro_feeds``,
         measured as ``settings`` say; changes nothing."""
         with self._operator(backend, micro_feeds, "curvature") as product:
-            spec = product.spec
-            found = curvature.measure(lambda v: curvature.flat(spec, product(
-                curvature.unflat(spec, v))), spec, settings)
-            return replace(found, loss=product.loss)
+            return measured(product, settings)
 
     @contextlib.contextmanager
     def _operator(self, backend: Backend, micro_feeds: Sequence, call: str):
@@ -364,9 +362,26 @@ class Engine:
                 mine = False
         if self.statistics:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
-        return Pending(self, backend, snapshot, result,
-                       self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse"),
-                       tally.apply_feed, batches)
+        checked = self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
+        return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
+                       *self._measured(backend, batches, result, after))
+
+    def _measured(self, backend, batches: list, result: StepResult, step: int) -> tuple:
+        """Shows the step's own micro-batches to the ``on_step_batch`` hooks, at the step's
+        weights: (the :class:`~hostavg.engine.products.StepBatch`, the hooks that measured on
+        it, which their ``on_applied_batch`` follows); what each returned goes into
+        ``result.info``."""
+        if not self._batch_hooks:
+            return None, ()
+        batch = StepBatch(backend, batches, self.spec, lambda b: self._compute(
+            backend, b.feed, b.size, f"a measure of step {step}, {b.where}")[0])
+        measuring = []
+        for hook, on_step_batch in self._batch_hooks:
+            found = call(hook, on_step_batch, (batch, result), f"on_step_batch of step {step}")
+            if found is not None:
+                result.info.update(found)
+                measuring.append(hook)
+        return batch, tuple(measuring)
 
     def _micro_batches(self, backend, batches: list[Prepared], log: _StepLog) -> int:
         """Computes, shows to the hooks and accumulates each micro-batch, noting them in ``log``;
@@ -618,6 +633,9 @@ class Pending(NamedTuple):
       feed: what the apply is fed (:meth:`Backend.apply_feed`; None where no micro-batch ran).
       batches: the step's micro-batches (:class:`~hostavg.engine.batches.Prepared`), for
         the culprit search of an apply gone non-finite.
+      measure, measuring: the step's :class:`~hostavg.engine.products.StepBatch`, and the
+        hooks that measured on it before the apply (``on_step_batch``), which measure on it
+        again after (``on_applied_batch``); None and () where none did.
     """
 
     engine: Engine
@@ -627,6 +645,8 @@ class Pending(NamedTuple):
     mean: dict | None
     feed: dict | None
     batches: list
+    measure: StepBatch | None = None
+    measuring: tuple = ()
 
 
 class Retry(NamedTuple):
@@ -677,12 +697,25 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
     finally:
         for engine in held:
             engine._busy.release()
-    for engine, result in zip(held, results):
+    for engine, one, result in zip(held, pending, results):
         if result.skipped is None:
+            _measured_after(one, result)
             for hook, on_applied in engine._applied_hooks:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                      applied=result)
     return results
+
+
+def _measured_after(pending: Pending, result: StepResult) -> None:
+    """Shows the step's micro-batches, at the weights after its apply, to the hooks that
+    measured on them before it (``on_applied_batch``); what each returns goes into
+    ``result.info``."""
+    for hook in pending.measuring:
+        after = getattr(hook, "on_applied_batch", None)
+        if callable(after):
+            found = call(hook, after, (pending.measure, result),
+                         f"on_applied_batch of step {result.step}", applied=result)
+            result.info.update(found or {})
 
 
 def _restore(taken: list, error: BaseException | None) -> None:
@@ -731,8 +764,10 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
         backend.restore(pending.snapshot)
         return pending.result
     every, seen, after = engine.update_ratios_every, engine.distributions_every, pending.result.step
+    kept_distributions = bool(seen) and after % seen == 0
     applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
-        ratios=bool(every) and after % every == 0, values=bool(seen) and after % seen == 0))
+        ratios=bool(every) and after % every == 0,
+        values=kept_distributions or bool(pending.measuring)))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
@@ -745,7 +780,8 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                    update_ratios=None if applied.skipped else applied.update_ratios,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
-                                                       applied.updates) if kept else None,
+                                                       applied.updates)
+                   if kept and kept_distributions else None,
                    weights=_frozen(applied.weights) if kept else None,
                    updates=_frozen(applied.updates) if kept else None)
 

@@ -20,6 +20,7 @@ from backends import BATCH, same
 from models import batches
 
 import hostavg
+import hostavg.hooks
 
 ATOL_EXACT, ATOL_MICRO = 1e-5, 1e-6
 
@@ -202,3 +203,65 @@ def test_vectors_and_settings_are_checked(backend):
         face.curvature(data, tolerance=0)
     with pytest.raises(hostavg.ArgumentError, match="nothing to measure"):
         face.curvature(data, trace_samples=0, top=0)
+
+
+def _weights(face) -> dict:
+    values = face.values()
+    return {name: values[name].astype(np.float64) for name in face.trainer.spec}
+
+
+def _dense(g) -> dict:
+    return {n: (v.to_dense() if isinstance(v, hostavg.SparseGradient) else np.asarray(v))
+            for n, v in g.items()}
+
+
+def test_the_curvature_hook_measures_before_the_apply_and_where_the_step_landed(backend):
+    data = batches(0, 2, BATCH)
+    hook = hostavg.hooks.Curvature(every=1, trace_samples=4, top=1, iterations=10)
+    face = backend.make("mlp", "sgd", hooks=[hook])
+    start = None
+    for d in data:
+        before = face.compute(face.native(d))
+        w0 = _weights(face)
+        start = w0 if start is None else start
+        want = face.curvature(d, trace_samples=4, top=1, iterations=10, micro_batch_size=8)
+        result = face.step(face.cut(d, 8))
+        w1, after = _weights(face), face.compute(face.native(d))
+        u = _flat(face, {n: w1[n] - w0[n] for n in w1})
+        # the quadratic a t^2 + b t + c through (0, L0), (1, L1) with slopes g0.u and g1.u
+        # at t = 0 and 1, by least squares; alpha = (1 - t*) / |t*| at its minimum t*
+        (a, b, _), *_ = np.linalg.lstsq(
+            np.array([[0, 0, 1], [1, 1, 1], [0, 1, 0], [2, 1, 0]], float),
+            [before.loss, after.loss, _flat(face, _dense(before)) @ u,
+             _flat(face, _dense(after)) @ u], rcond=None)
+        info = result.info
+        assert info["alpha"] == pytest.approx((1 + b / (2 * a)) / abs(b / (2 * a)), rel=1e-4)
+        assert info["update_norm"] == pytest.approx(np.linalg.norm(u), rel=1e-6)
+        assert info["distance"] == pytest.approx(
+            np.linalg.norm(_flat(face, {n: w1[n] - start[n] for n in w1})), rel=1e-6)
+        assert info["hessian_top_eigenvalue"] == pytest.approx(want.top_eigenvalues[0], rel=1e-6)
+        assert info["hessian_trace"] == pytest.approx(want.trace, rel=1e-6)
+        assert info["sharpness"] == pytest.approx(want.top_eigenvalues[0] * 0.1 / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("model", ["batchnorm", "embedding"])
+def test_the_curvature_hook_leaves_the_step_as_it_was(backend, model):
+    data = batches(0, 2, BATCH, sparse=model == "embedding")
+    plain = backend.make(model, "adam")
+    measured = backend.make(model, "adam", hooks=[hostavg.hooks.Curvature(
+        every=2, trace_samples=2, top=1, iterations=3)])
+    for d in data:
+        plain.step(plain.cut(d, 8))
+        result = measured.step(measured.cut(d, 8))
+    same(measured.values(), plain.values())  # weights, optimizer, moving statistics, step
+    assert result.step == 2 and result.info["hessian_top_eigenvalue"] is not None
+
+
+def test_the_curvature_quantities_reach_the_history(backend):
+    data = batches(0, 1, BATCH)[0]
+    face = backend.make("mlp", "sgd", micro_batch_size=8, hooks=[hostavg.hooks.Curvature(
+        every=2, trace_samples=2, top=1, iterations=3)])
+    table = face.fit(data, batch_size=BATCH, epochs=4, verbose=0).to_pandas()
+    for name in ("hessian_trace", "hessian_top_eigenvalue", "sharpness", "alpha", "distance",
+                 "update_norm"):
+        assert table[name].isna().tolist() == [True, False, True, False], name
