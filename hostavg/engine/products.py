@@ -49,7 +49,7 @@ class Operator:
             raise ArgumentError(
                 f"{call}: the loss runs random ops that draw anew at every call ({names}), so "
                 f"its Hessian-vector products would not be of one operator; measure the "
-                f"curvature of a loss without them (a graph built with the dropout rate 0)")
+                f"curvature of a model built without them (dropout rate 0)")
         self.backend, self.batches, self.snapshot, self.call = backend, batches, snapshot, call
         self.spec = dense_spec(spec)
         self._total = float(sum(b.size for b in batches))
