@@ -139,23 +139,16 @@ QUANTITIES = (
     Quantity("grad_norm_before_clip", S, _info("grad_norm_before_clip"),
              "the mean gradient's norm before ClipGlobalNorm clipped it, or None",
              tag="hostavg/grad_norm_before_clip"),
-    Quantity("hessian_trace", S, _info("hessian_trace"),
-             "Hutchinson's estimate of the Hessian's trace on the step's batch (hooks.Curvature), "
-             "or None", tag="hostavg/hessian_trace"),
-    Quantity("hessian_top_eigenvalue", S, _info("hessian_top_eigenvalue"),
-             "the Hessian's eigenvalue of largest magnitude on the step's batch "
-             "(hooks.Curvature), or None", tag="hostavg/hessian_top_eigenvalue"),
-    Quantity("sharpness", S, _info("sharpness"),
-             "top eigenvalue x learning rate / 2: above 1 gradient descent diverges along the "
-             "top direction (hooks.Curvature), or None", tag="hostavg/sharpness"),
-    Quantity("alpha", S, _info("alpha"),
-             "Cockpit's step quality: -1 stays, 0 lands at the minimum along the update, +1 "
-             "overshoots (hooks.Curvature), or None", tag="hostavg/alpha"),
-    Quantity("distance", S, _info("distance"),
-             "|w - w0| after the apply, w0 the weights at fit's start (hooks.Curvature), or None",
-             tag="hostavg/distance"),
-    Quantity("update_norm", S, _info("update_norm"),
-             "|update| of the apply (hooks.Curvature), or None", tag="hostavg/update_norm"),
+    *(Quantity(name, S, _info(name), f"{doc} (hooks.Curvature), or None",
+               tag=f"hostavg/{name}") for name, doc in (
+        ("hessian_trace", "Hutchinson's estimate of the Hessian's trace on the step's batch"),
+        ("hessian_top_eigenvalue", "the Hessian's eigenvalue of largest magnitude there"),
+        ("sharpness", "top eigenvalue x learning rate / 2: above 1 gradient descent diverges "
+                      "along the top direction"),
+        ("alpha", "Cockpit's step quality: -1 stays, 0 lands at the minimum along the "
+                  "update, +1 overshoots"),
+        ("distance", "|w - w0| after the apply, w0 the weights at fit's start"),
+        ("update_norm", "|update| of the apply"))),
     Quantity("micro_losses", M, lambda r: tuple(m.loss for m in r.micro),
              "each micro-batch's mean loss", tag="hostavg/micro_losses", column="loss"),
     Quantity("micro_norms_before_clip", M, _info("micro_norms_before_clip"),
