@@ -291,7 +291,8 @@ class BaseTrainer:
         micro-batch's moments); every product of one call starts from the same
         state (moving statistics, Keras's dropout seeds), and a TF1 graph with
         random ops, which draw anew at every call, is refused. The weights, the
-        optimizer and what the forward passes assign are as before.
+        optimizer and what the forward passes assign are as before. With ``comm``,
+        of this process's batch alone.
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
