@@ -11,10 +11,9 @@ one operator; a backend whose random ops draw anew at every call refuses.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
-
-from dataclasses import replace
 
 from hostavg.core import curvature
 from hostavg.core.accumulator import Accumulator

@@ -39,7 +39,8 @@ class Curvature:
 
     Cost of a measured step: ``trace_samples`` + up to ``iterations`` Hessian-vector
     products of the batch (about two computes each), two more compute passes (the
-    gradient before and after the apply), and the apply returns the weights.
+    gradient before and after the apply), and the apply returns the weights. Over MPI
+    (``comm=``) each rank measures its own micro-batches.
     """
 
     def __init__(self, every: int = 1, *, trace_samples: int = 16, top: int = 1,
@@ -48,7 +49,7 @@ class Curvature:
         self.settings = CurvatureSettings(trace_samples, positive_int("top", top), iterations,
                                           tolerance, seed)
         self._start = None  # the weights before the first step seen (float64)
-        self._before = None  # (loss, gradient, top eigenvalue) of the step being measured
+        self._before = None  # (the gradient and loss, the top eigenvalue) before the apply
 
     def on_train_begin(self) -> None:
         self._start = None
@@ -78,7 +79,6 @@ class Curvature:
         return {"sharpness": math.nan if lr is None else top * lr / 2,
                 "alpha": curvature.step_quality(g0.loss, float(curvature.flat(names, g0) @ along),
                                                 g1.loss, float(curvature.flat(names, g1) @ along)),
-                "distance": float(np.sqrt(sum(np.sum((np.asarray(w, np.float64)
-                                                     - self._start[n]) ** 2)
-                                              for n, w in result.weights.items()))),
+                "distance": float(np.linalg.norm(curvature.flat(names, result.weights)
+                                                 - curvature.flat(names, self._start))),
                 "update_norm": float(np.linalg.norm(along))}
