@@ -21,6 +21,7 @@ import importlib
 
 from hostavg.compat import private_apis
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator
+from hostavg.core.curvature import Curvature
 from hostavg.train.callbacks import Callback, EarlyStopping, StopTraining
 from hostavg.engine.protocols import AVERAGE_MODES
 from hostavg.core.errors import ArgumentError, HostavgError, StepError
@@ -50,6 +51,7 @@ __all__ = [
     "Accumulator",
     "ArgumentError",
     "Callback",
+    "Curvature",
     "DiagnosisWarning",
     "EarlyStopping",
     "Gradients",

@@ -5,10 +5,11 @@ Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
 run: :class:`Diagnose` (:mod:`hostavg.train.diagnose`). Writing what
 happened: :class:`Record` (:mod:`hostavg.inspect.record`) and
 :class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`). Watching it: :class:`LivePlot`
-(:mod:`hostavg.inspect.live`).
+(:mod:`hostavg.inspect.live`). Measuring it: :class:`Curvature` (:mod:`hostavg.inspect.curvature`).
 """
 
 from hostavg.core.results import Drop, Hook, Search
+from hostavg.inspect.curvature import Curvature
 from hostavg.inspect.live import LivePlot
 from hostavg.inspect.record import Record
 from hostavg.inspect.tensorboard import TensorBoard
@@ -16,6 +17,6 @@ from hostavg.train.diagnose import Diagnose, DiagnosisWarning
 from hostavg.train.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, OutlierWarning, SkipNonFinite,
                                  WatchOutliers)
 
-__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Diagnose", "DiagnosisWarning", "Drop", "Hook",
-           "LivePlot", "OutlierWarning",
-           "Record", "Search", "SkipNonFinite", "TensorBoard", "WatchOutliers"]
+__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning",
+           "Drop", "Hook", "LivePlot", "OutlierWarning", "Record", "Search", "SkipNonFinite",
+           "TensorBoard", "WatchOutliers"]

@@ -6,7 +6,7 @@ import sys
 import hostavg
 
 PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "Callback",
-          "DiagnosisWarning", "OutlierWarning", "EarlyStopping", "StepError",
+          "Curvature", "DiagnosisWarning", "OutlierWarning", "EarlyStopping", "StepError",
           "Gradients", "History", "HostavgError", "MicroBatch", "NoiseScale", "ResumeWarning",
           "SparseGradient",
           "StepLog", "StepResult", "StepStats", "StopTraining", "Trainer", "VariableSpec",

@@ -139,3 +139,19 @@ def test_bench_optimizers_pick_configs_and_an_unknown_one_is_one_line(tmp_path, 
     assert main(["bench", "--optimizers", "adam,lamb"]) == 2
     err = capsys.readouterr().err
     assert err == "hostavg bench: error: unknown optimizer ['lamb']; choose from adam, sgd\n"
+
+
+def test_bench_curvature_times_a_product_against_a_compute_and_the_hooks_share(capsys):
+    assert main(["bench", "--curvature", "--models", "logreg", "--micro-batch-sizes", "8",
+                 "--k", "2", "--repeats", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["configuration", "face", "compute", "product", "ratio", "step",
+                              "every=1", "every=10"]
+    rows = [line.split() for line in out[1:3]]
+    assert [row[3] for row in rows] == ["hostavg", "hostavg-keras"]
+    for row in rows:
+        compute, product = (float(cell.rstrip("ms")) for cell in row[4:6])
+        assert product > compute > 0  # a product is a backward pass of a backward pass
+        every_1, every_10 = (float(cell.rstrip("%")) for cell in row[8:10])
+        assert 0 < every_10 < every_1 < 100  # measuring 10x as often costs more
+    assert "hooks.Curvature(every=N)" in out[3]

@@ -58,6 +58,12 @@ CHECKS = {
     # the weights of a fit that was not stopped.
     "docs/guides/training.md": lambda ns, out: (
         "stopped at step 6 ; history up to it: 6 steps\nTrue\n" in out),
+    # The edge of stability: full-batch gradient descent's sharpness climbs to 1 from below,
+    # then stays within 20% of it.
+    "docs/guides/inspecting.md": lambda ns, out: (
+        ns["sharpness"].iloc[0] < 0.9 and ns["sharpness"].max() >= 1
+        and ns["sharpness"][ns["sharpness"].index >= ns["sharpness"][ns["sharpness"] >= 1]
+                            .index[0]].between(0.8, 1.2).all()),
     "docs/guides/tf1.md": lambda ns, out: (
         ns["data_res"].step == 4 and [m.size for m in ns["data_res"].micro] == [64] * 4
         and "4 256" in out and out.count("self-check passed") == 4

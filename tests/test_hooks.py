@@ -180,7 +180,7 @@ def test_tensorboard_scalars_read_back_with_event_accumulator_after_every_step(t
         "loss", "grad_norm", "learning_rate", "dropped", "nonfinite_rows", "b_simple",
         "b_simple_one_step", "g2", "trace_sigma", "norm_test", "inner_product_test",
         "orthogonality_test", "gsnr")} | {
-        f"{kind}/{n}" for kind in ("grad_norm", "update_ratio") for n in names}
+        f"{kind}/{n}" for kind in ("grad_norm", "update_ratio", "weight_norm") for n in names}
     for tag, want in {"hostavg/grad_norm": lambda r: r.stats.grad_norm,
                       "hostavg/gsnr": lambda r: r.stats.gsnr,
                       "hostavg/norm_test": lambda r: r.stats.norm_test,
@@ -496,11 +496,12 @@ print("tensorflow" in sys.modules, float(np.asarray(model.layers[0].kernel).sum(
 
 
 def test_a_tensorboard_folder_of_another_run_is_refused_unless_overwritten(tmp_path):
-    s = Setup(hooks=[TensorBoard(tmp_path / "tb")])
+    board = TensorBoard(tmp_path / "tb")
+    s = Setup(hooks=[board])
     s.trainer.step(s.sess, s.feeds)
-    s.trainer.hooks[0].close()
+    board.close()
     s.trainer.step(s.sess, s.feeds)  # the same hook again: its own folder, a second file
-    s.trainer.hooks[0].close()
+    board.close()
     again = Setup(hooks=[TensorBoard(tmp_path / "tb")])
     with pytest.raises(hostavg.HostavgError, match=re.escape(
             f"TensorBoard: the folder {str(tmp_path / 'tb')!r} already holds 2 event files")

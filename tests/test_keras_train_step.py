@@ -387,3 +387,16 @@ def test_a_failed_step_restores_what_the_train_step_assigned():
         trainer.step(cut(bad, y))
     assert_close(values(model), before, atol=0)  # weights, optimizer slots, metric states
     assert caught.value.culprits  # the culprit sample, found as for a compiled model
+
+
+def test_hvp_and_curvature_refuse_a_model_with_its_own_train_step_with_nothing_changed():
+    x, _ = data(5)
+    model = own_loop("vae", "sgd")
+    trainer = hostavg.keras.Trainer(model)
+    g = trainer.compute(x)
+    before = values(model)
+    for call in (lambda: trainer.hvp(x, vectors=g), lambda: trainer.curvature(x)):
+        with pytest.raises(hostavg.ArgumentError, match=r"hvp: model .* trains by its own "
+                                                        r"train_step, whose loss hostavg cannot"):
+            call()
+    assert_close(values(model), before, atol=0)

@@ -15,6 +15,7 @@ from models import recorded_step, tf1  # noqa: E402
 
 import hostavg  # noqa: E402
 from hostavg.cli import models  # noqa: E402
+import hostavg.hooks  # noqa: E402
 from hostavg.hooks import Record, SkipNonFinite  # noqa: E402
 from hostavg.inspect.plot import HEATMAP_SPECIAL  # noqa: E402
 
@@ -528,3 +529,27 @@ def test_one_axes_for_several_runs_is_drawn_as_0_1_0_drew_it_with_a_deprecation(
     assert len({lines[f"fast: {n}"].get_color() for n in names}) == len(names)
     with pytest.raises(hostavg.ArgumentError, match="ax must be 2 axes, got 3"):
         hostavg.plot.variable_norms(runs, ax=list(plt.subplots(1, 3)[1]))
+
+
+def test_curvature_draws_each_runs_measured_steps_with_the_levels_marked(tmp_path, runs):
+    measured = {lr: run(lr, tmp_path, hooks=[hostavg.hooks.Curvature(
+        every=2, trace_samples=2, iterations=3)]) for lr in (0.05, 0.2)}
+    histories = {f"lr {lr}": found[2] for lr, found in measured.items()}
+    axes = hostavg.plot.curvature({**histories, "record": hostavg.load_record(tmp_path / "rec0.2")})
+    assert [a.get_title() for a in axes] == [
+        "Sharpness: top eigenvalue x lr / 2", "Hessian trace (Hutchinson)", "Step quality alpha"]
+    for ax, name in zip(axes, ("sharpness", "hessian_trace", "alpha")):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for label, history in histories.items():
+            table = history.to_pandas().dropna(subset=[name])
+            drawn = lines[f"{label}: {name}"]
+            np.testing.assert_array_equal(drawn.get_xdata(), table["step"])
+            np.testing.assert_allclose(drawn.get_ydata(), table[name])
+        # the record holds what the History of its run holds
+        np.testing.assert_allclose(lines[f"record: {name}"].get_ydata(),
+                                   lines[f"lr 0.2: {name}"].get_ydata())
+    assert [line.get_ydata()[0] for line in axes[0].get_lines()
+            if line.get_linestyle() == ":"] == [1.0]
+    with pytest.raises(hostavg.HostavgError, match=r"no step was measured; train with "
+                                                   r"hooks=\[hostavg.hooks.Curvature"):
+        hostavg.plot.curvature(runs["fast"])

@@ -242,6 +242,9 @@ def _bench_selection_options(group) -> None:
                             "imported")
     group.add_argument("--stats", action="store_true",
                        help="also time hostavg-stack+stats: stack mode reading every statistic")
+    group.add_argument("--curvature", action="store_true",
+                       help="instead, time one Hessian-vector product against one compute per "
+                            "face, and hooks.Curvature's share of a step at every=1 and 10")
 
 
 def _bench_run_options(group) -> None:
@@ -291,6 +294,10 @@ def _bench(args) -> int:
                                                key=bench.OPTIMIZERS.index)
         configs = [bench.Config(m, b, k, o) for m in models for b in sizes for k in ks
                    for o in optimizers]
+    if args.curvature:
+        from hostavg.cli import bench_curvature
+        bench_curvature.run(configs, backend, repeats=min(args.repeats, 5))
+        return 0
     overhead = args.grid == "overhead"
     implementations = tuple(args.implementations or bench.defaults(args.grid, backend))
     if args.stats and "hostavg-stack+stats" not in implementations:

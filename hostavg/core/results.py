@@ -312,13 +312,15 @@ class Hook(Protocol):
 
     Per step (by the trainer, inside every step, fit's or yours):
     ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
-    None, replacement gradients, a :class:`Drop` or a :class:`Search`; a hook that
-    never drops may say ``drops = False``, and no snapshot is taken before each
-    compute for it), ``on_step(mean, result)``
-    before the apply (returns None or a replacement mean), ``on_applied(result)``
-    once the apply succeeded (never for a step that failed or was skipped), and
-    ``wants_update_ratios(step)`` before the apply of global step ``step``: True has that
-    apply measure ``update_ratios`` and ``weight_norms`` whatever ``update_ratios_every``.
+    None, replacement gradients, a :class:`Drop` or a :class:`Search`; a hook that never
+    drops may say ``drops = False``: no snapshot before each compute for it),
+    ``on_step(mean, result)`` before the apply (None or a replacement mean),
+    ``on_step_batch(batch, result)`` after them, with the step's micro-batches at its
+    weights (:class:`~hostavg.engine.products.StepBatch`), returning None or a mapping for
+    ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
+    ``update_ratios`` and ``weight_norms``; once the apply succeeded (never for a step that
+    failed or was skipped) ``on_applied_batch(batch, result)`` of the hooks whose
+    ``on_step_batch`` returned a mapping, then ``on_applied(result)``.
 
     Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
     the epoch training starts at), ``on_epoch_begin(epoch)``,
@@ -337,6 +339,10 @@ class Hook(Protocol):
     def on_micro_batch(self, micro: MicroBatch) -> Mapping | Drop | Search | None: ...
 
     def on_step(self, mean: Gradients, result: StepResult) -> Mapping | None: ...
+
+    def on_step_batch(self, batch, result: StepResult) -> Mapping | None: ...
+
+    def on_applied_batch(self, batch, result: StepResult) -> Mapping | None: ...
 
     def on_applied(self, result: StepResult) -> None: ...
 
@@ -360,7 +366,8 @@ class Hook(Protocol):
 
 
 #: The hook methods a step calls (the trainer), and those fit calls.
-STEP_METHODS = ("on_micro_batch", "on_step", "on_applied", "wants_update_ratios")
+STEP_METHODS = ("on_micro_batch", "on_step", "on_step_batch", "on_applied_batch", "on_applied",
+                "wants_update_ratios")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.

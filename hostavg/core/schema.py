@@ -166,6 +166,16 @@ QUANTITIES = (
              "each micro-batch's number of samples"),
     Quantity("micro_rows", Kind.ROWS, _micro_rows,
              "each micro-batch's data rows, where the step was told them (fit is), or None"),
+    *(Quantity(name, S, _info(name), f"{doc} (hooks.Curvature), or None",
+               tag=f"hostavg/{name}") for name, doc in (
+        ("hessian_trace", "Hutchinson's estimate of the Hessian's trace on the step's batch"),
+        ("hessian_top_eigenvalue", "the Hessian's eigenvalue of largest magnitude there"),
+        ("sharpness", "top eigenvalue x learning rate / 2: above 1 gradient descent diverges "
+                      "along the top direction"),
+        ("alpha", "Cockpit's step quality: -1 stays, 0 lands at the minimum along the "
+                  "update, +1 overshoots"),
+        ("distance", "|w - w0| after the apply, w0 the weights at fit's start"),
+        ("update_norm", "|update| of the apply"))),
     Quantity("micro_losses", M, lambda r: tuple(m.loss for m in r.micro),
              "each micro-batch's mean loss", tag="hostavg/micro_losses", column="loss"),
     Quantity("micro_norms_before_clip", M, _info("micro_norms_before_clip"),

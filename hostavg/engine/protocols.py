@@ -181,6 +181,13 @@ class Backend(Protocol):
         overflows where that overflows; its gradients are still the micro-batch's
         mean. Other backends ignore it."""
 
+    def hvp(self, feed, vector: Mapping) -> tuple[float, dict]:
+        """(the mean loss of one micro-batch, name -> H v) for ``feed`` (prepared) and
+        ``vector`` (name -> a float64 array of each trained variable's shape), H the Hessian
+        of that loss in the trained variables: exact second derivatives (double backprop, or
+        forward over reverse), in training mode as :meth:`compute`, dense for a sparse
+        variable. What its forward pass assigns may move; the engine restores it."""
+
     def random_ops(self) -> Sequence[RandomOp]:
         """The random ops :meth:`compute` runs, for the check's advice; () where the backend
         cannot tell."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from hostavg.core.accumulator import Accumulator
 from hostavg.core import distributions
+from hostavg.core.curvature import Curvature, CurvatureSettings
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
 from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
@@ -46,6 +47,7 @@ from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
+from hostavg.engine.products import Operator, StepBatch, measured
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
 
@@ -121,6 +123,7 @@ class Engine:
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
         self._ratio_hooks = methods(hooks, "wants_update_ratios")
+        self._batch_hooks = methods(hooks, "on_step_batch")
 
     @contextlib.contextmanager
     def hooked(self, extra: Sequence):
@@ -178,17 +181,39 @@ class Engine:
     @contextlib.contextmanager
     def leaving_no_trace(self, backend: Backend, call: str):
         """Within the block no step of this trainer runs, and afterwards what the computes
-        assigned (moving statistics) is as before: for calls that only look."""
+        assigned (moving statistics) is as before: for calls that only look. Gives the
+        snapshot it restores."""
         if not self._busy.acquire(blocking=False):
             raise StepError(f"{call}: a step of this trainer is running; call it between steps")
         try:
             snapshot = backend.snapshot()
             try:
-                yield
+                yield snapshot
             finally:
                 backend.restore(snapshot)
         finally:
             self._busy.release()
+
+    def hvp(self, backend: Backend, micro_feeds: Sequence, vectors: Mapping) -> Gradients:
+        """H v of the batch cut into ``micro_feeds``, for ``vectors`` (:mod:`~hostavg.engine.products`);
+        changes nothing."""
+        with self._operator(backend, micro_feeds, "hvp") as product:
+            return product.gradients(product(product.vector(vectors)))
+
+    def curvature(self, backend: Backend, micro_feeds: Sequence,
+                  settings: CurvatureSettings) -> Curvature:
+        """The :class:`~hostavg.core.curvature.Curvature` of the batch cut into ``micro_feeds``,
+        measured as ``settings`` say; changes nothing."""
+        with self._operator(backend, micro_feeds, "curvature") as product:
+            return measured(product, settings)
+
+    @contextlib.contextmanager
+    def _operator(self, backend: Backend, micro_feeds: Sequence, call: str):
+        """Within the block, the :class:`~hostavg.engine.products.Operator` of the batch cut
+        into ``micro_feeds``; afterwards what its products assigned is as before."""
+        with self.leaving_no_trace(backend, call) as snapshot:
+            yield Operator(backend, prepare(backend, micro_feeds, None, call), self.spec,
+                           snapshot, call)
 
     def _checked(self, grads: Mapping, what: str, hint: str, mine: bool = False,
                  finite: bool = True) -> dict:
@@ -341,9 +366,26 @@ class Engine:
                 mine = False
         if self.statistics:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
-        return Pending(self, backend, snapshot, result,
-                       self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse"),
-                       tally.apply_feed, batches)
+        checked = self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
+        return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
+                       *self._measured(backend, batches, result, after))
+
+    def _measured(self, backend, batches: list, result: StepResult, step: int) -> tuple:
+        """Shows the step's own micro-batches to the ``on_step_batch`` hooks, at the step's
+        weights: (the :class:`~hostavg.engine.products.StepBatch`, the hooks that measured on
+        it, which their ``on_applied_batch`` follows); what each returned goes into
+        ``result.info``."""
+        if not self._batch_hooks:
+            return None, ()
+        batch = StepBatch(backend, batches, self.spec, lambda b: self._compute(
+            backend, b.feed, b.size, f"a measure of step {step}, {b.where}")[0])
+        measuring = []
+        for hook, on_step_batch in self._batch_hooks:
+            found = call(hook, on_step_batch, (batch, result), f"on_step_batch of step {step}")
+            if found is not None:
+                result.info.update(found)
+                measuring.append(hook)
+        return batch, tuple(measuring)
 
     def _computed(self, backend, snapshot, batches: list[Prepared], log: _StepLog) -> tuple:
         """:meth:`_micro_batches`, and again from ``snapshot`` without those a search's hook
@@ -654,6 +696,9 @@ class Pending(NamedTuple):
       feed: what the apply is fed (:meth:`Backend.apply_feed`; None where no micro-batch ran).
       batches: the step's micro-batches (:class:`~hostavg.engine.batches.Prepared`), for
         the culprit search of an apply gone non-finite.
+      measure, measuring: the step's :class:`~hostavg.engine.products.StepBatch`, and the
+        hooks that measured on it before the apply (``on_step_batch``), which measure on it
+        again after (``on_applied_batch``); None and () where none did.
     """
 
     engine: Engine
@@ -663,6 +708,8 @@ class Pending(NamedTuple):
     mean: dict | None
     feed: dict | None
     batches: list
+    measure: StepBatch | None = None
+    measuring: tuple = ()
 
 
 class Retry(NamedTuple):
@@ -713,12 +760,25 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
     finally:
         for engine in held:
             engine._busy.release()
-    for engine, result in zip(held, results):
+    for engine, one, result in zip(held, pending, results):
         if result.skipped is None:
+            _measured_after(one, result)
             for hook, on_applied in engine._applied_hooks:
                 call(hook, on_applied, (result,), f"on_applied of step {result.step}",
                      applied=result)
     return results
+
+
+def _measured_after(pending: Pending, result: StepResult) -> None:
+    """Shows the step's micro-batches, at the weights after its apply, to the hooks that
+    measured on them before it (``on_applied_batch``); what each returns goes into
+    ``result.info``."""
+    for hook in pending.measuring:
+        after = getattr(hook, "on_applied_batch", None)
+        if callable(after):
+            found = call(hook, after, (pending.measure, result),
+                         f"on_applied_batch of step {result.step}", applied=result)
+            result.info.update(found or {})
 
 
 def _restore(taken: list, error: BaseException | None) -> None:
@@ -769,9 +829,10 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
     every, seen, after = engine.update_ratios_every, engine.distributions_every, pending.result.step
     asked = any(call(hook, wants, (after,), f"wants_update_ratios of step {after}")
                 for hook, wants in engine._ratio_hooks)
+    kept_distributions = bool(seen) and after % seen == 0
     applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
         ratios=asked or (bool(every) and after % every == 0),
-        values=bool(seen) and after % seen == 0))
+        values=kept_distributions or bool(pending.measuring)))
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,
@@ -785,7 +846,8 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                    weight_norms=None if applied.skipped else applied.weight_norms,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
                    distributions=distributions.of_step(pending.mean, applied.weights,
-                                                       applied.updates) if kept else None,
+                                                       applied.updates)
+                   if kept and kept_distributions else None,
                    weights=_frozen(applied.weights) if kept else None,
                    updates=_frozen(applied.updates) if kept else None)
 

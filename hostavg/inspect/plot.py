@@ -40,7 +40,7 @@ from hostavg.inspect.layout import STYLES, Strips
 from hostavg.inspect.record import Record, RecordedStep, RecordReader, check_quantity
 from hostavg.train.history import History
 
-__all__ = ["cosine_heatmap", "distributions", "loss", "micro_losses", "micro_norms", "noise_scale",
+__all__ = ["cosine_heatmap", "curvature", "distributions", "loss", "micro_losses", "micro_norms", "noise_scale",
            "statistic", "variable_heatmap", "variable_norms"]
 
 #: What every plot takes.
@@ -464,18 +464,58 @@ def statistic(steps, name: str, ax=None, x: str = "step", yscale: str = "linear"
     if kind is Kind.VARIABLE:
         return _per_variable(runs, ax, name, name, name, x, yscale, legend, "statistic")
     frame = _Frame(_axes(ax, "statistic"), x, yscale)
-    for i, run in enumerate(runs):
-        colour = _colour(runs, i, "C0")
+    if kind is Kind.STEP:
+        _step_lines(frame, runs, name)
+    for i, run in enumerate(runs if kind is Kind.MICRO else ()):
         rows = [s for s in run.steps if s.values.get(name) is not None]
-        if kind is Kind.STEP:
-            xs = [frame.at(s) for s in rows]
-            frame.line(xs, [s.values[name] for s in rows], colour, i, linewidth=1,
-                       marker="o" if len(xs) < 30 else None, markersize=3, label=_named(run, name))
-        else:
-            frame.scatter([frame.at(s) for s in rows for _ in s.values[name]],
-                          [v for s in rows for v in s.values[name]], colour, i, s=8, alpha=0.6,
-                          label=_named(run, f"{name} (each micro-batch)"))
+        frame.scatter([frame.at(s) for s in rows for _ in s.values[name]],
+                      [v for s in rows for v in s.values[name]], _colour(runs, i, "C0"), i, s=8,
+                      alpha=0.6, label=_named(run, f"{name} (each micro-batch)"))
     return frame.finish(name, name, legend)
+
+
+def _step_lines(frame: _Frame, runs: list, name: str) -> None:
+    """Each run's per-step quantity ``name`` as a line on ``frame`` (dots for a short run),
+    over the steps that have it."""
+    for i, run in enumerate(runs):
+        rows = [s for s in run.steps if s.values.get(name) is not None]
+        xs = [frame.at(s) for s in rows]
+        frame.line(xs, [s.values[name] for s in rows], _colour(runs, i, "C0"), i, linewidth=1,
+                   marker="o" if len(xs) < 30 else None, markersize=3, label=_named(run, name))
+
+
+#: What :func:`curvature` draws, a panel each: (quantity, title, the level marked, its label).
+CURVATURE_PANELS = (
+    ("sharpness", "Sharpness: top eigenvalue x lr / 2", 1.0, "1: gradient descent diverges"),
+    ("hessian_trace", "Hessian trace (Hutchinson)", None, None),
+    ("alpha", "Step quality alpha", 0.0, "0: at the minimum along the step"),
+)
+
+
+def curvature(steps, ax=None, x: str = "step", legend="auto") -> list:
+    """What :class:`hostavg.hooks.Curvature` measured, over time: three panels.
+
+    Sharpness (the top Hessian eigenvalue x learning rate / 2) with the line at 1,
+    above which gradient descent at that rate diverges along the top direction (the
+    edge of stability); the Hessian's trace; and alpha (Cockpit's step quality, -1
+    stays, 0 lands at the minimum along the step, +1 overshoots) with the line at 0.
+    Several runs: one colour per run. ``ax``: three axes, or None for a new figure's row.
+    Returns the three axes.
+    """
+    layout.checked("hostavg.plot.curvature", x, "linear", legend)
+    runs = _runs(steps, "curvature", x)
+    if not any(s.values.get("sharpness") is not None for run in runs for s in run.steps):
+        raise ArgumentError("hostavg.plot.curvature: no step was measured; train with "
+                            "hooks=[hostavg.hooks.Curvature(every=...)]")
+    out = []
+    for panel, (name, title, level, said) in zip(
+            _panels(ax, "curvature", len(CURVATURE_PANELS), (5, 3.5)), CURVATURE_PANELS):
+        frame = _Frame(panel, x, "linear")
+        _step_lines(frame, runs, name)
+        if level is not None:
+            panel.axhline(level, color="tab:red", linestyle=":", linewidth=1.5, label=said)
+        out.append(frame.finish(title, name, legend))
+    return out
 
 
 def distributions(steps, variable: str, quantity: str = "gradient", ax=None, x: str = "step",

@@ -253,7 +253,19 @@ class CompiledModel(ModelVariables):
                 raise said from error.__cause__
             self._targets[signature] = targets.of(self.model, signature, flat)
         targets.check(self._targets[signature], flat, what)
-        return (self._computes[signature], flat), n
+        return (self._computes[signature], flat, signature), n
+
+    def hvp(self, feed, vector: Mapping) -> tuple[float, dict]:
+        """See :meth:`hostavg.engine.protocols.Backend.hvp`: the backend's ``_product`` of the
+        loss it compiled; refused for a model that trains by its own ``train_step``, whose
+        loss hostavg does not see."""
+        if self.runs_train_step:
+            raise ArgumentError(
+                f"hvp: model {self.model.name!r} trains by its own train_step, whose loss "
+                f"hostavg cannot differentiate twice; measure the curvature with a trainer of "
+                f"the model compiled with its loss (hostavg.keras.Trainer(model, loss, "
+                f"optimizer) on a model without train_step)")
+        return self._product(feed, vector)
 
     def _traced_spec(self, what: str, shape, trainable: list, kept: list) -> dict:
         """The spec of a traced gradient function, checked: ``shape`` (its loss's) a scalar,

@@ -87,6 +87,8 @@ class KerasJaxBackend(CompiledModel):
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
         self._applies = {}  # ApplyRequest -> jitted apply
+        self._losses = {}  # input signature -> the loss function its compute differentiates
+        self._products = {}  # input signature -> jitted Hessian-vector product
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -95,7 +97,7 @@ class KerasJaxBackend(CompiledModel):
     # --- The engine's protocol ------------------------------------------------------------
 
     def compute(self, feed, share: float = 1.0) -> Computed:
-        (function, assigns, names), leaves = feed
+        (function, assigns, names), leaves, _ = feed
         model = self.model
         trainable = [v.value for v in model.trainable_variables]
         untrained = [v.value for v in model.non_trainable_variables]
@@ -117,6 +119,42 @@ class KerasJaxBackend(CompiledModel):
 
     def random_ops(self) -> tuple:
         return ()  # the check names Keras's random layers in its advice
+
+    def _product(self, feed, vector: Mapping) -> tuple[float, dict]:
+        """(the loss, name -> H v) of one micro-batch, from ``jax.jvp`` of its gradient,
+        jitted once per input signature (:meth:`_hvp_function`); assigns nothing: every
+        product reads the same seed states and moving statistics."""
+        _, leaves, signature = feed
+        function = self._products.get(signature)
+        if function is None:
+            function = self._products[signature] = self._hvp_function(self._losses[signature])
+        model = self.model
+        with _jax_errors("hvp"), _traced_errors():
+            loss, products = function(
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                [v.value for v in model.metrics_variables], self._slots(), leaves,
+                [jnp.asarray(vector[name], s.dtype) for name, s in self.spec.items()])
+        return float(loss), {name: np.asarray(p) for name, p in zip(self.spec, products)}
+
+    def _hvp_function(self, loss):
+        """``(trainable, untrained, metric values, optimizer values, leaves, v) -> (loss, H v)``,
+        jitted: forward over reverse, the tangent ``v`` pushed through the gradient of the
+        unscaled loss."""
+        kept = self._kept
+
+        def value(kept_values, trainable, untrained, metric_values, slots, flat):
+            return loss(_with_kept(trainable, kept, kept_values), untrained, metric_values,
+                        slots, flat)[1][0]
+
+        def product(trainable, untrained, metric_values, slots, flat, vector):
+            def gradient(kept_values):
+                return jax.value_and_grad(value)(kept_values, trainable, untrained,
+                                                 metric_values, slots, flat)
+            (mean, _), (_, products) = jax.jvp(gradient, ([trainable[i] for i in kept],),
+                                               (vector,))
+            return mean, products
+        return jax.jit(product)
 
     def apply_feed(self, feeds, what: str) -> dict:
         """Nothing: a Keras optimizer reads no input besides the gradients."""
@@ -245,6 +283,7 @@ class KerasJaxBackend(CompiledModel):
                     f"none of {unreached}; make them non-trainable (layer.trainable = False), "
                     f"or train without mixed_float16's loss scaling")
             self.spec, self._kept = spec, kept
+        self._losses[signature] = loss
         return self._compiled_compute(loss), self._adopt(seen["assigned"], seen["metrics"]), ()
 
     def _built(self, leaves, signature, what: str) -> list:
@@ -294,10 +333,8 @@ class KerasJaxBackend(CompiledModel):
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
         def of_kept(kept_values, trainable, untrained, metric_values, slots, share, flat):
-            values = list(trainable)
-            for i, value in zip(kept, kept_values):
-                values[i] = value
-            scaled, aux = loss(values, untrained, metric_values, slots, flat)
+            scaled, aux = loss(_with_kept(trainable, kept, kept_values), untrained,
+                               metric_values, slots, flat)
             return (scaled * share if scales else scaled), aux
 
         gradient = jax.value_and_grad(of_kept, has_aux=True)
@@ -475,6 +512,14 @@ class _Stateless(NamedTuple):
     scales: Any
     updates: list
     finite: Any
+
+
+def _with_kept(trainable: list, kept: list, kept_values: list) -> list:
+    """``trainable`` (every trainable variable's value) with ``kept_values`` at ``kept``."""
+    values = list(trainable)
+    for i, value in zip(kept, kept_values):
+        values[i] = value
+    return values
 
 
 def _index(variable, variables: list) -> int:

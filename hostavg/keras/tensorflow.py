@@ -77,6 +77,7 @@ class KerasBackend(CompiledModel):
         self.assigned = {}
         self._trained = None  # the variables of spec, in order
         self._evaluates = {}  # input signature -> compiled function
+        self._products = {}  # input signature -> compiled Hessian-vector product
         # ApplyRequest -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._snapshot = _Snapshot()
@@ -92,7 +93,7 @@ class KerasBackend(CompiledModel):
         return ()  # the check names Keras's random layers in its advice
 
     def compute(self, feed, share: float = 1.0) -> Computed:
-        (function, names), leaves = feed
+        (function, names), leaves, _ = feed
         args = [*map(eager_tensor, leaves)]
         if self._scales:  # the micro-batch's part of the step's loss scale (see Backend.compute)
             args.append(eager_tensor(np.float32(share)))
@@ -112,6 +113,40 @@ class KerasBackend(CompiledModel):
             self._moved.append((len(leaves[0]), [v.astype(np.float64) for v in rest]))
         return Computed(float(loss), grads, int(step),
                         dict(zip(self.spec, np.asarray(sq_norms).tolist())))
+
+    def _product(self, feed, vector: Mapping) -> tuple[float, dict]:
+        """(the loss, name -> H v) of one micro-batch, from a ``tf.function`` traced once per
+        input signature (:meth:`_hvp_function`)."""
+        _, leaves, signature = feed
+        function = self._products.get(signature)
+        if function is None:
+            specs = [tf.TensorSpec(s.shape, tf.as_dtype(s.dtype)) for s in self.spec.values()]
+            function = self._products[signature] = self._trace(
+                self._hvp_function(signature), [*leaves, *specs], "hvp")
+            self._note_assignments(function)
+        with _tensorflow_errors("hvp"):
+            loss, *products = function(*map(eager_tensor, leaves), *(
+                eager_tensor(vector[name], s.dtype) for name, s in self.spec.items()))
+        return float(loss), {name: np.asarray(p) for name, p in zip(self.spec, products)}
+
+    def _hvp_function(self, signature):
+        """``(*leaves, *v) -> [loss, *H v]``: the gradient of ``sum(g * v)`` by a tape around
+        the tape of g (a sparse g's rows dotted with v's rows), dense; the forward pass in
+        training mode, no metric updated."""
+        model, trained, k = self.model, self._trained, len(self.spec)
+
+        def product(*flat):
+            x, y, w = _rebuild(signature, flat[:-k])
+            vs = flat[-k:]
+            with tf.GradientTape() as outer:
+                with tf.GradientTape() as inner:
+                    loss = self._loss(x, y, model(x, training=True), w)
+                dot = tf.add_n([tf.reduce_sum(g.values * tf.gather(v, g.indices))
+                                if isinstance(g, tf.IndexedSlices) else tf.reduce_sum(g * v)
+                                for g, v in zip(inner.gradient(loss, trained), vs)])
+            return [loss, *(tf.zeros_like(v) if p is None else tf.convert_to_tensor(p)
+                            for p, v in zip(outer.gradient(dot, trained), vs))]
+        return product
 
     def apply_feed(self, feeds, what: str) -> dict:
         """Nothing: a Keras optimizer reads no input besides the gradients."""

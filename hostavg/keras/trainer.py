@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import keras
 
 from hostavg.core.check import CheckReport
+from hostavg.core.curvature import Curvature
 from hostavg.core.errors import ArgumentError, HostavgError, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
@@ -171,6 +172,18 @@ class Trainer(BaseTrainer):
     def per_sample(self, x, y=None, sample_weight=None, *, rows=None):
         return self._per_sample(self._backend, self._batch(x, y, sample_weight, "per_sample"),
                                 rows)
+
+    def hvp(self, x, y=None, sample_weight=None, *, vectors: Mapping,
+            micro_batch_size: int | None = None) -> Gradients:
+        return self._hvp(self._backend, self._batch(x, y, sample_weight, "hvp"), vectors,
+                         micro_batch_size)
+
+    def curvature(self, x, y=None, sample_weight=None, *, trace_samples: int = 16, top: int = 1,
+                  iterations: int = 20, tolerance: float = 1e-3, seed: int = 0,
+                  micro_batch_size: int | None = None) -> Curvature:
+        return self._curvature(self._backend, self._batch(x, y, sample_weight, "curvature"),
+                               dict(trace_samples=trace_samples, top=top, iterations=iterations,
+                                    tolerance=tolerance, seed=seed), micro_batch_size)
 
     def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
                  sample_weight=None) -> dict:

@@ -115,6 +115,10 @@ class SessionBackend:
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed, self.fetches)
 
+    def hvp(self, feed: dict, vector) -> tuple:
+        with _session_errors("hvp"):
+            return self.wiring.hvp(self.session, feed, vector)
+
     def apply_feed(self, feeds, what: str) -> dict:
         """The value every feed gives each of the train op's :attr:`~Wiring.apply_inputs`, by name.
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import tensorflow as tf
 
 from hostavg.core.check import CheckReport
+from hostavg.core.curvature import Curvature
 from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.results import Drop, MicroBatch, StepResult
@@ -197,6 +198,19 @@ class Trainer(BaseTrainer):
 
     def per_sample(self, sess, feed_dict: Mapping, *, rows=None):
         return self._per_sample(self._bind(sess), feed_dict, rows)
+
+    def hvp(self, sess, feed_dict: Mapping, *, vectors: Mapping,
+            micro_batch_size: int | None = None) -> Gradients:
+        feed = resolve_feed(self.graph, feed_dict, "hvp")
+        return self._hvp(self._bind(sess), feed, vectors, micro_batch_size)
+
+    def curvature(self, sess, feed_dict: Mapping, *, trace_samples: int = 16, top: int = 1,
+                  iterations: int = 20, tolerance: float = 1e-3, seed: int = 0,
+                  micro_batch_size: int | None = None) -> Curvature:
+        feed = resolve_feed(self.graph, feed_dict, "curvature")
+        return self._curvature(self._bind(sess), feed, dict(
+            trace_samples=trace_samples, top=top, iterations=iterations, tolerance=tolerance,
+            seed=seed), micro_batch_size)
 
     def evaluate(self, sess, data: Mapping, *, batch_size: int | None = None,
                  metrics: Mapping | None = None) -> dict:

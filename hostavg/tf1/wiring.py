@@ -118,6 +118,35 @@ class Wiring:
         return Computed(out[0], values, int(out[1]), sq_norms,
                         _fetched(fetches, out[self._tensors:]) if fetches else ())
 
+    def hvp(self, sess, feed: dict, vector: Mapping) -> tuple:
+        """(the loss, name -> H v as a dense array) by double backprop: the gradient of
+        ``sum(g * v)`` fed ``vector`` (:meth:`_products`); runs no UPDATE_OPS."""
+        placeholders, fetches = self._products
+        keys = tuple(feed) + placeholders
+        out = self._callables.get(sess, fetches, keys)(*feed.values(),
+                                                       *(vector[n] for n in self.names))
+        return out[0], dict(zip(self.names, out[1:]))
+
+    @functools.cached_property
+    def _products(self) -> tuple:
+        """(a placeholder per trained variable for v, [loss, H v of each]), built in the graph
+        on the first product: ``d/dw sum_j <g_j(w), v_j>``, a sparse gradient's rows dotted
+        with the rows of v they index; a product with no path to a variable is 0."""
+        with self.graph.as_default(), tf.name_scope("hostavg_hvp"):
+            vs = tuple(v1.placeholder(s.dtype, s.shape, name="v") for s in self.spec.values())
+            dot = tf.add_n([tf.reduce_sum(g.values * tf.gather(v, g.indices))
+                            if isinstance(g, tf.IndexedSlices) else tf.reduce_sum(g * v)
+                            for g, v in zip(self._grads, vs)])
+            try:
+                products = tf.gradients(dot, self.trained)
+            except LookupError as e:  # an op of the backward pass has no gradient of its own
+                raise ArgumentError(f"hvp: the loss's gradient cannot be differentiated again "
+                                    f"({first_line(e)}); build the loss of ops with second "
+                                    f"derivatives") from e
+            dense = [tf.zeros_like(v) if p is None else tf.convert_to_tensor(p)
+                     for p, v in zip(products, vs)]
+        return vs, [self.loss, *dense]
+
     def _with(self, fetches: tuple) -> list:
         """The compute's fetches followed by ``fetches``: one list per tuple of them, kept,
         since compiled calls and :meth:`unfed` are found by the list."""

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from hostavg.core.accumulator import ACCUMULATE_MODES, Accumulator, as_accum_dtype
 from hostavg.core import display
 from hostavg.core.check import CheckReport
+from hostavg.core.curvature import Curvature, CurvatureSettings
 from hostavg.core.errors import ArgumentError, flag, positive_int
 from hostavg.core.gradients import Gradients
 from hostavg.core.optional import pandas
@@ -285,6 +286,62 @@ class BaseTrainer:
         """
         raise NotImplementedError
 
+    def hvp(self, batch, *, vectors: Mapping, micro_batch_size: int | None = None) -> Gradients:
+        """The Hessian-vector product H v of a batch's mean loss; changes nothing.
+
+        ``H v = sum_i n_i H_i v / sum_i n_i`` over the micro-batches i (H_i the
+        Hessian of micro-batch i's mean loss in the trained variables, n_i its
+        samples): the whole batch's product, computed by exact second derivatives
+        per micro-batch (TF1: double backprop in the graph; Keras on TensorFlow:
+        nested gradient tapes; JAX: ``jax.jvp`` of the gradient) and summed on the
+        host in float64. In training mode as :meth:`compute` (batch norm by the
+        micro-batch's moments); every product of one call starts from the same
+        state (moving statistics, Keras's dropout seeds), and a TF1 graph with
+        random ops, which draw anew at every call, is refused. The weights, the
+        optimizer and what the forward passes assign are as before. With ``comm``,
+        of this process's batch alone.
+
+        Args:
+          batch: one batch, as :meth:`compute` takes one.
+          vectors: name -> an array of each trained variable's shape (the keys of
+            :attr:`spec`; a :class:`~hostavg.Gradients` serves, its sparse rows densified).
+          micro_batch_size: samples per micro-batch; default the trainer's cut, or
+            the whole batch at once where it has none.
+
+        Returns:
+          :class:`~hostavg.Gradients` of H v (dense for every variable, an
+          embedding's too; the variables' dtypes) with ``.loss`` (the batch's mean
+          loss) and ``.size``.
+        """
+        raise NotImplementedError
+
+    def curvature(self, batch, *, trace_samples: int = 16, top: int = 1, iterations: int = 20,
+                  tolerance: float = 1e-3, seed: int = 0,
+                  micro_batch_size: int | None = None) -> Curvature:
+        """The curvature of a batch's mean loss: Hessian trace and top eigenvalues; changes nothing.
+
+        From :meth:`hvp`'s products alone (:mod:`hostavg.core.curvature`): the
+        trace by Hutchinson's estimator over ``trace_samples`` Rademacher probes,
+        the ``top`` eigenvalues of largest magnitude by Lanczos's method, stopping
+        once each one's relative residual is within ``tolerance`` or after
+        ``iterations`` products. Costs ``trace_samples`` plus at most
+        ``iterations`` products of the whole batch (about two computes each).
+
+        Args:
+          batch: one batch, as :meth:`compute` takes one.
+          trace_samples: probes of the trace (0: none).
+          top: eigenvalues wanted (0: none).
+          iterations: the most Lanczos products (>= top).
+          tolerance: relative residual at which an eigenvalue counts as found, in (0, 1).
+          seed: of the probes and of the Lanczos start.
+          micro_batch_size: as :meth:`hvp` takes it.
+
+        Returns:
+          a frozen :class:`~hostavg.Curvature`: ``trace``, ``trace_stderr``,
+          ``top_eigenvalues``, ``eigenvectors``, ``converged``, ``products``, ``loss``.
+        """
+        raise NotImplementedError
+
     def evaluate(self, data, *, batch_size: int | None = None) -> dict:
         """The loss and metrics over data, sample-weighted, without training; changes nothing.
 
@@ -513,6 +570,28 @@ class BaseTrainer:
                                 f"micro-batches ({found}). {backend.advice['no_samples']}")
         engine = self._engine_for(backend, data, "check")
         return engine.check(backend, data, pieces(data, how.sizes(n), n, blocks), n)
+
+    def _hvp(self, backend: Backend, data, vectors: Mapping, micro_batch_size,
+             blocks: Mapping | None = None) -> Gradients:
+        feeds = self._micro_feeds(backend, data, micro_batch_size, "hvp", blocks)
+        return self._engine.hvp(backend, feeds, vectors)
+
+    def _curvature(self, backend: Backend, data, settings: dict, micro_batch_size,
+                   blocks: Mapping | None = None) -> Curvature:
+        measured = CurvatureSettings(**settings)  # checked before any product runs
+        feeds = self._micro_feeds(backend, data, micro_batch_size, "curvature", blocks)
+        return self._engine.curvature(backend, feeds, measured)
+
+    def _micro_feeds(self, backend: Backend, data, micro_batch_size, call: str,
+                     blocks: Mapping | None) -> list:
+        """``data`` cut as ``micro_batch_size`` or the trainer says, or whole where neither
+        does; the engine made on it where there is none yet."""
+        self._engine_for(backend, data, call)
+        how = cut(micro_batch_size) if micro_batch_size is not None else self._cut
+        n = sample_count(data, call, blocks)
+        if how is None or not n:
+            return [data]
+        return pieces(data, how.sizes(n), n, blocks)
 
     def _per_sample(self, backend: Backend, data, rows):
         pd = pandas("per_sample")

@@ -94,6 +94,12 @@ class Face:
     def per_sample(self, data, **kw):
         return self.trainer.per_sample(*self.where, *self.args(self.native(data)), **kw)
 
+    def hvp(self, data, vectors, **kw):
+        return self.trainer.hvp(*self.where, *self.args(self.native(data)), vectors=vectors, **kw)
+
+    def curvature(self, data, **kw):
+        return self.trainer.curvature(*self.where, *self.args(self.native(data)), **kw)
+
     def fit(self, data, **kw):
         return self.trainer.fit(*self.where, *self.args(self.native(data)), **kw)
 

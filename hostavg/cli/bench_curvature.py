@@ -1,0 +1,100 @@
+"""``hostavg bench --curvature``: what curvature costs on each face.
+
+Per configuration and face (the TF1 ``hostavg`` and ``hostavg-keras``, or on JAX
+``hostavg-keras`` alone): the median time of one micro-batch's compute, of one
+Hessian-vector product of the same micro-batch (``trainer.hvp``) and their ratio;
+and the share of a step's time that :class:`hostavg.hooks.Curvature`
+(its defaults) takes at ``every=1`` and ``every=10``, from runs of 10 steps with
+and without it, interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from hostavg.cli import bench
+from hostavg.inspect.curvature import Curvature
+
+__all__ = ["EVERY", "faces", "run", "time_curvature"]
+
+#: The hook's periods whose share of a step is measured.
+EVERY = (1, 10)
+#: Steps per timed run of the step shares: one period of the longest.
+STEPS = max(EVERY)
+
+
+def faces(backend: str) -> tuple:
+    """The implementations of :mod:`hostavg.cli.bench` timed on Keras's ``backend``."""
+    return ("hostavg", "hostavg-keras") if backend == "tensorflow" else ("hostavg-keras",)
+
+
+def _make(face: str, config: bench.Config, every: int | None):
+    """``face``'s implementation of ``config``, with a Curvature hook of period ``every`` (None: none)."""
+    hooks = [] if every is None else [Curvature(every)]
+    if face == "hostavg":
+        return bench._Hostavg(config, trainer_kw={"hooks": hooks})
+    return bench._HostavgKeras(config, hooks=hooks)
+
+
+def _calls(impl, micro) -> tuple:
+    """(one compute, one product) of the first micro-batch of ``micro``, on either face."""
+    x, y = micro[0]
+    if isinstance(impl, bench._Impl):
+        trainer, sess, feed = impl.trainer, impl.sess, impl.feed(x, y)
+        g = trainer.compute(sess, feed)
+        return (lambda: trainer.compute(sess, feed),
+                lambda: trainer.hvp(sess, feed, vectors=g))
+    g = impl.trainer.compute(x, y)
+    return lambda: impl.trainer.compute(x, y), lambda: impl.trainer.hvp(x, y, vectors=g)
+
+
+def _median_s(calls: dict, repeats: int, inner: int = 1) -> dict:
+    """name -> median seconds of ``inner`` consecutive ``calls[name]()``, interleaved."""
+    times = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                calls[name]()
+            times[name].append((time.perf_counter() - t0) / inner)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def time_curvature(config: bench.Config, face: str, repeats: int = 5) -> dict:
+    """The compute's and the product's median seconds, and the hook's share of a step per
+    period of :data:`EVERY`, for ``face`` on ``config``."""
+    micro = bench._batches(config.model, config, 1)[0]
+    impls = {every: _make(face, config, every) for every in (None, *EVERY)}
+    compute, product = _calls(impls[None], micro)
+    product()  # traced and compiled before timing
+    calls = _median_s({"compute": compute, "product": product}, repeats, inner=5)
+    for impl in impls.values():  # the step and the product traced and compiled before timing
+        impl.step(micro)
+        _calls(impl, micro)[1]()
+    steps = _median_s({every: lambda i=impl: [i.step(micro) for _ in range(STEPS)]
+                       for every, impl in impls.items()}, repeats)
+    for impl in impls.values():
+        impl.close()
+    return {"compute_s": calls["compute"], "product_s": calls["product"],
+            "step_s": steps[None] / STEPS,
+            "share": {every: 1 - steps[None] / steps[every] for every in EVERY}}
+
+
+def run(configs, backend: str, repeats: int = 5, out=print) -> list:
+    """Times every configuration on every face of ``backend``, prints a table; returns the rows."""
+    out(f"{'configuration':<34}{'face':<15}{'compute':>10}{'product':>10}{'ratio':>7}"
+        f"{'step':>10}" + "".join(f"{f'every={e}':>10}" for e in EVERY))
+    rows = []
+    for config in configs:
+        for face in faces(backend):
+            r = {"config": str(config), "face": face, **time_curvature(config, face, repeats)}
+            rows.append(r)
+            out(f"{str(config):<34}{face:<15}{r['compute_s'] * 1e3:>8.2f}ms"
+                f"{r['product_s'] * 1e3:>8.2f}ms{r['product_s'] / r['compute_s']:>6.1f}x"
+                f"{r['step_s'] * 1e3:>8.2f}ms" + "".join(f"{r['share'][e]:>10.0%}" for e in EVERY))
+    out(f"(compute, product: one micro-batch's, median of {repeats} samples of 5; step: without "
+        f"the hook; every=N: the share of the steps' time that hooks.Curvature(every=N) takes, "
+        f"with its defaults, over {STEPS} steps)")
+    return rows
