@@ -93,8 +93,8 @@ def test_a_subclass_of_adam_whose_update_overflows_is_undone_whole():
     sess.run(init)
     feed = model.feed({"ids": IDS, "y": np.arange(3, dtype=np.int32) % CLASSES})
     trainer.step(sess, [feed])
-    before = model.values(sess)
     grads = trainer.compute(sess, feed)
+    before = model.values(sess)  # after the compute, which counts its forward pass
     g = grads["embedding"]
     huge = dict(grads, embedding=hostavg.SparseGradient(g.indices, np.full_like(g.values, 1e30),
                                                         g.dense_shape))
