@@ -69,8 +69,8 @@ def checked_train_op(apply, pairs: list, train_op, apply_feeds: tuple, whole: bo
         applied = apply(list(zip(fed, variables)))
         floats = [i for i, v in enumerate(written) if v.dtype.base_dtype.is_floating]
         with tf.control_dependencies([applied]):
-            finite = tf.stack([tf.reduce_all(tf.math.is_finite(_read_after(written[i], rows[i])))
-                               for i in floats])
+            finite = tf.math.is_finite(tf.stack([_poison(_read_after(written[i], rows[i]))
+                                                 for i in floats]))
         op = _undo_where(tf.reduce_all(finite), finite, written, rows, kept)
     return CheckedApply([written[i] for i in floats], op, kept[:len(variables)] if whole else [])
 
@@ -125,6 +125,14 @@ def _read_after(variable, rows):
         return variable.sparse_read(rows)
     value = variable.read_value()
     return tf.abs(value) if is_ref_dtype(variable.dtype) else value
+
+
+def _poison(value):
+    """A float32 scalar that is finite exactly where all of ``value`` is: the sum of
+    ``value * 0`` (NaN from an Inf or a NaN entry, else 0, which no size overflows). A
+    multiplication and a sum of floats, vectorized, take a fraction of IsFinite and All
+    (a reduction of booleans) over the same entries."""
+    return tf.cast(tf.reduce_sum(value * tf.zeros((), value.dtype)), tf.float32)
 
 
 def _undo_where(ok, finite, written: list, rows: list, kept: list):
