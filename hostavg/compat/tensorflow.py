@@ -1,4 +1,5 @@
-"""Everything hostavg needs of TensorFlow: importing it quietly, its errors, read ops, and its private APIs.
+"""Everything hostavg needs of TensorFlow: importing it quietly, its errors, the ops that read a
+variable or write its rows, a cheap finite check, and its private APIs.
 
 :func:`import_tensorflow` is ``hostavg.import_tensorflow``; this module imports
 TensorFlow through it. Imported by the TF1 and Keras backends and the command
@@ -26,12 +27,18 @@ import numpy as np
 
 from hostavg.compat import choose
 
-__all__ = ["READ_OPS", "concrete_call", "eager_tensor", "first_line", "import_tensorflow",
-           "input_types", "is_ref_dtype", "learning_rate", "session_call"]
+__all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "first_line",
+           "import_tensorflow", "input_types", "is_ref_dtype", "learning_rate", "poison",
+           "rows_fed", "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
 READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
                       "VarIsInitializedOp", "IsVariableInitialized"})
+
+#: Op types that pass their input's values on, some of them or all: the rows a write is given
+#: through them are rows of the fed indices.
+ROWS_KEPT = frozenset({"Identity", "Unique", "Cast"})
+
 
 #: What TF_CPP_MIN_LOG_LEVEL becomes unless it was set: fatal errors only. TensorFlow's
 #: own errors reach Python as exceptions; what its C++ core logs at start-up ("failed
@@ -359,3 +366,25 @@ eager_tensor = choose("tensorflow.python.framework.ops.EagerTensor", _eager_tens
 concrete_call = choose(
     "tensorflow.python.eager.polymorphic_function.concrete_function.ConcreteFunction._call_flat",
     _concrete_call_private, _concrete_call_public, _concrete_call_works)
+
+
+def rows_fed(op, indices: dict):
+    """The ref of the fed indices (a key of ``indices``) whose rows are all ``op`` writes, where
+    it is a scatter or a sparse apply fed them (or some of them); else None."""
+    if "Nd" in op.type or not op.type.startswith(("ResourceScatter", "ResourceSparseApply")):
+        return None
+    names = [arg.name for arg in op.op_def.input_arg]
+    if "indices" not in names:
+        return None
+    tensor = op.inputs[names.index("indices")]
+    while tensor.ref() not in indices and tensor.op.type in ROWS_KEPT and tensor.value_index == 0:
+        tensor = tensor.op.inputs[0]
+    return tensor.ref() if tensor.ref() in indices else None
+
+
+def poison(value):
+    """A float32 scalar that is finite exactly where all of ``value`` is: the sum of
+    ``value * 0`` (NaN from an Inf or a NaN entry, else 0, which no size overflows). A
+    multiplication and a sum of floats, vectorized, take a fraction of IsFinite and All
+    (a reduction of booleans) over the same entries."""
+    return tf.cast(tf.reduce_sum(value * tf.zeros((), value.dtype)), tf.float32)

@@ -15,18 +15,13 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import READ_OPS, input_types, is_ref_dtype
+from hostavg.compat.tensorflow import READ_OPS, input_types, is_ref_dtype, poison, rows_fed
 from hostavg.tf1.variables import assigned_variables, value_now
 from hostavg.tf1.walk import ops_run
 
 __all__ = ["CheckedApply", "checked_train_op"]
 
 v1 = tf.compat.v1
-
-#: Op types that pass their input's values on, some of them or all: the rows a write is given
-#: through them are rows of the fed indices.
-_ROWS_KEPT = frozenset({"Identity", "Unique", "Cast"})
-
 
 class CheckedApply(NamedTuple):
     """What :func:`checked_train_op` built.
@@ -69,7 +64,7 @@ def checked_train_op(apply, pairs: list, train_op, apply_feeds: tuple, whole: bo
         applied = apply(list(zip(fed, variables)))
         floats = [i for i, v in enumerate(written) if v.dtype.base_dtype.is_floating]
         with tf.control_dependencies([applied]):
-            finite = tf.math.is_finite(tf.stack([_poison(_read_after(written[i], rows[i]))
+            finite = tf.math.is_finite(tf.stack([poison(_read_after(written[i], rows[i]))
                                                  for i in floats]))
         op = _undo_where(tf.reduce_all(finite), finite, written, rows, kept)
     return CheckedApply([written[i] for i in floats], op, kept[:len(variables)] if whole else [])
@@ -81,7 +76,7 @@ def rows_written(train_op, pairs: list, written: list, fed: tuple) -> list:
 
     A resource variable counts when every op that writes it is a scatter or a sparse apply
     (their ``indices`` input names the rows written) whose indices are the fed ones, or some
-    of them (through :data:`_ROWS_KEPT` ops: the optimizer's deduplication); a reference
+    of them (through :data:`~hostavg.compat.tensorflow.ROWS_KEPT` ops: the optimizer's deduplication); a reference
     variable never does (its rows are read and put back whole).
     """
     indices = {g.indices.ref(): g.indices for g, _ in pairs if isinstance(g, tf.IndexedSlices)}
@@ -90,26 +85,12 @@ def rows_written(train_op, pairs: list, written: list, fed: tuple) -> list:
     for op in ops_run([train_op], fed):
         for tensor, kind in zip(op.inputs, input_types(op)):
             if tensor.op in by_op and kind == tf.resource and op.type not in READ_OPS:
-                writes.setdefault(tensor.op, set()).add(_fed_rows(op, indices))
+                writes.setdefault(tensor.op, set()).add(rows_fed(op, indices))
     found = []
     for v in written:
         rows = writes.get(v.op, {None})
         found.append(indices[next(iter(rows))] if len(rows) == 1 and None not in rows else None)
     return found
-
-
-def _fed_rows(op, indices: dict):
-    """The ref of the fed indices (a key of ``indices``) whose rows are all ``op`` writes, where
-    it is a scatter or a sparse apply fed them (or some of them); else None."""
-    if "Nd" in op.type or not op.type.startswith(("ResourceScatter", "ResourceSparseApply")):
-        return None
-    names = [arg.name for arg in op.op_def.input_arg]
-    if "indices" not in names:
-        return None
-    tensor = op.inputs[names.index("indices")]
-    while tensor.ref() not in indices and tensor.op.type in _ROWS_KEPT and tensor.value_index == 0:
-        tensor = tensor.op.inputs[0]
-    return tensor.ref() if tensor.ref() in indices else None
 
 
 def _read_after(variable, rows):
@@ -125,14 +106,6 @@ def _read_after(variable, rows):
         return variable.sparse_read(rows)
     value = variable.read_value()
     return tf.abs(value) if is_ref_dtype(variable.dtype) else value
-
-
-def _poison(value):
-    """A float32 scalar that is finite exactly where all of ``value`` is: the sum of
-    ``value * 0`` (NaN from an Inf or a NaN entry, else 0, which no size overflows). A
-    multiplication and a sum of floats, vectorized, take a fraction of IsFinite and All
-    (a reduction of booleans) over the same entries."""
-    return tf.cast(tf.reduce_sum(value * tf.zeros((), value.dtype)), tf.float32)
 
 
 def _undo_where(ok, finite, written: list, rows: list, kept: list):
