@@ -10,7 +10,7 @@ from test_tf1_wiring import AdamSubclass
 
 import hostavg
 from hostavg.tf1.checked import checked_train_op, rows_written
-from hostavg.tf1.variables import assigned_variables
+from hostavg.tf1.variables import assigned_variables, load_variables
 from hostavg.tf1.walk import ops_run
 
 #: The rows one micro-batch's ids touch (of VOCAB).
@@ -103,3 +103,23 @@ def test_a_subclass_of_adam_whose_update_overflows_is_undone_whole():
     after = model.values(sess)
     for name, value in before.items():
         np.testing.assert_array_equal(after[name], value, err_msg=name)
+
+
+def test_a_finite_update_whose_sum_overflows_is_kept():
+    """The check's quick sum of a finite table of float max entries overflows: the exact look
+    finds every entry finite, and the update is kept, not undone."""
+    model = build(sparse=True)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.GradientDescentOptimizer(1e-3))
+        table, = [v for v in v1.global_variables() if v.op.name == "embedding"]
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    feed = model.feed({"ids": IDS, "y": np.arange(3, dtype=np.int32) % CLASSES})
+    grads = trainer.compute(sess, feed)  # of the weights as they were: finite
+    big = np.full(table.shape, np.finfo(np.float32).max / 2, np.float32)
+    load_variables(sess, [table], [big])
+    assert trainer.apply(sess, grads) == 1
+    after = sess.run(table)
+    rows = np.unique(IDS)
+    np.testing.assert_array_equal(np.delete(after, rows, axis=0), np.delete(big, rows, axis=0))

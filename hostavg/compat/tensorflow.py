@@ -27,9 +27,9 @@ import numpy as np
 
 from hostavg.compat import choose
 
-__all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "first_line",
-           "import_tensorflow", "input_types", "is_ref_dtype", "learning_rate", "poison",
-           "rows_fed", "session_call"]
+__all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "finite_flags", "first_line",
+           "import_tensorflow", "input_types", "is_ref_dtype", "learning_rate", "rows_fed",
+           "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
 READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -382,9 +382,25 @@ def rows_fed(op, indices: dict):
     return tensor.ref() if tensor.ref() in indices else None
 
 
-def poison(value):
-    """A float32 scalar that is finite exactly where all of ``value`` is: the sum of
-    ``value * 0`` (NaN from an Inf or a NaN entry, else 0, which no size overflows). A
-    multiplication and a sum of floats, vectorized, take a fraction of IsFinite and All
-    (a reduction of booleans) over the same entries."""
-    return tf.cast(tf.reduce_sum(value * tf.zeros((), value.dtype)), tf.float32)
+def finite_flags(values: list):
+    """Whether each of ``values`` (float tensors) is finite in every entry: a bool vector.
+
+    One pass over each: its sum is finite when every entry is (an Inf or a NaN entry makes
+    it Inf or NaN); only where a sum is not (an entry not finite, or finite ones whose sum
+    overflows) does a ``tf.cond`` look at each entry: ``value * 0`` is NaN exactly at an Inf
+    or a NaN, so its sum is finite exactly where every entry is. (IsFinite and All, a
+    reduction of booleans, take several times a float sum over the same entries.)
+    """
+    quick = tf.math.is_finite(tf.stack([_sum(v) for v in values]))
+
+    def exact():
+        return tf.math.is_finite(tf.stack([_sum(v * tf.zeros((), v.dtype)) for v in values]))
+    return tf.cond(tf.reduce_all(quick), lambda: quick, exact)
+
+
+def _sum(value):
+    """The sum of ``value``'s entries as a float32 scalar, summed in float32 at least (a sum
+    of narrower floats overflows early)."""
+    if value.dtype not in (tf.float32, tf.float64):
+        value = tf.cast(value, tf.float32)
+    return tf.cast(tf.reduce_sum(value), tf.float32)

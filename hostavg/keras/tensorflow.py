@@ -28,8 +28,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, first_line, poison,
-                                       rows_fed)
+from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, finite_flags,
+                                       first_line, rows_fed)
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
@@ -488,9 +488,8 @@ def _undo_if_nonfinite(held: list, checked: list, before: list, rows: list):
     value ``before`` the update (those rows of it, or all), in a ``tf.cond``."""
     if not checked:
         return tf.zeros(0, tf.bool)
-    finite = tf.math.is_finite(tf.stack([
-        poison(held[i].value if rows[i] is None else held[i].value.sparse_read(rows[i]))
-        for i in checked]))
+    finite = finite_flags([held[i].value if rows[i] is None else held[i].value.sparse_read(rows[i])
+                           for i in checked])
 
     def undo():
         for v, b, r in zip(held, before, rows):

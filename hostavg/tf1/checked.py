@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import READ_OPS, input_types, is_ref_dtype, poison, rows_fed
+from hostavg.compat.tensorflow import READ_OPS, finite_flags, input_types, is_ref_dtype, rows_fed
 from hostavg.tf1.variables import assigned_variables, value_now
 from hostavg.tf1.walk import ops_run
 
@@ -64,8 +64,7 @@ def checked_train_op(apply, pairs: list, train_op, apply_feeds: tuple, whole: bo
         applied = apply(list(zip(fed, variables)))
         floats = [i for i, v in enumerate(written) if v.dtype.base_dtype.is_floating]
         with tf.control_dependencies([applied]):
-            finite = tf.math.is_finite(tf.stack([poison(_read_after(written[i], rows[i]))
-                                                 for i in floats]))
+            finite = finite_flags([_read_after(written[i], rows[i]) for i in floats])
         op = _undo_where(tf.reduce_all(finite), finite, written, rows, kept)
     return CheckedApply([written[i] for i in floats], op, kept[:len(variables)] if whole else [])
 
