@@ -382,8 +382,9 @@ def rows_fed(op, indices: dict):
     return tensor.ref() if tensor.ref() in indices else None
 
 
-def finite_flags(values: list):
-    """Whether each of ``values`` (float tensors) is finite in every entry: a bool vector.
+def finite_flags(values: list, undo=None):
+    """Whether each of ``values`` (float tensors) is finite in every entry: a bool vector;
+    where any is not, what ``undo(flags)`` returns (the flags, once it undid an update).
 
     One pass over each: its sum is finite when every entry is (an Inf or a NaN entry makes
     it Inf or NaN); only where a sum is not (an entry not finite, or finite ones whose sum
@@ -394,7 +395,10 @@ def finite_flags(values: list):
     quick = tf.math.is_finite(tf.stack([_sum(v) for v in values]))
 
     def exact():
-        return tf.math.is_finite(tf.stack([_sum(v * tf.zeros((), v.dtype)) for v in values]))
+        flags = tf.math.is_finite(tf.stack([_sum(v * tf.zeros((), v.dtype)) for v in values]))
+        if undo is None:
+            return flags
+        return tf.cond(tf.reduce_all(flags), lambda: flags, lambda: undo(flags))
     return tf.cond(tf.reduce_all(quick), lambda: quick, exact)
 
 

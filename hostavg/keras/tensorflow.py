@@ -484,21 +484,21 @@ def _gradients(spec: list, flat) -> list:
 
 def _undo_if_nonfinite(held: list, checked: list, before: list, rows: list):
     """Whether each of ``held`` at the positions ``checked`` is finite now (after the update),
-    of its ``rows`` only where given; where any is not, every one of ``held`` is given back its
-    value ``before`` the update (those rows of it, or all), in a ``tf.cond``."""
+    of its ``rows`` only where given (:func:`~hostavg.compat.tensorflow.finite_flags`); where
+    any is not, every one of ``held`` is given back its value ``before`` the update (those rows
+    of it, or all)."""
     if not checked:
         return tf.zeros(0, tf.bool)
-    finite = finite_flags([held[i].value if rows[i] is None else held[i].value.sparse_read(rows[i])
-                           for i in checked])
 
-    def undo():
+    def undo(finite):
         for v, b, r in zip(held, before, rows):
             if r is None:
                 v.assign(b)
             else:
                 v.value.scatter_update(tf.IndexedSlices(b, r))
         return tf.identity(finite)
-    return tf.cond(tf.reduce_all(finite), lambda: tf.identity(finite), undo)
+    return finite_flags([held[i].value if rows[i] is None else held[i].value.sparse_read(rows[i])
+                         for i in checked], undo)
 
 
 def _scale(optimizer):

@@ -11,6 +11,7 @@ read by rows, never copied.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -64,8 +65,9 @@ def checked_train_op(apply, pairs: list, train_op, apply_feeds: tuple, whole: bo
         applied = apply(list(zip(fed, variables)))
         floats = [i for i, v in enumerate(written) if v.dtype.base_dtype.is_floating]
         with tf.control_dependencies([applied]):
-            finite = finite_flags([_read_after(written[i], rows[i]) for i in floats])
-        op = _undo_where(tf.reduce_all(finite), finite, written, rows, kept)
+            finite = finite_flags([_read_after(written[i], rows[i]) for i in floats],
+                                  functools.partial(_undo, written, rows, kept))
+        op = _put_references(finite, written, kept)
     return CheckedApply([written[i] for i in floats], op, kept[:len(variables)] if whole else [])
 
 
@@ -107,19 +109,25 @@ def _read_after(variable, rows):
     return tf.abs(value) if is_ref_dtype(variable.dtype) else value
 
 
-def _undo_where(ok, finite, written: list, rows: list, kept: list):
-    """``finite``, once every one of ``written`` is given back what was ``kept`` of it (its
-    ``rows``, or all of it) where ``ok`` is false: a resource variable in a ``tf.cond`` (only
-    then), a reference variable (which ``tf.cond`` cannot capture) by a ``tf.where`` of its two
-    values each time."""
+def _undo(written: list, rows: list, kept: list, finite):
+    """``finite``, once every resource variable of ``written`` is given back what was ``kept``
+    of it (its ``rows``, or all of it); run in a ``tf.cond``, only where ``finite`` is not all
+    true."""
+    with tf.control_dependencies([
+            v.assign(b) if r is None else v.scatter_update(tf.IndexedSlices(b, r))
+            for v, r, b in zip(written, rows, kept) if not is_ref_dtype(v.dtype)]):
+        return tf.identity(finite)
+
+
+def _put_references(finite, written: list, kept: list):
+    """``finite``, once every reference variable of ``written`` (which ``tf.cond`` cannot
+    capture) is given back its value ``kept`` where ``finite`` is not all true, by a
+    ``tf.where`` of its two values each time."""
+    ok = tf.reduce_all(finite)
     with tf.control_dependencies([finite]):  # after the update
         put = [v1.assign(v, tf.where(ok, v.read_value(), b)) for v, b in zip(written, kept)
                if is_ref_dtype(v.dtype)]
-
-    def undo():
-        with tf.control_dependencies([
-                v.assign(b) if r is None else v.scatter_update(tf.IndexedSlices(b, r))
-                for v, r, b in zip(written, rows, kept) if not is_ref_dtype(v.dtype)]):
-            return tf.identity(finite)
+    if not put:
+        return finite
     with tf.control_dependencies(put):
-        return tf.cond(ok, lambda: tf.identity(finite), undo)
+        return tf.identity(finite)
