@@ -168,7 +168,7 @@ def test_a_sparse_apply_that_goes_non_finite_in_its_rows_is_undone_bit_for_bit(b
         huge = hostavg.SparseGradient(g.indices, np.full_like(g.values, top), g.dense_shape)
     else:  # a dense gradient (JAX): its touched rows are those not zero
         rows = np.flatnonzero(np.any(g != 0, axis=1))
-        huge = np.where(np.any(g != 0, axis=1, keepdims=True), top, 0).astype(g.dtype)
+        huge = np.where(np.any(g != 0, axis=1, keepdims=True), top, 0 * g).astype(g.dtype)
     assert 0 < len(rows) < 50
     table = face.values()[name].copy()
     table[rows[0]] = -top  # finite: SGD and Momentum overflow it; the others, a slot
