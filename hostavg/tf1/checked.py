@@ -2,8 +2,8 @@
 wrote for NaN and Inf and undoes the update where it finds any, in one session call.
 
 What it keeps to undo with is what the update can change: of a variable the optimizer writes
-only by rows (a sparse update of plain SGD, Momentum, Adagrad: scatters and sparse-apply ops
-whose rows are the fed gradient's), those rows, gathered before and checked after; of any other
+only by rows (a sparse update of SGD, Momentum, Adagrad, RMSProp: scatters and sparse-apply
+ops whose rows are the fed gradient's), those rows, gathered before and checked after; of any other
 (a dense update, Adam's slots, the global step), its whole value. Holding a whole value makes
 the optimizer copy what it would update in place, so an embedding table under sparse SGD is
 read by rows, never copied.
@@ -23,6 +23,7 @@ from hostavg.tf1.walk import ops_run
 __all__ = ["CheckedApply", "checked_train_op"]
 
 v1 = tf.compat.v1
+
 
 class CheckedApply(NamedTuple):
     """What :func:`checked_train_op` built.
@@ -76,9 +77,9 @@ def rows_written(train_op, pairs: list, written: list, fed: tuple) -> list:
     are all that ``train_op`` writes of it, else None.
 
     A resource variable counts when every op that writes it is a scatter or a sparse apply
-    (their ``indices`` input names the rows written) whose indices are the fed ones, or some
-    of them (through :data:`~hostavg.compat.tensorflow.ROWS_KEPT` ops: the optimizer's deduplication); a reference
-    variable never does (its rows are read and put back whole).
+    whose indices are the fed ones, or some of them
+    (:func:`~hostavg.compat.tensorflow.rows_fed`); a reference variable never does (it is
+    read and put back whole).
     """
     indices = {g.indices.ref(): g.indices for g, _ in pairs if isinstance(g, tf.IndexedSlices)}
     by_op = {v.op: v for v in written if not is_ref_dtype(v.dtype)}
@@ -99,9 +100,9 @@ def _read_after(variable, rows):
     dependencies it is made in.
 
     (read_value, sparse_read: a new read there.) A reference variable's read is an Identity of
-    its buffer, which grappler's arithmetic optimizer swaps with the IsFinite after it, leaving
-    IsFinite to read the buffer without the dependencies (before the update writes it): an Abs
-    between them, which no optimizer swaps, keeps the order.
+    its buffer, which grappler's arithmetic optimizer may swap with the check after it,
+    leaving the check to read the buffer without the dependencies (before the update writes
+    it): an Abs between them, which no optimizer swaps, keeps the order.
     """
     if rows is not None:
         return variable.sparse_read(rows)

@@ -80,6 +80,7 @@ class Wiring:
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
             self._checked = []  # the variables an apply checks finite (check_applied), in order
+            checked_op = None
             if check_applied:
                 measured, checked_op = _checked_train_ops(
                     optimizer, pairs, self.global_step if increment_global_step else None,
@@ -87,7 +88,7 @@ class Wiring:
                 self._checked, measured_train_op, before = measured
             self._apply_fetches, self.learning_rate = _apply_fetches(
                 optimizer, self.global_step, self.train_op, measured_train_op, pairs, before,
-                self._apply_feeds, checked_op if check_applied else None)
+                self._apply_feeds, checked_op)
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -189,10 +190,11 @@ class Wiring:
         Measuring keeps each weight's value from before the update alive
         while the optimizer runs (a copy of the weights) and reduces two norms
         per variable: about the cost of the apply itself again. Checking
-        (``check_applied``) keeps every value the update writes (weights, slots,
-        the global step) alive the same way, and reads each written float once
-        more; the names of those it finds non-finite, after it undid the
-        update, come back as ``Applied.nonfinite``.
+        (``check_applied``) keeps what the update can write (the touched rows
+        of a variable written only by rows, every other written value whole:
+        :mod:`hostavg.tf1.checked`) and sums each checked value once more; the
+        names of those it finds non-finite, after it undid the update, come
+        back as ``Applied.nonfinite``.
         """
         args = list(feed.values())
         for name, g in zip(self.names, self._grads):
@@ -378,11 +380,14 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
     ratios = [measured_step_after] + lr + squares
-    last = [] if checked_op is None else [checked_op]
-    with tf.control_dependencies([train_op if checked_op is None else checked_op]):
+    if checked_op is None:
+        with tf.control_dependencies([train_op]):
+            step_after = global_step.read_value()
+        return ApplyFetches([step_after] + lr, ratios, ratios + after + updates), rate
+    with tf.control_dependencies([checked_op]):
         step_after = global_step.read_value()
-    return ApplyFetches([step_after] + lr + last, ratios + [measured_train_op] * bool(last),
-                        ratios + after + updates + [measured_train_op] * bool(last)), rate
+    return ApplyFetches([step_after] + lr + [checked_op], ratios + [measured_train_op],
+                        ratios + after + updates + [measured_train_op]), rate
 
 
 def _update_squares(after: list, before: list):
