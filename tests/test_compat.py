@@ -519,3 +519,17 @@ def test_used_inputs_finds_what_a_loss_depends_on_and_its_fallback_says_everythi
     private, public = forms(JAX_APIS["used_inputs"])
     assert private(traced) == (True, False, True, True)
     assert public(traced) == (True, True, True, True)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+def test_finite_flags_finds_nan_and_inf_and_not_a_sum_that_overflows(dtype):
+    """Against NumPy's isfinite: the quick sum of each value overflows for the finite ones of
+    float max (which the exact look clears), and is Inf or NaN for each kind of non-finite."""
+    top = float(dtype.max)
+    cases = [[1.0, -2.0], [top, top], [-top, -top, 1.0], [np.nan, 1.0], [np.inf, 1.0],
+             [-np.inf, 1.0], [np.inf, -np.inf], [top, np.inf]]
+    for chosen in ([0, 1], [0, 2], [1, 2], [3], [0, 4], [5, 1], [6], [7, 0], list(range(8))):
+        values = [tf.constant(np.array(cases[i], np.float64), dtype) for i in chosen]
+        want = [bool(np.all(np.isfinite(np.array(cases[i])))) for i in chosen]
+        got = hostavg.compat.tensorflow.finite_flags(values).numpy().tolist()
+        assert got == want, (dtype, chosen)

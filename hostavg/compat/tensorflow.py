@@ -1,4 +1,5 @@
-"""Everything hostavg needs of TensorFlow: importing it quietly, its errors, read ops, and its private APIs.
+"""Everything hostavg needs of TensorFlow: importing it quietly, its errors, the ops that read a
+variable or write its rows, a cheap finite check, and its private APIs.
 
 :func:`import_tensorflow` is ``hostavg.import_tensorflow``; this module imports
 TensorFlow through it. Imported by the TF1 and Keras backends and the command
@@ -26,12 +27,18 @@ import numpy as np
 
 from hostavg.compat import choose
 
-__all__ = ["READ_OPS", "concrete_call", "eager_tensor", "first_line", "import_tensorflow",
-           "input_types", "is_ref_dtype", "learning_rate", "session_call"]
+__all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "finite_flags", "first_line",
+           "import_tensorflow", "input_types", "is_ref_dtype", "learning_rate", "rows_fed",
+           "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
 READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
                       "VarIsInitializedOp", "IsVariableInitialized"})
+
+#: Op types that pass their input's values on, some of them or all: the rows a write is given
+#: through them are rows of the fed indices.
+ROWS_KEPT = frozenset({"Identity", "Unique", "Cast"})
+
 
 #: What TF_CPP_MIN_LOG_LEVEL becomes unless it was set: fatal errors only. TensorFlow's
 #: own errors reach Python as exceptions; what its C++ core logs at start-up ("failed
@@ -359,3 +366,45 @@ eager_tensor = choose("tensorflow.python.framework.ops.EagerTensor", _eager_tens
 concrete_call = choose(
     "tensorflow.python.eager.polymorphic_function.concrete_function.ConcreteFunction._call_flat",
     _concrete_call_private, _concrete_call_public, _concrete_call_works)
+
+
+def rows_fed(op, indices: dict):
+    """The ref of the fed indices (a key of ``indices``) whose rows are all ``op`` writes, where
+    it is a scatter or a sparse apply fed them (or some of them); else None."""
+    if "Nd" in op.type or not op.type.startswith(("ResourceScatter", "ResourceSparseApply")):
+        return None
+    names = [arg.name for arg in op.op_def.input_arg]
+    if "indices" not in names:
+        return None
+    tensor = op.inputs[names.index("indices")]
+    while tensor.ref() not in indices and tensor.op.type in ROWS_KEPT and tensor.value_index == 0:
+        tensor = tensor.op.inputs[0]
+    return tensor.ref() if tensor.ref() in indices else None
+
+
+def finite_flags(values: list, undo=None):
+    """Whether each of ``values`` (float tensors) is finite in every entry: a bool vector;
+    where any is not, what ``undo(flags)`` returns (the flags, once it undid an update).
+
+    One pass over each: its sum is finite when every entry is (an Inf or a NaN entry makes
+    it Inf or NaN); only where a sum is not (an entry not finite, or finite ones whose sum
+    overflows) does a ``tf.cond`` look at each entry: ``value * 0`` is NaN exactly at an Inf
+    or a NaN, so its sum is finite exactly where every entry is. (IsFinite and All, a
+    reduction of booleans, take several times a float sum over the same entries.)
+    """
+    quick = tf.math.is_finite(tf.stack([_sum(v) for v in values]))
+
+    def exact():
+        flags = tf.math.is_finite(tf.stack([_sum(v * tf.zeros((), v.dtype)) for v in values]))
+        if undo is None:
+            return flags
+        return tf.cond(tf.reduce_all(flags), lambda: flags, lambda: undo(flags))
+    return tf.cond(tf.reduce_all(quick), lambda: quick, exact)
+
+
+def _sum(value):
+    """The sum of ``value``'s entries as a float32 scalar, summed in float32 at least (a sum
+    of narrower floats overflows early)."""
+    if value.dtype not in (tf.float32, tf.float64):
+        value = tf.cast(value, tf.float32)
+    return tf.cast(tf.reduce_sum(value), tf.float32)

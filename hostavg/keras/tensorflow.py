@@ -28,7 +28,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import READ_OPS, concrete_call, eager_tensor, first_line
+from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, finite_flags,
+                                       first_line, rows_fed)
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
@@ -80,6 +81,7 @@ class KerasBackend(CompiledModel):
         self._products = {}  # input signature -> compiled Hessian-vector product
         # ApplyRequest -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
+        self._rows = None  # what an apply keeps of each variable it holds (_rows_written)
         self._snapshot = _Snapshot()
         self.batch_norm = batch_norm
         # "step": (moving mean, moving variance, momentum) per BatchNormalization layer, found
@@ -323,25 +325,28 @@ class KerasBackend(CompiledModel):
 
     def _application(self, request: ApplyRequest):
         """The compiled apply's Python function: the mean's tensors in, its
-        :class:`~hostavg.keras.common.ApplyOutputs` (tensors) out."""
+        :class:`~hostavg.keras.common.ApplyOutputs` (tensors) out.
+
+        Where applies check (check_applied), what it keeps of each weight and optimizer
+        variable to undo with is what the update can change: the rows of a sparse gradient
+        where the optimizer writes only those (:meth:`_rows_written`), else all of it; a
+        request that measures keeps the weights whole."""
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
         scales = self._scales
-
         # What an apply checks and undoes (check_applied): the weights and the optimizer's state.
         held = variables + list(optimizer.variables) if self.check_applied else variables
-        checked = [v for v in held if self._checks(v)]
+        checked = [i for i, v in enumerate(held) if self._checks(v)]
+        rows = self._rows_written(held) if self.check_applied else [None] * len(held)
+        if request.ratios or request.values:
+            rows[:len(variables)] = [None] * len(variables)
 
         def apply(*flat):
-            flat, grads = iter(flat), []
-            for s in spec:
-                if s.sparse:
-                    indices = next(flat)
-                    grads.append(tf.IndexedSlices(next(flat), indices, tf.constant(s.shape, tf.int64)))
-                else:
-                    grads.append(next(flat))
+            grads = _gradients(spec, flat)
+            at = [None if r is None else flat[r] for r in rows]
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
             reads = request.ratios or request.values or checked
-            before = [tf.identity(v.value) for v in held] if reads else []
+            before = [tf.identity(v.value) if r is None else v.value.sparse_read(r)
+                      for v, r in zip(held, at)] if reads else []
             step = tf.identity(optimizer.iterations)
             scale = tf.identity(_scale(optimizer)) if scales else tf.ones((), tf.float32)
             if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
@@ -353,11 +358,42 @@ class KerasBackend(CompiledModel):
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
                                    + [_sum_squares(b) for b in before[:len(variables)]])
             after = [tf.identity(v.value) for v in variables] if request.values else []
-            finite = _undo_if_nonfinite(held, checked, before)
+            finite = _undo_if_nonfinite(held, checked, before, at)
             return ApplyOutputs(step, tf.convert_to_tensor(optimizer.iterations), lr, squares,
                                 (scale, _scale(optimizer) if scales else scale), after,
                                 [a - b for a, b in zip(after, before)], finite)
         return apply
+
+    def _rows_written(self, held: list) -> list:
+        """For each of ``held``: the position, among the apply's inputs, of the sparse
+        gradient's indices whose rows are all the optimizer's apply writes of it, else None;
+        found once, from the graph of the optimizer's apply traced alone.
+
+        A variable counts when every op that writes it is a scatter of those rows
+        (:func:`~hostavg.compat.tensorflow.rows_fed`): Keras's SGD without momentum writes a
+        table by rows; its momentum, Adam's moments, weight decay write it whole.
+        """
+        if self._rows is None:
+            spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
+
+            def alone(*flat):
+                optimizer.apply_gradients(zip(_gradients(spec, flat), variables))
+                return tf.zeros(())
+            graph = tf.function(alone, input_signature=self._apply_specs()) \
+                .get_concrete_function().graph
+            starts = np.cumsum([0] + [2 if s.sparse else 1 for s in spec])
+            indices = {graph.inputs[i].ref(): int(i) for i, s in zip(starts, spec) if s.sparse}
+            outer = {captured.ref(): id(handle) for handle, captured in graph.captures}
+            by_handle = {id(v.value.handle): k for k, v in enumerate(held)}
+            writes = {}
+            for op in graph.get_operations():
+                for t in op.inputs:
+                    k = by_handle.get(outer.get(t.ref()))
+                    if k is not None and t.dtype == tf.resource and op.type not in READ_OPS:
+                        writes.setdefault(k, set()).add(rows_fed(op, indices))
+            self._rows = [indices[next(iter(w))] if len(w) == 1 and None not in w else None
+                          for w in (writes.get(k, {None}) for k in range(len(held)))]
+        return list(self._rows)
 
     def _evaluation(self, signature):
         def evaluation(*flat):
@@ -468,18 +504,36 @@ def _gradient_outputs(grads, scale) -> tuple:
     return kept, out, tf.stack(norms) if norms else tf.zeros(0, tf.float64)
 
 
-def _undo_if_nonfinite(held: list, checked: list, before: list):
-    """Whether each of ``checked`` is finite now (after the update); where any is not, every
-    one of ``held`` is assigned its value ``before`` the update, in a ``tf.cond``."""
+def _gradients(spec: list, flat) -> list:
+    """The gradients of the apply's inputs ``flat``: a dense tensor per variable of ``spec``, a
+    sparse one's indices then values as an IndexedSlices."""
+    flat, grads = iter(flat), []
+    for s in spec:
+        if s.sparse:
+            indices = next(flat)
+            grads.append(tf.IndexedSlices(next(flat), indices, tf.constant(s.shape, tf.int64)))
+        else:
+            grads.append(next(flat))
+    return grads
+
+
+def _undo_if_nonfinite(held: list, checked: list, before: list, rows: list):
+    """Whether each of ``held`` at the positions ``checked`` is finite now (after the update),
+    of its ``rows`` only where given (:func:`~hostavg.compat.tensorflow.finite_flags`); where
+    any is not, every one of ``held`` is given back its value ``before`` the update (those rows
+    of it, or all)."""
     if not checked:
         return tf.zeros(0, tf.bool)
-    finite = tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in checked])
 
-    def undo():
-        for v, b in zip(held, before):
-            v.assign(b)
+    def undo(finite):
+        for v, b, r in zip(held, before, rows):
+            if r is None:
+                v.assign(b)
+            else:
+                v.value.scatter_update(tf.IndexedSlices(b, r))
         return tf.identity(finite)
-    return tf.cond(tf.reduce_all(finite), lambda: tf.identity(finite), undo)
+    return finite_flags([held[i].value if rows[i] is None else held[i].value.sparse_read(rows[i])
+                         for i in checked], undo)
 
 
 def _scale(optimizer):

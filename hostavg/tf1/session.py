@@ -247,7 +247,9 @@ class Callables:
         It takes the feed values in that order and returns the tensors' values
         in order; operations are run, not returned.
         """
-        made = self._by_session.setdefault(sess, {})
+        made = self._by_session.get(sess)
+        if made is None:  # (setdefault would make a weak reference on every call)
+            made = self._by_session[sess] = {}
         key = (id(fetches), feed_keys)
         if key not in made:
             made[key] = _compile(sess, fetches, feed_keys, self.threads)

@@ -16,12 +16,13 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import first_line, is_ref_dtype, learning_rate
+from hostavg.compat.tensorflow import first_line, learning_rate
 from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.tf1.advice import advice_for
 from hostavg.tf1.average import GraphReducer
+from hostavg.tf1.checked import checked_train_op, rows_written
 from hostavg.tf1.feeds import FeedConformer
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
@@ -79,13 +80,15 @@ class Wiring:
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
             self._checked = []  # the variables an apply checks finite (check_applied), in order
+            checked_op = None
             if check_applied:
-                self._checked, measured_train_op, before = _checked_train_op(
+                measured, checked_op = _checked_train_ops(
                     optimizer, pairs, self.global_step if increment_global_step else None,
                     self.train_op, self._apply_feeds)
+                self._checked, measured_train_op, before = measured
             self._apply_fetches, self.learning_rate = _apply_fetches(
                 optimizer, self.global_step, self.train_op, measured_train_op, pairs, before,
-                self._apply_feeds, bool(self._checked))
+                self._apply_feeds, checked_op)
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -216,10 +219,11 @@ class Wiring:
         Measuring keeps each weight's value from before the update alive
         while the optimizer runs (a copy of the weights) and reduces two norms
         per variable: about the cost of the apply itself again. Checking
-        (``check_applied``) keeps every value the update writes (weights, slots,
-        the global step) alive the same way, and reads each written float once
-        more; the names of those it finds non-finite, after it undid the
-        update, come back as ``Applied.nonfinite``.
+        (``check_applied``) keeps what the update can write (the touched rows
+        of a variable written only by rows, every other written value whole:
+        :mod:`hostavg.tf1.checked`) and sums each checked value once more; the
+        names of those it finds non-finite, after it undid the update, come
+        back as ``Applied.nonfinite``.
         """
         args = list(feed.values())
         for name, g in zip(self.names, self._grads):
@@ -345,62 +349,22 @@ def _train_ops(optimizer, pairs: list, global_step, measured: bool = True) -> tu
     return train_op, measured_train_op, before
 
 
-def _checked_train_op(optimizer, pairs: list, global_step, train_op, apply_feeds: tuple) -> tuple:
-    """The apply that checks what it wrote: ``(checked, op, before)``, ``checked`` the float
-    variables it checks, ``op`` the train op that undoes its update where any of them went
-    NaN or Inf (its output: whether each is finite), ``before`` the weights' values before.
+def _checked_train_ops(optimizer, pairs: list, global_step, train_op, apply_feeds: tuple
+                       ) -> tuple:
+    """The checked train ops (:func:`~hostavg.tf1.checked.checked_train_op`):
+    ``((checked, measured op, weights before), plain op)``, the measured one keeping the
+    trained variables whole (for the update ratios), the plain one keeping what it can by rows
+    (the same op where nothing is written by rows)."""
+    densify = _densifies_sparse(optimizer)
 
-    Every variable ``train_op`` writes (found by walking it: weights, slots, the
-    optimizer's counters, the global step) is read before a second apply op of the same
-    optimizer (its ops wait for the reads, so the update copies what it would write in
-    place); after it, each float one is checked, and a ``tf.cond`` assigns the reads back
-    where any is not finite: one session call, whatever it finds.
-    """
-    variables = [v for _, v in pairs]
-    ids = {id(v) for v in variables}
-    written = variables + [v for v in assigned_variables(train_op.graph, [train_op], apply_feeds)
-                           if id(v) not in ids]
-    with tf.name_scope("hostavg_check_applied"):
-        before = [value_now(v) for v in written]
-        with tf.control_dependencies(before):
-            fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
-                   if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g, _ in pairs]
-        applied = optimizer.apply_gradients(_applied(zip(fed, variables),
-                                                     _densifies_sparse(optimizer)),
-                                            global_step=global_step)
-        checked = [v for v in written if v.dtype.base_dtype.is_floating]
-        with tf.control_dependencies([applied]):
-            finite = tf.stack([tf.reduce_all(tf.math.is_finite(_read_after(v))) for v in checked])
-        return checked, _undo_where(tf.reduce_all(finite), finite, written, before), \
-            before[:len(variables)]
-
-
-def _read_after(variable):
-    """A read of ``variable`` that stays within the control dependencies it is made in.
-
-    (read_value: a new read there.) A reference variable's read is an Identity of its buffer,
-    which grappler's arithmetic optimizer swaps with the IsFinite after it, leaving IsFinite
-    to read the buffer without the dependencies (before the update writes it): an Abs
-    between them, which no optimizer swaps, keeps the order.
-    """
-    value = variable.read_value()
-    return tf.abs(value) if is_ref_dtype(variable.dtype) else value
-
-
-def _undo_where(ok, finite, written: list, before: list):
-    """``finite``, once every one of ``written`` is assigned its value ``before`` where ``ok``
-    is false: a resource variable in a ``tf.cond`` (only then), a reference variable (which
-    ``tf.cond`` cannot capture) by a ``tf.where`` of its two values each time."""
-    with tf.control_dependencies([finite]):  # after the update
-        kept = [v1.assign(v, tf.where(ok, v.read_value(), b)) for v, b in zip(written, before)
-                if is_ref_dtype(v.dtype)]
-
-    def undo():
-        with tf.control_dependencies([v.assign(b) for v, b in zip(written, before)
-                                      if not is_ref_dtype(v.dtype)]):
-            return tf.identity(finite)
-    with tf.control_dependencies(kept):
-        return tf.cond(ok, lambda: tf.identity(finite), undo)
+    def apply(fed_pairs):
+        return optimizer.apply_gradients(_applied(fed_pairs, densify), global_step=global_step)
+    measured = checked_train_op(apply, pairs, train_op, apply_feeds, whole=True)
+    by_rows = any(r is not None for r in rows_written(train_op, pairs, [v for _, v in pairs],
+                                                      apply_feeds))
+    plain = checked_train_op(apply, pairs, train_op, apply_feeds, whole=False) if by_rows \
+        else measured
+    return measured, plain.op
 
 
 class ApplyFetches(NamedTuple):
@@ -426,12 +390,14 @@ class ApplyFetches(NamedTuple):
 
 
 def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
-                   before: list, apply_feeds: tuple, checked: bool
+                   before: list, apply_feeds: tuple, checked_op
                    ) -> tuple[ApplyFetches, tf.Tensor | None]:
     """What an apply fetches, and the optimizer's learning-rate tensor (None where none is
-    found). With ``checked``, ``measured_train_op`` is the checked train op
-    (:func:`_checked_train_op`) and serves all, fetched last; else the plain apply runs the
-    train op, which reads no weight before it."""
+    found). With ``checked_op`` (the checked train op that keeps rows where it can,
+    :func:`_checked_train_ops`), ``measured_train_op`` is the checked one that keeps the
+    weights whole and serves the applies that measure, and ``checked_op`` the plain one;
+    either is fetched last. Else the plain apply runs the train op, which reads no weight
+    before it."""
     with tf.control_dependencies([measured_train_op]):
         measured_step_after = global_step.read_value()
         with tf.name_scope("hostavg_update_ratios"):
@@ -443,13 +409,14 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
     ratios = [measured_step_after] + lr + squares
-    if checked:
-        return ApplyFetches([measured_step_after] + lr + [measured_train_op],
-                            ratios + [measured_train_op],
-                            ratios + after + updates + [measured_train_op]), rate
-    with tf.control_dependencies([train_op]):
+    if checked_op is None:
+        with tf.control_dependencies([train_op]):
+            step_after = global_step.read_value()
+        return ApplyFetches([step_after] + lr, ratios, ratios + after + updates), rate
+    with tf.control_dependencies([checked_op]):
         step_after = global_step.read_value()
-    return ApplyFetches([step_after] + lr, ratios, ratios + after + updates), rate
+    return ApplyFetches([step_after] + lr + [checked_op], ratios + [measured_train_op],
+                        ratios + after + updates + [measured_train_op]), rate
 
 
 def _update_squares(after: list, before: list):

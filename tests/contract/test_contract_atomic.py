@@ -148,3 +148,34 @@ def test_a_weight_non_finite_before_the_step_is_named_instead_of_every_sample(ba
                            "holds 1 of 24 entries non-finite: 1 NaN, 0 Inf), so every micro-batch "
                            "computed from them is"), said
     assert "no sample is to blame" in said and "data row" not in said, said
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "rmsprop", "adam"])
+def test_a_sparse_apply_that_goes_non_finite_in_its_rows_is_undone_bit_for_bit(backend, optimizer):
+    """The checked apply keeps of an embedding table what the update can change (its touched
+    rows, where the optimizer writes only those): an update that overflows one touched row
+    (its weight, or its slot: float max squared under Adagrad, RMSProp and Adam) is undone bit
+    for bit, the touched rows and their slots, and no other row of any variable moved."""
+    face = backend.make("embedding", optimizer)
+    data = batches(4, 2, BATCH, sparse=True)
+    face.step(face.cut(data[0], SIZES))  # slots, step: all non-trivial
+    grads = face.compute(face.cut(data[1], SIZES)[0])
+    name, = [n for n, g in grads.items() if len(np.shape(g)) == 2 and np.shape(g)[0] == 50]
+    g = grads[name]
+    top = np.finfo(np.float32).max
+    if isinstance(g, hostavg.SparseGradient):
+        rows = np.unique(g.indices)
+        huge = hostavg.SparseGradient(g.indices, np.full_like(g.values, top), g.dense_shape)
+    else:  # a dense gradient (JAX): its touched rows are those not zero
+        rows = np.flatnonzero(np.any(g != 0, axis=1))
+        huge = np.where(np.any(g != 0, axis=1, keepdims=True), top, 0 * g).astype(g.dtype)
+    assert 0 < len(rows) < 50
+    table = face.values()[name].copy()
+    table[rows[0]] = -top  # finite: SGD and Momentum overflow it; the others, a slot
+    face.set(name, table)
+    before = face.values()
+    with pytest.raises(hostavg.StepError) as raised:
+        face.apply(dict(grads, **{name: huge}))
+    same(face.values(), before)
+    assert "so it was undone" in str(raised.value), str(raised.value)
+    assert face.apply(grads) == 2  # and it applies on
