@@ -383,11 +383,12 @@ def sgd():
     return v1.train.GradientDescentOptimizer(0.1)
 
 
-def recorded_step(model, feed, path) -> None:
-    """One step over ``feed`` (micro-batches of 10) of a new SGD trainer of ``model``'s graph,
-    written by a :class:`~hostavg.hooks.Record` to ``path``, in a session of its own."""
+def recorded_step(model, feed, path, **trainer_kw) -> None:
+    """One step over ``feed`` (micro-batches of 10) of a new SGD trainer of ``model``'s graph
+    (made with ``trainer_kw``), written by a :class:`~hostavg.hooks.Record` to ``path``, in a
+    session of its own."""
     with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, sgd(), hooks=[Record(path)])
+        trainer = hostavg.Trainer(model.loss, sgd(), hooks=[Record(path)], **trainer_kw)
         init = v1.global_variables_initializer()
     with v1.Session(graph=model.graph) as sess:
         sess.run(init)

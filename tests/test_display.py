@@ -99,7 +99,7 @@ def test_every_result_types_repr_is_one_short_line(deep):
     assert "more}, loss=" in repr(result.grads)  # 18 variables do not fit: counted
     assert one_line(trainer) == ("hostavg.Trainer(variables=18, micro_batch_size=4, "
                                  "accumulate='stack', average='host', "
-                                 "hooks='DropWith, Record, WatchOutliers')")
+                                 "hooks='DropWith, Record, WatchOutliers, Diagnose')")
     sparse = hostavg.SparseGradient(np.arange(1000), np.ones((1000, 4)), (5000, 4))
     assert one_line(sparse) == "SparseGradient(1000 rows of (5000, 4) float64)"
 
@@ -159,7 +159,7 @@ def test_every_result_types_html_is_a_table(deep):
     assert steps[1][:3] == ["1", display.number(result.loss), "252"]
     settings = dict(Table(trainer._repr_html_()).tables[0][1:])
     assert settings["accumulate"] == "stack" and settings["variables"] == "18"
-    assert settings["hooks"] == "DropWith, Record, WatchOutliers"
+    assert settings["hooks"] == "DropWith, Record, WatchOutliers, Diagnose"
     assert settings["update_ratios_every"] == "1"
 
 
@@ -170,7 +170,7 @@ def test_the_keras_trainer_shows_its_model_and_settings():
     trainer = hostavg.keras.Trainer(model, micro_batches=2)
     assert one_line(trainer) == (f"hostavg.keras.Trainer(model={model.name!r}, variables='unknown "
                                  f"until the first batch', micro_batches=2, accumulate='sum', "
-                                 f"batch_norm='micro', hooks='WatchOutliers')")
+                                 f"batch_norm='micro', hooks='WatchOutliers, Diagnose')")
     data = batches(0, 1, 8)[0]
     trainer.step([(data["x"], data["y"])])
     assert "variables=4" in one_line(trainer)

@@ -24,6 +24,8 @@ DIFFERENCES = {
         "step": (["sess"], ["feeds"], ["fetches"]),
         "check": (["sess"], ["feed_dict"], ["blocks"]),
         "per_sample": (["sess"], ["feed_dict"], []),
+        "hvp": (["sess"], ["feed_dict"], []),
+        "curvature": (["sess"], ["feed_dict"], []),
         "evaluate": (["sess"], ["data"], ["metrics"]),
         "fit": (["sess"], ["data"], ["metrics", "inputs", "blocks", "fetches"]),
         "save": (["sess"], None, []),
@@ -36,6 +38,8 @@ DIFFERENCES = {
         "step": ([], ["batches"], []),
         "check": ([], ["x", "y", "sample_weight"], []),
         "per_sample": ([], ["x", "y", "sample_weight"], []),
+        "hvp": ([], ["x", "y", "sample_weight"], []),
+        "curvature": ([], ["x", "y", "sample_weight"], []),
         "evaluate": ([], ["x", "y"], ["sample_weight"]),
         "fit": ([], ["x", "y"], ["validation_split", "class_weight", "sample_weight",
                                  "validation_batch_size", "validation_steps"]),
@@ -45,6 +49,7 @@ DIFFERENCES = {
 }
 #: The data argument of each base method that has one.
 DATA = {"compute": "batch", "step": "batches", "check": "batch", "per_sample": "batch",
+        "hvp": "batch", "curvature": "batch",
         "evaluate": "data", "fit": "data"}
 
 

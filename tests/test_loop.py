@@ -190,7 +190,9 @@ def test_validation_metrics_history_table_and_callbacks():
     assert list(table.columns) == ["epoch", "step", "loss", "size", "samples", "grad_norm", "g2",
                                    "trace_sigma", "b_simple", "norm_test", "inner_product_test",
                                    "orthogonality_test", "gsnr", "learning_rate",
-                                   "grad_norm_before_clip", "micro_sizes", "micro_losses",
+                                   "grad_norm_before_clip", "hessian_trace",
+                                   "hessian_top_eigenvalue", "sharpness", "alpha", "distance",
+                                   "update_norm", "micro_sizes", "micro_losses",
                                    "micro_norms_before_clip", "micro_norms", "cosines", "dropped",
                                    "nonfinite_rows"]
     assert table["samples"].iloc[-1] == 2 * N
@@ -474,7 +476,8 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     history = trainer.fit(sess, data, callbacks=None, **dict(FIT, epochs=1))
     assert len(history.steps) == 5
     with pytest.raises(hostavg.HostavgError, match=r"^callbacks must be a list of objects with "
-                       r"on_micro_batch or on_step or on_applied or on_resume or on_train_begin "
+                       r"on_micro_batch or on_step or on_step_batch or on_applied_batch or "
+                       r"on_applied or wants_update_ratios or on_resume or on_train_begin "
                        r"or on_epoch_begin or on_batch_begin or on_batch_end or on_epoch_end or "
                        r"on_train_end or close or on_step_end \(or None\), got "
                        r"<hostavg.train.callbacks.EarlyStopping"):
@@ -482,9 +485,10 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     model = build()
     with model.graph.as_default():
         assert hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1), hooks=None,
-                               watch_outliers=False).hooks == ()
+                               watch_outliers=False, diagnose=False).hooks == ()
         with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
-                           r"on_micro_batch or on_step or on_applied or on_resume or "
+                           r"on_micro_batch or on_step or on_step_batch or on_applied_batch or "
+                           r"on_applied or wants_update_ratios or on_resume or "
                            r"on_train_begin or on_epoch_begin or on_batch_begin or on_batch_end "
                            r"or on_epoch_end or on_train_end or close or on_step_end "
                            r"\(or None\), got "

@@ -361,12 +361,14 @@ def test_per_sample_is_each_sample_alone_against_the_feeds_mean_and_changes_noth
     assert np.isfinite(numbers.to_numpy(float)).all()  # the mean of the other nine
 
 
-def test_update_ratios_are_measured_every_so_many_steps_or_never():
-    for every, measured in ((2, [False, True, False, True]), (None, [False] * 4)):
+def test_update_ratios_are_measured_every_so_many_steps_or_where_diagnose_asks_or_never():
+    for every, diagnose, measured in ((2, False, [False, True, False, True]),
+                                      (None, False, [False] * 4),
+                                      (None, True, [True] * 4)):  # its first 20 applies
         case = Case()
         with case.model.graph.as_default():
             trainer = hostavg.Trainer(case.model.loss, v1.train.AdamOptimizer(0.01),
-                                      update_ratios_every=every)
+                                      update_ratios_every=every, diagnose=diagnose)
             case.sess.run(v1.global_variables_initializer())
         results = [trainer.step(case.sess, case.feeds) for _ in range(4)]
         assert [r.update_ratios is not None for r in results] == measured

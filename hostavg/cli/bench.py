@@ -49,11 +49,15 @@ KERAS_DEFAULT_IMPLEMENTATIONS = ("hostavg-keras", "keras-accum")
 GPU_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
 OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph")
-#: What every hostavg implementation is made with but the "-watched" ones: the bench steps
-#: each round's micro-batches many times, so a model that learns them by heart meets the next
-#: round's as a spike, which :class:`~hostavg.hooks.WatchOutliers` (on by default) would then
-#: search sample by sample, inside the timing; the "-watched" ones time it.
-UNWATCHED = {"watch_outliers": False}
+#: What every hostavg implementation is made with but the "-watched" ones, which time the
+#: default watches: the bench steps each round's micro-batches many times, so a model that
+#: learns them by heart meets the next round's as a spike, which
+#: :class:`~hostavg.hooks.WatchOutliers` would search sample by sample inside the timing; and
+#: :class:`~hostavg.hooks.Diagnose` has the first 20 applies, then one in 10, measure update
+#: ratios, which would make the rows' times depend on how many steps a sample holds.
+UNWATCHED = {"watch_outliers": False, "diagnose": False}
+#: The defaults, for the "-watched" implementations.
+WATCHED = {"watch_outliers": True, "diagnose": True}
 #: The optimizers a configuration can name (see :func:`_optimizer`).
 OPTIMIZERS = ("adam", "sgd")
 #: Most consecutive steps one timed sample may hold (see :func:`time_config`).
@@ -332,14 +336,14 @@ def _make(name: str, config: Config, session_config=None):
                                                **kw),
             "hostavg-unchecked": lambda: _Hostavg(config, trainer_kw={"check_applied": False},
                                                   **kw),
-            "hostavg-watched": lambda: _Hostavg(config, trainer_kw={"watch_outliers": True}, **kw),
+            "hostavg-watched": lambda: _Hostavg(config, trainer_kw=WATCHED, **kw),
             "in-graph": lambda: _InGraph(config, **kw),
             "plain-host": lambda: _PlainHost(config, **kw),
             "full-batch": lambda: _FullBatch(config, **kw),
             "hostavg-keras": lambda: _HostavgKeras(config),
             "hostavg-keras-overlap": lambda: _HostavgKeras(config, overlap=True),
             "hostavg-keras-unchecked": lambda: _HostavgKeras(config, check_applied=False),
-            "hostavg-keras-watched": lambda: _HostavgKeras(config, watch_outliers=True),
+            "hostavg-keras-watched": lambda: _HostavgKeras(config, **WATCHED),
             "keras-accum": lambda: _KerasAccumulation(config)}[name]()
 
 

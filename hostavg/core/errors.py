@@ -146,7 +146,7 @@ def warn(warning: Warning) -> None:
     """Warns ``warning`` at the first frame outside hostavg: the user's line that called fit
     or step, not the hook inside it."""
     package = __name__.split(".")[0]
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == package:
         frame, level = frame.f_back, level + 1
     warnings.warn(warning, stacklevel=level)

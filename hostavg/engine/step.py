@@ -71,8 +71,9 @@ class Engine:
       hooks: see :class:`~hostavg.core.results.Hook`.
       average: an :class:`Average`; default :class:`HostAverage`.
       update_ratios_every: measure the update-to-weight ratios in the applies
-        of steps whose global step (after the apply) is a multiple of this;
-        None: never. Measuring costs about one more apply.
+        of steps whose global step (after the apply) is a multiple of this, and
+        where a hook's ``wants_update_ratios`` asks; None: only there. Measuring
+        costs about one more apply.
       distributions_every: keep ``StepResult.distributions`` (the percentiles of
         each variable's applied mean gradient, weights after and update) for
         steps whose global step is a multiple of this; None: never. The apply

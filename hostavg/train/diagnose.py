@@ -30,7 +30,8 @@ DIAGNOSES = ("update_too_large", "dead", "vanishing", "exploding")
 #: steps at every learning rate, so the verdict needs the variables over it to hold most of
 #: the model's parameters (biases hold few).
 UPDATE_TOO_LARGE = 0.1
-#: Of how many of a variable's last measured ratios most (over half) must be too large.
+#: Of how many of a variable's last measured ratios most (over half, and 3 at least) must be
+#: too large.
 UPDATE_STEPS = 5
 #: The applies that measure update ratios for Diagnose: the first ``MEASURED_FIRST``, where a
 #: learning rate too high shows (its units die within ten steps), then one in
@@ -124,7 +125,8 @@ class Diagnose:
         for name, ratio in result.update_ratios.items():
             last = self._ratios.setdefault(name, deque(maxlen=UPDATE_STEPS))
             last.append(ratio)
-            if 2 * sum(r > UPDATE_TOO_LARGE for r in last) > max(len(last), 3):
+            over_it = sum(r > UPDATE_TOO_LARGE for r in last)
+            if over_it >= 3 and 2 * over_it > len(last):
                 over.append(name)
         self._norms.update(result.weight_norms or {})
         sizes = {n: math.prod(g.shape) for n, g in result.grads.items()}

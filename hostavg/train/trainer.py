@@ -120,7 +120,8 @@ class BaseTrainer:
           hooks: objects with any of the hook methods of :class:`~hostavg.core.results.Hook`.
           comm: an mpi4py communicator to train over several processes; None: this one.
           update_ratios_every: measure ``StepResult.update_ratios`` (|w_after -
-            w_before| / |w_before|) every that many global steps; None: never.
+            w_before| / |w_before|) every that many global steps; None: only where a hook
+            asks (the default Diagnose: the first 20 applies, then one in 10).
           overlap: compute micro-batch i + 1 in a worker thread while the host
             handles micro-batch i; the same results bit for bit.
           distributions_every: keep ``StepResult.distributions`` (percentiles of each
@@ -133,16 +134,17 @@ class BaseTrainer:
             (History, Record, TensorBoard, plots); see docs/guides/inspecting.md.
           watch_outliers: run a :class:`~hostavg.hooks.WatchOutliers` (warn) after ``hooks``;
             False: don't.
-          diagnose: run a :class:`~hostavg.hooks.Diagnose` before ``hooks`` (its verdicts are in
-            what their ``on_applied`` sees); False: don't.
+          diagnose: run a :class:`~hostavg.hooks.Diagnose` last (its verdicts reach History;
+            pass one in ``hooks`` before a Record to have it see them); False: don't.
         """
         if accumulate not in ACCUMULATE_MODES:
             raise ArgumentError(f"accumulate must be one of {ACCUMULATE_MODES}, got {accumulate!r}")
         self._cut = cut(micro_batch_size, micro_batches)
         self.accumulate = accumulate
         self.accum_dtype = as_accum_dtype(accum_dtype)
-        self.hooks = ((Diagnose(),) if flag("diagnose", diagnose) else ()) + normalize_hooks(
-            hooks) + ((WatchOutliers(),) if flag("watch_outliers", watch_outliers) else ())
+        self.hooks = normalize_hooks(hooks) + (
+            (WatchOutliers(),) if flag("watch_outliers", watch_outliers) else ()) + (
+            (Diagnose(),) if flag("diagnose", diagnose) else ())
         self.update_ratios_every = None if update_ratios_every is None else positive_int(
             "update_ratios_every", update_ratios_every)
         self.overlap = flag("overlap", overlap)

@@ -20,7 +20,7 @@ STEPS = 200
 @pytest.mark.parametrize("model", ["mlp", "embedding", "batchnorm", "sum"])
 def test_a_healthy_run_of_each_model_warns_of_no_outlier_and_reaches_no_verdict(backend, model):
     face = backend.make(model, "adam")
-    assert [type(h) for h in face.trainer.hooks] == [Diagnose, WatchOutliers]
+    assert [type(h) for h in face.trainer.hooks] == [WatchOutliers, Diagnose]
     data = batches(0, STEPS, BATCH, sparse=model == "embedding")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
