@@ -171,3 +171,25 @@ def test_verdicts_survive_a_history_read_back(face):
     again = hostavg.History.from_json(history.to_json()).diagnoses()
     assert list(again.kind) == list(table.kind) and list(again.step) == list(table.step)
     assert [tuple(v) for v in again.variables] == [tuple(v) for v in table.variables]
+
+
+@pytest.mark.skipif(ON_JAX, reason="a TF1 graph")
+def test_a_large_embedding_whose_gradient_touches_a_few_rows_is_not_vanishing():
+    """A sparse gradient's norm is of the rows it touches, the table's of all of them: the
+    bench's embedding model (50,000 rows of 64) sat 1e4 below its output bias."""
+    from hostavg.cli import models
+    model = models.embedding(50_000, 64, 16, 10)
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(1e-3))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            ids = rng.integers(0, 50_000, (64, 16)).astype(np.int32)
+            labels = rng.integers(0, 10, 64).astype(np.int32)
+            result = trainer.step(sess, hostavg.split({model.x: ids, model.y: labels}, 32))
+    assert result.step == 30
+    assert not [str(w.message) for w in caught if issubclass(w.category, DiagnosisWarning)]

@@ -15,6 +15,7 @@ from collections import deque
 from types import MappingProxyType
 
 from hostavg.core.errors import short, warn
+from hostavg.core.gradients import SparseGradient
 
 __all__ = ["DEAD_STEPS", "DIAGNOSES", "Diagnose", "DiagnosisWarning", "EXPLODING",
            "EXPLODING_STEPS", "MEASURED_FIRST", "MEASURE_EVERY", "UPDATE_STEPS",
@@ -77,7 +78,7 @@ class Diagnose:
     - ``"dead"``: a gradient exactly 0 in every micro-batch of :data:`DEAD_STEPS` steps.
     - ``"vanishing"``: |gradient| / |weights| :data:`VANISHING` times below the largest
       variable's for :data:`VANISHING_STEPS` steps, the variables named in the model's
-      order (from the input side); judged on gradients, which Adam's normalised updates
+      order (from the input side; not an embedding's sparse gradient, a few of its rows); judged on gradients, which Adam's normalised updates
       hide. The weights' norms are the last measured.
     - ``"exploding"``: the mean gradient's norm over :data:`EXPLODING` times its median over
       the last 20 steps, :data:`EXPLODING_STEPS` steps in a row.
@@ -156,8 +157,11 @@ class Diagnose:
 
     def _vanishing(self, result) -> list:
         grads = result.stats.variable_norms
-        relative = {n: g / self._norms[n] for n, g in grads.items()  # 0 is dead's, not this
-                    if self._norms.get(n, 0) > 0 and math.isfinite(g) and g > 0}
+        # 0 is dead's, not this; a sparse gradient touches a few rows of a table it is judged
+        # against whole: an embedding of 50,000 rows sat 1e4 below its model's output bias
+        relative = {n: g / self._norms[n] for n, g in grads.items()
+                    if self._norms.get(n, 0) > 0 and math.isfinite(g) and g > 0
+                    and not isinstance(result.grads.get(n), SparseGradient)}
         if len(relative) < 2:
             return []
         top = max(relative, key=relative.get)
