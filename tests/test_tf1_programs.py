@@ -736,6 +736,30 @@ def test_a_graph_that_fixes_the_batch_size_is_named_as_the_cause(kind, said):
     assert trainer.step(sess, [feed]).step == 1  # the whole batch in one micro-batch runs
 
 
+def test_a_loss_that_overflowed_alone_is_no_fixed_batch_size_and_its_sample_is_named():
+    # A run diverging made a micro-batch's loss Inf with its gradients finite; the error said
+    # the graph likely fixes the batch size, pointing away from the sample.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.Variable(np.full((4, 1), 0.1, np.float32), name="w")
+        penalty = tf.stop_gradient(tf.reduce_mean(tf.exp(tf.reduce_max(x, axis=1))))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w))) + penalty
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        init = v1.global_variables_initializer()
+    sess = session(graph, init)
+    feed = {x: np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32)}
+    feed[x][4, 2] = 100.0  # exp(100) overflows float32: the loss alone is Inf
+    before = values(graph, sess)
+    with pytest.raises(hostavg.HostavgError) as raised:
+        trainer.step(sess, hostavg.split(feed, 3))
+    said = str(raised.value)
+    assert said.startswith("step, micro-batch 1 of 4 (samples 3:6): finite gradients but the "
+                           "loss is inf"), said
+    assert "fixes the batch size" not in said and "sample 4" in said, said
+    assert_close(values(graph, sess), before, atol=0)
+
+
 def test_a_placeholder_of_a_fixed_batch_size_is_named_as_the_cause():
     # word2vec's train_inputs = tf.placeholder(tf.int32, shape=[batch_size]) got the generic
     # shape error, without the fixed-batch advice.

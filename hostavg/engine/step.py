@@ -890,9 +890,11 @@ def _check_weights(backend: Backend) -> bool:
 
 
 def _loss_hint(loss: float, n: int, whole: int, advice: Mapping[str, str]) -> str | None:
-    """What a loss that alone is not finite, on a micro-batch of ``n`` of ``whole`` samples,
-    points at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0)."""
-    if n == whole or math.isfinite(loss):
+    """What a loss that alone is NaN, on a micro-batch of ``n`` of ``whole`` samples, points
+    at: a batch size fixed in the graph (an empty slice's mean is NaN, its gradient 0). Not an
+    infinite loss: that overflowed (a run diverging, a sample too large), which its samples
+    explain."""
+    if n == whole or not math.isnan(loss):
         return None
     return _capital(fixed_batch_hint(n, whole, advice))
 
