@@ -152,8 +152,7 @@ class Diagnose:
         dead = []
         for name in result.stats.variable_norms:
             zero = all(m.get(name, 0.0) == 0 for m in per_micro if m is not None)
-            self._zero[name] = self._zero.get(name, 0) + 1 if zero else 0
-            if self._zero[name] >= DEAD_STEPS:
+            if _streak(self._zero, name, zero) >= DEAD_STEPS:
                 dead.append(name)
         dead = self._new("dead", dead)
         if not dead:
@@ -173,9 +172,7 @@ class Diagnose:
         top = max(relative, key=relative.get)
         low = []
         for name, value in relative.items():
-            below = value * VANISHING < relative[top]
-            self._below[name] = self._below.get(name, 0) + 1 if below else 0
-            if self._below[name] >= VANISHING_STEPS:
+            if _streak(self._below, name, value * VANISHING < relative[top]) >= VANISHING_STEPS:
                 low.append(name)
         low = self._new("vanishing", low)
         if not low:
@@ -197,3 +194,9 @@ class Diagnose:
         return [("exploding", (),
                  f"the mean gradient's norm {short(norm)}, {short(norm / median)}x its median "
                  f"{short(median)} over the last steps, for {EXPLODING_STEPS} steps in a row")]
+
+
+def _streak(counts: dict, name: str, hit: bool) -> int:
+    """``counts[name]``, the steps in a row that were a ``hit``, with this step's ``hit``."""
+    counts[name] = counts.get(name, 0) + 1 if hit else 0
+    return counts[name]
