@@ -29,7 +29,7 @@ from hostavg.compat import choose
 
 __all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "finite_flags", "first_line",
            "import_tensorflow", "input_types", "is_ref_dtype", "learning_rate", "rows_fed",
-           "session_call"]
+           "rows_of", "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
 READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -380,6 +380,13 @@ def rows_fed(op, indices: dict):
     while tensor.ref() not in indices and tensor.op.type in ROWS_KEPT and tensor.value_index == 0:
         tensor = tensor.op.inputs[0]
     return tensor.ref() if tensor.ref() in indices else None
+
+
+def rows_of(writes: set, indices: dict):
+    """What ``indices`` holds for the fed indices whose rows are all a variable's writes are
+    of, given :func:`rows_fed` of each op that writes it (``writes``); None where one writes
+    it otherwise (None among them) or two write different rows."""
+    return indices[next(iter(writes))] if len(writes) == 1 and None not in writes else None
 
 
 def finite_flags(values: list, undo=None):

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, finite_flags,
-                                       first_line, rows_fed)
+                                       first_line, rows_fed, rows_of)
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
@@ -391,8 +391,7 @@ class KerasBackend(CompiledModel):
                     k = by_handle.get(outer.get(t.ref()))
                     if k is not None and t.dtype == tf.resource and op.type not in READ_OPS:
                         writes.setdefault(k, set()).add(rows_fed(op, indices))
-            self._rows = [indices[next(iter(w))] if len(w) == 1 and None not in w else None
-                          for w in (writes.get(k, {None}) for k in range(len(held)))]
+            self._rows = [rows_of(writes.get(k, {None}), indices) for k in range(len(held))]
         return list(self._rows)
 
     def _evaluation(self, signature):

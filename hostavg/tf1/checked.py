@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import READ_OPS, finite_flags, input_types, is_ref_dtype, rows_fed
+from hostavg.compat.tensorflow import (READ_OPS, finite_flags, input_types, is_ref_dtype,
+                                       rows_fed, rows_of)
 from hostavg.tf1.variables import assigned_variables, value_now
 from hostavg.tf1.walk import ops_run
 
@@ -88,11 +89,7 @@ def rows_written(train_op, pairs: list, written: list, fed: tuple) -> list:
         for tensor, kind in zip(op.inputs, input_types(op)):
             if tensor.op in by_op and kind == tf.resource and op.type not in READ_OPS:
                 writes.setdefault(tensor.op, set()).add(rows_fed(op, indices))
-    found = []
-    for v in written:
-        rows = writes.get(v.op, {None})
-        found.append(indices[next(iter(rows))] if len(rows) == 1 and None not in rows else None)
-    return found
+    return [rows_of(writes.get(v.op, {None}), indices) for v in written]
 
 
 def _read_after(variable, rows):
