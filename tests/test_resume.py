@@ -91,8 +91,9 @@ def test_resuming_a_model_with_stateful_random_ops_warns_naming_them(tmp_path):
                       r"random_uniform/RandomUniform:0'\)\) whose state lives in the session, "
                       r"which no checkpoint holds: .* will not end with its weights bit for bit\. "
                       r"Stateless random ops \(tf\.random\.stateless_\*\) seeded by the global "
-                      r"step resume exactly$"):
+                      r"step resume exactly$") as warned:
         trainer.fit(sess, data, checkpoint_dir=tmp_path, **FIT)
+    assert [w.filename for w in warned if w.category is hostavg.ResumeWarning] == [__file__]
 
 
 def test_resuming_a_model_without_random_ops_says_nothing_and_ends_bit_for_bit(tmp_path):

@@ -25,13 +25,12 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from hostavg.core.check import RandomOp
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, non_negative_int,
-                                  object_list, positive_int, within_step)
+                                  object_list, positive_int, warn, within_step)
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS, StepResult
 from hostavg.core.split import Cut, as_arrays, feed_size, pieces, take
 from hostavg.engine.hooks import name_of
@@ -321,13 +320,12 @@ def resume(run: Run, latest, hooks: dict, state: FitState) -> None:
         on_resume(resumed)
     unsaved = [f"{op.api} ({op.tensor!r})" for op in run.random_ops() if not op.saved]
     if unsaved:
-        warnings.warn(
+        warn(ResumeWarning(
             f"fit resumed from {latest}, but the model runs stateful random ops "
             f"({_few(unsaved)}) whose state lives in the {run.advice['target_name']}, which no "
             f"checkpoint holds: from here on they draw other numbers (dropout masks, noise) "
             f"than a run never stopped would, so this run will not end with its weights bit "
-            f"for bit. {run.advice['exact_random']}", ResumeWarning,
-            stacklevel=5)  # the face's fit's caller
+            f"for bit. {run.advice['exact_random']}"))
 
 
 def _agreed(plan: FitPlan, state: FitState, samples) -> dict:
@@ -575,10 +573,10 @@ def _fit_methods(hooks) -> dict:
     name -> bound methods, the trainer's first. Warns of each deprecated ``on_step_end``."""
     for hook in hooks:
         if callable(getattr(hook, "on_step_end", None)):
-            warnings.warn(f"{name_of(hook)}.on_step_end(step, result) is deprecated; define "
-                          f"on_applied(result) instead (result.step is the global step), or "
-                          f"on_batch_end(batch, logs) to run once the step is checkpointed",
-                          DeprecationWarning, stacklevel=5)  # the face's fit's caller
+            warn(DeprecationWarning(
+                f"{name_of(hook)}.on_step_end(step, result) is deprecated; define "
+                f"on_applied(result) instead (result.step is the global step), or "
+                f"on_batch_end(batch, logs) to run once the step is checkpointed"))
     return {n: [getattr(h, n) for h in hooks if callable(getattr(h, n, None))] for n in FIT_METHODS}
 
 
