@@ -474,8 +474,8 @@ class Engine:
         """Runs the :class:`Search` that ``hook`` asked for on micro-batch ``i``, unless its
         ``still`` finds no outlier now: its culprits (none where computing its samples alone
         fails; then nothing, for an outlier judged ``alone``) and outlier kept in its
-        MicroBatch, then ``asked.then`` called with that
-        MicroBatch (a :class:`Drop` it returns noted in ``log.dropping``)."""
+        MicroBatch, then ``asked.then`` called with that MicroBatch (a :class:`Drop` it
+        returns noted in ``log.dropping``)."""
         outlier = asked.outlier
         if asked.still is not None:
             outlier = call(hook, asked.still, (log.micro[i],), f"the search of {batch.where}")
