@@ -1,7 +1,7 @@
 """Public namespace ``hostavg.hooks``: the built-in hooks (:class:`~hostavg.core.results.Hook`).
 
 Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
-:class:`ClipMicroBatchNorm`, :class:`WatchOutliers` (:mod:`hostavg.train.hooks`). Judging the
+:class:`ClipMicroBatchNorm`, :class:`WatchOutliers`, :class:`Freeze` (:mod:`hostavg.train.hooks`). Judging the
 run: :class:`Diagnose` (:mod:`hostavg.train.diagnose`). Writing what
 happened: :class:`Record` (:mod:`hostavg.inspect.record`) and
 :class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`). Watching it: :class:`LivePlot`
@@ -14,9 +14,9 @@ from hostavg.inspect.live import LivePlot
 from hostavg.inspect.record import Record
 from hostavg.inspect.tensorboard import TensorBoard
 from hostavg.train.diagnose import Diagnose, DiagnosisWarning
-from hostavg.train.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, OutlierWarning, SkipNonFinite,
-                                 WatchOutliers)
+from hostavg.train.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, Freeze, OutlierWarning,
+                                 SkipNonFinite, WatchOutliers)
 
 __all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning",
-           "Drop", "Hook", "LivePlot", "OutlierWarning", "Record", "Search", "SkipNonFinite",
-           "TensorBoard", "WatchOutliers"]
+           "Drop", "Freeze", "Hook", "LivePlot", "OutlierWarning", "Record", "Search",
+           "SkipNonFinite", "TensorBoard", "WatchOutliers"]

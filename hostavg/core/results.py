@@ -10,7 +10,7 @@ the hook.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -318,7 +318,10 @@ class Hook(Protocol):
     ``on_step_batch(batch, result)`` after them, with the step's micro-batches at its
     weights (:class:`~hostavg.engine.products.StepBatch`), returning None or a mapping for
     ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
-    ``update_ratios`` and ``weight_norms``; once the apply succeeded (never for a step that
+    ``update_ratios`` and ``weight_norms``; ``frozen(step, names)``: the names (of the
+    trained ``names``) whose variables and optimizer slots that apply leaves as they were
+    (:class:`~hostavg.hooks.Freeze`); both get the global step after the apply; once the
+    apply succeeded (never for a step that
     failed or was skipped) ``on_applied_batch(batch, result)`` of the hooks whose
     ``on_step_batch`` returned a mapping, then ``on_applied(result)``.
 
@@ -348,6 +351,8 @@ class Hook(Protocol):
 
     def wants_update_ratios(self, step: int) -> bool: ...
 
+    def frozen(self, step: int, names: tuple) -> Collection[str]: ...
+
     def on_resume(self, step: int) -> None: ...
 
     def on_train_begin(self) -> int | None: ...
@@ -367,7 +372,7 @@ class Hook(Protocol):
 
 #: The hook methods a step calls (the trainer), and those fit calls.
 STEP_METHODS = ("on_micro_batch", "on_step", "on_step_batch", "on_applied_batch", "on_applied",
-                "wants_update_ratios")
+                "wants_update_ratios", "frozen")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.
