@@ -1,11 +1,12 @@
 """Public namespace ``hostavg.hooks``: the built-in hooks (:class:`~hostavg.core.results.Hook`).
 
 Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
-:class:`ClipMicroBatchNorm`, :class:`WatchOutliers`, :class:`Freeze` (:mod:`hostavg.train.hooks`). Judging the
-run: :class:`Diagnose` (:mod:`hostavg.train.diagnose`). Writing what
-happened: :class:`Record` (:mod:`hostavg.inspect.record`) and
-:class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`). Watching it: :class:`LivePlot`
-(:mod:`hostavg.inspect.live`). Measuring it: :class:`Curvature` (:mod:`hostavg.inspect.curvature`).
+:class:`ClipMicroBatchNorm`, :class:`WatchOutliers`, :class:`Freeze`
+(:mod:`hostavg.train.hooks`). Judging the run: :class:`Diagnose`
+(:mod:`hostavg.train.diagnose`). Writing what happened: :class:`Record`
+(:mod:`hostavg.inspect.record`) and :class:`TensorBoard` (:mod:`hostavg.inspect.tensorboard`).
+Watching it: :class:`LivePlot` (:mod:`hostavg.inspect.live`). Measuring it: :class:`Curvature`
+(:mod:`hostavg.inspect.curvature`).
 """
 
 from hostavg.core.results import Drop, Hook, Search

@@ -13,9 +13,9 @@ PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "
           "hooks", "import_tensorflow", "load_record", "plot", "private_apis", "split", "stats", "step_together", "__version__"}
 
 #: hostavg.hooks: the built-in hooks and what they share.
-HOOKS = {"ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning", "Drop",
-         "Freeze", "Hook", "LivePlot", "OutlierWarning", "Record", "Search", "SkipNonFinite",
-         "TensorBoard", "WatchOutliers"}
+HOOKS = {"ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning",
+         "Drop", "Freeze", "Hook", "LivePlot", "OutlierWarning", "Record", "Search",
+         "SkipNonFinite", "TensorBoard", "WatchOutliers"}
 
 
 def test_all_is_exactly_the_public_api_and_every_name_resolves():

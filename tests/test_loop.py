@@ -477,9 +477,9 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     assert len(history.steps) == 5
     with pytest.raises(hostavg.HostavgError, match=r"^callbacks must be a list of objects with "
                        r"on_micro_batch or on_step or on_step_batch or on_applied_batch or "
-                       r"on_applied or wants_update_ratios or frozen or on_resume or on_train_begin "
-                       r"or on_epoch_begin or on_batch_begin or on_batch_end or on_epoch_end or "
-                       r"on_train_end or close or on_step_end \(or None\), got "
+                       r"on_applied or wants_update_ratios or frozen or on_resume or "
+                       r"on_train_begin or on_epoch_begin or on_batch_begin or on_batch_end or "
+                       r"on_epoch_end or on_train_end or close or on_step_end \(or None\), got "
                        r"<hostavg.train.callbacks.EarlyStopping"):
         trainer.fit(sess, data, callbacks=hostavg.EarlyStopping(), **FIT)
     model = build()

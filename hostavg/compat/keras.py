@@ -1,27 +1,23 @@
 """Keras's private APIs that hostavg uses, each detected at import, each with a public fallback.
 
-Imported by :mod:`hostavg.keras` only. Each wrapper is the private form where
-the private API exists (Keras's own code still reads or writes it), else its
-public fallback; ``HOSTAVG_PUBLIC_API_ONLY=1`` makes it the fallback (see
-:mod:`hostavg.compat`). Detection reads Keras's code objects only: it makes
-no variable, so it initialises no device. Each, private API; fallback:
+Imported by :mod:`hostavg.keras` only. Each wrapper is the private form where the private API
+exists (Keras's own code still reads or writes it), else its public fallback;
+``HOSTAVG_PUBLIC_API_ONLY=1`` makes it the fallback (see :mod:`hostavg.compat`). Detection
+reads Keras's code objects only: it makes no variable, so it initialises no device. Each,
+private API; fallback:
 
-* :func:`compile_arguments`: ``Model._compile_config``, the arguments
-  ``compile`` was given, as given (the very metric objects); the public
-  ``Model.get_compile_config()``, deserialized: equal objects, made anew (a
-  metric object the caller holds is then not the one the model updates; a
-  custom object must be registered with Keras to be deserialized).
+* :func:`compile_arguments`: ``Model._compile_config``, the arguments ``compile`` was given, as
+  given (the very metric objects); the public ``Model.get_compile_config()``, deserialized:
+  equal objects, made anew (a metric object the caller holds is then not the one the model
+  updates; a custom object must be registered with Keras to be deserialized).
 * :func:`initial_epoch`: ``Model._initial_epoch``, the epoch at which Keras's
   ``BackupAndRestore`` callback says training resumes (Keras's own fit reads
   it after ``on_train_begin``); the fallback says None: the backup's weights
   are restored, but training starts at fit's ``initial_epoch``.
 * :func:`unbuilt`: ``Model._symbolic_build``'s test (a layer, the compiled
   loss or metrics not built); the fallback sees no unbuilt compiled loss.
-* :func:`owners`: which trained variable each optimizer variable belongs to, by the lists
-  of slots Keras's optimizers keep aligned with ``Optimizer._trainable_variables`` (every
-  built-in optimizer's); the fallback goes by the names ``add_variable_from_reference``
-  documents (``{path with '_' for '/'}_{slot}``), which misses slots named otherwise
-  (Adafactor's factored moments).
+* :func:`owners`: each slot's variable, by lists aligned with ``Optimizer._trainable_variables``;
+  the fallback by ``add_variable_from_reference``'s names (Adafactor's moments lack them).
 """
 
 from __future__ import annotations

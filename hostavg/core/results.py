@@ -318,10 +318,9 @@ class Hook(Protocol):
     ``on_step_batch(batch, result)`` after them, with the step's micro-batches at its
     weights (:class:`~hostavg.engine.products.StepBatch`), returning None or a mapping for
     ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
-    ``update_ratios`` and ``weight_norms``; ``frozen(step, names)``: the names (of the
-    trained ``names``) whose variables and optimizer slots that apply leaves as they were
-    (:class:`~hostavg.hooks.Freeze`); both get the global step after the apply; once the
-    apply succeeded (never for a step that
+    ``update_ratios`` and ``weight_norms``; ``frozen(step, names)``: those of the trained
+    ``names`` that apply leaves as they were, with their optimizer slots (both get the global
+    step after the apply); once the apply succeeded (never for a step that
     failed or was skipped) ``on_applied_batch(batch, result)`` of the hooks whose
     ``on_step_batch`` returned a mapping, then ``on_applied(result)``.
 
