@@ -25,7 +25,7 @@ def named(hooks: Sequence, step: int, spec: Mapping) -> tuple[str, ...]:
     """The trained variables the ``frozen`` methods of ``hooks`` ((hook, method) pairs) name at
     ``step`` (the global step after the apply), each once, in ``spec``'s order; ArgumentError
     naming a hook's name that is no trained variable."""
-    names, named = tuple(spec), set()
+    names, chosen = tuple(spec), set()
     for hook, method in hooks:
         got = call(hook, method, (step, names), f"frozen of step {step}")
         unknown = [n for n in got if n not in spec]
@@ -34,8 +34,8 @@ def named(hooks: Sequence, step: int, spec: Mapping) -> tuple[str, ...]:
                 f"hook {name_of(hook)}'s frozen({step}) named {unknown!r}, which "
                 f"{'is' if len(unknown) == 1 else 'are'} not trained; nothing was applied. The "
                 f"trained variables: {list(names)}")
-        named.update(got)
-    return tuple(n for n in names if n in named)
+        chosen.update(got)
+    return tuple(n for n in names if n in chosen)
 
 
 class Held(NamedTuple):
