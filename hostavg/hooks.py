@@ -1,6 +1,6 @@
 """Public namespace ``hostavg.hooks``: the built-in hooks (:class:`~hostavg.core.results.Hook`).
 
-Steering a step: :class:`SkipNonFinite`, :class:`ClipGlobalNorm`,
+Steering a step: :class:`SkipNonFinite`, :class:`SkipBadSamples`, :class:`ClipGlobalNorm`,
 :class:`ClipMicroBatchNorm`, :class:`WatchOutliers`, :class:`Freeze`
 (:mod:`hostavg.train.hooks`). Judging the run: :class:`Diagnose`
 (:mod:`hostavg.train.diagnose`). Writing what happened: :class:`Record`
@@ -16,8 +16,8 @@ from hostavg.inspect.record import Record
 from hostavg.inspect.tensorboard import TensorBoard
 from hostavg.train.diagnose import Diagnose, DiagnosisWarning
 from hostavg.train.hooks import (ClipGlobalNorm, ClipMicroBatchNorm, Freeze, OutlierWarning,
-                                 SkipNonFinite, WatchOutliers)
+                                 SkipBadSamples, SkipNonFinite, WatchOutliers)
 
 __all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning",
            "Drop", "Freeze", "Hook", "LivePlot", "OutlierWarning", "Record", "Search",
-           "SkipNonFinite", "TensorBoard", "WatchOutliers"]
+           "SkipBadSamples", "SkipNonFinite", "TensorBoard", "WatchOutliers"]

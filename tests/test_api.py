@@ -15,7 +15,7 @@ PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "
 #: hostavg.hooks: the built-in hooks and what they share.
 HOOKS = {"ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning",
          "Drop", "Freeze", "Hook", "LivePlot", "OutlierWarning", "Record", "Search",
-         "SkipNonFinite", "TensorBoard", "WatchOutliers"}
+         "SkipBadSamples", "SkipNonFinite", "TensorBoard", "WatchOutliers"}
 
 
 def test_all_is_exactly_the_public_api_and_every_name_resolves():

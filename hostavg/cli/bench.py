@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hostavg.core.errors import ArgumentError
+from hostavg.train.diagnose import MEASURED_FIRST
 
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
            "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "defaults", "grid", "keras_backend",
@@ -58,6 +59,11 @@ OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph
 UNWATCHED = {"watch_outliers": False, "diagnose": False}
 #: The defaults, for the "-watched" implementations.
 WATCHED = {"watch_outliers": True, "diagnose": True}
+#: The warm-up steps of a configuration that times a "-watched" implementation (every one of
+#: its implementations takes them, so that all still end with the same weights): past the
+#: applies where Diagnose measures update ratios every step, so that the rows time the steps
+#: of most of a run, where it measures one in 10 (the median step then measures none).
+WATCHED_WARMUP = MEASURED_FIRST + 1
 #: The optimizers a configuration can name (see :func:`_optimizer`).
 OPTIMIZERS = ("adam", "sgd")
 #: Most consecutive steps one timed sample may hold (see :func:`time_config`).
@@ -519,7 +525,9 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
                f"{repeats} steps of each of {len(implementations)} implementations")
     for i, config in enumerate(configs):
         say(f"timing {config} ({i + 1} of {len(configs)}): {samples}")
-        r = time_config(config, implementations, repeats, min_sample_s=min_sample_s)
+        watched = any(n.endswith("-watched") for n in implementations)
+        r = time_config(config, implementations, repeats, min_sample_s=min_sample_s,
+                        warmup=WATCHED_WARMUP if watched else 1)
         t = r["median_s"]
         base_name = baseline(config, implementations)
         base = t.get(base_name)

@@ -129,30 +129,29 @@ class MicroBatch:
       index: its position in the step, from 0.
       size: its number of samples (its weight in the mean).
       loss: its mean loss.
-      grads: its :class:`Gradients`. Hooks always see them; on a StepResult
-        they are kept in ``accumulate="stack"`` and None in "sum", which keeps
-        no per-micro-batch gradients.
-      start: the index of its first sample within the step's samples
-        (it covered samples start:start + size).
+      grads: its :class:`Gradients`. Hooks always see them; on a StepResult they are kept
+        in ``accumulate="stack"`` and None in "sum", which keeps none per micro-batch.
+      start: the index of its first sample among the step's (it covered start:start + size).
       step: the global step the step will have after its apply.
       dropped: why a hook dropped it (see :class:`hostavg.hooks.Drop`), or None.
       rows: the row indices, in the data set, of its samples (a read-only
         int64 array of ``size``), where the caller said them (``fit`` does
         for a dict of arrays and a ``tf.data.Dataset``); else None.
-      culprits: for a micro-batch whose own loss or gradients were
-        non-finite, or that drove an apply non-finite (``overflows``), and that
-        a hook dropped (:class:`~hostavg.hooks.SkipNonFinite`),
-        the :class:`Culprit` samples that make it so, sorted (empty when no
-        sample is non-finite alone); None for every other micro-batch, and
-        in what ``on_micro_batch`` hooks see (the samples are looked at once
-        every micro-batch of the step has run). For a micro-batch a hook asked
-        to search (:class:`Search`), the samples that stand out, the largest first.
+      culprits: for a micro-batch whose own loss or gradients were non-finite, or that drove
+        an apply non-finite (``overflows``), and that a hook dropped
+        (:class:`~hostavg.hooks.SkipNonFinite`), the :class:`Culprit` samples that make it so,
+        sorted (empty when no sample is non-finite alone); None for every other one, and in
+        what ``on_micro_batch`` hooks see (the samples are looked at once every micro-batch
+        has run). For one a hook asked to search (:class:`Search`), those that stand out.
       outlier: for a micro-batch a hook judged an :class:`Outlier` and searched, why (also
         as the hooks see it again, in a step computed again without it); else None.
       fetched: the values of the tensors the step was asked to fetch
         (``step(..., fetches=[...])``, TF1), computed in this micro-batch's
         own session call, before the step's update, in the order asked (None
         for an operation); read-only. () where nothing was asked.
+      skipped: the :class:`Culprit` samples a hook left out of it (``sample``: their place
+        in the step as given; :class:`~hostavg.hooks.SkipBadSamples`); ``size``, ``start``
+        and ``rows`` are of what remained. () where none was.
     """
 
     index: int
@@ -167,6 +166,7 @@ class MicroBatch:
     fetched: tuple = field(default=(), repr=False, compare=False)
     overflows: str | None = field(default=None, repr=False, compare=False)
     outlier: Outlier | None = field(default=None, repr=False, compare=False)
+    skipped: tuple = field(default=(), repr=False, compare=False)
 
     def __repr__(self) -> str:
         return display.summary("MicroBatch", {"index": self.index, "size": self.size,
@@ -238,13 +238,15 @@ class StepResult:
 
     def _verdicts(self) -> list[str]:
         """What went wrong in the step, a line each: why it was skipped, each dropped
-        micro-batch with its reason and culprit samples; [] for a step that went as asked."""
+        micro-batch with its reason and culprit samples, the samples left out of each;
+        [] for a step that went as asked."""
         lines = [] if self.skipped is None else [f"skipped: {self.skipped}"]
         for m in self.micro:
             if m.dropped is not None:
-                found = "" if not m.culprits else "; " + "; ".join(map(str, m.culprits[:3])) + (
-                    f" and {len(m.culprits) - 3} more" if len(m.culprits) > 3 else "")
-                lines.append(f"micro-batch {m.index} dropped: {m.dropped}{found}")
+                lines.append(f"micro-batch {m.index} dropped: {m.dropped}{_few(m.culprits)}")
+            if m.skipped:
+                lines.append(f"micro-batch {m.index}: {len(m.skipped)} sample"
+                             f"{'s' * (len(m.skipped) > 1)} left out{_few(m.skipped)}")
         return lines
 
     def _repr_html_(self) -> str:
@@ -310,27 +312,27 @@ class Hook(Protocol):
     ``Trainer(hooks=[...])`` or ``fit(callbacks=[...])``; each method is called wherever
     the object is registered.
 
-    Per step (by the trainer, inside every step, fit's or yours):
-    ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
-    None, replacement gradients, a :class:`Drop` or a :class:`Search`; a hook that never
-    drops may say ``drops = False``: no snapshot before each compute for it),
-    ``on_step(mean, result)`` before the apply (None or a replacement mean),
+    Per step (by the trainer, inside every step, fit's or yours): ``on_micro_batch(micro)``
+    before each micro-batch is accumulated (returns None, replacement gradients, a
+    :class:`Drop` or a :class:`Search`; a hook that never drops may say ``drops = False``: no
+    snapshot before each compute for it), ``on_step(mean, result)`` before the apply (None or
+    a replacement mean),
     ``on_step_batch(batch, result)`` after them, with the step's micro-batches at its
     weights (:class:`~hostavg.engine.products.StepBatch`), returning None or a mapping for
     ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
     ``update_ratios`` and ``weight_norms``; ``frozen(step, names)``: those of the trained
     ``names`` that apply leaves as they were, with their optimizer slots (both get the global
-    step after the apply); once the apply succeeded (never for a step that
+    step after the apply); ``skip_samples(found)`` where samples ``found``
+    (:class:`Culprit`) fail the step: those it returns are left out, the step computed again
+    (:class:`~hostavg.hooks.SkipBadSamples`); once the apply succeeded (never for a step that
     failed or was skipped) ``on_applied_batch(batch, result)`` of the hooks whose
     ``on_step_batch`` returned a mapping, then ``on_applied(result)``.
 
-    Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
-    the epoch training starts at), ``on_epoch_begin(epoch)``,
-    ``on_batch_begin(batch)``, ``on_batch_end(batch, logs)``,
-    ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``, and ``close()``
-    however fit ends. ``on_step_end(step, result)`` is deprecated: fit still
-    calls it, warning, naming ``on_applied``.
-    See docs/explanation/step.md for what each gets and returns.
+    Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return the epoch
+    training starts at), ``on_epoch_begin(epoch)``, ``on_batch_begin(batch)``,
+    ``on_batch_end(batch, logs)``, ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``,
+    and ``close()`` however fit ends. ``on_step_end(step, result)`` is deprecated: fit still
+    calls it, warning, naming ``on_applied``. See docs/explanation/step.md for what each gets.
 
     Hooks run in the order given, the trainer's before fit's callbacks; an
     exception raised in a step-level method propagates as it is, with a note
@@ -352,6 +354,8 @@ class Hook(Protocol):
 
     def frozen(self, step: int, names: tuple) -> Collection[str]: ...
 
+    def skip_samples(self, found: tuple) -> tuple: ...
+
     def on_resume(self, step: int) -> None: ...
 
     def on_train_begin(self) -> int | None: ...
@@ -371,7 +375,7 @@ class Hook(Protocol):
 
 #: The hook methods a step calls (the trainer), and those fit calls.
 STEP_METHODS = ("on_micro_batch", "on_step", "on_step_batch", "on_applied_batch", "on_applied",
-                "wants_update_ratios", "frozen")
+                "wants_update_ratios", "frozen", "skip_samples")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.
@@ -385,3 +389,11 @@ QUANTITIES = ("grad_norm", "update_ratio")
 def check_quantity(quantity: str) -> None:
     if quantity not in QUANTITIES:
         raise ArgumentError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
+
+
+def _few(found) -> str:
+    """``"; data row 9: ...; ... and 2 more"``: the first three of ``found`` (Culprits), or ""."""
+    if not found:
+        return ""
+    return "; " + "; ".join(map(str, found[:3])) + (
+        f" and {len(found) - 3} more" if len(found) > 3 else "")

@@ -130,6 +130,13 @@ def _outliers(r) -> tuple:
                  for m in r.micro if m.outlier is not None for c in (m.culprits or (None,)))
 
 
+def _skipped_rows(r) -> tuple:
+    """One mapping per sample left out of a micro-batch (SkipBadSamples): micro_batch, sample
+    (its position among the step's samples as given), row, reason."""
+    return tuple({"micro_batch": m.index, "sample": c.sample, "row": c.row, "reason": c.reason}
+                 for m in r.micro for c in m.skipped)
+
+
 S, M, V, I = Kind.STEP, Kind.MICRO, Kind.VARIABLE, Kind.INDICES
 
 #: The built-in quantities, in the order tables show them.
@@ -207,6 +214,9 @@ QUANTITIES = (
     Quantity("outliers", Kind.RECORDS, _outliers,
              "each outlier micro-batch's culprit rows (WatchOutliers): micro_batch, row, its "
              "loss and grad_norm alone, factor (the micro-batch's over the median), quantity"),
+    Quantity("skipped_rows", Kind.RECORDS, _skipped_rows,
+             "each sample left out of the step (SkipBadSamples): micro_batch, sample, row, "
+             "reason"),
     Quantity("diagnoses", Kind.RECORDS, lambda r: r.info.get("diagnoses", ()),
              "each verdict Diagnose first reached at this step: kind, variables, evidence, "
              "advice"),

@@ -36,8 +36,14 @@ class Prepared(NamedTuple):
     given: Any
 
 
-def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list[Prepared]:
-    """Every micro-batch checked and sized before any runs: a :class:`Prepared` each."""
+def prepare(backend, feeds, sizes, call: str = "step", rows=None,
+            emptied=frozenset()) -> list[Prepared]:
+    """Every micro-batch checked and sized before any runs: a :class:`Prepared` each.
+
+    ``emptied``: the indices of micro-batches whose every sample was left out
+    (:mod:`~hostavg.engine.skipping`): a Prepared of ``feed`` None and size 0 each, not
+    given to the backend. An error of micro-batch ``i`` gets ``.micro_batch`` (``i``) and
+    ``.start`` (the step's sample its first one is)."""
     if isinstance(feeds, Mapping) or not isinstance(feeds, (Sequence, np.ndarray)):
         raise ArgumentError(
             f"{call} takes a list of {backend.advice['batches_name']}, one per micro-batch, got "
@@ -57,6 +63,10 @@ def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list[Prepar
     out, start = [], 0
     for i, feed in enumerate(feeds):
         what = f"micro-batch {i} of {len(feeds)}"
+        if i in emptied:
+            out.append(Prepared(None, 0, start, f"{what} (every sample left out)",
+                                None if rows is None else freeze(np.zeros(0, np.int64)), feed))
+            continue
         its_rows = None if rows is None else np.asarray(rows[i])
         known = its_rows is not None and its_rows.ndim == 1 and its_rows.dtype.kind in "iu"
         try:
@@ -65,8 +75,9 @@ def prepare(backend, feeds, sizes, call: str = "step", rows=None) -> list[Prepar
                                                        if known and len(its_rows) else ""),
                                   start, its_rows if known else None)
         except Exception as e:
-            if known:
-                with contextlib.suppress(AttributeError):  # a type with __slots__
+            with contextlib.suppress(AttributeError):  # a type with __slots__
+                e.micro_batch, e.start = i, start
+                if known:
                     e.rows = freeze(its_rows.astype(np.int64))  # the failed feed's data rows
             raise
         indices = None if rows is None else row_indices(rows[i], n, f"{call}, {what}")

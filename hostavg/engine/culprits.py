@@ -25,8 +25,8 @@ from hostavg.core.results import Culprit
 from hostavg.core.split import arrays, take
 
 __all__ = ["EXTREME", "NONE_FAILING", "Contribution", "CulpritSearch", "Extreme", "Failing",
-           "NonFinite", "describe",
-           "failing", "find", "in_inputs", "key_name", "rows_of", "short"]
+           "NonFinite", "block_counts", "describe",
+           "failing", "find", "in_inputs", "key_name", "rows_of", "sample_arrays", "short"]
 
 #: The names of a batch tuple's parts, by position.
 PARTS = ("x", "y", "sample_weight")
@@ -51,7 +51,7 @@ def key_name(path) -> str:
     return name.removesuffix(":0")
 
 
-def _samples(feed, n: int) -> dict:
+def sample_arrays(feed, n: int) -> dict:
     """path -> array of the feed laid out as (blocks, n, ...) per sample; HostavgError where an
     array's length is no multiple of ``n``, or the feed has no array."""
     found = arrays(feed)
@@ -63,11 +63,17 @@ def _samples(feed, n: int) -> dict:
     return {path: a.reshape(len(a) // n, n, *a.shape[1:]) for path, a in found.items()}
 
 
+def block_counts(laid: dict) -> dict:
+    """path -> number of blocks of each array of :func:`sample_arrays`' ``laid`` that has more
+    than one (what :func:`hostavg.core.split.take` cuts block by block)."""
+    return {path: a.shape[0] for path, a in laid.items() if a.shape[0] > 1}
+
+
 def in_inputs(feed, n: int, start: int, rows) -> tuple:
     """The :class:`~hostavg.core.results.Culprit` samples of ``feed`` (``n`` samples, the first
     the step's sample ``start``, of data ``rows`` or None) whose float inputs hold NaN or Inf,
     sorted; () when every input is finite."""
-    return _in_inputs(_samples(feed, n), n, start, rows)
+    return _in_inputs(sample_arrays(feed, n), n, start, rows)
 
 
 def _in_inputs(laid: dict, n: int, start: int, rows) -> tuple:
@@ -221,8 +227,8 @@ def find(feed, n: int, start: int, rows, compute: Callable,
     ``n + 1`` computes, none when every sample's inputs are named; the caller
     restores what they assign.
     """
-    laid = _samples(feed, n)
-    blocks = {path: a.shape[0] for path, a in laid.items() if a.shape[0] > 1}
+    laid = sample_arrays(feed, n)
+    blocks = block_counts(laid)
     found = judge.inputs(laid, n, start, rows)
     named = {c.sample - start for c in found}
     others = [j for j in range(n) if j not in named]
@@ -255,15 +261,23 @@ def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) ->
     """
     if n == 1:
         return (_culprit(0, start, rows, "fails: the micro-batch's only sample"),), "at once"
-    blocks = {path: a.shape[0] for path, a in _samples(feed, n).items() if a.shape[0] > 1}
+    blocks = block_counts(sample_arrays(feed, n))
     found = []
     for j in range(n):
         try:
             compute(take(feed, [j], n, blocks), 1)
-        except refused:
-            found.append(_culprit(j, start, rows, "fails alone"))
+        except refused as e:
+            found.append(_culprit(j, start, rows, f"fails alone: {_refusal(e)}"))
     how = f"computing each of its {n} samples alone"
     return tuple(found), how + ("" if found else ", none fails")
+
+
+def _refusal(error: BaseException) -> str:
+    """What the framework said refusing one sample: the first line of its own error (the
+    cause of ``error``) with its type, shortened."""
+    said = error.__cause__ or error
+    line = (str(said).strip().splitlines() or [""])[0]
+    return f"{type(said).__name__}: {line[:157] + '...' if len(line) > 160 else line}"
 
 
 class Failing:
@@ -295,8 +309,8 @@ class Contribution:
         self.factor = factor
 
     def search(self, feed, n: int, start: int, rows, compute: Callable) -> tuple[tuple, str]:
-        laid = _samples(feed, n)
-        blocks = {path: a.shape[0] for path, a in laid.items() if a.shape[0] > 1}
+        laid = sample_arrays(feed, n)
+        blocks = block_counts(laid)
         alone = [compute(take(feed, [j], n, blocks), 1) for j in range(n)]
         losses = np.array([loss for loss, _ in alone], np.float64)
         norms = np.sqrt(np.array([sq for _, sq in alone], np.float64))

@@ -50,6 +50,7 @@ from hostavg.engine.overlap import Ahead, worker
 from hostavg.engine.products import Operator, StepBatch, measured
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
+from hostavg.engine.skipping import Skipping
 
 __all__ = ["Engine", "step_together"]
 
@@ -126,6 +127,7 @@ class Engine:
         self._ratio_hooks = methods(hooks, "wants_update_ratios")
         self._freeze_hooks = methods(hooks, "frozen")
         self._batch_hooks = methods(hooks, "on_step_batch")
+        self._sample_hooks = methods(hooks, "skip_samples")
 
     @contextlib.contextmanager
     def hooked(self, extra: Sequence):
@@ -309,9 +311,8 @@ class Engine:
         acc.reset()
         micro = log.micro
         try:
-            batches = prepare(backend, feeds, sizes, rows=rows)
-            apply_feed = backend.apply_feed([b.feed for b in batches], "step") if batches else None
-            global_step, log = self._computed(backend, snapshot, batches, log)
+            batches, apply_feed, global_step, log = self._tried(backend, snapshot, feeds, sizes,
+                                                                 rows, log)
             micro = log.micro
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
@@ -379,7 +380,8 @@ class Engine:
         ``result.info``."""
         if not self._batch_hooks:
             return None, ()
-        batch = StepBatch(backend, batches, self.spec, lambda b: self._compute(
+        batch = StepBatch(backend, [b for b in batches if b.feed is not None], self.spec,
+                          lambda b: self._compute(
             backend, b.feed, b.size, f"a measure of step {step}, {b.where}")[0])
         measuring = []
         for hook, on_step_batch in self._batch_hooks:
@@ -388,6 +390,47 @@ class Engine:
                 result.info.update(found)
                 measuring.append(hook)
         return batch, tuple(measuring)
+
+    def _tried(self, backend, snapshot, feeds, sizes, rows, log: _StepLog) -> tuple:
+        """The step's micro-batches prepared and :meth:`_computed`: (them, what the apply is fed,
+        the global step, the log). Where samples it names fail it and ``skip_samples`` hooks
+        choose to leave some of them out, it is tried again from ``snapshot`` without them
+        (:mod:`~hostavg.engine.skipping`), until no more are left out."""
+        skipping = Skipping(feeds, sizes, rows) if self._sample_hooks else None
+        while True:
+            try:
+                batches = prepare(backend, feeds, sizes, rows=rows,
+                                  emptied=frozenset() if skipping is None else skipping.emptied)
+                held = [b.feed for b in batches if b.feed is not None]
+                apply_feed = backend.apply_feed(held, "step") if held else None
+                global_step, log = self._computed(backend, snapshot, batches, log)
+            except HostavgError as e:
+                if skipping is None or not skipping.leave_out(e, self._chosen(e)):
+                    raise
+                backend.restore(snapshot)
+                self._acc.reset()
+                feeds, sizes, rows, log = skipping.feeds, skipping.sizes, skipping.rows, \
+                    _StepLog(self._keep_micro, log.flagged)
+                continue
+            if skipping is not None:
+                log.micro = [replace(m, skipped=skipping.skipped[m.index]) for m in log.micro]
+            return batches, apply_feed, global_step, log
+
+    def _chosen(self, error: HostavgError) -> tuple:
+        """The culprit samples of ``error`` that the ``skip_samples`` hooks leave out: what any
+        of them returns (each a subset of ``error.culprits``); () where none names any."""
+        found = tuple(getattr(error, "culprits", None) or ())
+        if not found:
+            return ()
+        chosen = []
+        for hook, skip in self._sample_hooks:
+            picked = tuple(call(hook, skip, (found,), "skip_samples") or ())
+            if any(c not in found for c in picked):
+                raise StepError(f"skip_samples hook {name_of(hook)} returned samples that are not "
+                                f"among those it was given; return some of them: "
+                                f"{picked!r}") from error
+            chosen += [c for c in picked if c not in chosen]
+        return tuple(chosen)
 
     def _computed(self, backend, snapshot, batches: list[Prepared], log: _StepLog) -> tuple:
         """:meth:`_micro_batches`, and again from ``snapshot`` without those a search's hook
@@ -419,6 +462,8 @@ class Engine:
 
         def run(i):
             batch = batches[i]
+            if batch.feed is None:  # every sample left out: nothing to compute
+                return None, None
             try:
                 before = backend.snapshot() if keep else None
             except HostavgError as e:
@@ -443,12 +488,16 @@ class Engine:
                             log.raised = i if e.__cause__ is not None \
                                 and not getattr(e, "fixed_batch", False) else None
                             raise
+                        if computed is None:
+                            global_step = self._left_out(i, batch, backend, log, global_step)
+                            continue
                         global_step = self._micro_batch(i, batch, computed, backend, log, whole)
                         if log.micro[-1].dropped is not None and before is not None:
                             ahead.redo(lambda: backend.restore(before))
                     except Exception as e:
-                        if batch.rows is not None:
-                            with contextlib.suppress(AttributeError):  # a type with __slots__
+                        with contextlib.suppress(AttributeError):  # a type with __slots__
+                            e.micro_batch, e.start = i, batch.start
+                            if batch.rows is not None:
                                 e.rows = batch.rows  # every data row of the micro-batch that failed
                         raise
         except HostavgError as e:
@@ -468,6 +517,19 @@ class Engine:
         if log.searched is None:  # the step's first computation: its searches
             for i, hook, asked in log.asked:
                 self._searched(backend, batches[i], log, i, hook, asked)
+        return global_step
+
+    def _left_out(self, i: int, batch: Prepared, backend, log: _StepLog,
+                  global_step: int | None) -> int:
+        """Notes micro-batch ``i``, whose every sample was left out, dropped (no hook sees it);
+        returns the global step."""
+        if global_step is None:
+            global_step = backend.global_step()
+        log.norms.append(math.nan)
+        log.var_sq.append(dict.fromkeys(self.spec, math.nan))
+        log.micro.append(MicroBatch(i, 0, math.nan, None, batch.start,
+                                    global_step + backend.increment,
+                                    dropped="every sample of it was left out", rows=batch.rows))
         return global_step
 
     def _searched(self, backend, batch: Prepared, log: _StepLog, i: int, hook,

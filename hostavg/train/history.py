@@ -222,10 +222,16 @@ class History:
         over the median of the last steps' micro-batches) and ``quantity`` (``"loss"`` or
         ``"grad_norm"``).
         """
-        pd = pandas("History.outliers")
-        columns = ["step", "micro_batch", "row", "loss", "grad_norm", "factor", "quantity"]
-        return pd.DataFrame([{"step": s.step, **event} for s in self.steps for event in s.outliers],
-                            columns=columns)
+        return self._records("outliers", ["step", "micro_batch", "row", "loss", "grad_norm",
+                                          "factor", "quantity"])
+
+    def skipped_rows(self):
+        """The samples :class:`~hostavg.hooks.SkipBadSamples` left out, a pandas DataFrame of
+        one row each, in step order: ``step``, ``micro_batch``, ``sample`` (its position among
+        its step's samples), ``row`` (its data row; None where the rows are unknown) and
+        ``reason`` (what is wrong with it, e.g. ``"x holds NaN in column 2"``).
+        """
+        return self._records("skipped_rows", ["step", "micro_batch", "sample", "row", "reason"])
 
     def diagnoses(self):
         """The verdicts :class:`~hostavg.hooks.Diagnose` reached, a pandas DataFrame of one row
@@ -233,10 +239,14 @@ class History:
         :data:`~hostavg.train.diagnose.DIAGNOSES`), ``variables`` (a tuple, from the input side;
         empty for ``"exploding"``), ``evidence`` (the numbers) and ``advice``.
         """
-        pd = pandas("History.diagnoses")
-        columns = ["step", "kind", "variables", "evidence", "advice"]
+        return self._records("diagnoses", ["step", "kind", "variables", "evidence", "advice"])
+
+    def _records(self, name: str, columns: list):
+        """A pandas DataFrame of the records of quantity ``name`` of every step (a
+        :attr:`~hostavg.core.schema.Kind.RECORDS` one), ``step`` first, then ``columns``."""
+        pd = pandas(f"History.{name}")
         return pd.DataFrame([{"step": s.step, **event} for s in self.steps
-                             for event in s.diagnoses], columns=columns)
+                             for event in getattr(s, name)], columns=columns)
 
     def to_pandas(self, which: str = "steps"):
         """A pandas DataFrame of the ``"steps"`` or the ``"epochs"``.

@@ -1,5 +1,5 @@
-"""Built-in trainer hooks that steer a step: skip non-finite micro-batches, clip, watch outliers,
-freeze variables.
+"""Built-in trainer hooks that steer a step: skip non-finite micro-batches or bad samples, clip,
+watch outliers, freeze variables.
 
 The hooks that write what happened, :class:`~hostavg.inspect.record.Record`
 and :class:`~hostavg.inspect.tensorboard.TensorBoard`, live in
@@ -33,7 +33,7 @@ from hostavg.core.results import Drop, Outlier, Search
 from hostavg.engine.culprits import LISTED, Contribution
 
 __all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "FACTOR", "Freeze", "OUTLIER_ACTIONS",
-           "OutlierWarning", "SkipNonFinite", "WARMUP", "WatchOutliers"]
+           "OutlierWarning", "SkipBadSamples", "SkipNonFinite", "WARMUP", "WatchOutliers"]
 
 
 class SkipNonFinite:
@@ -61,6 +61,35 @@ class SkipNonFinite:
         if not math.isfinite(record.loss):
             parts.append(f"loss {record.loss}")
         return Drop("non-finite " + " and ".join(parts)) if parts else None
+
+
+class SkipBadSamples:
+    """Leaves out of a step each sample that fails it alone, instead of raising or dropping its
+    whole micro-batch: a sample whose inputs hold NaN or Inf, whose target the loss refuses (a
+    label out of range of a sparse categorical cross-entropy), whose loss or gradients are
+    non-finite computed alone, or that the framework refuses to compute alone.
+
+    The step is then computed again from its start without them: its mean is the
+    sample-weighted mean over the samples that remain, which equals the full-batch step on
+    exactly those samples. The samples left out are in ``MicroBatch.skipped``
+    (``result.micro[i].skipped``) and ``History.skipped_rows()`` (step, micro-batch, data
+    row, reason); a micro-batch none of whose samples remain is dropped, and a step with
+    none at all is skipped as :class:`SkipNonFinite`'s is.
+
+    What it cannot name it leaves to the step: a micro-batch that is non-finite as a whole
+    (batch norm over NaN-free samples that overflows), or an apply that went non-finite,
+    still raises (with :class:`SkipNonFinite` also given, such a micro-batch is dropped
+    whole, and one of a non-finite sample too: list ``SkipBadSamples`` alone). Cost: none
+    for a step without a bad sample; for each micro-batch with bad samples, the search that
+    names them (their inputs looked at, or each sample computed alone) and one more
+    computation of the step up to that micro-batch.
+    """
+
+    drops = False  # it leaves samples out through the step's retries, never a micro-batch
+
+    def skip_samples(self, found: tuple) -> tuple:
+        """Every one of the culprit samples ``found``: all are left out."""
+        return found
 
 
 def _scaled(grads, factor: float) -> dict:
