@@ -34,7 +34,8 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(
 
 #: The learning rates of the optimizers every exactness test runs: they move the
 #: weights visibly in 20 steps.
-LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01, "rmsprop": 0.01, "adagrad": 0.1}
+LEARNING_RATES = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01, "rmsprop": 0.01, "adagrad": 0.1,
+                  "adamw": 0.01}
 
 #: Those optimizers in TF1.
 OPTIMIZERS = {
@@ -175,16 +176,19 @@ def make_optimizer(optimizer):
     return OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer()
 
 
-def full_batch(optimizer, data: list, update_sizes=None, **kw) -> dict:
+def full_batch(optimizer, data: list, update_sizes=None, untrained=(), **kw) -> dict:
     """The oracle: plain ``optimizer.minimize`` on each whole batch. Returns every variable.
 
     ``optimizer``: a name in OPTIMIZERS, or a function that makes one.
     ``update_sizes``: micro-batch sizes; before each step the graph's UPDATE_OPS
     run once per micro-batch of these sizes, in order, as a trainer runs them.
+    ``untrained``: names of variables left out of the minimize (and so without slots).
     """
     model = build(**kw)
     with model.graph.as_default():
-        train = make_optimizer(optimizer).minimize(model.loss, global_step=v1.train.get_or_create_global_step())
+        var_list = [v for v in v1.trainable_variables() if v.op.name not in untrained]
+        train = make_optimizer(optimizer).minimize(
+            model.loss, global_step=v1.train.get_or_create_global_step(), var_list=var_list)
         updates = v1.get_collection(v1.GraphKeys.UPDATE_OPS) if update_sizes else []
         init = v1.global_variables_initializer()
     with v1.Session(graph=model.graph) as sess:
@@ -212,7 +216,8 @@ def keras_optimizer(name: str, **kw):
             "momentum": lambda: kinds.SGD(lr, momentum=0.9, **kw),
             "adam": lambda: kinds.Adam(lr, **kw),
             "rmsprop": lambda: kinds.RMSprop(lr, **kw),
-            "adagrad": lambda: kinds.Adagrad(lr, **kw)}[name]()
+            "adagrad": lambda: kinds.Adagrad(lr, **kw),
+            "adamw": lambda: kinds.AdamW(lr, weight_decay=0.1, **kw)}[name]()
 
 
 def keras_model(seed=0, sparse=False, batch_norm=False, dropout=False, regularizer=None,

@@ -7,7 +7,8 @@ usage: python mpi_script.py MODES OUT
         rank's variables to OUT-MODE-rank<r>.npz; uneven: rank 0 takes five micro-batches
         and rank 1 one, and at step 3 rank 1 takes none; scalar: with a 0-d
         variable; overlap: the sparse model with overlap=True; keras: the dense model
-        as a Keras model with hostavg.keras.Trainer),
+        as a Keras model with hostavg.keras.Trainer; frozen: the dense model with its
+        hidden layer frozen at steps 3 to 5 by hostavg.hooks.Freeze),
         nan (rank 1's micro-batch 2 is poisoned), raise (a hook on rank 1 raises),
         die (rank 1 exits mid-step),
         misconfigured (ranks whose models, feeds or learning rates differ: each error
@@ -78,7 +79,9 @@ def train(mode):
     sparse = mode in ("sparse", "overlap")
     model = build(sparse=sparse, scalar=mode == "scalar")
     with model.graph.as_default():
-        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), hooks=[Trouble(mode)],
+        frozen = [hostavg.hooks.Freeze("hidden/*", steps={3, 4, 5})] if mode == "frozen" else []
+        trainer = hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01),
+                                  hooks=[Trouble(mode), *frozen],
                                   accumulate="stack" if mode == "stack" else "sum",
                                   comm=comm if size > 1 else None, overlap=mode == "overlap")
         init = v1.global_variables_initializer()
@@ -92,8 +95,12 @@ def train(mode):
         if mode == "nan" and rank == 1 and step == 3:
             x = model.inputs["x"]
             feeds[2] = {**feeds[2], x: np.full_like(feeds[2][x], np.nan)}
+        before = model.values(sess)
         result = trainer.step(sess, feeds)
         assert result.size == sum(SIZES), result.size
+        if frozen and result.step in frozen[0].steps:  # the layer and Adam's moments of it
+            now = model.values(sess)
+            assert all(np.array_equal(now[k], before[k]) for k in now if k.startswith("hidden/"))
     np.savez(f"{out}-{mode}-rank{rank}.npz", **model.values(sess))
 
 

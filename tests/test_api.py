@@ -12,12 +12,19 @@ PUBLIC = {"ACCUMULATE_MODES", "AVERAGE_MODES", "Accumulator", "ArgumentError", "
           "StepLog", "StepResult", "StepStats", "StopTraining", "Trainer", "VariableSpec",
           "hooks", "import_tensorflow", "load_record", "plot", "private_apis", "split", "stats", "step_together", "__version__"}
 
+#: hostavg.hooks: the built-in hooks and what they share.
+HOOKS = {"ClipGlobalNorm", "ClipMicroBatchNorm", "Curvature", "Diagnose", "DiagnosisWarning",
+         "Drop", "Freeze", "Hook", "LivePlot", "OutlierWarning", "Record", "Search",
+         "SkipBadSamples", "SkipNonFinite", "TensorBoard", "WatchOutliers"}
+
 
 def test_all_is_exactly_the_public_api_and_every_name_resolves():
     assert set(hostavg.__all__) == PUBLIC
     for name in hostavg.__all__:
         assert getattr(hostavg, name) is not None
     assert not {"Wiring", "conform", "numpy_reduce", "resolve_feed"} & set(dir(hostavg))
+    assert set(hostavg.hooks.__all__) == HOOKS
+    assert all(getattr(hostavg.hooks, name) is not None for name in HOOKS)
 
 
 def test_the_framework_free_layers_import_no_framework():

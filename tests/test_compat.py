@@ -36,7 +36,8 @@ TENSORFLOW_APIS = {
 PYTHON_APIS = {"get_handler": "_signal.getsignal", "set_handler": "_signal.signal"}
 KERAS_APIS = {"compile_arguments": "keras.Model._compile_config",
               "initial_epoch": "keras.Model._initial_epoch",
-              "unbuilt": "keras.Model._symbolic_build"}
+              "unbuilt": "keras.Model._symbolic_build",
+              "owners": "keras.optimizers.Optimizer._trainable_variables"}
 JAX_APIS = {"used_inputs": "jax.extend.core.Jaxpr (walked back from the loss)"}
 
 
@@ -382,6 +383,33 @@ def test_where_backup_and_restore_resumes_is_read_by_the_private_form_only(tmp_p
     backup._save_model()  # pylint: disable=protected-access
     backup.on_train_begin()
     assert private(model) == 3 and public(model) is None
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
+                                  "Adamax", "Nadam", "Ftrl", "Lion", "Lamb", "Muon", "Adafactor"])
+def test_which_variable_each_slot_belongs_to_is_told_alike_but_adafactors_factored_moments(name):
+    """Both forms give each slot the variable it was made from, even where one layer's path
+    begins another's ("d" and "d_kernel": 'd_kernel_' begins both kernels' slot names); the
+    fallback finds no owner for Adafactor's factored moments, named after no path, and the
+    private form finds them all: every optimizer variable but the scalar counters."""
+    import keras
+    private, public = forms("keras.optimizers.Optimizer._trainable_variables")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d"),
+                              keras.layers.Dense(3, name="d_kernel")])
+    kwargs = {"momentum": 0.9} if name == "SGD" else {}
+    optimizer = getattr(keras.optimizers, name)(**kwargs)
+    optimizer.build(model.trainable_variables)
+    trained = model.trainable_variables
+    a, b = private(optimizer, trained), public(optimizer, trained)
+    counters = [v for v in optimizer.variables if id(v) not in a]
+    assert all(v.shape == () for v in counters) and 2 <= len(counters) <= 3  # (Nadam's product)
+    assert any(v is optimizer.iterations for v in counters)
+    assert all(a[i] is v for i, v in b.items())
+    missed = [v for v in optimizer.variables if id(v) in a and id(v) not in b]
+    assert len(missed) == (8 if name == "Adafactor" else 0)  # r and c of each of 4 variables
+    assert all(v.name == a[id(v)].name for v in missed)  # "kernel", "bias": no path
+    for slot, owner in ((v, a[id(v)]) for v in optimizer.variables if id(v) in a):
+        assert slot.shape == owner.shape or name == "Adafactor", slot.path
 
 
 def test_whether_keras_fit_would_build_a_model_first_is_read_alike_but_for_the_compiled_loss():

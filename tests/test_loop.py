@@ -477,9 +477,10 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
     assert len(history.steps) == 5
     with pytest.raises(hostavg.HostavgError, match=r"^callbacks must be a list of objects with "
                        r"on_micro_batch or on_step or on_step_batch or on_applied_batch or "
-                       r"on_applied or wants_update_ratios or on_resume or on_train_begin "
-                       r"or on_epoch_begin or on_batch_begin or on_batch_end or on_epoch_end or "
-                       r"on_train_end or close or on_step_end \(or None\), got "
+                       r"on_applied or wants_update_ratios or frozen or skip_samples or "
+                       r"on_resume or on_train_begin or on_epoch_begin or on_batch_begin or "
+                       r"on_batch_end or on_epoch_end or on_train_end or close or on_step_end "
+                       r"\(or None\), got "
                        r"<hostavg.train.callbacks.EarlyStopping"):
         trainer.fit(sess, data, callbacks=hostavg.EarlyStopping(), **FIT)
     model = build()
@@ -488,9 +489,9 @@ def test_none_for_hooks_and_callbacks_means_none_and_a_lone_object_is_refused():
                                watch_outliers=False, diagnose=False).hooks == ()
         with pytest.raises(hostavg.HostavgError, match=r"^hooks must be a list of objects with "
                            r"on_micro_batch or on_step or on_step_batch or on_applied_batch or "
-                           r"on_applied or wants_update_ratios or on_resume or "
-                           r"on_train_begin or on_epoch_begin or on_batch_begin or on_batch_end "
-                           r"or on_epoch_end or on_train_end or close or on_step_end "
+                           r"on_applied or wants_update_ratios or frozen or skip_samples or "
+                           r"on_resume or on_train_begin or on_epoch_begin or on_batch_begin or "
+                           r"on_batch_end or on_epoch_end or on_train_end or close or on_step_end "
                            r"\(or None\), got "
                            r"<hostavg.train.hooks.SkipNonFinite"):
             hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.1),

@@ -52,7 +52,7 @@ def alone(*args):
                           env=ENV, timeout=120)
 
 
-KINDS = ("dense", "sparse", "stack", "uneven", "scalar", "overlap", "keras")
+KINDS = ("dense", "sparse", "stack", "uneven", "scalar", "overlap", "keras", "frozen")
 
 
 def test_two_ranks_equal_one_rank_with_all_micro_batches_and_agree_bitwise(tmp_path):

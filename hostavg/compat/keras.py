@@ -1,22 +1,23 @@
 """Keras's private APIs that hostavg uses, each detected at import, each with a public fallback.
 
-Imported by :mod:`hostavg.keras` only. Each wrapper is the private form where
-the private API exists (Keras's own code still reads or writes it), else its
-public fallback; ``HOSTAVG_PUBLIC_API_ONLY=1`` makes it the fallback (see
-:mod:`hostavg.compat`). Detection reads Keras's code objects only: it makes
-no variable, so it initialises no device. Each, private API; fallback:
+Imported by :mod:`hostavg.keras` only. Each wrapper is the private form where the private API
+exists (Keras's own code still reads or writes it), else its public fallback;
+``HOSTAVG_PUBLIC_API_ONLY=1`` makes it the fallback (see :mod:`hostavg.compat`). Detection
+reads Keras's code objects only: it makes no variable, so it initialises no device. Each,
+private API; fallback:
 
-* :func:`compile_arguments`: ``Model._compile_config``, the arguments
-  ``compile`` was given, as given (the very metric objects); the public
-  ``Model.get_compile_config()``, deserialized: equal objects, made anew (a
-  metric object the caller holds is then not the one the model updates; a
-  custom object must be registered with Keras to be deserialized).
+* :func:`compile_arguments`: ``Model._compile_config``, the arguments ``compile`` was given, as
+  given (the very metric objects); the public ``Model.get_compile_config()``, deserialized:
+  equal objects, made anew (a metric object the caller holds is then not the one the model
+  updates; a custom object must be registered with Keras to be deserialized).
 * :func:`initial_epoch`: ``Model._initial_epoch``, the epoch at which Keras's
   ``BackupAndRestore`` callback says training resumes (Keras's own fit reads
   it after ``on_train_begin``); the fallback says None: the backup's weights
   are restored, but training starts at fit's ``initial_epoch``.
 * :func:`unbuilt`: ``Model._symbolic_build``'s test (a layer, the compiled
   loss or metrics not built); the fallback sees no unbuilt compiled loss.
+* :func:`owners`: each slot's variable, by lists aligned with ``Optimizer._trainable_variables``;
+  the fallback by ``add_variable_from_reference``'s names (Adafactor's moments lack them).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import keras
 
 from hostavg.compat import choose
 
-__all__ = ["compile_arguments", "initial_epoch", "unbuilt"]
+__all__ = ["compile_arguments", "initial_epoch", "owners", "unbuilt"]
 
 
 def _names(function) -> tuple:
@@ -105,3 +106,62 @@ def _unbuilt_works() -> bool:
 
 
 unbuilt = choose("keras.Model._symbolic_build", _unbuilt_private, _unbuilt_public, _unbuilt_works)
+
+
+# --- Which trained variable each optimizer variable belongs to -------------------------------
+
+
+def _optimizers(optimizer) -> list:
+    """``optimizer`` and the optimizers it holds (a LossScaleOptimizer's inner one, a
+    MultiOptimizer's), each once."""
+    found, todo = [], [optimizer]
+    while todo:
+        one = todo.pop()
+        if any(one is f for f in found):
+            continue
+        found.append(one)
+        for value in vars(one).values():
+            held = value if isinstance(value, (list, tuple)) else [value]
+            todo += [v for v in held if isinstance(v, keras.optimizers.Optimizer)]
+    return found
+
+
+def _owners_private(optimizer, trained: list) -> dict:
+    """id of an optimizer variable -> the variable of ``trained`` it belongs to: by every list
+    an optimizer keeps per trained variable, aligned with its ``_trainable_variables`` (its
+    ``_get_variable_index``), entries None or its own variables."""
+    out, wanted = {}, {id(v) for v in trained}
+    for one in _optimizers(optimizer):
+        # pylint: disable=protected-access
+        mine, order = {id(v) for v in one.variables}, list(one._trainable_variables)
+        for name, value in vars(one).items():
+            if name in ("_variables", "_trainable_variables") or \
+                    not isinstance(value, (list, tuple)) or len(value) != len(order):
+                continue
+            if all(s is None or id(s) in mine for s in value):
+                out.update((id(s), v) for s, v in zip(value, order)
+                           if s is not None and id(v) in wanted)
+    return out
+
+
+def _owners_public(optimizer, trained: list) -> dict:
+    """id of an optimizer variable -> the variable of ``trained`` it belongs to: the one of its
+    shape whose path, '/' made '_', begins its name, as ``add_variable_from_reference`` names
+    a slot (the longest such path, where several do)."""
+    out = {}
+    for slot in optimizer.variables:
+        fits = [v for v in trained if tuple(v.shape) == tuple(slot.shape)
+                and slot.name.startswith(v.path.replace("/", "_") + "_")]
+        if fits:
+            out[id(slot)] = max(fits, key=lambda v: len(v.path))
+    return out
+
+
+def _owners_works() -> bool:
+    optimizer = keras.optimizers.Optimizer
+    return "_trainable_variables" in _names(optimizer.build) and \
+        "_trainable_variables_indices" in _names(optimizer._get_variable_index)
+
+
+owners = choose("keras.optimizers.Optimizer._trainable_variables", _owners_private,
+                _owners_public, _owners_works)

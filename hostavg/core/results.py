@@ -10,7 +10,7 @@ the hook.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -312,27 +312,27 @@ class Hook(Protocol):
     ``Trainer(hooks=[...])`` or ``fit(callbacks=[...])``; each method is called wherever
     the object is registered.
 
-    Per step (by the trainer, inside every step, fit's or yours):
-    ``on_micro_batch(micro)`` before each micro-batch is accumulated (returns
-    None, replacement gradients, a :class:`Drop` or a :class:`Search`; a hook that never
-    drops may say ``drops = False``: no snapshot before each compute for it),
-    ``on_step(mean, result)`` before the apply (None or a replacement mean),
+    Per step (by the trainer, inside every step, fit's or yours): ``on_micro_batch(micro)``
+    before each micro-batch is accumulated (returns None, replacement gradients, a
+    :class:`Drop` or a :class:`Search`; a hook that never drops may say ``drops = False``: no
+    snapshot before each compute for it), ``on_step(mean, result)`` before the apply (None or
+    a replacement mean),
     ``on_step_batch(batch, result)`` after them, with the step's micro-batches at its
     weights (:class:`~hostavg.engine.products.StepBatch`), returning None or a mapping for
     ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
-    ``update_ratios`` and ``weight_norms``; ``skip_samples(found)`` where samples
-    ``found`` (:class:`Culprit`) fail the step: those it returns are left out, the step
-    computed again (:class:`~hostavg.hooks.SkipBadSamples`); once the apply succeeded (never for a step that
+    ``update_ratios`` and ``weight_norms``; ``frozen(step, names)``: those of the trained
+    ``names`` that apply leaves as they were, with their optimizer slots (both get the global
+    step after the apply); ``skip_samples(found)`` where samples ``found``
+    (:class:`Culprit`) fail the step: those it returns are left out, the step computed again
+    (:class:`~hostavg.hooks.SkipBadSamples`); once the apply succeeded (never for a step that
     failed or was skipped) ``on_applied_batch(batch, result)`` of the hooks whose
     ``on_step_batch`` returned a mapping, then ``on_applied(result)``.
 
-    Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return
-    the epoch training starts at), ``on_epoch_begin(epoch)``,
-    ``on_batch_begin(batch)``, ``on_batch_end(batch, logs)``,
-    ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``, and ``close()``
-    however fit ends. ``on_step_end(step, result)`` is deprecated: fit still
-    calls it, warning, naming ``on_applied``.
-    See docs/explanation/step.md for what each gets and returns.
+    Per fit (by ``fit``): ``on_resume(step)``, ``on_train_begin()`` (may return the epoch
+    training starts at), ``on_epoch_begin(epoch)``, ``on_batch_begin(batch)``,
+    ``on_batch_end(batch, logs)``, ``on_epoch_end(epoch, logs)``, ``on_train_end(history)``,
+    and ``close()`` however fit ends. ``on_step_end(step, result)`` is deprecated: fit still
+    calls it, warning, naming ``on_applied``. See docs/explanation/step.md for what each gets.
 
     Hooks run in the order given, the trainer's before fit's callbacks; an
     exception raised in a step-level method propagates as it is, with a note
@@ -351,6 +351,8 @@ class Hook(Protocol):
     def on_applied(self, result: StepResult) -> None: ...
 
     def wants_update_ratios(self, step: int) -> bool: ...
+
+    def frozen(self, step: int, names: tuple) -> Collection[str]: ...
 
     def skip_samples(self, found: tuple) -> tuple: ...
 
@@ -373,7 +375,7 @@ class Hook(Protocol):
 
 #: The hook methods a step calls (the trainer), and those fit calls.
 STEP_METHODS = ("on_micro_batch", "on_step", "on_step_batch", "on_applied_batch", "on_applied",
-                "wants_update_ratios", "skip_samples")
+                "wants_update_ratios", "frozen", "skip_samples")
 FIT_METHODS = ("on_resume", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
                "on_epoch_end", "on_train_end", "close", "on_step_end")
 #: Any of these makes an object a hook.

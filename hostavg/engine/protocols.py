@@ -223,14 +223,21 @@ class Backend(Protocol):
     def restore(self, snapshot) -> None:
         """Sets those variables back to a :meth:`snapshot`."""
 
-    def variables(self) -> dict:
-        """Every variable's value (model, optimizer state, global step) by name, in a fixed order."""
+    def variables(self, names: Sequence[str] | None = None) -> dict:
+        """Every variable's value (model, optimizer state, global step) by name, in a fixed
+        order; or only those ``names`` names. Arrays of their own: no later apply changes them."""
 
     def weights(self) -> dict:
         """The trained variables' values by their names in :attr:`spec`."""
 
     def assign(self, values: Mapping) -> None:
-        """Sets every variable to ``values`` (:meth:`variables`' names)."""
+        """Sets each variable ``values`` names (:meth:`variables`' names) to its value there."""
+
+    def state_of(self, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """For each trained variable of ``names`` (of :attr:`spec`): the names in
+        :meth:`variables` of it, then of every optimizer variable that is its alone (Adam's
+        m and v, a momentum: its slots); not the optimizer's counters. ArgumentError naming
+        the optimizer where which variable a slot belongs to cannot be told."""
 
 
 class Tally(NamedTuple):

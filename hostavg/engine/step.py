@@ -42,7 +42,7 @@ from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_
 from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.stats import StepStats, step_stats
-from hostavg.engine import culprits
+from hostavg.engine import culprits, frozen
 from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
@@ -125,6 +125,7 @@ class Engine:
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
         self._ratio_hooks = methods(hooks, "wants_update_ratios")
+        self._freeze_hooks = methods(hooks, "frozen")
         self._batch_hooks = methods(hooks, "on_step_batch")
         self._sample_hooks = methods(hooks, "skip_samples")
 
@@ -884,7 +885,8 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
     :func:`~hostavg.engine.overflow.overflowed` error, or, where the step can be tried again
     (``retry``: no other apply went through), is averaged on this host and has
     ``on_micro_batch`` hooks that may drop what drove it, returns its
-    :class:`~hostavg.engine.overflow.Overflow` list."""
+    :class:`~hostavg.engine.overflow.Overflow` list. The variables the ``frozen`` hooks name
+    are put back after it (:mod:`~hostavg.engine.frozen`)."""
     engine, backend = pending.engine, pending.backend
     if pending.mean is None:  # skipped: every micro-batch was dropped
         backend.restore(pending.snapshot)
@@ -893,9 +895,12 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
     asked = any(call(hook, wants, (after,), f"wants_update_ratios of step {after}")
                 for hook, wants in engine._ratio_hooks)
     kept_distributions = bool(seen) and after % seen == 0
+    held = frozen.held(backend, frozen.named(engine._freeze_hooks, after, engine.spec))
     applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
         ratios=asked or (bool(every) and after % every == 0),
         values=kept_distributions or bool(pending.measuring)))
+    if held is not None and not applied.nonfinite:  # (an apply gone non-finite undid itself)
+        applied = held.put_back(backend, applied)
     if applied.nonfinite:
         backend.restore(pending.snapshot)  # the samples are computed from the state before the step
         error, overflows = overflowed(engine._search(backend), pending.result, applied.nonfinite,

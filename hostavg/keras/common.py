@@ -23,7 +23,7 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from hostavg.compat.keras import compile_arguments
+from hostavg.compat.keras import compile_arguments, owners
 from hostavg.core.dtypes import is_float
 from hostavg.core.errors import ArgumentError, HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
@@ -175,12 +175,37 @@ class ModelVariables:
         return {**{f"model/{i:04d}": v for i, v in enumerate(self.model.variables)},
                 **{f"optimizer/{i:04d}": v for i, v in enumerate(self.optimizer.variables)}}
 
-    def variables(self) -> dict:
-        return {name: v.numpy() for name, v in self.named_variables().items()}
+    def variables(self, names=None) -> dict:
+        named = self.named_variables()
+        return {name: named[name].numpy() for name in (named if names is None else names)}
 
     def assign(self, values: Mapping) -> None:
-        for name, v in self.named_variables().items():
-            v.assign(values[name])
+        named = self.named_variables()
+        for name, value in values.items():
+            named[name].assign(value)
+
+    def state_of(self, names) -> dict:
+        """Each trained variable of ``names`` (paths) and its slots, by
+        :func:`~hostavg.compat.keras.owners`; ArgumentError where an optimizer variable that is
+        not a scalar (a counter: iterations, the learning rate) belongs to none."""
+        named = self.named_variables()
+        key = {id(v): name for name, v in named.items()}
+        trained = [v for v in self.model.trainable_variables if v.path in self.spec]
+        owner = owners(self.optimizer, trained)
+        orphans = [f"{v.path!r} (shape {tuple(v.shape)})" for v in self.optimizer.variables
+                   if id(v) not in owner and tuple(v.shape) != ()]
+        if orphans:
+            raise ArgumentError(
+                f"freezing {', '.join(map(repr, names))}: which trained variable the "
+                f"{type(self.optimizer).__name__} optimizer's variables {', '.join(orphans)} "
+                f"belong to cannot be told (hostavg knows the slots Keras's optimizers keep per "
+                f"trained variable); freeze with another optimizer, or make the variables "
+                f"untrained (variable.trainable = False) before the Trainer is made")
+        state = {v.path: [key[id(v)]] for v in trained}
+        for v in self.optimizer.variables:
+            if id(v) in owner:
+                state[owner[id(v)].path].append(key[id(v)])
+        return {name: tuple(state[name]) for name in names}
 
     def build_optimizer(self) -> None:
         """Builds the optimizer with the model's trainable variables, as Keras's fit does."""

@@ -178,19 +178,28 @@ class SessionBackend:
     def restore(self, snapshot) -> None:
         self.wiring.restore(self.session, snapshot)
 
-    def variables(self) -> dict:
-        variables = self._globals()
+    def variables(self, names=None) -> dict:
+        variables = self._globals(names)
         return dict(zip([v.op.name for v in variables], self.session.run(variables)))
 
     def weights(self) -> dict:
         return dict(zip(self.wiring.names, self.session.run(self.wiring.trained)))
 
     def assign(self, values) -> None:
-        variables = self._globals()
+        variables = self._globals(values)
         load_variables(self.session, variables, [values[v.op.name] for v in variables])
 
-    def _globals(self) -> list:
-        return self.wiring.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+    def state_of(self, names) -> dict:
+        """Each trained variable of ``names`` and its slots (the optimizer's ``get_slot``)."""
+        return {name: (name, *(s.op.name for s in self.wiring.slots[name])) for name in names}
+
+    def _globals(self, names=None) -> list:
+        """The global variables, or those whose names are in ``names``."""
+        variables = self.wiring.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)
+        if names is None:
+            return variables
+        names = set(names)
+        return [v for v in variables if v.op.name in names]
 
 
 class _session_errors:

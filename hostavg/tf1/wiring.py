@@ -43,6 +43,8 @@ class Wiring:
       names: their names (``var.op.name``).
       spec: name -> :class:`VariableSpec`.
       global_step: the global step variable.
+      slots: name -> the optimizer's slots of each trained variable (``get_slot``), in the
+        order of its ``get_slot_names()``.
       apply_inputs: name -> placeholder, each placeholder the train op reads
         (not through the fed gradients): a learning rate, a schedule's input.
         The apply is fed them (see :meth:`~hostavg.tf1.session.SessionBackend.apply_feed`).
@@ -79,6 +81,9 @@ class Wiring:
                 measured=not check_applied)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
+            self.slots = {name: tuple(s for s in (optimizer.get_slot(v, slot) for slot in
+                                                  optimizer.get_slot_names()) if s is not None)
+                          for name, v in zip(self.names, self.trained)}
             self._checked = []  # the variables an apply checks finite (check_applied), in order
             checked_op = None
             if check_applied:

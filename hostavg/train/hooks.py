@@ -1,5 +1,5 @@
 """Built-in trainer hooks that steer a step: skip non-finite micro-batches or bad samples, clip,
-watch outliers.
+watch outliers, freeze variables.
 
 The hooks that write what happened, :class:`~hostavg.inspect.record.Record`
 and :class:`~hostavg.inspect.tensorboard.TensorBoard`, live in
@@ -18,6 +18,7 @@ after a hook that replaces micro-batch gradients stores the replacements).
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import statistics
 from collections import deque
@@ -25,12 +26,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from hostavg.core.errors import ArgumentError, StepError, positive_int, positive_number, warn
+from hostavg.core.errors import (ArgumentError, StepError, non_negative_int, positive_int,
+                                 positive_number, warn)
 from hostavg.core.gradients import SparseGradient, nonfinite_entries
 from hostavg.core.results import Drop, Outlier, Search
 from hostavg.engine.culprits import LISTED, Contribution
 
-__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "FACTOR", "OUTLIER_ACTIONS",
+__all__ = ["ClipGlobalNorm", "ClipMicroBatchNorm", "Drop", "FACTOR", "Freeze", "OUTLIER_ACTIONS",
            "OutlierWarning", "SkipBadSamples", "SkipNonFinite", "WARMUP", "WatchOutliers"]
 
 
@@ -258,3 +260,64 @@ class WatchOutliers:
         done = "dropped" if self.action == "skip" else "kept"
         warn(OutlierWarning(f"{said}; {done}. The samples that stand out:{lines}"))
         return Drop(f"an outlier: {micro.outlier}") if self.action == "skip" else None
+
+
+class Freeze:
+    """Leaves trained variables AND their optimizer slots exactly as they were, at every step or
+    at chosen steps, on every optimizer.
+
+    At a frozen step the variables ``variables`` names and every optimizer variable of theirs
+    (Adam's m and v, a momentum, RMSprop's and Adagrad's accumulators, ...) are bit for bit as
+    before the step; every other variable trains as without the hook. The optimizer's counters
+    (iterations, TF1 Adam's beta powers, the global step) advance as usual, so Adam's bias
+    correction counts the frozen steps too (unlike PyTorch's per-parameter step). The frozen
+    variables' gradients are still computed and reported, and count where the optimizer looks
+    at every gradient at once (Keras's ``global_clipnorm``); the step's ``update_ratios`` and
+    ``updates`` are 0 for them. Zeroing a gradient does not freeze: momentum and Adam's
+    moments keep moving the variable. Costs, at a frozen step only, a read and an assign of
+    the frozen variables and their slots.
+
+    Args:
+      variables: names of trained variables (keys of ``trainer.spec``) or ``fnmatch``
+        patterns ("hidden/*"); a string is one. A pattern that matches no trained variable is
+        an ArgumentError at the first step.
+      steps: None (every step), or the global steps to freeze, as ``StepResult.step`` reports
+        them: the global step after the apply (what ``wants_update_ratios`` is given), so
+        ``steps={1}`` freezes a new trainer's first step.
+
+    Example::
+
+        trainer = hostavg.Trainer(loss, opt, hooks=[hostavg.hooks.Freeze("out/*", steps={1, 2})])
+    """
+
+    def __init__(self, variables, steps=None):
+        patterns = (variables,) if isinstance(variables, str) else tuple(variables)
+        if not patterns or not all(isinstance(p, str) for p in patterns):
+            raise ArgumentError(f"variables must be a name or pattern, or a non-empty list of "
+                                f"them (strings), got {variables!r}")
+        self.variables = patterns
+        self.steps = None if steps is None else frozenset(
+            non_negative_int("each of steps", s) for s in _collection("steps", steps))
+        self._matched = {}  # the trained names -> those the patterns match
+
+    def frozen(self, step: int, names: tuple) -> tuple:
+        """The trained ``names`` frozen at global step ``step`` (after the apply)."""
+        if self.steps is not None and step not in self.steps:
+            return ()
+        if names not in self._matched:
+            for pattern in self.variables:
+                if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                    raise ArgumentError(f"Freeze: {pattern!r} matches no trained variable; the "
+                                        f"trained variables: {list(names)}")
+            self._matched[names] = tuple(n for n in names
+                                         if any(fnmatch.fnmatchcase(n, p) for p in self.variables))
+        return self._matched[names]
+
+
+def _collection(name: str, value) -> tuple:
+    """``value``, a collection of steps (a set, list, range; not a string or a lone number), as a
+    tuple; ArgumentError naming ``name`` for anything else."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ArgumentError(f"{name} must be None or a collection of global steps (such as "
+                            f"{{1, 2}} or range(10)), got {value!r}")
+    return tuple(value)

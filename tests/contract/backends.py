@@ -158,9 +158,10 @@ class Backend:
         is ``optimizer`` (a name in ``models.OPTIMIZERS``) and whose keywords are ``trainer_kw``."""
         raise NotImplementedError
 
-    def oracle(self, model: str, optimizer: str, data: list) -> dict:
+    def oracle(self, model: str, optimizer: str, data: list, untrained=()) -> dict:
         """The framework's own full-batch step on each batch of ``data``, from the weights
-        :meth:`make` starts from; returns :meth:`Face.values` afterwards."""
+        :meth:`make` starts from, the variables ``untrained`` names (of the trainer's spec)
+        left out of training; returns :meth:`Face.values` afterwards."""
         raise NotImplementedError
 
     def pair(self, hooks=((), ())) -> tuple[Face, Face]:
@@ -228,8 +229,8 @@ class TF1(Backend):
         sess.run(init)
         return TF1Face(built, trainer, sess)
 
-    def oracle(self, model, optimizer, data):
-        return full_batch(OPTIMIZERS[optimizer], data, **self.BUILD[model])
+    def oracle(self, model, optimizer, data, untrained=()):
+        return full_batch(OPTIMIZERS[optimizer], data, untrained=untrained, **self.BUILD[model])
 
     def pair(self, hooks=((), ())):
         """Two trainers of one graph, a GAN's two networks: the hidden layer's and the output
@@ -334,12 +335,21 @@ class Keras(Backend):
         return KerasFace(hostavg.keras.Trainer(built, loss, keras_optimizer(optimizer),
                                                **trainer_kw))
 
-    def oracle(self, model, optimizer, data):
+    def _untrained(self, model, untrained):
+        """The twin of ``model`` (``_model``) with the variables ``untrained`` names made
+        untrained, and its loss."""
+        built, loss = self._model(model)
+        for v in built.trainable_variables:
+            if v.path in untrained:
+                v.trainable = False
+        return built, loss
+
+    def oracle(self, model, optimizer, data, untrained=()):
         """``train_on_batch``; for the embedding model, Keras's own apply of the densified
         whole-batch gradient instead, since Keras 3's sparse update on TensorFlow squares each
         row it is given, so ids repeated in a batch make train_on_batch differ from the
         full-batch step (tests/test_keras.py shows it)."""
-        built, loss = self._model(model)
+        built, loss = self._untrained(model, untrained)
         opt = keras_optimizer(optimizer)
         if model == "embedding":
             opt.build(built.trainable_variables)
@@ -371,8 +381,8 @@ class KerasJax(Keras):
     id = "keras-jax"
     sparse_rows = False
 
-    def oracle(self, model, optimizer, data):
-        built, loss = self._model(model)
+    def oracle(self, model, optimizer, data, untrained=()):
+        built, loss = self._untrained(model, untrained)
         opt = keras_optimizer(optimizer)
         built.compile(optimizer=opt, loss=loss)
         for d in data:
