@@ -43,8 +43,8 @@ def test_keras_convnet_with_sample_weights_in_chunks_is_each_sample_alone():
 
 def test_a_model_with_its_own_train_step_computes_alone_and_says_why_once():
     class Own(keras.Sequential):
-        def train_step(self, data):
-            return super().train_step(data)
+        def train_step(self, *args):  # (data) on TensorFlow, (state, data) on JAX
+            return super().train_step(*args)
 
     model = Own([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(loss=models.keras_loss(), optimizer=keras.optimizers.SGD(0.1))

@@ -671,31 +671,33 @@ def _model_errors(what: str):
 
 
 @contextmanager
-def _vectorizing():
-    """Turns what tracing a vmapped function raises (a primitive without a batching rule)
-    into :class:`~hostavg.engine.protocols.NotVectorized` saying so."""
+def _traced(made):
+    """Turns what the model's code raises while JAX traces it (not a HostavgError, not a
+    run-time JAX error) into the exception ``made(error)``."""
     try:
         yield
     except (HostavgError, jax.errors.JaxRuntimeError):
         raise
     except Exception as error:  # noqa: BLE001 - the model's own code, traced
-        raise NotVectorized(f"jax.vmap of the model's one-sample gradient failed "
-                            f"({type(error).__name__}: {_first_line(error)})") from error
+        raise made(error) from error
 
 
-@contextmanager
+def _vectorizing():
+    """A vmapped function whose tracing fails (a primitive without a batching rule) raises
+    :class:`~hostavg.engine.protocols.NotVectorized` saying so."""
+    return _traced(lambda error: NotVectorized(
+        f"jax.vmap of the model's one-sample gradient failed ({type(error).__name__}: "
+        f"{_first_line(error)})"))
+
+
 def _traced_errors():
     """Turns what the model raises while JAX traces a compute for a new micro-batch's shapes
     (JAX compiles per shape, at the first call) into the ArgumentError of a model that cannot
     run on that micro-batch, its fact kept (a shape built from the full batch shows there)."""
-    try:
-        yield
-    except (HostavgError, jax.errors.JaxRuntimeError):
-        raise
-    except Exception as error:  # noqa: BLE001 - the model's own code, traced
-        raise refused(f"the model cannot run on this micro-batch ({type(error).__name__}: "
-                      f"{traced_message(error)})", "check its x and y against the model's inputs "
-                      f"and the loss", ArgumentError) from error
+    return _traced(lambda error: refused(
+        f"the model cannot run on this micro-batch ({type(error).__name__}: "
+        f"{traced_message(error)})", "check its x and y against the model's inputs and the "
+        f"loss", ArgumentError))
 
 
 def _first_line(error) -> str:
