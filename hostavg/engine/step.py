@@ -44,10 +44,8 @@ from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
 from hostavg.core.split import sample_count, split
 from hostavg.core.stats import StepStats, step_stats
-from hostavg.engine import culprits
-from hostavg.engine import samples
+from hostavg.engine import culprits, samples
 from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
-from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
@@ -246,7 +244,7 @@ class Engine:
             return conform(self.spec, grads, what=what)
 
     def per_sample(self, backend: Backend, data, rows=None,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> SampleStats:
+                   chunk_size: int = samples.DEFAULT_CHUNK_SIZE) -> SampleStats:
         """Each sample of the batch ``data`` (of data ``rows``, or None) computed alone: its
         loss, gradient norm and cosines with the mean gradient and with the others' mean, or
         the error its compute raised. Changes nothing.
