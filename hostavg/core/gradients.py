@@ -34,7 +34,8 @@ from hostavg.core.dtypes import can_cast
 from hostavg.core.errors import ArgumentError, StepError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
-           "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm"]
+           "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm",
+           "squared_norms"]
 
 #: Every array :func:`freeze` made, by id, held weakly: what the caches may trust.
 _FROZEN = weakref.WeakValueDictionary()
@@ -302,6 +303,14 @@ def squared_norm(value) -> float:
             sq = math.fsum(_blocked_dot(flat[i:i + BLOCK].astype(np.float64))
                            for i in range(0, flat.size, BLOCK))
     return sq
+
+
+def squared_norms(grads) -> dict:
+    """name -> squared norm of each of ``grads`` (a :class:`Gradients`), the cached ones where
+    known (:attr:`Gradients.sq_norms`)."""
+    known = grads.sq_norms
+    return {name: known[name] if name in known else squared_norm(value)
+            for name, value in grads.items()}
 
 
 def _blocked_dot(flat: np.ndarray) -> float:

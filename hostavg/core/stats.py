@@ -36,6 +36,7 @@ __all__ = [
     "NoiseScaleEstimate",
     "StepStats",
     "cosines",
+    "cosines_from_dots",
     "cosines_to_rest",
     "flatten",
     "from_sums",
@@ -165,15 +166,12 @@ class StepStats:
     @cached_property
     def cosines(self) -> tuple | None:
         m = self._moments
-        if m is None:
-            return None
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return tuple(m.dots / (np.sqrt(m.sq) * math.sqrt(m.gbar_sq)))
+        return None if m is None else tuple(cosines_from_dots(m.dots, m.sq, m.gbar_sq, m.b)[0])
 
     @cached_property
     def cosines_to_rest(self) -> tuple | None:
         m = self._moments
-        return None if m is None else tuple(_to_rest(m.dots, m.sq, m.gbar_sq, m.b))
+        return None if m is None else tuple(cosines_from_dots(m.dots, m.sq, m.gbar_sq, m.b)[1])
 
     @cached_property
     def pairwise_cosines(self) -> np.ndarray | None:
@@ -445,6 +443,20 @@ def cosines_to_rest(G, b) -> np.ndarray:
     """
     G, b, B, gbar = _check(G, b)
     return _to_rest(G @ gbar, np.einsum("ij,ij->i", G, G), float(gbar @ gbar), b)
+
+
+def cosines_from_dots(dots, sq_norms, gbar_sq: float, b) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's cosine with Gbar, :func:`cosines_to_rest`) from g_i . Gbar, |g_i|^2,
+    |Gbar|^2 and b_i alone: (k,) float64 each, without G. The first is
+    g_i . Gbar / (|g_i| |Gbar|), NaN where a norm is 0.
+
+    Example:
+      >>> cosines_from_dots([0.5, 0.5], [1.0, 1.0], 0.5, [1, 1])  # rows [1, 0] and [0, 1]
+      (array([0.70710678, 0.70710678]), array([0., 0.]))
+    """
+    dots, sq, b = (np.asarray(a, np.float64) for a in (dots, sq_norms, b))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return dots / (np.sqrt(sq) * math.sqrt(gbar_sq)), _to_rest(dots, sq, gbar_sq, b)
 
 
 def _to_rest(dots: np.ndarray, sq: np.ndarray, gbar_sq: float, b: np.ndarray) -> np.ndarray:

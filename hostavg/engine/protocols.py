@@ -13,7 +13,8 @@ from hostavg.core.gradients import VariableSpec
 from hostavg.core.stats import update_ratio
 
 __all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "ApplyRequest", "Applied", "Average", "Backend",
-           "Computed", "HostAverage", "SampleStats", "Tally"]
+           "Computed", "HostAverage", "NotVectorized", "SampleStats", "SampleSums", "Tally",
+           "Vectorized"]
 
 
 #: Where a trainer computes the mean of the accumulated gradients. "host":
@@ -137,6 +138,42 @@ class SampleStats(NamedTuple):
     cosines: tuple
     cosines_to_rest: tuple
     errors: tuple
+
+
+class SampleSums(NamedTuple):
+    """The samples of one prepared feed, each computed alone (:meth:`Vectorized.sample_sums`).
+
+    Attributes:
+      losses: (n,) float64, each sample's loss.
+      sq_norms: (n,) float64, |g_i|^2 of each sample's gradient g_i (NaN or Inf where
+        non-finite).
+      sums: name -> sum_i g_i over the n samples, dense, of each trained variable's shape.
+    """
+
+    losses: Any
+    sq_norms: Any
+    sums: dict
+
+
+class NotVectorized(Exception):
+    """Raised by a :class:`Vectorized` method that cannot compute a feed's samples many per
+    call (an op without a vectorized rule, a model that refuses); its text says why. The
+    engine then computes them one at a time (:meth:`Backend.compute` of each)."""
+
+
+class Vectorized(Protocol):
+    """What a backend may add for :meth:`Engine.per_sample`: each sample of a prepared feed
+    computed alone, many per call, in training mode as :meth:`Backend.compute` (batch norm
+    by the sample's own moments), from the same state for every sample and every call
+    (what the forward pass would assign is not assigned), nothing per sample kept after
+    the call. Samples then meet the same random draws (dropout) within a call."""
+
+    def sample_sums(self, feed) -> SampleSums:
+        """Each sample's loss and squared gradient norm, and the sum of their gradients."""
+
+    def sample_dots(self, feed, mean: Mapping) -> Any:
+        """(n,) float64: g_i . ``mean`` for each sample (``mean``: name -> float64 array of
+        each trained variable's shape)."""
 
 
 class Backend(Protocol):

@@ -38,11 +38,13 @@ from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
                                  within_step)
 from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
-                                    freeze, nonfinite_entries, squared_norm)
+                                    freeze, nonfinite_entries)
+from hostavg.core.gradients import squared_norms as _sq_norms
 from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
+from hostavg.core.split import sample_count, split
 from hostavg.core.stats import StepStats, step_stats
-from hostavg.engine import culprits, frozen
+from hostavg.engine import culprits, frozen, samples
 from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
@@ -244,50 +246,24 @@ class Engine:
         with within_step():
             return conform(self.spec, grads, what=what)
 
-    def per_sample(self, backend: Backend, feeds: Sequence, rows=None) -> SampleStats:
-        """Each of ``feeds`` (one sample each; of data ``rows``, or None) computed alone: its
+    def per_sample(self, backend: Backend, data, rows=None,
+                   chunk_size: int = samples.DEFAULT_CHUNK_SIZE) -> SampleStats:
+        """Each sample of the batch ``data`` (of data ``rows``, or None) computed alone: its
         loss, gradient norm and cosines with the mean gradient and with the others' mean, or
         the error its compute raised. Changes nothing.
 
-        Costs one forward and backward pass per sample (a session call each),
-        and host memory for every sample's gradients at once (the cosines need
-        the mean first). The mean of the samples' gradients is the feed's mean
-        gradient (for a loss that is a mean over samples; ``check`` says
-        whether it is); samples whose loss or gradient is not finite, or whose
-        compute failed, are left out of it. No apply runs, and the rollback
-        variables (moving statistics) are restored afterwards.
+        Computed ``chunk_size`` samples at a time in two passes, per chunk one call each
+        where the backend is :class:`~hostavg.engine.protocols.Vectorized`, else one per
+        sample (:mod:`hostavg.engine.samples`): host memory for the mean gradient alone. The
+        mean of the samples' gradients is the batch's mean gradient (for a loss that is a
+        mean over samples; ``check`` says whether it is); samples whose loss or gradient is
+        not finite, or whose compute failed, are left out of it. No apply runs, and the
+        rollback variables (moving statistics) are restored afterwards.
         """
-        rows = None if rows is None else _distinct(row_indices(rows, len(feeds), "per_sample"))
-        losses, norms, errors, kept, index = [], [], [], [], []
-        acc = Accumulator(self.spec, accumulate="stack", accum_dtype=np.float64)
-        with self.leaving_no_trace(backend, "per_sample"):
-            for i, feed in enumerate(feeds):
-                row = None if rows is None else rows[i:i + 1]
-                where = f"per_sample, sample {i}" + ("" if row is None else f" (data row {row[0]})")
-                try:
-                    feed, n = prepare_one(backend, feed, None, where, i, row)
-                    g = self._compute(backend, feed, n, where)[0]
-                except HostavgError as e:  # the sample's row says why
-                    losses.append(math.nan)
-                    norms.append(math.nan)
-                    errors.append(str(e))
-                    continue
-                sq = math.fsum(_sq_norms(g).values())
-                losses.append(g.loss)
-                norms.append(math.sqrt(sq))
-                errors.append(None)
-                if math.isfinite(sq) and math.isfinite(g.loss):
-                    acc.add_checked(dict(g), float(n), g.loss, sq)
-                    kept.append(g)
-                    index.append(i)
-        cosines, to_rest = [math.nan] * len(losses), [math.nan] * len(losses)
-        if kept:
-            stats = step_stats(acc.mean(), acc.weights, acc.sq_norms, (), (), kept)
-            for i, c, r in zip(index, stats.cosines or [1.0],  # one finite sample: its own mean
-                               stats.cosines_to_rest or [math.nan]):
-                cosines[i], to_rest[i] = float(c), float(r)
-        return SampleStats(tuple(losses), tuple(norms), tuple(cosines), tuple(to_rest),
-                           tuple(errors))
+        chunks = split(data, positive_int("chunk_size", chunk_size))
+        n = sum(sample_count(c, "per_sample") for c in chunks)
+        rows = None if rows is None else _distinct(row_indices(rows, n, "per_sample"))
+        return samples.per_sample(self, backend, chunks, rows)
 
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:
@@ -971,8 +947,3 @@ def _capital(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _sq_norms(grads: Gradients) -> dict:
-    """name -> squared norm of each gradient, the cached ones where known."""
-    known = grads.sq_norms
-    return {name: known[name] if name in known else squared_norm(value)
-            for name, value in grads.items()}

@@ -28,7 +28,7 @@ from hostavg.core.dtypes import is_float
 from hostavg.core.errors import ArgumentError, HostavgError, positive_int, refused
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.split import feed_size
-from hostavg.engine.protocols import Applied, ApplyRequest
+from hostavg.engine.protocols import Applied, ApplyRequest, NotVectorized
 from hostavg.keras import targets
 from hostavg.keras.advice import ADVICE
 from hostavg.keras.batch import leaves
@@ -279,6 +279,19 @@ class CompiledModel(ModelVariables):
             self._targets[signature] = targets.of(self.model, signature, flat)
         targets.check(self._targets[signature], flat, what)
         return (self._computes[signature], flat, signature), n
+
+    def vectorizable(self) -> None:
+        """Raises :class:`~hostavg.engine.protocols.NotVectorized` where this model's per-sample
+        gradients cannot be computed many per call: a model that trains by its own
+        ``train_step`` (whose loss hostavg does not see), or a sparse gradient (an
+        ``Embedding``'s on TensorFlow: each sample's would be the whole table)."""
+        if self.runs_train_step:
+            raise NotVectorized(f"model {self.model.name!r} trains by its own train_step, whose "
+                                f"loss hostavg does not see")
+        sparse = [name for name, s in self.spec.items() if s.sparse]
+        if sparse:
+            raise NotVectorized(f"the gradient of {sparse[0]} is sparse (rows of a table), and "
+                                f"each sample's would be dense, the whole table")
 
     def hvp(self, feed, vector: Mapping) -> tuple[float, dict]:
         """See :meth:`hostavg.engine.protocols.Backend.hvp`: the backend's ``_product`` of the

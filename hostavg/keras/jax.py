@@ -33,7 +33,7 @@ import numpy as np
 from hostavg.compat.jax import used_inputs
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import freeze
-from hostavg.engine.protocols import Applied, ApplyRequest, Computed
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectorized, SampleSums
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors, traced_message
@@ -89,6 +89,7 @@ class KerasJaxBackend(CompiledModel):
         self._applies = {}  # ApplyRequest -> jitted apply
         self._losses = {}  # input signature -> the loss function its compute differentiates
         self._products = {}  # input signature -> jitted Hessian-vector product
+        self._samples = {}  # (input signature, "sums" or "dots") -> jitted per-sample function
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -196,6 +197,78 @@ class KerasJaxBackend(CompiledModel):
     def restore(self, snapshot: dict) -> None:
         for i, value in snapshot.items():
             self.assigned[i].assign(value)
+
+    # --- Per sample (hostavg.engine.protocols.Vectorized) --------------------------------------
+
+    def sample_sums(self, feed) -> SampleSums:
+        """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.vmap`` of one sample's loss
+        and gradient (its squared norm reduced there) and the gradient of the sum of the
+        vmapped losses, in one jitted call."""
+        losses, sq, sums = self._per_sample_call(feed, "sums")
+        return SampleSums(np.asarray(losses, np.float64), np.asarray(sq, np.float64),
+                          {name: np.asarray(s) for name, s in zip(self.spec, sums)})
+
+    def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
+        """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.jvp`` of the vmapped losses
+        along ``mean`` (in the variables' dtypes), g_i . mean for every sample in one forward
+        pass."""
+        tangent = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
+        return np.asarray(self._per_sample_call(feed, "dots", tangent), np.float64)
+
+    def _per_sample_call(self, feed, kind: str, *extra):
+        """The jitted ``kind`` function of the feed's signature (:meth:`_sample_function`,
+        traced on its first call) called on the model's values now."""
+        _, leaves, signature = feed
+        self.vectorizable()
+        loss = self._losses[signature]
+        function = self._samples.get((signature, kind))
+        if function is None:
+            function = self._samples[signature, kind] = self._sample_function(loss, kind)
+        model = self.model
+        with _jax_errors("per_sample"), _vectorizing():
+            return jax.block_until_ready(function(
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                [v.value for v in model.metrics_variables], self._slots(), leaves, *extra))
+
+    def _sample_function(self, loss, kind: str):
+        """``kind`` "sums": ``(trainable, untrained, metric values, optimizer values, leaves) ->
+        (losses, squared norms, the gradient of their sum)``; "dots": ``(..., leaves, mean) ->
+        g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
+        from the same values; the new values of what the forward pass assigns are dropped."""
+        kept, optimizer, scales = self._kept, self.optimizer, self._scales
+
+        def unscaled(grads, slots):
+            if not scales:
+                return grads
+            scale = _scale(optimizer, slots)
+            return [g / scale.astype(g.dtype) for g in grads]
+
+        def one(kept_values, trainable, untrained, metric_values, slots, flat):
+            scaled, (value, _, _) = loss(_with_kept(trainable, kept, kept_values), untrained,
+                                         metric_values, slots, [leaf[None] for leaf in flat])
+            return scaled, value
+
+        def each(kept_values, trainable, untrained, metric_values, slots, flat):
+            return jax.vmap(lambda leaves: one(kept_values, trainable, untrained, metric_values,
+                                               slots, leaves))(flat)
+
+        def sums(trainable, untrained, metric_values, slots, flat):
+            kept_values, grad = [trainable[i] for i in kept], jax.grad(one, has_aux=True)
+
+            def sample(leaves):
+                g, value = grad(kept_values, trainable, untrained, metric_values, slots, leaves)
+                return value, jnp.sum(_squares(unscaled(g, slots)))
+            values, sq = jax.vmap(sample)(flat)
+            total = jax.grad(lambda kv: jnp.sum(each(kv, trainable, untrained, metric_values,
+                                                     slots, flat)[0]))(kept_values)
+            return values, sq, unscaled(total, slots)
+
+        def dots(trainable, untrained, metric_values, slots, flat, mean):
+            return jax.jvp(lambda kv: each(kv, trainable, untrained, metric_values, slots,
+                                           flat)[1], ([trainable[i] for i in kept],), (mean,))[1]
+
+        return jax.jit(sums if kind == "sums" else dots)
 
     # --- Evaluation and building -------------------------------------------------------------
 
@@ -598,18 +671,33 @@ def _model_errors(what: str):
 
 
 @contextmanager
-def _traced_errors():
-    """Turns what the model raises while JAX traces a compute for a new micro-batch's shapes
-    (JAX compiles per shape, at the first call) into the ArgumentError of a model that cannot
-    run on that micro-batch, its fact kept (a shape built from the full batch shows there)."""
+def _traced(made):
+    """Turns what the model's code raises while JAX traces it (not a HostavgError, not a
+    run-time JAX error) into the exception ``made(error)``."""
     try:
         yield
     except (HostavgError, jax.errors.JaxRuntimeError):
         raise
     except Exception as error:  # noqa: BLE001 - the model's own code, traced
-        raise refused(f"the model cannot run on this micro-batch ({type(error).__name__}: "
-                      f"{traced_message(error)})", "check its x and y against the model's inputs "
-                      f"and the loss", ArgumentError) from error
+        raise made(error) from error
+
+
+def _vectorizing():
+    """A vmapped function whose tracing fails (a primitive without a batching rule) raises
+    :class:`~hostavg.engine.protocols.NotVectorized` saying so."""
+    return _traced(lambda error: NotVectorized(
+        f"jax.vmap of the model's one-sample gradient failed ({type(error).__name__}: "
+        f"{_first_line(error)})"))
+
+
+def _traced_errors():
+    """Turns what the model raises while JAX traces a compute for a new micro-batch's shapes
+    (JAX compiles per shape, at the first call) into the ArgumentError of a model that cannot
+    run on that micro-batch, its fact kept (a shape built from the full batch shows there)."""
+    return _traced(lambda error: refused(
+        f"the model cannot run on this micro-batch ({type(error).__name__}: "
+        f"{traced_message(error)})", "check its x and y against the model's inputs and the "
+        f"loss", ArgumentError))
 
 
 def _first_line(error) -> str:

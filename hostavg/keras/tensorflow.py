@@ -32,7 +32,7 @@ from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, fi
                                        first_line, rows_fed, rows_of)
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
-from hostavg.engine.protocols import Applied, ApplyRequest, Computed
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectorized, SampleSums
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import (ApplyOutputs, CompiledModel, loss_function, model_errors,
@@ -79,6 +79,7 @@ class KerasBackend(CompiledModel):
         self._trained = None  # the variables of spec, in order
         self._evaluates = {}  # input signature -> compiled function
         self._products = {}  # input signature -> compiled Hessian-vector product
+        self._samples = {}  # (input signature, "sums" or "dots") -> compiled per-sample function
         # ApplyRequest -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._rows = None  # what an apply keeps of each variable it holds (_rows_written)
@@ -149,6 +150,66 @@ class KerasBackend(CompiledModel):
             return [loss, *(tf.zeros_like(v) if p is None else tf.convert_to_tensor(p)
                             for p, v in zip(outer.gradient(dot, trained), vs))]
         return product
+
+    def sample_sums(self, feed) -> SampleSums:
+        """See :class:`~hostavg.engine.protocols.Vectorized`: ``tf.vectorized_map`` of one
+        sample's loss and gradient in a ``tf.function``, reduced there (float64)."""
+        losses, sq, *sums = self._per_sample_call(feed, "sums", [])
+        return SampleSums(np.asarray(losses, np.float64), np.asarray(sq),
+                          {name: np.asarray(s) for name, s in zip(self.spec, sums)})
+
+    def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
+        """See :class:`~hostavg.engine.protocols.Vectorized`: each sample's gradient dotted
+        with ``mean`` in float64, in the vectorized call."""
+        return np.asarray(self._per_sample_call(
+            feed, "dots", [eager_tensor(mean[name], np.float64) for name in self.spec])[0])
+
+    def _per_sample_call(self, feed, kind: str, extra: list):
+        """The compiled ``kind`` function of the feed's signature (:meth:`_sample_function`)
+        called on the feed's arrays and ``extra``."""
+        _, leaves, signature = feed
+        self.vectorizable()
+        function = self._samples.get((signature, kind))
+        if function is None:
+            means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
+            try:
+                function = self._trace(self._sample_function(signature, kind),
+                                       [*leaves, *(means if kind == "dots" else [])], "per_sample")
+            except HostavgError as e:
+                raise NotVectorized(f"tf.vectorized_map of the model's one-sample gradient "
+                                    f"failed: {e}") from e
+            self._samples[signature, kind] = function
+        with _tensorflow_errors("per_sample"):
+            return function(*map(eager_tensor, leaves), *extra)
+
+    def _sample_function(self, signature, kind: str):
+        """``(*leaves) -> [losses, squared norms, *sums]`` ("sums") or ``(*leaves, *mean) ->
+        [g_i . mean]`` ("dots"): every sample computed alone (a batch of one) under
+        ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing)."""
+        model, trained, optimizer, scales = self.model, self._trained, self.optimizer, self._scales
+        k = len(trained)
+
+        def one(leaves):
+            x, y, w = _rebuild(signature, [leaf[None] for leaf in leaves])
+            with keras.StatelessScope(), tf.GradientTape() as tape:
+                loss = self._loss(x, y, model(x, training=True), w)
+                scaled = optimizer.scale_loss(loss) if scales else loss
+            grads = tape.gradient(scaled, trained)
+            if scales:
+                grads = [g / tf.cast(_scale(optimizer), g.dtype) for g in grads]
+            return loss, [tf.reshape(tf.cast(g, tf.float64), [-1]) for g in grads]
+
+        def sums(*flat):
+            losses, grads = tf.vectorized_map(one, list(flat))
+            return [losses, tf.add_n([tf.reduce_sum(tf.square(g), 1) for g in grads]),
+                    *(tf.reshape(tf.reduce_sum(g, 0), v.shape) for g, v in zip(grads, trained))]
+
+        def dots(*flat):
+            _, grads = tf.vectorized_map(one, list(flat[:-k]))
+            return [tf.add_n([tf.linalg.matvec(g, tf.reshape(m, [-1]))
+                              for g, m in zip(grads, flat[-k:])])]
+
+        return sums if kind == "sums" else dots
 
     def apply_feed(self, feeds, what: str) -> dict:
         """Nothing: a Keras optimizer reads no input besides the gradients."""

@@ -21,6 +21,7 @@ from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
 from hostavg.core.split import Cut, take
 from hostavg.engine.step import step_together as engine_step_together
+from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
 from hostavg.keras.batch import as_batch, structured
@@ -169,9 +170,10 @@ class Trainer(BaseTrainer):
         return self._check(self._backend, self._batch(x, y, sample_weight, "check"),
                            micro_batch_size)
 
-    def per_sample(self, x, y=None, sample_weight=None, *, rows=None):
+    def per_sample(self, x, y=None, sample_weight=None, *, rows=None,
+                   chunk_size=DEFAULT_CHUNK_SIZE):
         return self._per_sample(self._backend, self._batch(x, y, sample_weight, "per_sample"),
-                                rows)
+                                rows, chunk_size)
 
     def hvp(self, x, y=None, sample_weight=None, *, vectors: Mapping,
             micro_batch_size: int | None = None) -> Gradients:

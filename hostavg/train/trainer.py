@@ -32,6 +32,7 @@ from hostavg.core.schema import UserStatistics
 from hostavg.core.split import Cut, cut, pieces, sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
 from hostavg.engine.protocols import Backend, HostAverage
+from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.engine.step import Engine
 from hostavg.train import checkpoint
 from hostavg.train.history import History
@@ -262,20 +263,25 @@ class BaseTrainer:
         """
         raise NotImplementedError
 
-    def per_sample(self, batch, *, rows=None):
+    def per_sample(self, batch, *, rows=None, chunk_size=DEFAULT_CHUNK_SIZE):
         """One row per sample of a batch: its loss, gradient norm, cosines, or why it failed.
 
         Each sample is computed alone (in training mode: batch norm normalises
-        a sample by itself, dropout draws for it alone), at one forward and
-        backward pass each, and changes nothing: what the computes assigned is
-        restored. The mean is over the samples whose loss and gradient are
-        finite. Which column answers which question: docs/guides/inspecting.md,
+        a sample by itself), ``chunk_size`` samples per call where the framework
+        vectorizes the per-sample gradient (JAX: ``jax.vmap``; TensorFlow:
+        ``tf.vectorized_map``; samples of one call meet the same dropout draws),
+        else one sample per call (a warning says why), in two passes (the mean
+        gradient, then each sample's dot with it), and changes nothing: what the
+        computes assigned is restored. The mean is over the samples whose loss
+        and gradient are finite. Cost and memory: docs/guides/inspecting.md,
         "Per sample".
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
           rows: each sample's row in your data set (one distinct integer per
             sample), to index the table by; None: by position in the batch.
+          chunk_size: how many samples' gradients exist at a time (within one
+            call), >= 1.
 
         Returns:
           a pandas DataFrame indexed by ``row`` (with ``rows``) or ``sample``
@@ -595,11 +601,10 @@ class BaseTrainer:
             return [data]
         return pieces(data, how.sizes(n), n, blocks)
 
-    def _per_sample(self, backend: Backend, data, rows):
+    def _per_sample(self, backend: Backend, data, rows, chunk_size):
         pd = pandas("per_sample")
-        samples = split(data, 1)
-        found = self._engine_for(backend, samples[0] if samples else data, "per_sample") \
-            .per_sample(backend, samples, rows)
+        found = self._engine_for(backend, lambda: take(data, slice(0, 1)), "per_sample") \
+            .per_sample(backend, data, rows, chunk_size)
         index = pd.RangeIndex(len(found.losses), name="sample") if rows is None \
             else pd.Index(rows, dtype="int64", name="row")
         return pd.DataFrame({"loss": found.losses, "norm": found.norms, "cosine": found.cosines,

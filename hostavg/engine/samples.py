@@ -1,0 +1,238 @@
+"""Each sample of a batch computed alone, chunk by chunk (:meth:`Engine.per_sample`).
+
+Two passes over chunks of at most ``chunk_size`` samples. The first computes
+each sample's loss and squared gradient norm |g_i|^2 and adds the gradients of
+the K finite samples (loss and gradient) to a float64 sum, whose mean M is
+their mean gradient; the second computes g_i . M. The cosine with M,
+g_i . M / (|g_i| |M|), and with the others' mean, (K M - g_i) / (K - 1), follow
+from those three numbers (:func:`~hostavg.core.stats.cosines_from_dots`), so no
+sample's gradient outlives its chunk. A :class:`~hostavg.engine.protocols.Vectorized`
+backend computes a chunk in one call per pass; elsewhere (or where vectorizing
+fails: a warning says why) each sample is computed alone, in each pass. Both
+passes start from the same state, so they meet the same random draws.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hostavg.core.accumulator import Accumulator
+from hostavg.core.errors import HostavgError, warn
+from hostavg.core.gradients import SparseGradient, squared_norm, squared_norms
+from hostavg.core.split import sample_count, take
+from hostavg.core.stats import cosines_from_dots
+from hostavg.engine.batches import prepare_one
+from hostavg.engine.protocols import NotVectorized, SampleStats
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "per_sample"]
+
+#: Samples per chunk unless told: per-sample gradients of at most this many samples exist at
+#: a time (in the framework's memory, within one call).
+DEFAULT_CHUNK_SIZE = 64
+
+
+class _Part(NamedTuple):
+    """Samples of a chunk whose loss and gradient were finite, for the second pass.
+
+    Attributes:
+      feed: their prepared feed, to compute together; None: each computes alone.
+      samples: their places in the batch, in the feed's order.
+      given: their chunk as given and each one's place in it (for computing alone).
+      grads: their gradients where kept (a batch of one chunk, computed alone), else None.
+    """
+
+    feed: Any
+    samples: list
+    given: tuple
+    grads: list | None
+
+
+def per_sample(engine, backend, chunks: list, rows) -> SampleStats:
+    """The samples of ``chunks`` (consecutive pieces of a batch, of data ``rows``: a read-only
+    int64 array, or None) computed alone; see the module docstring. Changes nothing."""
+    return _PerSample(engine, backend, chunks, rows).stats()
+
+
+class _PerSample:
+    """One call of :func:`per_sample`: its columns, filled chunk by chunk."""
+
+    def __init__(self, engine, backend, chunks: list, rows):
+        self.engine, self.backend, self.chunks, self.rows = engine, backend, chunks, rows
+        n = sum(_size(c) for c in chunks)
+        self.losses, self.sq, self.dots = (np.full(n, math.nan) for _ in range(3))
+        self.errors = [None] * n
+        self.acc = Accumulator(engine.spec, accumulate="sum", accum_dtype=np.float64)
+        self.vectorizing = hasattr(backend, "sample_sums")
+        if not self.vectorizing:
+            self._stop(f"{type(backend).__name__} has no sample_sums")
+
+    def stats(self) -> SampleStats:
+        with self.engine.leaving_no_trace(self.backend, "per_sample") as snapshot:
+            parts, start = [], 0
+            for chunk in self.chunks:
+                parts += self._first(chunk, start)
+                start += _size(chunk)
+            finite = sorted(i for part in parts for i in part.samples)
+            if finite:
+                mean = self.acc.mean()
+                self.backend.restore(snapshot)  # the second pass meets the first one's state
+                for part in parts:
+                    self._second(part, mean)
+        cosines, to_rest = (np.full(len(self.losses), math.nan) for _ in range(2))
+        if len(finite) == 1:
+            cosines[finite] = 1.0  # its own mean; no others
+        elif finite:
+            gbar_sq = math.fsum(squared_norm(v) for v in mean.values())
+            cosines[finite], to_rest[finite] = cosines_from_dots(
+                self.dots[finite], self.sq[finite], gbar_sq, np.ones(len(finite)))
+        return SampleStats(*(tuple(float(v) for v in column) for column in (
+            self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
+
+    def _stop(self, why: str) -> None:
+        """Computes each sample alone from now on, and warns once why."""
+        self.vectorizing = False
+        warn(UserWarning(f"per_sample computes each sample alone, one call each: {why}"))
+
+    # --- First pass: losses, squared norms, the sum of the finite gradients ------------------
+
+    def _first(self, chunk, start: int) -> list[_Part]:
+        """The first pass over ``chunk`` (its first sample the batch's sample ``start``): the
+        :class:`_Part` of its finite samples, computed together or alone."""
+        n = _size(chunk)
+        together, alone = self._prepared(chunk, start, list(range(n)))
+        parts = []
+        if together is not None:
+            feed, places = together
+            part = self._together(chunk, start, feed, places)
+            if part is None:
+                alone = sorted(alone + places)
+            elif part.samples:
+                parts.append(part)
+        if alone:
+            parts.append(self._alone(chunk, start, alone, keep=len(self.chunks) == 1))
+        return parts
+
+    def _prepared(self, chunk, start: int, places: list) -> tuple:
+        """((the prepared feed of the samples at ``places`` of ``chunk``, their places) or None,
+        the places of those that compute alone): a sample the framework refuses (a target
+        out of range) computes alone, so that its row says why as it would alone."""
+        if not self.vectorizing:
+            return None, places
+        feed = take(chunk, np.asarray(places))
+        try:
+            return (prepare_one(self.backend, feed, None, "per_sample", start)[0], places), []
+        except HostavgError as e:
+            refused = {places[c.sample - start] for c in getattr(e, "culprits", ())}
+            if not refused or len(refused) == len(places):
+                return None, places
+            rest = [p for p in places if p not in refused]
+            together, alone = self._prepared(chunk, start, rest)
+            return together, sorted(alone + list(refused))
+
+    def _together(self, chunk, start: int, feed, places: list) -> _Part | None:
+        """The samples at ``places`` of ``chunk`` computed in one call (``feed``, prepared):
+        the :class:`_Part` of the finite ones; None where the call failed (then each computes
+        alone: a sample's compute error is its row's)."""
+        out = self._sums(feed)
+        if out is None:
+            return None
+        samples = [start + p for p in places]
+        self.losses[samples], self.sq[samples] = out.losses, out.sq_norms
+        finite = np.isfinite(out.losses) & np.isfinite(out.sq_norms)
+        places = [p for p, ok in zip(places, finite) if ok]
+        if places and not finite.all():  # the sum again, of the finite ones alone
+            feed = prepare_one(self.backend, take(chunk, np.asarray(places)), None,
+                               "per_sample", start)[0]
+            out = self._sums(feed)
+            if out is None:
+                return None
+        if places:
+            self.acc.add_checked({n: s / len(places) for n, s in out.sums.items()},
+                                 float(len(places)), None, 0.0)
+        return _Part(feed, [start + p for p in places], (chunk, places), None)
+
+    def _sums(self, feed):
+        """``backend.sample_sums(feed)``, or None where it failed (see :meth:`_together`)."""
+        try:
+            return self.backend.sample_sums(feed)
+        except NotVectorized as e:
+            self._stop(str(e))
+        except HostavgError:
+            pass
+        return None
+
+    def _alone(self, chunk, start: int, places: list, keep: bool) -> _Part:
+        """The samples at ``places`` of ``chunk`` each computed alone: the :class:`_Part` of
+        the finite ones (their gradients kept with ``keep``); a failed one's row says why."""
+        finite, grads = [], []
+        for p in places:
+            g = self._one(chunk, start, p)
+            if g is None:
+                continue
+            i = start + p
+            self.losses[i], self.sq[i] = g.loss, math.fsum(squared_norms(g).values())
+            if math.isfinite(self.sq[i]) and math.isfinite(g.loss):
+                self.acc.add_checked(dict(g), 1.0, None, 0.0)
+                finite.append(p)
+                grads.append(g if keep else None)
+        return _Part(None, [start + p for p in finite], (chunk, finite), grads if keep else None)
+
+    def _one(self, chunk, start: int, p: int):
+        """The gradients of sample ``p`` of ``chunk`` computed alone, or None (its error noted)."""
+        i = start + p
+        row = None if self.rows is None else self.rows[i:i + 1]
+        where = f"per_sample, sample {i}" + ("" if row is None else f" (data row {row[0]})")
+        try:
+            feed, n = prepare_one(self.backend, take(chunk, slice(p, p + 1)), None, where, i,
+                                  row)
+            return self.engine._compute(self.backend, feed, n, where)[0]
+        except HostavgError as e:
+            self.errors[i] = str(e)
+            return None
+
+    # --- Second pass: g_i . M -----------------------------------------------------------------
+
+    def _second(self, part: _Part, mean) -> None:
+        """g_i . ``mean`` of each sample of ``part``, into :attr:`dots` (NaN where a sample
+        that computed in the first pass fails in this one)."""
+        if part.feed is not None and self.vectorizing:
+            try:
+                self.dots[part.samples] = self.backend.sample_dots(
+                    part.feed, {n: _dense(v) for n, v in mean.items()})
+                return
+            except NotVectorized as e:
+                self._stop(str(e))
+            except HostavgError:
+                pass
+        chunk, places = part.given
+        for i, p, g in zip(part.samples, places, part.grads or [None] * len(places)):
+            g = g if g is not None else self._one(chunk, i - p, p)
+            if g is not None:
+                self.dots[i] = math.fsum(_dot(g[n], m) for n, m in mean.items())
+
+
+def _size(chunk) -> int:
+    return sample_count(chunk, "per_sample")
+
+
+def _dense(value) -> np.ndarray:
+    """A mean's value as a float64 array of its variable's shape."""
+    return value.to_dense() if isinstance(value, SparseGradient) else np.asarray(value, np.float64)
+
+
+def _dot(g, m) -> float:
+    """g . m of one variable's gradient and mean, each dense or a SparseGradient (the mean's
+    rows sorted and unique, every row of g among them), in float64."""
+    if isinstance(g, SparseGradient):
+        g = g.coalesce()
+        if isinstance(m, SparseGradient):
+            m = m.values[np.searchsorted(m.indices, g.indices)]
+        else:
+            m = np.asarray(m)[g.indices]
+        g = g.values
+    elif isinstance(m, SparseGradient):
+        g, m = np.asarray(g)[m.indices], m.values
+    return float(np.dot(np.ravel(g).astype(np.float64), np.ravel(m).astype(np.float64)))

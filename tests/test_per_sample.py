@@ -1,0 +1,70 @@
+"""per_sample on Keras (the process's Keras backend) and TF1 beyond the contract: a convnet
+with sample weights against each sample alone, the one-sample-per-call fallback's warning."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import hostavg
+import hostavg.keras
+from hostavg.cli import models
+
+COLUMNS = ["loss", "norm", "cosine", "cosine_to_rest"]
+
+
+def brute_force(trainer, x, y, w) -> np.ndarray:
+    """(n, 4) of each sample computed alone (``trainer.compute``), cosines in float64."""
+    alone = [trainer.compute(x[i:i + 1], y[i:i + 1], w[i:i + 1]) for i in range(len(x))]
+    flat = np.array([np.concatenate([np.ravel(g[n]) for n in trainer.spec]) for g in alone])
+    mean, out = flat.mean(axis=0), []
+    for i, (g, f) in enumerate(zip(alone, flat)):
+        rest, norm = np.delete(flat, i, axis=0).mean(axis=0), np.linalg.norm(f)
+        out.append([g.loss, norm, f @ mean / (norm * np.linalg.norm(mean)),
+                    f @ rest / (norm * np.linalg.norm(rest))])
+    return np.array(out)
+
+
+def test_keras_convnet_with_sample_weights_in_chunks_is_each_sample_alone():
+    model = models.keras_convnet(8, [3], 4, seed=1)
+    trainer = hostavg.keras.Trainer(model, models.keras_loss(), keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(2)
+    x = rng.random((11, 64), dtype=np.float32)
+    y = rng.integers(0, 4, 11).astype(np.int32)
+    w = rng.uniform(0.2, 3.0, 11).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # vectorized: no fallback
+        table = trainer.per_sample(x, y, w, chunk_size=4)
+    want = brute_force(trainer, x, y, w)
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(want[:, 0], brute_force(trainer, x, y, np.ones_like(w))[:, 0])
+
+
+def test_a_model_with_its_own_train_step_computes_alone_and_says_why_once():
+    class Own(keras.Sequential):
+        def train_step(self, *args):  # (data) on TensorFlow, (state, data) on JAX
+            return super().train_step(*args)
+
+    model = Own([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(loss=models.keras_loss(), optimizer=keras.optimizers.SGD(0.1))
+    trainer = hostavg.keras.Trainer(model)
+    x, y = np.ones((5, 3), np.float32), np.array([0, 1, 0, 1, 1], np.int32)
+    with pytest.warns(UserWarning, match="trains by its own train_step") as said:
+        table = trainer.per_sample(x, y, chunk_size=2)
+    assert len([w for w in said if "per_sample" in str(w.message)]) == 1
+    assert table["error"].isna().all() and table["loss"].notna().all()
+
+
+def test_tf1_computes_each_sample_alone_and_says_why_once():
+    import tensorflow as tf
+    m = models.mlp(4, [3], 2, seed=0)
+    with m.graph.as_default():
+        trainer = hostavg.Trainer(m.loss, tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        sess = tf.compat.v1.Session(graph=m.graph)
+        sess.run(tf.compat.v1.global_variables_initializer())
+    feed = {m.x: np.ones((5, 4), np.float32), m.y: np.array([0, 1, 0, 1, 1], np.int32)}
+    with pytest.warns(UserWarning, match="graph's loss is one tensor of the whole feed") as said:
+        table = trainer.per_sample(sess, feed, chunk_size=2)
+    assert len([w for w in said if "per_sample" in str(w.message)]) == 1
+    assert table["error"].isna().all() and len(table) == 5
