@@ -15,7 +15,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import first_line, session_call
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
-from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectorized
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
@@ -109,17 +109,6 @@ class SessionBackend:
 
     def random_ops(self) -> tuple:
         return self.wiring.random_ops
-
-    def sample_sums(self, feed):
-        """Refused (:class:`~hostavg.engine.protocols.NotVectorized`): the graph's loss is one
-        tensor of the whole feed, and a sample's own loss would need the model's forward
-        graph built again on one sample, which a trainer given the loss cannot do."""
-        raise NotVectorized(
-            "a tf.compat.v1 graph's loss is one tensor of the whole feed: computing samples "
-            "alone many per call (tf.vectorized_map) needs the forward graph built on one "
-            "sample, which the trainer, given the loss tensor, cannot rebuild")
-
-    sample_dots = sample_sums
 
     def compute(self, feed: dict, share: float = 1.0) -> Computed:
         """One micro-batch's session call (a TF1 optimizer scales no loss: ``share`` unused)."""
