@@ -65,9 +65,8 @@ class _PerSample:
         self.losses, self.sq, self.dots = (np.full(n, math.nan) for _ in range(3))
         self.errors = [None] * n
         self.acc = Accumulator(engine.spec, accumulate="sum", accum_dtype=np.float64)
+        # a backend without sample_sums (TF1) computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
-        if not self.vectorizing:
-            self._stop(f"{type(backend).__name__} has no sample_sums")
 
     def stats(self) -> SampleStats:
         with self.engine.leaving_no_trace(self.backend, "per_sample") as snapshot:
