@@ -29,6 +29,7 @@ TENSORFLOW_APIS = {
     "input_types": "tensorflow.Operation._input_types",
     "is_ref_dtype": "tensorflow.DType._is_ref_dtype",
     "learning_rate": "tensorflow.compat.v1.train.Optimizer._learning_rate_tensor/_lr_t",
+    "hyperparameters": "tensorflow.compat.v1.train optimizers' _momentum/_beta1/...",
     "eager_tensor": "tensorflow.python.framework.ops.EagerTensor",
     "concrete_call":
         "tensorflow.python.eager.polymorphic_function.concrete_function.ConcreteFunction._call_flat",

@@ -182,9 +182,11 @@ def test_a_large_frozen_variable_is_not_in_the_rollback_snapshot():
     feeds = hostavg.split(model.feed(batches(3, 1, BATCH)[0]), 10)
     trainer.step(sess, feeds)
     snapshot, *computes, apply = sess.fetched
-    # The apply fetches the global step, the learning rate and whether each variable it wrote
-    # is finite (check_applied).
-    assert len(snapshot) == 2 and len(computes) == 4 and len(apply) == 3
+    # The apply fetches the global step, the learning rate, whether each variable it wrote
+    # is finite (check_applied) and, the first apply, the magnitudes of the weights and
+    # slots that the host-side proof of the next applies starts from.
+    assert len(snapshot) == 2 and len(computes) == 4 and len(apply) == 4
+    assert "hostavg_magnitudes" in apply[2]
     read = {model.graph.get_tensor_by_name(name).op.inputs[0].op.inputs[0].op.name
             for name in snapshot}  # Identity <- ReadVariableOp <- the variable's handle
     assert read == {"ema", "forward_passes"}

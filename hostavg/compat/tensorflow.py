@@ -9,7 +9,8 @@ exists and behaves, and else its public fallback (always with
 ``HOSTAVG_PUBLIC_API_ONLY=1``; see :mod:`hostavg.compat`). Detection runs no
 session and no eager op, so it initialises no device. The wrappers:
 :func:`session_call`, :func:`input_types`, :func:`is_ref_dtype`,
-:func:`learning_rate`, :func:`eager_tensor` and :func:`concrete_call`.
+:func:`learning_rate`, :func:`hyperparameters`, :func:`eager_tensor` and
+:func:`concrete_call`.
 
 See docs/explanation/ownership.md for each wrapper's private API, its
 fallback and how they differ.
@@ -28,7 +29,8 @@ import numpy as np
 from hostavg.compat import choose
 
 __all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "finite_flags", "first_line",
-           "import_tensorflow", "input_types", "is_ref_dtype", "learning_rate", "rows_fed",
+           "hyperparameters", "import_tensorflow", "input_types", "is_ref_dtype",
+           "learning_rate", "rows_fed",
            "rows_of", "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
@@ -296,6 +298,43 @@ def _learning_rate_works() -> bool:
 
 learning_rate = choose("tensorflow.compat.v1.train.Optimizer._learning_rate_tensor/_lr_t",
                        _learning_rate_private, _learning_rate_public, _learning_rate_works)
+
+
+#: The hyper-parameters of the TF1 optimizers whose update hostavg can bound
+#: (:mod:`hostavg.tf1.bounds`), by class name: name -> the attribute holding it.
+HYPERPARAMETERS = {"GradientDescentOptimizer": {},
+                   "MomentumOptimizer": {"momentum": "_momentum", "nesterov": "_use_nesterov"},
+                   "AdamOptimizer": {"beta1": "_beta1", "beta2": "_beta2", "epsilon": "_epsilon"}}
+
+
+def _hyperparameters_private(optimizer) -> dict | None:
+    """name -> value (a number, or a tensor) of each hyper-parameter of ``optimizer`` besides
+    its learning rate, read from its attributes, where it is one of :data:`HYPERPARAMETERS`
+    exactly (not a subclass, which may change the update); else None."""
+    names = HYPERPARAMETERS.get(type(optimizer).__name__)
+    if names is None or type(optimizer) is not getattr(tf.compat.v1.train,
+                                                       type(optimizer).__name__):
+        return None
+    return {name: getattr(optimizer, attr) for name, attr in names.items()}
+
+
+def _hyperparameters_public(optimizer) -> None:
+    """None: TF1's optimizers keep their hyper-parameters in private attributes only, so the
+    host cannot bound their update (every apply is checked on the device)."""
+    return None
+
+
+def _hyperparameters_works() -> bool:
+    train = tf.compat.v1.train
+    momentum = _hyperparameters_private(train.MomentumOptimizer(0.5, 0.25, use_nesterov=True))
+    adam = _hyperparameters_private(train.AdamOptimizer(0.5, 0.125, 0.0625, 0.03125))
+    return momentum == {"momentum": 0.25, "nesterov": True} and adam == {
+        "beta1": 0.125, "beta2": 0.0625, "epsilon": 0.03125}
+
+
+hyperparameters = choose("tensorflow.compat.v1.train optimizers' _momentum/_beta1/...",
+                         _hyperparameters_private, _hyperparameters_public,
+                         _hyperparameters_works)
 _probe_graph.cache_clear()
 
 

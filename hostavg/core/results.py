@@ -195,17 +195,17 @@ class StepResult:
       info: what hooks reported, by key (e.g. norms before clipping).
       update_ratios, weight_norms: name -> |w_after - w_before| / |w_before| (about 1e-3 is
         usual, 0: it did not move) and |w_before| of each trained variable, measured in the
-        apply's own call (update_ratios_every); None until applied, or where not measured.
+        apply's own call (update_ratios_every); else None.
       learning_rate: the optimizer's learning rate at this apply (a schedule's
         value), or None where the optimizer exposes none, or before the apply.
-      fetched: each micro-batch's :attr:`MicroBatch.fetched`, in order (this
-        rank's, with ``comm``): ``fetched[i][j]`` is fetch j of micro-batch i.
+      fetched: each micro-batch's :attr:`MicroBatch.fetched` (this rank's): ``fetched[i][j]``.
       distributions: ``"gradient"``, ``"weight"``, ``"update"`` -> variable -> nine
         percentiles (:mod:`hostavg.core.distributions`) where kept (distributions_every).
-      statistics: name -> value of each user statistic (``Trainer(statistics=...)``),
-        read-only; empty in what ``on_step`` hooks see.
+      statistics: name -> each user statistic (``Trainer(statistics=...)``), read-only (empty in on_step).
       weights, updates: name -> each variable after the apply and after minus before
         (read-only), where ``distributions`` were kept, else None; kept by no History.
+      proven: whether the host proved this apply finite, so that it ran unchecked, keeping
+        nothing to undo with (``check_applied``; docs: performance, "Proven applies").
     """
 
     loss: float | None
@@ -224,6 +224,7 @@ class StepResult:
     weights: Mapping | None = field(default=None, repr=False, compare=False)
     updates: Mapping | None = field(default=None, repr=False, compare=False)
     weight_norms: dict | None = None
+    proven: bool = False
 
     @property
     def dropped(self) -> tuple:

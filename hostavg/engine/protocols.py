@@ -8,11 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from hostavg.core.accumulator import Reducer
+from hostavg.core.bounds import UpdateBound
 from hostavg.core.check import RandomOp
 from hostavg.core.gradients import VariableSpec
 from hostavg.core.stats import update_ratio
 
 __all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "ApplyRequest", "Applied", "Average", "Backend",
+           "Bounded",
            "Computed", "HostAverage", "NotVectorized", "SampleStats", "SampleSums", "Tally",
            "Vectorized"]
 
@@ -58,10 +60,17 @@ class ApplyRequest(NamedTuple):
       ratios: the update-to-weight ratios (``Applied.update_ratios``).
       values: the weights after the apply and the updates (``Applied.weights``,
         ``Applied.updates``).
+      proven: the engine proved on the host that this apply leaves every weight and slot
+        finite (:mod:`hostavg.engine.proof`): a backend that checks its applies runs this one
+        unchecked, keeping nothing to undo with.
+      magnitudes: a checked apply measures, after it, the largest magnitude of each variable
+        its :meth:`Bounded.update_bound` names (``Applied.magnitudes``).
     """
 
     ratios: bool = False
     values: bool = False
+    proven: bool = False
+    magnitudes: bool = False
 
 
 class Applied(NamedTuple):
@@ -88,6 +97,10 @@ class Applied(NamedTuple):
         made not to check.
       weight_norms: name -> |w_before| of each trained variable (L2, read in the same
         call), where the ratios were; else None.
+      magnitudes: name (of :meth:`Backend.variables`) -> the largest magnitude of its
+        entries after the apply, of each variable of the backend's
+        :meth:`Bounded.update_bound`, where the apply was asked (``ApplyRequest.magnitudes``)
+        and could measure them; else None.
     """
 
     global_step: int
@@ -98,6 +111,7 @@ class Applied(NamedTuple):
     updates: dict | None = None
     nonfinite: tuple = ()
     weight_norms: dict | None = None
+    magnitudes: dict | None = None
 
     @classmethod
     def of(cls, names: Sequence[str], global_step: int, learning_rate: float | None,
@@ -174,6 +188,19 @@ class Vectorized(Protocol):
     def sample_dots(self, feed, mean: Mapping) -> Any:
         """(n,) float64: g_i . ``mean`` for each sample (``mean``: name -> float64 array of
         each trained variable's shape)."""
+
+
+class Bounded(Protocol):
+    """What a backend may add so that the engine can prove an apply finite on the host and run
+    it without the device-side check (:mod:`hostavg.engine.proof`); a backend whose applies
+    check measures, in an apply asked to (``ApplyRequest.magnitudes``), the variables it
+    names, and runs one asked ``proven`` unchecked."""
+
+    def update_bound(self) -> UpdateBound | None:
+        """The optimizer's update rule and the variables it reads and writes
+        (:class:`~hostavg.core.bounds.UpdateBound`), or None where applies are not checked or
+        the optimizer's update is not one of :mod:`hostavg.core.bounds`' rules (then every
+        apply is checked on the device)."""
 
 
 class Backend(Protocol):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
@@ -38,7 +39,7 @@ from hostavg.core.dtypes import accumulation_dtype
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, positive_int,
                                  within_step)
 from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
-                                    freeze, nonfinite_entries)
+                                    freeze, nonfinite_entries, squared_norm)
 from hostavg.core.gradients import squared_norms as _sq_norms
 from hostavg.core.results import Drop, MicroBatch, Search, StepResult
 from hostavg.core.schema import UserStatistics
@@ -49,6 +50,7 @@ from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
 from hostavg.engine.overlap import Ahead, worker
+from hostavg.engine.proof import Proof
 from hostavg.engine.products import Operator, StepBatch, measured
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
 from hostavg.engine.signals import hold, region
@@ -116,8 +118,25 @@ class Engine:
                      for s in spec.values())
         self._overflow_hint = CAST_HINT if widest else OVERFLOW_HINT
         self._busy = threading.Lock()
+        # target -> its Proof (None: its backend proves nothing), kept as long as the target.
+        self._proofs = weakref.WeakKeyDictionary()
         self.overlap = flag("overlap", overlap)
         self._worker = None  # made on the first overlapped step
+
+    def proof_of(self, backend: Backend) -> Proof | None:
+        """The :class:`~hostavg.engine.proof.Proof` of ``backend``'s target, made on its first
+        apply; None where the backend proves nothing (:class:`Bounded`)."""
+        target = backend.target
+        if target not in self._proofs:
+            bound = getattr(backend, "update_bound", lambda: None)()
+            self._proofs[target] = None if bound is None else Proof(bound, self.spec)
+        return self._proofs[target]
+
+    def forget_bounds(self) -> None:
+        """Forgets what the host knows of the weights' and slots' magnitudes (the variables were
+        set from outside the step: a checkpoint, a broadcast): the next apply is checked on
+        the device and measures them again."""
+        self._proofs.clear()
 
     def _look_up_hooks(self, hooks) -> None:
         """Each step-level hook method looked up once: (hook, bound method) per method."""
@@ -153,8 +172,8 @@ class Engine:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
         (:meth:`Backend.apply_feed`); returns the new global step. An apply the backend found
         non-finite (and undid) raises StepError naming the variables it made so."""
-        applied = backend.apply(self._checked(grads, "apply", "Look at what produced these values."),
-                                feed, ApplyRequest())
+        values, sq = self._checked_norms(grads, "apply", "Look at what produced these values.")
+        applied, _ = _proven_apply(self, backend, values, sq, feed, ApplyRequest())
         if applied.nonfinite:
             raise StepError(f"{undone('apply', applied.nonfinite, 'apply')} Look at what produced "
                             f"these gradients: scale them down, or clip them.")
@@ -229,16 +248,23 @@ class Engine:
         ``mine``: ``grads`` is a mean this engine's accumulator made (conformed and
         frozen already); only a cast from the accumulation dtype remains to check.
         """
+        return self._checked_norms(grads, what, hint, mine, finite)[0]
+
+    def _checked_norms(self, grads: Mapping, what: str, hint: str, mine: bool = False,
+                       finite: bool = True) -> tuple[dict, dict | None]:
+        """:meth:`_checked`'s values, and their squared norms by name (None without
+        ``finite``): what the host-side proof of the apply reads (:mod:`~hostavg.engine.proof`)."""
         if mine and all(np.dtype(v.dtype) == self.spec[n].dtype for n, v in grads.items()):
             values = dict(grads)
         else:
             values = conform(self.spec, grads, what=what, cast=True)
         if not finite:  # the optimizer skips a non-finite update itself
-            return values
+            return values, None
         known = getattr(grads, "sq_norms", {})  # trusted for the values conform kept as they were
-        check_finite(values, what, known={n: q for n, q in known.items() if values[n] is grads[n]},
-                     hint=hint)
-        return values
+        sq = {n: known[n] if n in known and values[n] is grads[n] else squared_norm(v)
+              for n, v in values.items()}
+        check_finite(values, what, known=sq, hint=hint)
+        return values, sq
 
     def _returned(self, grads: Mapping, what: str) -> dict:
         """Gradients a hook returned while a step runs, conformed (:func:`conform`); a StepError
@@ -345,9 +371,10 @@ class Engine:
                 mine = False
         if self.statistics:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
-        checked = self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
+        checked, sq = self._checked_norms(mean, what, hint, mine,
+                                          finite=backend.nonfinite == "refuse")
         return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
-                       *self._measured(backend, batches, result, after))
+                       *self._measured(backend, batches, result, after), sq_norms=sq)
 
     def _measured(self, backend, batches: list, result: StepResult, step: int) -> tuple:
         """Shows the step's own micro-batches to the ``on_step_batch`` hooks, at the step's
@@ -739,6 +766,7 @@ class Pending(NamedTuple):
       measure, measuring: the step's :class:`~hostavg.engine.products.StepBatch`, and the
         hooks that measured on it before the apply (``on_step_batch``), which measure on it
         again after (``on_applied_batch``); None and () where none did.
+      sq_norms: name -> the squared norm of ``mean``'s value, where it was checked finite.
     """
 
     engine: Engine
@@ -750,6 +778,7 @@ class Pending(NamedTuple):
     batches: list
     measure: StepBatch | None = None
     measuring: tuple = ()
+    sq_norms: dict | None = None
 
 
 class Retry(NamedTuple):
@@ -872,9 +901,9 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                 for hook, wants in engine._ratio_hooks)
     kept_distributions = bool(seen) and after % seen == 0
     held = frozen.held(backend, frozen.named(engine._freeze_hooks, after, engine.spec))
-    applied = backend.apply(pending.mean, pending.feed, ApplyRequest(
-        ratios=asked or (bool(every) and after % every == 0),
-        values=kept_distributions or bool(pending.measuring)))
+    applied, proven = _proven_apply(engine, backend, pending.mean, pending.sq_norms, pending.feed,
+                                    ApplyRequest(ratios=asked or (bool(every) and after % every == 0),
+                                                 values=kept_distributions or bool(pending.measuring)))
     if held is not None and not applied.nonfinite:  # (an apply gone non-finite undid itself)
         applied = held.put_back(backend, applied)
     if applied.nonfinite:
@@ -889,11 +918,28 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                    update_ratios=None if applied.skipped else applied.update_ratios,
                    weight_norms=None if applied.skipped else applied.weight_norms,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,
+                   proven=proven,
                    distributions=distributions.of_step(pending.mean, applied.weights,
                                                        applied.updates)
                    if kept and kept_distributions else None,
                    weights=_frozen(applied.weights) if kept else None,
                    updates=_frozen(applied.updates) if kept else None)
+
+
+def _proven_apply(engine: Engine, backend: Backend, mean: dict, sq_norms: dict | None, feed,
+                  request: ApplyRequest) -> tuple:
+    """(what ``backend.apply`` of ``mean`` asked for ``request`` did, whether it ran unchecked
+    since the host proved it finite): proven applies run unchecked, the others checked and
+    measuring the bounds again (:mod:`~hostavg.engine.proof`); the bounds move with every apply
+    that went through. (A backend may check a proven apply all the same, as Keras does one
+    that measures the update ratios: it then measures.)"""
+    proof = engine.proof_of(backend)
+    proven = proof is not None and proof.proves(mean, sq_norms, feed)
+    applied = backend.apply(mean, feed, request._replace(
+        proven=proven, magnitudes=proof is not None and not proven))
+    if proof is not None and not applied.nonfinite and applied.skipped is None:
+        proof.applied(applied.magnitudes)
+    return applied, proven and applied.magnitudes is None
 
 
 def _frozen(values: Mapping) -> Mapping:

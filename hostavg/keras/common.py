@@ -32,6 +32,7 @@ from hostavg.engine.protocols import Applied, ApplyRequest, NotVectorized
 from hostavg.keras import targets
 from hostavg.keras.advice import ADVICE
 from hostavg.keras.batch import leaves
+from hostavg.keras.bounds import update_bound
 from hostavg.keras.train_step import log_value, overrides_train_step
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ApplyOutputs", "CompiledModel", "ModelVariables",
@@ -255,6 +256,7 @@ class CompiledModel(ModelVariables):
         self.spec = None
         self._computes = {}  # input signature -> what _trace_compute made of it
         self._targets = {}  # input signature -> the targets.Target to check in its batches
+        self._bound = None  # (the UpdateBound or None, the variables it measures), once made
 
     def prepare(self, batch, size, what: str) -> tuple:
         """``(the compiled gradient function of the batch's structure, its arrays)``, traced
@@ -341,6 +343,50 @@ class CompiledModel(ModelVariables):
         return {v.path: v.numpy() for v in self.model.trainable_variables
                 if v.path in (self.spec or ())}
 
+    def update_bound(self):
+        """The optimizer's :class:`~hostavg.core.bounds.UpdateBound` (:mod:`hostavg.keras.bounds`)
+        or None (:class:`~hostavg.engine.protocols.Bounded`): None where applies do not check,
+        the model trains by its own train_step or the optimizer scales the loss. The
+        learning rate is read on the host before each apply (a schedule's, at this
+        iteration)."""
+        return self._bounded()[0]
+
+    def _bounded(self) -> tuple:
+        """(:meth:`update_bound`, the variables an apply asked for magnitudes measures, in
+        order: each trained variable's roles), made once the spec is known."""
+        if self._bound is None and self.spec is not None:
+            bound = None
+            if self.check_applied and not self.runs_train_step and self.nonfinite == "refuse":
+                named = self.named_variables()
+                key = {id(v): name for name, v in named.items()}
+                by_path = {v.path: v for v in self.model.trainable_variables}
+                optimizer = self.optimizer
+                bound = update_bound(optimizer, [by_path[n] for n in self.spec], self.spec, key,
+                                     lambda feed: float(np.asarray(optimizer.learning_rate)))
+            measured = [] if bound is None else [
+                named[held[r]] for held in bound.roles.values() for r in ("weight", *bound.rule.roles)]
+            self._bound = (bound, measured)
+        return self._bound or (None, [])
+
+    @staticmethod
+    def traced(request: ApplyRequest) -> ApplyRequest:
+        """The form of ``request`` a compiled apply is traced for (each form compiles once):
+        proven only where it measures nothing (an apply that measures the ratios or keeps the
+        values keeps the weights whole anyway, and is checked); measuring wherever it is
+        checked and an update bound exists (:meth:`_bounded`)."""
+        return ApplyRequest(request.ratios, request.values,
+                            request.proven and not (request.ratios or request.values))
+
+    def _magnitudes(self, found) -> dict | None:
+        """name (of :meth:`variables`) -> the largest magnitude of each variable an apply
+        measured (``found``: one value each, in :meth:`_bounded`'s order), or None where it
+        measured none."""
+        bound = self._bounded()[0]
+        if bound is None or not len(found):
+            return None
+        names = [held[r] for held in bound.roles.values() for r in ("weight", *bound.rule.roles)]
+        return dict(zip(names, np.maximum(np.asarray(found, np.float64), 0.0).tolist()))
+
     def _checks(self, variable) -> bool:
         """Whether an apply checks ``variable`` finite: a float one (bfloat16 too, which NumPy
         counts as kind "V"), where applies check."""
@@ -362,7 +408,8 @@ class CompiledModel(ModelVariables):
                 f"the LossScaleOptimizer skipped the step: the gradients were not finite at "
                 f"loss scale {out.scales[0]:g}, which it lowered to {out.scales[1]:g}"))
         return Applied.of(list(self.spec), out.after, out.learning_rate, request, out.squares,
-                          out.weights, out.updates)
+                          out.weights, out.updates)._replace(
+                              magnitudes=self._magnitudes(out.magnitudes))
 
     def _took(self, names, values) -> None:
         """What a compute returned besides its gradients: the logs ``names`` (none here)."""
@@ -404,6 +451,8 @@ class ApplyOutputs(NamedTuple):
         in the spec's order (empty unless ``ApplyRequest.values``).
       finite: whether each variable the apply checks is finite after the update (empty
         unless applies check).
+      magnitudes: the largest magnitude of each variable :meth:`CompiledModel._bounded`
+        measures, after the update (empty unless ``ApplyRequest.magnitudes``).
     """
 
     before: int
@@ -414,6 +463,7 @@ class ApplyOutputs(NamedTuple):
     weights: list
     updates: list
     finite: np.ndarray
+    magnitudes: np.ndarray = np.zeros(0)
 
 
 def _explained(error: ArgumentError, model, batch: tuple, what: str) -> ArgumentError:

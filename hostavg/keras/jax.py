@@ -165,9 +165,10 @@ class KerasJaxBackend(CompiledModel):
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
         the apply used and what ``request`` asks for, all from that one compiled call
         (measuring the ratios reduces two norms per variable)."""
-        function = self._applies.get(request)
+        traced = self.traced(request)
+        function = self._applies.get(traced)
         if function is None:
-            function = self._applies[request] = self._application(request)
+            function = self._applies[traced] = self._application(traced)
         trained = [self.model.trainable_variables[i] for i in self._kept]
         grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
         before = self.global_step()
@@ -183,7 +184,7 @@ class KerasJaxBackend(CompiledModel):
         return self._report(ApplyOutputs(
             before, self.global_step(), float(out.learning_rate), np.asarray(out.squares),
             tuple(np.asarray(out.scales).tolist()), weights, [np.asarray(u) for u in out.updates],
-            np.asarray(out.finite)), request, trained)
+            np.asarray(out.finite), np.asarray(out.magnitudes)), request, trained)
 
     def global_step(self) -> int:
         return int(self.optimizer.iterations.value)
@@ -442,8 +443,13 @@ class KerasJaxBackend(CompiledModel):
         come back as the new ones."""
         trained = [self.model.trainable_variables[i] for i in self._kept]
         optimizer, scales = self.optimizer, self._scales
-        checks = [self._checks(v) for v in trained + list(optimizer.variables)]
+        # Nothing checked where the host proved the apply finite (request.proven).
+        checks = [self._checks(v) and not request.proven
+                  for v in trained + list(optimizer.variables)]
         loss_scaling = self.nonfinite == "optimizer"  # a LossScaleOptimizer
+        position = {id(v): i for i, v in enumerate(trained + list(optimizer.variables))}
+        measured = [position[id(v)] for v in self._bounded()[1]] \
+            if any(checks) else []  # (every checked apply measures)
 
         def apply(values, slots, grads):
             mapping = list(zip(trained, values)) + list(zip(optimizer.variables, slots))
@@ -469,10 +475,14 @@ class KerasJaxBackend(CompiledModel):
             updates = [a - b for a, b in zip(new, values)] if request.values else []
             finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a, check
                                 in zip([*new, *new_slots], checks) if check] or [jnp.bool_(True)])
-            new, new_slots = jax.lax.cond(jnp.all(finite), lambda: (new, new_slots),
-                                          lambda: (list(values), list(slots)))
+            if any(checks):
+                new, new_slots = jax.lax.cond(jnp.all(finite), lambda: (new, new_slots),
+                                              lambda: (list(values), list(slots)))
+            both = [*new, *new_slots]
+            magnitudes = jnp.stack([jnp.max(jnp.abs(both[i]), initial=0).astype(_WIDE)
+                                    for i in measured]) if measured else jnp.zeros(0, _WIDE)
             return _Stateless(new, new_slots, lr, squares, jnp.stack([scale, after]), updates,
-                              finite[:sum(checks)])
+                              finite[:sum(checks)], magnitudes)
 
         return jax.jit(apply, donate_argnums=(0, 1))
 
@@ -576,6 +586,7 @@ class _Stateless(NamedTuple):
       scales: the loss scale before and after.
       updates: each trained variable's update (or empty).
       finite: whether each checked variable is finite after the update.
+      magnitudes: the largest magnitude of each variable measured (or empty).
     """
 
     new: list
@@ -585,6 +596,7 @@ class _Stateless(NamedTuple):
     scales: Any
     updates: list
     finite: Any
+    magnitudes: Any
 
 
 def _with_kept(trainable: list, kept: list, kept_values: list) -> list:

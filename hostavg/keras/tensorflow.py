@@ -238,6 +238,7 @@ class KerasBackend(CompiledModel):
                 args += [eager_tensor(indices, np.int64), eager_tensor(values, s.dtype)]
             else:
                 args.append(eager_tensor(value, s.dtype))
+        request = self.traced(request)
         if request not in self._applies:
             self._applies[request] = self._trace(self._application(request), self._apply_specs(),
                                                  "apply", jit_compile=self._apply_jit)
@@ -394,12 +395,15 @@ class KerasBackend(CompiledModel):
         request that measures keeps the weights whole."""
         spec, variables, optimizer = list(self.spec.values()), self._trained, self.optimizer
         scales = self._scales
-        # What an apply checks and undoes (check_applied): the weights and the optimizer's state.
-        held = variables + list(optimizer.variables) if self.check_applied else variables
-        checked = [i for i, v in enumerate(held) if self._checks(v)]
-        rows = self._rows_written(held) if self.check_applied else [None] * len(held)
+        # What an apply checks and undoes (check_applied): the weights and the optimizer's
+        # state; nothing where the host proved it finite (request.proven).
+        checks = self.check_applied and not request.proven
+        held = variables + list(optimizer.variables) if checks else variables
+        checked = [i for i, v in enumerate(held) if checks and self._checks(v)]
+        rows = self._rows_written(held) if checks else [None] * len(held)
         if request.ratios or request.values:
             rows[:len(variables)] = [None] * len(variables)
+        measured = self._bounded()[1] if checks else []  # (every checked apply measures)
 
         def apply(*flat):
             grads = _gradients(spec, flat)
@@ -420,9 +424,13 @@ class KerasBackend(CompiledModel):
                                    + [_sum_squares(b) for b in before[:len(variables)]])
             after = [tf.identity(v.value) for v in variables] if request.values else []
             finite = _undo_if_nonfinite(held, checked, before, at)
+            with tf.control_dependencies([finite]):  # (after the update, or its undoing)
+                magnitudes = tf.stack([tf.cast(x, tf.float64) for v in measured
+                                       for x in (tf.reduce_max(v.value), -tf.reduce_min(v.value))]) \
+                    if measured else tf.zeros(0, tf.float64)
             return ApplyOutputs(step, tf.convert_to_tensor(optimizer.iterations), lr, squares,
                                 (scale, _scale(optimizer) if scales else scale), after,
-                                [a - b for a, b in zip(after, before)], finite)
+                                [a - b for a, b in zip(after, before)], finite, magnitudes)
         return apply
 
     def _rows_written(self, held: list) -> list:
@@ -540,7 +548,13 @@ def _on_host(out: ApplyOutputs) -> ApplyOutputs:
     return ApplyOutputs(int(out.before), int(out.after), float(out.learning_rate),
                         np.asarray(out.squares), tuple(float(s) for s in out.scales),
                         [np.asarray(w) for w in out.weights], [np.asarray(u) for u in out.updates],
-                        np.asarray(out.finite))
+                        np.asarray(out.finite), _largest(np.asarray(out.magnitudes)))
+
+
+def _largest(ends: np.ndarray) -> np.ndarray:
+    """The largest magnitude of each variable from its largest and minus its smallest entry
+    (two reductions on the device, no copy of the variable)."""
+    return np.maximum(ends[0::2], ends[1::2])
 
 
 def _gradient_outputs(grads, scale) -> tuple:

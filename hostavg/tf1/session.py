@@ -189,6 +189,11 @@ class SessionBackend:
         variables = self._globals(values)
         load_variables(self.session, variables, [values[v.op.name] for v in variables])
 
+    def update_bound(self):
+        """The optimizer's :class:`~hostavg.core.bounds.UpdateBound` (:mod:`hostavg.tf1.bounds`),
+        or None: :class:`~hostavg.engine.protocols.Bounded`."""
+        return self.wiring.update_bound
+
     def state_of(self, names) -> dict:
         """Each trained variable of ``names`` and its slots (the optimizer's ``get_slot``)."""
         return {name: (name, *(s.op.name for s in self.wiring.slots[name])) for name in names}

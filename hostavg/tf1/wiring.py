@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import first_line, learning_rate
+from hostavg.compat.tensorflow import first_line, is_ref_dtype, learning_rate
+from hostavg.tf1.bounds import update_bound
 from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
@@ -76,24 +77,39 @@ class Wiring:
             self.assigned = assigned_variables(self.graph, self._fetches)
             self._assigned_values = [value_now(v) for v in self.assigned]
             self._apply_feeds = _apply_feeds(self._grads)
+            step = self.global_step if increment_global_step else None
             self.train_op, measured_train_op, before = _train_ops(
-                optimizer, pairs, self.global_step if increment_global_step else None,
-                measured=not check_applied)
+                optimizer, pairs, step, measured=not check_applied)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
             self.slots = {name: tuple(s for s in (optimizer.get_slot(v, slot) for slot in
                                                   optimizer.get_slot_names()) if s is not None)
                           for name, v in zip(self.names, self.trained)}
+            self.learning_rate = learning_rate(optimizer, self.graph,
+                                               ops_run([self.train_op], self._apply_feeds))
+            self.update_bound = None  # what the host-side proof of an apply reads
+            if check_applied:
+                slots = {name: {slot: s.op.name for slot in optimizer.get_slot_names()
+                                if (s := optimizer.get_slot(v, slot)) is not None}
+                         for name, v in zip(self.names, self.trained)}
+                self.update_bound = update_bound(optimizer, self.learning_rate,
+                                                 self.apply_inputs, self.spec, slots)
             self._checked = []  # the variables an apply checks finite (check_applied), in order
             checked_op = None
             if check_applied:
                 measured, checked_op = _checked_train_ops(
-                    optimizer, pairs, self.global_step if increment_global_step else None,
-                    self.train_op, self._apply_feeds)
+                    optimizer, pairs, step, self.train_op, self._apply_feeds)
                 self._checked, measured_train_op, before = measured
-            self._apply_fetches, self.learning_rate = _apply_fetches(
-                optimizer, self.global_step, self.train_op, measured_train_op, pairs, before,
-                self._apply_feeds, checked_op)
+            self._apply_fetches = _apply_fetches(self.global_step, self.train_op,
+                                                 measured_train_op, pairs, before,
+                                                 self.learning_rate, checked_op)
+            if self.update_bound is not None:  # the proven applies run the train ops unchecked
+                unchecked, unchecked_before = _measured_op(optimizer, pairs, step)
+                self._apply_fetches = self._apply_fetches._replace(
+                    proven=_apply_fetches(self.global_step, self.train_op, unchecked, pairs,
+                                          unchecked_before, self.learning_rate, None),
+                    measuring=self._apply_fetches.measuring_too(
+                        checked_op, measured_train_op, self._measured_variables()))
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -240,19 +256,37 @@ class Wiring:
             else:
                 args.append(value)
         keys = tuple(self.apply_inputs[name] for name in feed) + self._apply_feeds
-        out = self._callables.get(sess, self._apply_fetches.of(request), keys)(*args)
-        if self._checked:
+        fetches, kind = self._apply_fetches.of(request)
+        out = self._callables.get(sess, fetches, keys)(*args)
+        if self._checked and kind != "proven":
             *out, finite = out
             nonfinite = tuple(v.op.name for v, ok in zip(self._checked, finite) if not ok)
             if nonfinite:
                 return Applied(int(out[0]), nonfinite=nonfinite)
+        magnitudes = None
+        if kind == "magnitudes":
+            *out, found = out
+            largest = np.maximum(np.maximum(found[0::2], found[1::2]), 0.0)  # max |x|; 0 if empty
+            magnitudes = dict(zip(self._measured_names(), largest.tolist()))
         weights = updates = ()
         if request.values:
             k = len(self.names)
             out, weights, updates = out[:-2 * k], out[-2 * k:-k], out[-k:]
         return Applied.of(self.names, int(out[0]),
                           None if self.learning_rate is None else float(out[1]), request,
-                          out[-1] if request.ratios else (), weights, updates)
+                          out[-1] if request.ratios else (), weights, updates)._replace(
+                              magnitudes=magnitudes)
+
+    def _measured_names(self) -> list:
+        """The names of the variables an apply asked for magnitudes measures, in order: each
+        trained variable's roles of :attr:`update_bound`."""
+        return [held[role] for held in self.update_bound.roles.values()
+                for role in ("weight", *self.update_bound.rule.roles)]
+
+    def _measured_variables(self) -> list:
+        """The variables of :meth:`_measured_names`, in its order."""
+        by_name = {v.op.name: v for v in self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
+        return [by_name[name] for name in self._measured_names()]
 
 
 def _gradient_pairs(optimizer, loss, var_list) -> list:
@@ -339,19 +373,25 @@ def _train_ops(optimizer, pairs: list, global_step, measured: bool = True) -> tu
     whole embedding table), so the plain train op, which reads nothing
     first, serves the applies that do not measure.
     """
-    variables = [v for _, v in pairs]
-    densify = _densifies_sparse(optimizer)
-    train_op = optimizer.apply_gradients(_applied(pairs, densify), global_step=global_step)
+    train_op = optimizer.apply_gradients(_applied(pairs, _densifies_sparse(optimizer)),
+                                         global_step=global_step)
     if not measured:
         return train_op, None, None
+    return (train_op, *_measured_op(optimizer, pairs, global_step))
+
+
+def _measured_op(optimizer, pairs: list, global_step) -> tuple:
+    """``(measured_train_op, before)``: an apply op of ``optimizer`` (its slots) that runs once
+    ``before``, the trained variables' values, are read (:func:`_train_ops`)."""
+    variables = [v for _, v in pairs]
     with tf.name_scope("hostavg_update_ratios"):
         before = [value_now(v) for v in variables]
     with tf.control_dependencies(before):
         fed = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
                if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g, _ in pairs]
-    measured_train_op = optimizer.apply_gradients(_applied(zip(fed, variables), densify),
-                                                  global_step=global_step)
-    return train_op, measured_train_op, before
+    measured_train_op = optimizer.apply_gradients(
+        _applied(zip(fed, variables), _densifies_sparse(optimizer)), global_step=global_step)
+    return measured_train_op, before
 
 
 def _checked_train_ops(optimizer, pairs: list, global_step, train_op, apply_feeds: tuple
@@ -380,25 +420,48 @@ class ApplyFetches(NamedTuple):
       ratios: those, then the squared norms of each update and of each weight
         before it, as one vector.
       values: those of ``ratios``, then each weight after it and each update.
+      proven: where the host may prove applies finite (:mod:`hostavg.engine.proof`), the
+        same three of the unchecked train ops; else None.
+      measuring: there, the same three of the checked ones, each measuring after it the
+        largest magnitude of every variable the proof bounds (before the checked op).
 
-    Where applies check, each ends with the checked train op (its output: whether
-    each checked variable is finite).
+    Where applies check, each of the first three ends with the checked train op (its
+    output: whether each checked variable is finite).
     """
 
     plain: list
     ratios: list
     values: list
+    proven: ApplyFetches | None = None
+    measuring: ApplyFetches | None = None
 
-    def of(self, request: ApplyRequest) -> list:
-        """The fetches of an apply asked for ``request``."""
-        return self.values if request.values else self.ratios if request.ratios else self.plain
+    def of(self, request: ApplyRequest) -> tuple[list, str]:
+        """(the fetches, which) of an apply asked for ``request``: which is "proven" (the
+        unchecked ones), "magnitudes" (checked, then measuring) or "checked" (or, where
+        applies do not check, the plain ones)."""
+        if request.proven and self.proven is not None:
+            return self.proven.of(ApplyRequest(request.ratios, request.values))[0], "proven"
+        if request.magnitudes and self.measuring is not None:
+            return self.measuring.of(ApplyRequest(request.ratios, request.values))[0], \
+                "magnitudes"
+        return (self.values if request.values else self.ratios if request.ratios
+                else self.plain), "checked"
+
+    def measuring_too(self, checked_op, measured_train_op, variables: list) -> ApplyFetches:
+        """These fetches, each with the magnitudes of ``variables`` after its checked op
+        (``checked_op``, or ``measured_train_op`` for the ratios and values), before it."""
+        plain = _magnitudes(checked_op, variables)
+        measured = plain if measured_train_op is checked_op else \
+            _magnitudes(measured_train_op, variables)
+        return ApplyFetches(self.plain[:-1] + [plain, self.plain[-1]],
+                            self.ratios[:-1] + [measured, self.ratios[-1]],
+                            self.values[:-1] + [measured, self.values[-1]])
 
 
-def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: list,
-                   before: list, apply_feeds: tuple, checked_op
-                   ) -> tuple[ApplyFetches, tf.Tensor | None]:
-    """What an apply fetches, and the optimizer's learning-rate tensor (None where none is
-    found). With ``checked_op`` (the checked train op that keeps rows where it can,
+def _apply_fetches(global_step, train_op, measured_train_op, pairs: list, before: list, rate,
+                   checked_op) -> ApplyFetches:
+    """What an apply fetches (``rate``: the optimizer's learning-rate tensor, or None). With
+    ``checked_op`` (the checked train op that keeps rows where it can,
     :func:`_checked_train_ops`), ``measured_train_op`` is the checked one that keeps the
     weights whole and serves the applies that measure, and ``checked_op`` the plain one;
     either is fetched last. Else the plain apply runs the train op, which reads no weight
@@ -409,7 +472,6 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
             after = [value_now(v) for _, v in pairs]
             updates = [a - b for a, b in zip(after, before)]
         squares = [_update_squares(after, before)]
-    rate = learning_rate(optimizer, train_op.graph, ops_run([train_op], apply_feeds))
     # (An identity: a learning-rate placeholder is fed to the apply, and a fed tensor
     # cannot be fetched.)
     lr = [] if rate is None else [tf.identity(rate)]
@@ -417,11 +479,24 @@ def _apply_fetches(optimizer, global_step, train_op, measured_train_op, pairs: l
     if checked_op is None:
         with tf.control_dependencies([train_op]):
             step_after = global_step.read_value()
-        return ApplyFetches([step_after] + lr, ratios, ratios + after + updates), rate
+        return ApplyFetches([step_after] + lr, ratios, ratios + after + updates)
     with tf.control_dependencies([checked_op]):
         step_after = global_step.read_value()
     return ApplyFetches([step_after] + lr + [checked_op], ratios + [measured_train_op],
-                        ratios + after + updates + [measured_train_op]), rate
+                        ratios + after + updates + [measured_train_op])
+
+
+def _magnitudes(op, variables: list):
+    """Once ``op`` ran: the largest and minus the smallest entry of each of ``variables``, one
+    float64 vector (two reductions each, no copy; a reference variable's read kept in order
+    as :mod:`hostavg.tf1.checked` keeps it)."""
+    with tf.control_dependencies([op]), tf.name_scope("hostavg_magnitudes"):
+        ends = []
+        for v in variables:
+            value = tf.abs(v.read_value()) if is_ref_dtype(v.dtype) else v.read_value()
+            ends += [tf.cast(tf.reduce_max(value), tf.float64),
+                     tf.cast(-tf.reduce_min(value), tf.float64)]
+        return tf.stack(ends)
 
 
 def _update_squares(after: list, before: list):

@@ -642,13 +642,22 @@ class BaseTrainer:
     def _fit(self, backend: Backend, source: BatchSource, validation: Validation | None,
              arguments: FitArguments) -> History:
         """fit over the face's ``source``, evaluating ``validation`` where due."""
+        self._forget_bounds()  # the weights may have been set since the last step
         return fit_loop(TrainerRun(self, backend), source, validation, arguments)
 
     def _save(self, backend: Backend, path, fit: dict | None = None) -> None:
         checkpoint.save(backend, path, fit=fit)
 
     def _restore(self, backend: Backend, path) -> dict | None:
-        return checkpoint.restore(backend, path)
+        fit = checkpoint.restore(backend, path)
+        self._forget_bounds()
+        return fit
+
+    def _forget_bounds(self) -> None:
+        """The next apply is checked on the device and measures the weights and slots again
+        (:meth:`Engine.forget_bounds`): they were set from outside a step."""
+        if self._engine is not None:
+            self._engine.forget_bounds()
 
     # --- What fit asks a face between steps (a face with training metrics overrides them) --
 

@@ -1,0 +1,93 @@
+"""Whether an apply can skip the device-side check: the host-side proof that it stays finite
+(:mod:`hostavg.core.bounds`), and the bounds it carries from apply to apply.
+
+A :class:`Proof` serves one target (a session, a model). Its bounds come from a checked
+apply that measured what it wrote (``ApplyRequest.magnitudes``): the largest magnitude of
+every weight and slot after it. Each apply the rule proves finite is run unchecked (nothing
+kept, nothing read: ``ApplyRequest.proven``), and the bounds advance by the rule; the
+others are checked on the device, and measure again. Every :data:`EVERY` proven applies one
+is checked and measures, so a value written outside the trainer (an assign between steps)
+is seen within that many steps; a restore from a checkpoint forgets the bounds at once
+(:meth:`Engine.forget_bounds`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from hostavg.core.bounds import UpdateBound, sparse_factor
+from hostavg.core.gradients import SparseGradient, VariableSpec
+
+__all__ = ["EVERY", "Proof"]
+
+#: Proven applies between two checked ones that measure again.
+EVERY = 100
+
+
+class Proof:
+    """The bounds of one target's weights and slots, and whether the next apply is proven.
+
+    Args:
+      bound: the backend's :class:`~hostavg.core.bounds.UpdateBound`.
+      spec: the trained variables' specs; each must be in ``bound.roles``.
+      every: proven applies between two that measure.
+    """
+
+    def __init__(self, bound: UpdateBound, spec: Mapping[str, VariableSpec], every: int = EVERY):
+        self.bound, self.every = bound, every
+        self.names = list(spec)
+        self.roles = ("weight", *bound.rule.roles)
+        info = [ml_dtypes.finfo(spec[n].dtype) for n in self.names]
+        self.eps = np.array([float(f.eps) for f in info])
+        self.limit = np.array([float(f.max) / 4 for f in info])
+        self.bounds: dict | None = None
+        self.since = 0  # proven applies since the bounds were measured
+        self._pending: dict | None = None
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the next apply must be checked and measure: the bounds are unknown, or
+        :attr:`every` applies old."""
+        return self.bounds is None or self.since >= self.every
+
+    def proves(self, mean: Mapping, sq_norms: Mapping[str, float] | None, feed: Mapping) -> bool:
+        """Whether the apply of ``mean`` (name -> array or SparseGradient; ``sq_norms`` its
+        squared norms), fed ``feed``, is proven to leave every weight and slot finite; where it
+        is, the bounds after it wait for :meth:`applied`."""
+        self._pending = None
+        if self.measuring or sq_norms is None:
+            return False
+        lr = self.bound.learning_rate(feed)
+        if lr is None or not math.isfinite(lr):
+            return False
+        g = np.array([math.sqrt(sq_norms[n]) * (sparse_factor(len(mean[n].indices))
+                                                 if isinstance(mean[n], SparseGradient) else 1.0)
+                      for n in self.names])
+        with np.errstate(over="ignore", invalid="ignore"):
+            new, formed = self.bound.rule.advance(self.bounds, g, lr, self.eps)
+            ok = all(bool(np.all(x <= self.limit)) for x in (g, *new.values(), *formed))
+        if ok:
+            self._pending = new
+        return ok
+
+    def applied(self, magnitudes: Mapping[str, float] | None) -> None:
+        """After an apply went through: the bounds become its ``magnitudes`` (name in
+        :meth:`Backend.variables` -> largest magnitude, where it measured: a checked apply, or
+        a proven one that its backend checked after all), else those
+        :meth:`proves` found (each no lower than before: a value put back from before the
+        apply, as a frozen variable's, stays within them); an apply neither proven nor
+        measured leaves them unknown."""
+        if magnitudes is not None:
+            self.bounds = {r: np.array([float(magnitudes[self.bound.roles[n][r]])
+                                        for n in self.names]) for r in self.roles}
+            self.since = 0
+        elif self._pending is not None:
+            self.bounds = {r: np.maximum(self.bounds[r], self._pending[r]) for r in self.roles}
+            self.since += 1
+        else:
+            self.bounds = None
+        self._pending = None
