@@ -13,20 +13,21 @@ overflow, and with finite inputs IEEE arithmetic makes NaN only of Inf, 0/0 or t
 root of a negative number, which these formulas cannot form (Adam's denominator is at least
 its epsilon, its second moment a sum of non-negative terms): nothing needs keeping.
 
-Each rule's :meth:`advance` maps the bounds of one step (role -> an array over the trained
-variables, float64) to those after it, and the intermediates to check: exact magnitudes (the
-triangle inequality), each widened by :data:`ROUNDING` epsilons of the dtype times the sum
-of the magnitudes its formula adds (its few operations' rounding, cancellation included).
+Each rule's :meth:`advance` maps the bounds of one step (role -> the largest magnitude over
+every trained variable, a float) to those after it, and the intermediates to check: exact
+magnitudes (the triangle inequality), each widened by :data:`ROUNDING` epsilons of the dtype
+times the sum of the magnitudes its formula adds (its operations' rounding, cancellation too).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Adam", "ROUNDING", "SGD", "UpdateBound", "sparse_factor"]
+__all__ = ["Adam", "ROUNDING", "SGD", "UpdateBound", "epsilon_in", "sparse_factor"]
 
 #: The widening of each bound per step, in units of its dtype's epsilon: the update's
 #: formulas form each value in at most eight operations.
@@ -62,9 +63,9 @@ class SGD(NamedTuple):
         return ("momentum",) if self.momentum else ()
 
     def advance(self, s: Mapping, g, lr: float, eps) -> tuple[dict, list]:
-        """(the bounds after one update, its intermediates) from ``s`` (role -> bounds), ``g``
-        (the gradient's bounds), ``lr`` and ``eps`` (each variable's dtype's epsilon). Every
-        term here is a magnitude that adds: each bound is its own rounding scale."""
+        """(the bounds after one update, its intermediates) from ``s`` (role -> bound), ``g``
+        (the gradient's), ``lr`` and ``eps`` (the widest epsilon of the variables' dtypes).
+        Every term here is a magnitude that adds: each bound is its own rounding scale."""
         lr = abs(lr)
         w = _decayed(s["weight"], lr, self.weight_decay)
         mu = abs(self.momentum)
@@ -87,14 +88,14 @@ class Adam(NamedTuple):
     ``m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2); w -= alpha m / (sqrt(v) + eps)`` with
     ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)``, at most ``lr / (1 - b1)`` at any step t;
     ``m / (sqrt(v) + eps)`` is at most ``|m| / eps`` since ``sqrt(v) >= 0`` (amsgrad divides
-    by the running maximum of v: the same bound). ``epsilon`` is given per trained variable,
-    as its dtype holds it (1e-8 is 0 in float16: that variable cannot be proven). Roles of
-    the slots: ``"m"``, ``"v"``, and ``"vhat"`` with ``amsgrad``.
+    by the running maximum of v: the same bound). ``epsilon``: the smallest of the trained
+    variables' dtypes hold (1e-8 is 0 in float16: then nothing can be proven). Roles of the
+    slots: ``"m"``, ``"v"``, and ``"vhat"`` with ``amsgrad``.
     """
 
     beta_1: float
     beta_2: float
-    epsilon: np.ndarray
+    epsilon: float
     amsgrad: bool = False
     weight_decay: float = 0.0
 
@@ -112,9 +113,8 @@ class Adam(NamedTuple):
         v = _widened(b2 * s["v"] + (1.0 - b2) * gg, s["v"] + (1.0 - b2) * (gg + s["v"]), eps)
         new = {"m": m, "v": v}
         if self.amsgrad:
-            new["vhat"] = np.maximum(s["vhat"], v)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            step = np.where(self.epsilon > 0, lr / (1.0 - b1) * m / self.epsilon, np.inf)
+            new["vhat"] = max(s["vhat"], v)
+        step = lr / (1.0 - b1) * m / self.epsilon if self.epsilon > 0 else math.inf
         new["weight"] = _widened(w + step, w + step, eps)
         return new, [g + s["m"], gg + s["v"], step]
 
@@ -135,6 +135,12 @@ class UpdateBound(NamedTuple):
     rule: SGD | Adam
     roles: Mapping[str, Mapping[str, str]]
     learning_rate: Callable[[Mapping], float | None]
+
+
+def epsilon_in(epsilon: float, dtypes) -> float:
+    """``epsilon`` as the narrowest of ``dtypes`` holds it: the smallest of its values there
+    (0 where one rounds it to 0)."""
+    return min(float(np.asarray(epsilon, dtype)) for dtype in dtypes)
 
 
 def sparse_factor(rows: int) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import keras
 import numpy as np
 
-from hostavg.core.bounds import SGD, Adam, UpdateBound
+from hostavg.core.bounds import SGD, Adam, UpdateBound, epsilon_in
 from hostavg.core.gradients import VariableSpec
 
 __all__ = ["update_bound"]
@@ -61,7 +61,7 @@ def _rule(optimizer, spec: Mapping[str, VariableSpec]):
                                             optimizer.epsilon))
         if None in (b1, b2, eps, decay) or not (0 <= b1 < 1 and 0 <= b2 <= 1):
             return None
-        return Adam(b1, b2, np.array([float(np.asarray(eps, s.dtype)) for s in spec.values()]),
+        return Adam(b1, b2, epsilon_in(eps, [s.dtype for s in spec.values()]),
                     bool(optimizer.amsgrad), decay)
     return None
 

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import hyperparameters
-from hostavg.core.bounds import SGD, Adam, UpdateBound
+from hostavg.core.bounds import SGD, Adam, UpdateBound, epsilon_in
 from hostavg.core.gradients import VariableSpec
 
 __all__ = ["update_bound"]
@@ -54,7 +54,7 @@ def _rule(optimizer, spec: Mapping[str, VariableSpec]):
         b1, b2, eps = (_number(found[k]) for k in ("beta1", "beta2", "epsilon"))
         if None in (b1, b2, eps) or not (0 <= b1 < 1 and 0 <= b2 <= 1):
             return None
-        return Adam(b1, b2, np.array([float(np.asarray(eps, s.dtype)) for s in spec.values()]))
+        return Adam(b1, b2, epsilon_in(eps, [s.dtype for s in spec.values()]))
     return SGD()
 
 

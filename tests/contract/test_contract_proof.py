@@ -43,10 +43,10 @@ def assert_bounds_hold(face, tmp_path):
     with np.load(path) as stored:
         values = {name[len("var/"):]: stored[name] for name in stored.files
                   if name.startswith("var/")}
-    for i, name in enumerate(proof.names):
+    for name in proof.names:
         for role in proof.roles:
             real = float(np.max(np.abs(values[proof.bound.roles[name][role]]), initial=0))
-            assert real <= proof.bounds[role][i], (name, role, real, proof.bounds[role][i])
+            assert real <= proof.bounds[role], (name, role, real, proof.bounds[role])
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd", "momentum"])
@@ -87,12 +87,11 @@ def test_a_gradient_too_large_to_prove_is_checked_on_the_device_and_measured_aga
     grads = face.compute(face.cut(data[1], SIZES)[0])
     face.apply({name: np.full(np.shape(g), 1e19, np.float32) for name, g in grads.items()})
     assert_bounds_hold(face, tmp_path)
-    assert proof_of(face).bounds["m"].max() > 0.9e18
-    before = {r: b.copy() for r, b in proof_of(face).bounds.items()}
+    assert proof_of(face).bounds["m"] > 0.9e18
+    before = dict(proof_of(face).bounds)
     with pytest.raises(hostavg.StepError, match="so it was undone"):
         face.apply({name: np.full(np.shape(g), 1e20, np.float32) for name, g in grads.items()})
-    for role, bound in before.items():
-        np.testing.assert_array_equal(proof_of(face).bounds[role], bound)
+    assert proof_of(face).bounds == before
     assert face.step(face.cut(data[2], SIZES)).proven
     assert_bounds_hold(face, tmp_path)
 
