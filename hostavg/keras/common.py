@@ -347,8 +347,7 @@ class CompiledModel(ModelVariables):
         """The optimizer's :class:`~hostavg.core.bounds.UpdateBound` (:mod:`hostavg.keras.bounds`)
         or None (:class:`~hostavg.engine.protocols.Bounded`): None where applies do not check,
         the model trains by its own train_step or the optimizer scales the loss. The
-        learning rate is read on the host before each apply (a schedule's, at this
-        iteration)."""
+        learning rate is :meth:`_rate_bound`'s."""
         return self._bounded()[0]
 
     def _bounded(self) -> tuple:
@@ -362,7 +361,7 @@ class CompiledModel(ModelVariables):
                 by_path = {v.path: v for v in self.model.trainable_variables}
                 optimizer = self.optimizer
                 bound = update_bound(optimizer, [by_path[n] for n in self.spec], self.spec, key,
-                                     lambda feed: float(np.asarray(optimizer.learning_rate)))
+                                     self._rate_bound)
             measured = [] if bound is None else [
                 named[held[r]] for held in bound.roles.values() for r in ("weight", *bound.rule.roles)]
             self._bound = (bound, measured)
@@ -376,6 +375,11 @@ class CompiledModel(ModelVariables):
         checked and an update bound exists (:meth:`_bounded`)."""
         return ApplyRequest(request.ratios, request.values,
                             request.proven and not (request.ratios or request.values))
+
+    def _rate_bound(self, feed) -> float | None:
+        """The learning rate the next apply uses, read on the host (a schedule's at this
+        iteration); a backend for which that read costs may return a bound it then enforces."""
+        return float(np.asarray(self.optimizer.learning_rate))
 
     def _magnitudes(self, found) -> dict | None:
         """name (of :meth:`variables`) -> the largest magnitude of each variable an apply
@@ -453,6 +457,8 @@ class ApplyOutputs(NamedTuple):
         unless applies check).
       magnitudes: the largest magnitude of each variable :meth:`CompiledModel._bounded`
         measures, after the update (empty unless ``ApplyRequest.magnitudes``).
+      ran: whether the optimizer ran (a proven apply on TensorFlow does not where the
+        learning rate passed the bound it was proven for: it is then run checked).
     """
 
     before: int
@@ -464,6 +470,7 @@ class ApplyOutputs(NamedTuple):
     updates: list
     finite: np.ndarray
     magnitudes: np.ndarray = np.zeros(0)
+    ran: bool = True
 
 
 def _explained(error: ArgumentError, model, batch: tuple, what: str) -> ArgumentError:

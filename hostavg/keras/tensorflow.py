@@ -83,6 +83,7 @@ class KerasBackend(CompiledModel):
         # ApplyRequest -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._rows = None  # what an apply keeps of each variable it holds (_rows_written)
+        self._last_rate = None  # the learning rate the last apply used
         self._snapshot = _Snapshot()
         self.batch_norm = batch_norm
         # "step": (moving mean, moving variance, momentum) per BatchNormalization layer, found
@@ -221,10 +222,20 @@ class KerasBackend(CompiledModel):
         (measuring the ratios keeps each weight's value from before the update while the
         optimizer runs, and reduces two norms per variable); or that a
         ``LossScaleOptimizer`` skipped the step, and the scale it left."""
-        applied = self._report(self._apply_mean(mean, request), request, self._trained)
+        out = self._apply_mean(mean, request)
+        if not out.ran:  # proven for a lower learning rate than it met: checked instead
+            out = self._apply_mean(mean, request._replace(proven=False, magnitudes=True))
+        self._last_rate = out.learning_rate
+        applied = self._report(out, request, self._trained)
         if not applied.nonfinite:  # else undone: the step fails, and its snapshot is restored
             self._move_norms()  # "step": moved by the forward passes, skipped or not, as in Keras
         return applied
+
+    def _rate_bound(self, feed) -> float | None:
+        """Twice the learning rate the last apply used (None before one): reading the rate on
+        the host costs about half an apply here, so a proven apply is given this bound and
+        runs only where the rate it meets is within it (else it is run checked)."""
+        return None if self._last_rate is None else 2.0 * abs(self._last_rate)
 
     def _apply_mean(self, mean: Mapping, request: ApplyRequest) -> ApplyOutputs:
         """What one compiled apply of ``mean``, asked for ``request``, gives back, on the host."""
@@ -239,8 +250,12 @@ class KerasBackend(CompiledModel):
             else:
                 args.append(eager_tensor(value, s.dtype))
         request = self.traced(request)
+        specs = self._apply_specs()
+        if request.proven:  # the learning rate it was proven for
+            args.append(eager_tensor(np.float64(self._rate_bound(None)), np.float64))
+            specs.append(tf.TensorSpec((), tf.float64))
         if request not in self._applies:
-            self._applies[request] = self._trace(self._application(request), self._apply_specs(),
+            self._applies[request] = self._trace(self._application(request), specs,
                                                  "apply", jit_compile=self._apply_jit)
             self._jit_tried[request] = not self._apply_jit
         if not self._jit_tried[request]:
@@ -248,8 +263,7 @@ class KerasBackend(CompiledModel):
             try:  # the first call compiles: an optimizer XLA cannot compile runs without it
                 return _on_host(self._applies[request](*args))
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
-                self._applies[request] = self._trace(self._application(request),
-                                                     self._apply_specs(), "apply")
+                self._applies[request] = self._trace(self._application(request), specs, "apply")
         with _tensorflow_errors("apply"):
             return _on_host(self._applies[request](*args))
 
@@ -406,6 +420,8 @@ class KerasBackend(CompiledModel):
         measured = self._bounded()[1] if checks else []  # (every checked apply measures)
 
         def apply(*flat):
+            if request.proven:
+                flat, proven_for = flat[:-1], flat[-1]
             grads = _gradients(spec, flat)
             at = [None if r is None else flat[r] for r in rows]
             lr = tf.cast(optimizer.learning_rate, tf.float64)  # this iteration's (a schedule's too)
@@ -417,7 +433,12 @@ class KerasBackend(CompiledModel):
             if scales:  # scaled back, as the optimizer gets Keras's gradient of the scaled loss
                 grads = [_times(g, scale) for g in grads]
             with tf.control_dependencies([step, scale]):
-                optimizer.apply_gradients(zip(grads, variables))
+                if request.proven:  # only at a rate the proof covers
+                    ran = tf.cond(tf.abs(lr) <= proven_for,
+                                  lambda: _applied(optimizer, grads, variables),
+                                  lambda: tf.constant(False))
+                else:
+                    ran = _applied(optimizer, grads, variables)
             squares = tf.zeros(0, tf.float64)
             if request.ratios:  # the reads of ``before`` precede the update: it waits for them
                 squares = tf.stack([_sum_squares(v.value, b) for v, b in zip(variables, before)]
@@ -430,7 +451,8 @@ class KerasBackend(CompiledModel):
                     if measured else tf.zeros(0, tf.float64)
             return ApplyOutputs(step, tf.convert_to_tensor(optimizer.iterations), lr, squares,
                                 (scale, _scale(optimizer) if scales else scale), after,
-                                [a - b for a, b in zip(after, before)], finite, magnitudes)
+                                [a - b for a, b in zip(after, before)], finite, magnitudes,
+                                ran)
         return apply
 
     def _rows_written(self, held: list) -> list:
@@ -548,7 +570,14 @@ def _on_host(out: ApplyOutputs) -> ApplyOutputs:
     return ApplyOutputs(int(out.before), int(out.after), float(out.learning_rate),
                         np.asarray(out.squares), tuple(float(s) for s in out.scales),
                         [np.asarray(w) for w in out.weights], [np.asarray(u) for u in out.updates],
-                        np.asarray(out.finite), _largest(np.asarray(out.magnitudes)))
+                        np.asarray(out.finite), _largest(np.asarray(out.magnitudes)),
+                        bool(out.ran))
+
+
+def _applied(optimizer, grads: list, variables: list):
+    """True, once ``optimizer`` applied ``grads`` to ``variables``."""
+    optimizer.apply_gradients(zip(grads, variables))
+    return tf.constant(True)
 
 
 def _largest(ends: np.ndarray) -> np.ndarray:
