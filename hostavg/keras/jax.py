@@ -87,6 +87,7 @@ class KerasJaxBackend(CompiledModel):
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
         self._applies = {}  # ApplyRequest -> jitted apply
+        self._schedule = self._next_rate = None  # whether the rate is a schedule; its next value
         self._losses = {}  # input signature -> the loss function its compute differentiates
         self._products = {}  # input signature -> jitted Hessian-vector product
         self._samples = {}  # (input signature, "sums" or "dots") -> jitted per-sample function
@@ -175,6 +176,7 @@ class KerasJaxBackend(CompiledModel):
         with _jax_errors("apply"):
             out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
                            grads)
+        self._next_rate = float(out.next_rate)
         # Copied to the host before the next apply donates the new values' buffers.
         weights = [np.array(w) for w in out.new] if request.values else []
         for v, value in zip(trained, out.new):  # the old values, where the update was undone
@@ -185,6 +187,16 @@ class KerasJaxBackend(CompiledModel):
             before, self.global_step(), float(out.learning_rate), np.asarray(out.squares),
             tuple(np.asarray(out.scales).tolist()), weights, [np.asarray(u) for u in out.updates],
             np.asarray(out.finite), np.asarray(out.magnitudes)), request, trained)
+
+    def _rate_bound(self, feed) -> float | None:
+        """The learning rate the next apply uses: a variable's, read on the host (about 8 us);
+        a schedule's, as the last apply computed it for the next iteration (evaluating it on
+        the host costs about 2 ms; only an apply moves the iteration), None before one."""
+        if self._schedule is None:
+            self._schedule = not isinstance(self.optimizer.learning_rate, keras.Variable)
+        if self._schedule:
+            return self._next_rate
+        return super()._rate_bound(feed)
 
     def global_step(self) -> int:
         return int(self.optimizer.iterations.value)
@@ -461,6 +473,8 @@ class KerasJaxBackend(CompiledModel):
                     grads = [g * scale.astype(g.dtype) for g in grads]
                 if not loss_scaling:
                     optimizer.apply(grads, trained)
+                # The next apply's rate (a schedule's at the next iteration), for its proof.
+                next_rate = jnp.asarray(optimizer.learning_rate, _WIDE)
             if loss_scaling:  # its finite-or-skip choice is a lax.cond: only its stateless form
                 new, new_slots = optimizer.stateless_apply(slots, grads, values)  # traces under jit
                 after = _scale(optimizer, new_slots)
@@ -482,7 +496,7 @@ class KerasJaxBackend(CompiledModel):
             magnitudes = jnp.stack([jnp.max(jnp.abs(both[i]), initial=0).astype(_WIDE)
                                     for i in measured]) if measured else jnp.zeros(0, _WIDE)
             return _Stateless(new, new_slots, lr, squares, jnp.stack([scale, after]), updates,
-                              finite[:sum(checks)], magnitudes)
+                              finite[:sum(checks)], magnitudes, next_rate)
 
         return jax.jit(apply, donate_argnums=(0, 1))
 
@@ -587,6 +601,7 @@ class _Stateless(NamedTuple):
       updates: each trained variable's update (or empty).
       finite: whether each checked variable is finite after the update.
       magnitudes: the largest magnitude of each variable measured (or empty).
+      next_rate: the learning rate at the next iteration, as the optimizer stands after it.
     """
 
     new: list
@@ -597,6 +612,7 @@ class _Stateless(NamedTuple):
     updates: list
     finite: Any
     magnitudes: Any
+    next_rate: Any
 
 
 def _with_kept(trainable: list, kept: list, kept_values: list) -> list:

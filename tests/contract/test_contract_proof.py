@@ -10,10 +10,11 @@ the first apply, the first after a restore, and one in every EVERY.
 import keras
 import numpy as np
 import pytest
-from backends import BATCH, SIZES
+from backends import BATCH, SIZES, KerasFace
 from models import batches
 
 import hostavg
+import hostavg.keras
 from hostavg.compat import public_api_only
 from hostavg.engine.proof import EVERY
 
@@ -132,6 +133,31 @@ def test_a_learning_rate_raised_between_steps_is_met_by_the_proof_and_applied_on
     assert results[1].proven and results[4].proven
     if keras.backend.backend() == "tensorflow":  # the bound of twice the last rate refused it
         assert not results[2].proven
+    got, want = proven.values(), unchecked.values()
+    for name in got:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_a_schedule_s_next_rate_is_the_one_its_apply_uses(backend, tmp_path):
+    """A Keras learning-rate schedule halving every iteration: each proven apply's rate (its
+    own, read in its call) is the one the proof used; bounds hold; weights as unchecked."""
+    if backend.id == "tf1":
+        pytest.skip("a TF1 rate computed in the graph is not read before the apply: checked")
+
+    def make(check):
+        built, loss = backend._model("mlp")
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+        return KerasFace(hostavg.keras.Trainer(built, loss, keras.optimizers.Adam(schedule),
+                                               check_applied=check, **QUIET))
+    proven, unchecked = make(True), make(False)
+    rates = []
+    for d in batches(0, 5, BATCH):
+        result = proven.step(proven.cut(d, SIZES))
+        unchecked.step(unchecked.cut(d, SIZES))
+        assert_bounds_hold(proven, tmp_path)
+        rates.append((result.proven, result.learning_rate))
+    assert [p for p, _ in rates] == [False] + [True] * 4
+    np.testing.assert_allclose([r for _, r in rates], 0.1 * 0.5 ** np.arange(5), rtol=1e-6)
     got, want = proven.values(), unchecked.values()
     for name in got:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
