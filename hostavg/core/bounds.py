@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Adam", "ROUNDING", "SGD", "UpdateBound", "epsilon_in", "sparse_factor"]
+__all__ = ["Adam", "ROUNDING", "SGD", "UpdateBound", "epsilon_in", "rounded_up", "sparse_factor"]
 
 #: The widening of each bound per step, in units of its dtype's epsilon: the update's
 #: formulas form each value in at most eight operations.
@@ -37,6 +37,16 @@ ROUNDING = 8
 def _decayed(weight, lr, weight_decay: float):
     """The bound of a weight after Keras's decoupled weight decay, w - lr wd w."""
     return weight * (1.0 + lr * abs(weight_decay)) if weight_decay else weight
+
+
+def _formed(w, g, weight_decay: float, clip: float) -> list:
+    """What Keras forms on the way, besides the update: ``w * wd`` of its weight decay, and the
+    clipping's squares and products (``g^2`` of a norm, ``g * clipnorm``), computed in the
+    variable's dtype, which may overflow where the update would not."""
+    formed = [w * abs(weight_decay)] if weight_decay else []
+    if clip:
+        formed += [g * g, g * clip]
+    return formed
 
 
 def _widened(exact, scale, eps):
@@ -49,13 +59,15 @@ class SGD(NamedTuple):
 
     TF1's (``keras=False``): ``a = mu a + g; w -= lr a`` (Nesterov: ``w -= lr (g + mu a)``).
     Keras's (``keras=True``): ``m = mu m - lr g; w += m`` (Nesterov: ``w += mu m - lr g``),
-    after its weight decay. Role of the slot: ``"momentum"``.
+    after its weight decay. ``clip``: Keras's clipnorm or global_clipnorm (0: none), whose
+    squares are checked too. Role of the slot: ``"momentum"``.
     """
 
     momentum: float = 0.0
     nesterov: bool = False
     keras: bool = False
     weight_decay: float = 0.0
+    clip: float = 0.0
 
     @property
     def roles(self) -> tuple:
@@ -69,8 +81,9 @@ class SGD(NamedTuple):
         lr = abs(lr)
         w = _decayed(s["weight"], lr, self.weight_decay)
         mu = abs(self.momentum)
+        steps = _formed(s["weight"], g, self.weight_decay, self.clip)
         if not mu:
-            new, steps = {"weight": w + lr * g}, []
+            new = {"weight": w + lr * g}
         else:
             if self.keras:
                 m = mu * s["momentum"] + lr * g
@@ -78,7 +91,8 @@ class SGD(NamedTuple):
             else:
                 m = mu * s["momentum"] + g
                 step = lr * (g + mu * m) if self.nesterov else lr * m
-            new, steps = {"weight": w + step, "momentum": m}, [step]
+            new = {"weight": w + step, "momentum": m}
+            steps.append(step)
         return {r: _widened(x, x, eps) for r, x in new.items()}, steps
 
 
@@ -86,7 +100,8 @@ class Adam(NamedTuple):
     """Adam, TF1's and Keras's alike (AdamW: Keras's ``weight_decay``), ``amsgrad`` too.
 
     ``m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2); w -= alpha m / (sqrt(v) + eps)`` with
-    ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)``, at most ``lr / (1 - b1)`` at any step t;
+    ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)``, at most ``lr / (1 - b1)`` at any step t
+    (``beta_1`` as the variables' dtypes round it, the largest: 0.995 is 0.99609 in bfloat16);
     ``m / (sqrt(v) + eps)`` is at most ``|m| / eps`` since ``sqrt(v) >= 0`` (amsgrad divides
     by the running maximum of v: the same bound). ``epsilon``: the smallest of the trained
     variables' dtypes hold (1e-8 is 0 in float16: then nothing can be proven). Roles of the
@@ -98,6 +113,7 @@ class Adam(NamedTuple):
     epsilon: float
     amsgrad: bool = False
     weight_decay: float = 0.0
+    clip: float = 0.0
 
     @property
     def roles(self) -> tuple:
@@ -116,7 +132,8 @@ class Adam(NamedTuple):
             new["vhat"] = max(s["vhat"], v)
         step = lr / (1.0 - b1) * m / self.epsilon if self.epsilon > 0 else math.inf
         new["weight"] = _widened(w + step, w + step, eps)
-        return new, [g + s["m"], gg + s["v"], step]
+        return new, [g + s["m"], gg + s["v"], step, lr / (1.0 - b1) * m,
+                     *_formed(s["weight"], g, self.weight_decay, self.clip)]
 
 
 class UpdateBound(NamedTuple):
@@ -141,6 +158,12 @@ def epsilon_in(epsilon: float, dtypes) -> float:
     """``epsilon`` as the narrowest of ``dtypes`` holds it: the smallest of its values there
     (0 where one rounds it to 0)."""
     return min(float(np.asarray(epsilon, dtype)) for dtype in dtypes)
+
+
+def rounded_up(value: float, dtypes) -> float:
+    """``value`` as the widest rounding of ``dtypes`` holds it: the largest of its values
+    there (a beta close to 1, which bfloat16 rounds up)."""
+    return max(float(np.asarray(value, dtype)) for dtype in dtypes)
 
 
 def sparse_factor(rows: int) -> float:

@@ -14,6 +14,7 @@ is seen within that many steps; a restore from a checkpoint forgets the bounds a
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -26,6 +27,9 @@ __all__ = ["EVERY", "Proof"]
 #: Proven applies between two checked ones that measure again.
 EVERY = 100
 
+#: target -> every Proof of it (of every trainer), to tell those that share a variable.
+_PROOFS = weakref.WeakKeyDictionary()
+
 
 class Proof:
     """The bounds of one target's weights and slots, and whether the next apply is proven.
@@ -37,19 +41,39 @@ class Proof:
       bound: the backend's :class:`~hostavg.core.bounds.UpdateBound`.
       spec: the trained variables' specs; each must be in ``bound.roles``.
       every: proven applies between two that measure.
+      target: what holds the variables (a session, a model), shared with other trainers'
+        proofs of it.
     """
 
-    def __init__(self, bound: UpdateBound, spec: Mapping[str, VariableSpec], every: int = EVERY):
+    def __init__(self, bound: UpdateBound, spec: Mapping[str, VariableSpec], every: int = EVERY,
+                 target=None):
         self.bound, self.every = bound, every
         self.names = list(spec)
         self.roles = ("weight", *bound.rule.roles)
         info = [ml_dtypes.finfo(s.dtype) for s in spec.values()]
         self.eps = max(float(f.eps) for f in info)
         self.limit = min(float(f.max) for f in info) / 4
+        # A gradient entry whose square is below the narrowest dtype's smallest normal may be
+        # lost from its squared norm (flushed to 0 on the device, or summed in that dtype).
+        self._floor = max(math.sqrt(float(f.tiny)) for f in info)
         self._sparse = [n for n, s in spec.items() if s.sparse]
         self.bounds: dict | None = None  # role -> bound
         self.since = 0  # proven applies since the bounds were measured
         self._pending: dict | None = None
+        self._sharing = weakref.WeakSet()  # other proofs of the target bounding a variable of mine
+        if target is not None:
+            self._share(target)
+
+    def _share(self, target) -> None:
+        """Registers this proof with ``target``'s others: each apply of one forgets the bounds of
+        every other that bounds one of the same variables (two trainers of one model)."""
+        mine = {held[r] for held in self.bound.roles.values() for r in self.roles}
+        others = _PROOFS.setdefault(target, weakref.WeakSet())
+        for other in others:
+            if mine & {held[r] for held in other.bound.roles.values() for r in other.roles}:
+                other._sharing.add(self)
+                self._sharing.add(other)
+        others.add(self)
 
     @property
     def measuring(self) -> bool:
@@ -68,7 +92,10 @@ class Proof:
         lr = self.bound.learning_rate(feed)
         if lr is None or not math.isfinite(lr):
             return False
-        g = math.sqrt(math.fsum(sq_norms.values()))
+        try:
+            g = math.sqrt(math.fsum(sq_norms.values())) + self._floor
+        except OverflowError:  # (fsum of finite squares past float64's range)
+            return False
         if self._sparse:
             g *= max(sparse_factor(len(mean[n].indices)) if isinstance(mean[n], SparseGradient)
                      else 1.0 for n in self._sparse)
@@ -87,10 +114,13 @@ class Proof:
         (each no lower than before: a value put back from before the apply, as a frozen
         variable's, stays within them); an apply neither proven nor measured leaves them
         unknown."""
+        for other in self._sharing:  # their variables moved without them
+            other.bounds = None
         if magnitudes is not None:
             roles = self.bound.roles
-            self.bounds = {r: max(float(magnitudes[roles[n][r]]) for n in self.names)
-                           for r in self.roles}
+            found = {r: [float(magnitudes[roles[n][r]]) for n in self.names] for r in self.roles}
+            self.bounds = {r: math.inf if any(map(math.isnan, x)) else max(x)
+                           for r, x in found.items()}
             self.since = 0
         elif self._pending is not None:
             self.bounds = {r: max(self.bounds[r], self._pending[r]) for r in self.roles}

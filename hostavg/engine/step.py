@@ -129,7 +129,8 @@ class Engine:
         target = backend.target
         if target not in self._proofs:
             bound = getattr(backend, "update_bound", lambda: None)()
-            self._proofs[target] = None if bound is None else Proof(bound, self.spec)
+            self._proofs[target] = None if bound is None else Proof(bound, self.spec,
+                                                                    target=target)
         return self._proofs[target]
 
     def forget_bounds(self) -> None:

@@ -176,7 +176,9 @@ class KerasJaxBackend(CompiledModel):
         with _jax_errors("apply"):
             out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
                            grads)
-        self._next_rate = float(out.next_rate)
+        # (Unknown where the update was undone: the iteration stays, so the next apply's rate is
+        # this one's, which the next checked apply measures again.)
+        self._next_rate = float(out.next_rate) if np.asarray(out.finite).all() else None
         # Copied to the host before the next apply donates the new values' buffers.
         weights = [np.array(w) for w in out.new] if request.values else []
         for v, value in zip(trained, out.new):  # the old values, where the update was undone

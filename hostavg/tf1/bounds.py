@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import hyperparameters
-from hostavg.core.bounds import SGD, Adam, UpdateBound, epsilon_in
+from hostavg.core.bounds import SGD, Adam, UpdateBound, epsilon_in, rounded_up
 from hostavg.core.gradients import VariableSpec
 
 __all__ = ["update_bound"]
@@ -24,13 +24,16 @@ v1 = tf.compat.v1
 
 
 def update_bound(optimizer, rate, apply_inputs: Mapping, spec: Mapping[str, VariableSpec],
-                 slots: Mapping[str, Mapping[str, str]]) -> UpdateBound | None:
+                 slots: Mapping[str, Mapping[str, str]], trained: list) -> UpdateBound | None:
     """The :class:`~hostavg.core.bounds.UpdateBound` of ``optimizer`` (``rate``: its
     learning-rate tensor; ``apply_inputs``: name -> the placeholders the apply is fed;
-    ``slots``: trained name -> slot name -> the slot variable's name), or None."""
+    ``slots``: trained name -> slot name -> the slot variable's name; ``trained``: the
+    variables, none with a constraint, which the optimizer applies after its update), or
+    None."""
     learning_rate = _rate(rate, apply_inputs)
     rule = _rule(optimizer, spec)
-    if learning_rate is None or rule is None:
+    if learning_rate is None or rule is None or any(
+            getattr(v, "constraint", None) is not None for v in trained):
         return None
     roles = {}
     for name in spec:
@@ -52,9 +55,13 @@ def _rule(optimizer, spec: Mapping[str, VariableSpec]):
         return None if momentum is None else SGD(momentum, bool(found["nesterov"]))
     if isinstance(optimizer, v1.train.AdamOptimizer):
         b1, b2, eps = (_number(found[k]) for k in ("beta1", "beta2", "epsilon"))
-        if None in (b1, b2, eps) or not (0 <= b1 < 1 and 0 <= b2 <= 1):
+        dtypes = [s.dtype for s in spec.values()]
+        if None in (b1, b2, eps):
             return None
-        return Adam(b1, b2, epsilon_in(eps, [s.dtype for s in spec.values()]))
+        b1 = rounded_up(b1, dtypes)  # as the kernels cast it to each variable's dtype
+        if not (0 <= b1 < 1 and 0 <= b2 <= 1):
+            return None
+        return Adam(b1, b2, epsilon_in(eps, dtypes))
     return SGD()
 
 

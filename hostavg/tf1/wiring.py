@@ -93,7 +93,8 @@ class Wiring:
                                 if (s := optimizer.get_slot(v, slot)) is not None}
                          for name, v in zip(self.names, self.trained)}
                 self.update_bound = update_bound(optimizer, self.learning_rate,
-                                                 self.apply_inputs, self.spec, slots)
+                                                 self.apply_inputs, self.spec, slots,
+                                                 self.trained)
             self._checked = []  # the variables an apply checks finite (check_applied), in order
             checked_op = None
             if check_applied:
