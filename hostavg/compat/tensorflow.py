@@ -30,7 +30,7 @@ from hostavg.compat import choose
 
 __all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "finite_flags", "first_line",
            "hyperparameters", "import_tensorflow", "input_types", "is_ref_dtype",
-           "learning_rate", "rows_fed",
+           "largest_magnitudes", "learning_rate", "magnitude_ends", "rows_fed",
            "rows_of", "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
@@ -446,6 +446,21 @@ def finite_flags(values: list, undo=None):
             return flags
         return tf.cond(tf.reduce_all(flags), lambda: flags, lambda: undo(flags))
     return tf.cond(tf.reduce_all(quick), lambda: quick, exact)
+
+
+def magnitude_ends(values: list):
+    """One float64 vector: the largest entry of each of ``values`` (float tensors), then minus
+    its smallest: two reductions each, no copy (an ``abs`` would allocate the value again);
+    :func:`largest_magnitudes` makes them each value's largest magnitude."""
+    return tf.stack([tf.cast(x, tf.float64) for value in values
+                     for x in (tf.reduce_max(value), -tf.reduce_min(value))])
+
+
+def largest_magnitudes(ends) -> np.ndarray:
+    """Each value's largest magnitude from :func:`magnitude_ends`' vector (an array on the
+    host); 0 for an empty value (whose ends are -inf)."""
+    ends = np.asarray(ends, np.float64)
+    return np.maximum(np.maximum(ends[0::2], ends[1::2]), 0.0)
 
 
 def _sum(value):

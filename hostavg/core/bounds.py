@@ -153,6 +153,13 @@ class UpdateBound(NamedTuple):
     roles: Mapping[str, Mapping[str, str]]
     learning_rate: Callable[[Mapping], float | None]
 
+    @property
+    def measured(self) -> list:
+        """The names (in :meth:`Backend.variables`) of every variable the bounds cover, in the
+        order a measuring apply reports them: per trained variable, its weight then each slot
+        role of ``rule.roles``."""
+        return [held[r] for held in self.roles.values() for r in ("weight", *self.rule.roles)]
+
 
 def epsilon_in(epsilon: float, dtypes) -> float:
     """``epsilon`` as the narrowest of ``dtypes`` holds it: the smallest of its values there

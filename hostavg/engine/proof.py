@@ -67,10 +67,10 @@ class Proof:
     def _share(self, target) -> None:
         """Registers this proof with ``target``'s others: each apply of one forgets the bounds of
         every other that bounds one of the same variables (two trainers of one model)."""
-        mine = {held[r] for held in self.bound.roles.values() for r in self.roles}
+        mine = set(self.bound.measured)
         others = _PROOFS.setdefault(target, weakref.WeakSet())
         for other in others:
-            if mine & {held[r] for held in other.bound.roles.values() for r in other.roles}:
+            if mine.intersection(other.bound.measured):
                 other._sharing.add(self)
                 self._sharing.add(other)
         others.add(self)

@@ -173,7 +173,7 @@ class Engine:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
         (:meth:`Backend.apply_feed`); returns the new global step. An apply the backend found
         non-finite (and undid) raises StepError naming the variables it made so."""
-        values, sq = self._checked_norms(grads, "apply", "Look at what produced these values.")
+        values, sq = self._checked(grads, "apply", "Look at what produced these values.")
         applied, _ = _proven_apply(self, backend, values, sq, feed, ApplyRequest())
         if applied.nonfinite:
             raise StepError(f"{undone('apply', applied.nonfinite, 'apply')} Look at what produced "
@@ -242,19 +242,14 @@ class Engine:
                            snapshot, call)
 
     def _checked(self, grads: Mapping, what: str, hint: str, mine: bool = False,
-                 finite: bool = True) -> dict:
+                 finite: bool = True) -> tuple[dict, dict | None]:
         """``grads`` conformed to the variables' dtypes and (with ``finite``) checked finite,
-        ready to apply.
+        ready to apply; and their squared norms by name (None without ``finite``), which the
+        host-side proof of the apply reads (:mod:`~hostavg.engine.proof`).
 
         ``mine``: ``grads`` is a mean this engine's accumulator made (conformed and
         frozen already); only a cast from the accumulation dtype remains to check.
         """
-        return self._checked_norms(grads, what, hint, mine, finite)[0]
-
-    def _checked_norms(self, grads: Mapping, what: str, hint: str, mine: bool = False,
-                       finite: bool = True) -> tuple[dict, dict | None]:
-        """:meth:`_checked`'s values, and their squared norms by name (None without
-        ``finite``): what the host-side proof of the apply reads (:mod:`~hostavg.engine.proof`)."""
         if mine and all(np.dtype(v.dtype) == self.spec[n].dtype for n, v in grads.items()):
             values = dict(grads)
         else:
@@ -372,8 +367,7 @@ class Engine:
                 mine = False
         if self.statistics:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
-        checked, sq = self._checked_norms(mean, what, hint, mine,
-                                          finite=backend.nonfinite == "refuse")
+        checked, sq = self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
         return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
                        *self._measured(backend, batches, result, after), sq_norms=sq)
 

@@ -362,8 +362,7 @@ class CompiledModel(ModelVariables):
                 optimizer = self.optimizer
                 bound = update_bound(optimizer, [by_path[n] for n in self.spec], self.spec, key,
                                      self._rate_bound)
-            measured = [] if bound is None else [
-                named[held[r]] for held in bound.roles.values() for r in ("weight", *bound.rule.roles)]
+            measured = [] if bound is None else [named[n] for n in bound.measured]
             self._bound = (bound, measured)
         return self._bound or (None, [])
 
@@ -388,8 +387,7 @@ class CompiledModel(ModelVariables):
         bound = self._bounded()[0]
         if bound is None or not len(found):
             return None
-        names = [held[r] for held in bound.roles.values() for r in ("weight", *bound.rule.roles)]
-        return dict(zip(names, np.maximum(np.asarray(found, np.float64), 0.0).tolist()))
+        return dict(zip(bound.measured, np.asarray(found, np.float64).tolist()))
 
     def _checks(self, variable) -> bool:
         """Whether an apply checks ``variable`` finite: a float one (bfloat16 too, which NumPy

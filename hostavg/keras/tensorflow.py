@@ -29,7 +29,8 @@ import numpy as np
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, finite_flags,
-                                       first_line, rows_fed, rows_of)
+                                       first_line, largest_magnitudes, magnitude_ends, rows_fed,
+                                       rows_of)
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectorized, SampleSums
@@ -250,20 +251,20 @@ class KerasBackend(CompiledModel):
             else:
                 args.append(eager_tensor(value, s.dtype))
         request = self.traced(request)
-        specs = self._apply_specs()
         if request.proven:  # the learning rate it was proven for
             args.append(eager_tensor(np.float64(self._rate_bound(None)), np.float64))
-            specs.append(tf.TensorSpec((), tf.float64))
         if request not in self._applies:
-            self._applies[request] = self._trace(self._application(request), specs,
-                                                 "apply", jit_compile=self._apply_jit)
+            self._applies[request] = self._trace(self._application(request),
+                                                 self._apply_specs(request), "apply",
+                                                 jit_compile=self._apply_jit)
             self._jit_tried[request] = not self._apply_jit
         if not self._jit_tried[request]:
             self._jit_tried[request] = True
             try:  # the first call compiles: an optimizer XLA cannot compile runs without it
                 return _on_host(self._applies[request](*args))
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
-                self._applies[request] = self._trace(self._application(request), specs, "apply")
+                self._applies[request] = self._trace(self._application(request),
+                                                     self._apply_specs(request), "apply")
         with _tensorflow_errors("apply"):
             return _on_host(self._applies[request](*args))
 
@@ -391,12 +392,16 @@ class KerasBackend(CompiledModel):
             return concrete_call(tf.function(python_function, input_signature=specs,
                                      jit_compile=jit_compile).get_concrete_function())
 
-    def _apply_specs(self) -> list:
+    def _apply_specs(self, request: ApplyRequest | None = None) -> list:
+        """The compiled apply's input signature: the mean's tensors, then, for a proven
+        ``request``, the learning rate it was proven for."""
         specs = []
         for s in self.spec.values():
             dtype = tf.as_dtype(s.dtype)
             specs += [tf.TensorSpec((None,), tf.int64), tf.TensorSpec((None,) + s.shape[1:], dtype)] \
                 if s.sparse else [tf.TensorSpec(s.shape, dtype)]
+        if request is not None and request.proven:
+            specs.append(tf.TensorSpec((), tf.float64))
         return specs
 
     def _application(self, request: ApplyRequest):
@@ -446,9 +451,8 @@ class KerasBackend(CompiledModel):
             after = [tf.identity(v.value) for v in variables] if request.values else []
             finite = _undo_if_nonfinite(held, checked, before, at)
             with tf.control_dependencies([finite]):  # (after the update, or its undoing)
-                magnitudes = tf.stack([tf.cast(x, tf.float64) for v in measured
-                                       for x in (tf.reduce_max(v.value), -tf.reduce_min(v.value))]) \
-                    if measured else tf.zeros(0, tf.float64)
+                magnitudes = magnitude_ends([v.value for v in measured]) if measured else \
+                    tf.zeros(0, tf.float64)
             return ApplyOutputs(step, tf.convert_to_tensor(optimizer.iterations), lr, squares,
                                 (scale, _scale(optimizer) if scales else scale), after,
                                 [a - b for a, b in zip(after, before)], finite, magnitudes,
@@ -570,7 +574,7 @@ def _on_host(out: ApplyOutputs) -> ApplyOutputs:
     return ApplyOutputs(int(out.before), int(out.after), float(out.learning_rate),
                         np.asarray(out.squares), tuple(float(s) for s in out.scales),
                         [np.asarray(w) for w in out.weights], [np.asarray(u) for u in out.updates],
-                        np.asarray(out.finite), _largest(np.asarray(out.magnitudes)),
+                        np.asarray(out.finite), largest_magnitudes(out.magnitudes),
                         bool(out.ran))
 
 
@@ -578,12 +582,6 @@ def _applied(optimizer, grads: list, variables: list):
     """True, once ``optimizer`` applied ``grads`` to ``variables``."""
     optimizer.apply_gradients(zip(grads, variables))
     return tf.constant(True)
-
-
-def _largest(ends: np.ndarray) -> np.ndarray:
-    """The largest magnitude of each variable from its largest and minus its smallest entry
-    (two reductions on the device, no copy of the variable)."""
-    return np.maximum(ends[0::2], ends[1::2])
 
 
 def _gradient_outputs(grads, scale) -> tuple:

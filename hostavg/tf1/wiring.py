@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import first_line, is_ref_dtype, learning_rate
+from hostavg.compat.tensorflow import (first_line, is_ref_dtype, largest_magnitudes,
+                                       learning_rate, magnitude_ends)
 from hostavg.tf1.bounds import update_bound
 from hostavg.core.errors import ArgumentError
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze, squared_norm
@@ -82,19 +83,18 @@ class Wiring:
                 optimizer, pairs, step, measured=not check_applied)
             self.apply_inputs = {t.name: t for t in placeholders_read(self.train_op,
                                                                       self._apply_feeds)}
-            self.slots = {name: tuple(s for s in (optimizer.get_slot(v, slot) for slot in
-                                                  optimizer.get_slot_names()) if s is not None)
-                          for name, v in zip(self.names, self.trained)}
+            named_slots = {name: {slot: s for slot in optimizer.get_slot_names()
+                                  if (s := optimizer.get_slot(v, slot)) is not None}
+                           for name, v in zip(self.names, self.trained)}
+            self.slots = {name: tuple(held.values()) for name, held in named_slots.items()}
             self.learning_rate = learning_rate(optimizer, self.graph,
                                                ops_run([self.train_op], self._apply_feeds))
             self.update_bound = None  # what the host-side proof of an apply reads
             if check_applied:
-                slots = {name: {slot: s.op.name for slot in optimizer.get_slot_names()
-                                if (s := optimizer.get_slot(v, slot)) is not None}
-                         for name, v in zip(self.names, self.trained)}
-                self.update_bound = update_bound(optimizer, self.learning_rate,
-                                                 self.apply_inputs, self.spec, slots,
-                                                 self.trained)
+                self.update_bound = update_bound(
+                    optimizer, self.learning_rate, self.apply_inputs, self.spec,
+                    {name: {slot: s.op.name for slot, s in held.items()}
+                     for name, held in named_slots.items()}, self.trained)
             self._checked = []  # the variables an apply checks finite (check_applied), in order
             checked_op = None
             if check_applied:
@@ -267,8 +267,8 @@ class Wiring:
         magnitudes = None
         if kind == "magnitudes":
             *out, found = out
-            largest = np.maximum(np.maximum(found[0::2], found[1::2]), 0.0)  # max |x|; 0 if empty
-            magnitudes = dict(zip(self._measured_names(), largest.tolist()))
+            magnitudes = dict(zip(self.update_bound.measured,
+                                  largest_magnitudes(found).tolist()))
         weights = updates = ()
         if request.values:
             k = len(self.names)
@@ -278,16 +278,11 @@ class Wiring:
                           out[-1] if request.ratios else (), weights, updates)._replace(
                               magnitudes=magnitudes)
 
-    def _measured_names(self) -> list:
-        """The names of the variables an apply asked for magnitudes measures, in order: each
-        trained variable's roles of :attr:`update_bound`."""
-        return [held[role] for held in self.update_bound.roles.values()
-                for role in ("weight", *self.update_bound.rule.roles)]
-
     def _measured_variables(self) -> list:
-        """The variables of :meth:`_measured_names`, in its order."""
+        """The variables an apply asked for magnitudes measures, in the order of
+        :attr:`~hostavg.core.bounds.UpdateBound.measured`."""
         by_name = {v.op.name: v for v in self.graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)}
-        return [by_name[name] for name in self._measured_names()]
+        return [by_name[name] for name in self.update_bound.measured]
 
 
 def _gradient_pairs(optimizer, loss, var_list) -> list:
@@ -492,12 +487,8 @@ def _magnitudes(op, variables: list):
     float64 vector (two reductions each, no copy; a reference variable's read kept in order
     as :mod:`hostavg.tf1.checked` keeps it)."""
     with tf.control_dependencies([op]), tf.name_scope("hostavg_magnitudes"):
-        ends = []
-        for v in variables:
-            value = tf.abs(v.read_value()) if is_ref_dtype(v.dtype) else v.read_value()
-            ends += [tf.cast(tf.reduce_max(value), tf.float64),
-                     tf.cast(-tf.reduce_min(value), tf.float64)]
-        return tf.stack(ends)
+        return magnitude_ends([tf.abs(v.read_value()) if is_ref_dtype(v.dtype) else v.read_value()
+                               for v in variables])
 
 
 def _update_squares(after: list, before: list):
