@@ -5,7 +5,7 @@ kept sparse."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import (CLASSES, VOCAB, build, full_batch, make_optimizer, micro_feeds,
+from models import (CLASSES, VOCAB, batches, build, full_batch, make_optimizer, micro_feeds,
                     repeating_batches, v1)
 from test_trainer import UNEQUAL, assert_same_weights, train
 
@@ -117,10 +117,11 @@ def dense_accumulation(optimizer, data: list, sizes) -> dict:
 def test_adam_applies_the_sparse_mean_densely_as_its_full_batch_and_dense_accumulation_do():
     data = repeating_batches(10, 5)
     # Steps 2 and 4 measure update ratios: the train ops that measure are densified too (the
-    # checked one, and the unchecked one that serves an apply the host proved finite).
+    # checked one, and the unchecked one that serves an apply the host proved finite), and so
+    # is the one a step of one micro-batch runs in its compute's call.
     model, sess, trainer, _ = train("adam", data, UNEQUAL, model_kw={"sparse": True},
                                       update_ratios_every=2)
-    assert len(densify_ops(trainer.graph)) == 3
+    assert len(densify_ops(trainer.graph)) == 4
     got = model.values(sess)
     assert_same_weights(got, full_batch("adam", data, sparse=True), atol=1e-6)
     assert_same_weights(got, dense_accumulation("adam", data, UNEQUAL), atol=1e-6)
@@ -159,6 +160,105 @@ def test_a_subclass_of_adam_keeps_the_sparse_update():
     model, sess, trainer, _ = train(lambda: AdamSubclass(0.01), data, UNEQUAL,
                                     model_kw={"sparse": True})
     assert densify_ops(trainer.graph) == []
-    assert AdamSubclass.sparse_applies == 2  # the train op and the checked one, which measures
+    # the train op, the checked one, which measures, and the one run in a compute's call
+    assert AdamSubclass.sparse_applies == 3
     assert_same_weights(model.values(sess), full_batch(lambda: AdamSubclass(0.01), data,
                                                        sparse=True), atol=1e-6)
+
+
+# --- A step of one micro-batch in one session call ---------------------------------------------
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the trainers' session calls by kind: computes, applies, and computes that apply
+    too (with how many of those the gate refused: nothing applied)."""
+    from hostavg.tf1.wiring import Wiring
+    counted = {"compute": 0, "apply": 0, "compute_apply": 0, "refused": 0}
+    for kind in ("compute", "apply", "compute_apply"):
+        def counting(*args, _kind=kind, _method=getattr(Wiring, kind), **kwargs):
+            counted[_kind] += 1
+            out = _method(*args, **kwargs)
+            counted["refused"] += _kind == "compute_apply" and out is None
+            return out
+        monkeypatch.setattr(Wiring, kind, counting)
+    return counted
+
+
+def quiet_trainer(model, optimizer, **kw):
+    """A Trainer with no default hook, its variables initialized in a new session."""
+    with model.graph.as_default():
+        trainer = hostavg.Trainer(model.loss, optimizer, watch_outliers=False, diagnose=False,
+                                  **kw)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=model.graph)
+    sess.run(init)
+    return trainer, sess
+
+
+def test_a_step_of_one_micro_batch_is_one_session_call_once_its_bounds_are_measured(calls):
+    model = build(update_op=True)
+    trainer, sess = quiet_trainer(model, v1.train.AdamOptimizer(0.01))
+    data = batches(0, 4, 16)
+    trainer.step(sess, [model.feed(data[0])])  # measures the bounds: a checked apply of its own
+    assert calls == {"compute": 1, "apply": 1, "compute_apply": 0, "refused": 0}
+    model.graph.finalize()  # (a MonitoredSession's graph: nothing more is built)
+    for d in data[1:]:
+        assert trainer.step(sess, [model.feed(d)]).proven
+    assert calls == {"compute": 1, "apply": 1, "compute_apply": 3, "refused": 0}
+
+
+class Looking:
+    """Looks at every micro-batch before the apply."""
+
+    def on_micro_batch(self, micro):
+        return None
+
+
+@pytest.mark.parametrize("why", ["hook", "fetches", "graph average", "update ratios",
+                                 "two micro-batches"])
+def test_a_step_that_something_must_see_before_its_apply_runs_apart(calls, why):
+    model = build()
+    kw = {"hook": {"hooks": [Looking()]}, "fetches": {},
+          "graph average": {"average": "graph"}, "update ratios": {"update_ratios_every": 1},
+          "two micro-batches": {}}[why]
+    trainer, sess = quiet_trainer(model, v1.train.GradientDescentOptimizer(0.1), **kw)
+    step_kw = {"fetches": [model.loss]} if why == "fetches" else {}
+    for d in batches(0, 3, 16):
+        feeds = micro_feeds(model, d, [8, 8]) if why == "two micro-batches" else [model.feed(d)]
+        trainer.step(sess, feeds, **step_kw)
+    assert calls["compute_apply"] == 0 and calls["apply"] == 3
+
+
+def test_a_fed_learning_rate_and_a_global_step_left_alone_in_one_call(calls):
+    model = build()
+    with model.graph.as_default():
+        rate = v1.placeholder(tf.float32, (), name="rate")
+    trainer, sess = quiet_trainer(model, v1.train.MomentumOptimizer(rate, 0.9),
+                                  increment_global_step=False)
+    data = batches(0, 3, 16)
+    results = [trainer.step(sess, [{**model.feed(d), rate: 0.1 / (i + 1)}])
+               for i, d in enumerate(data)]
+    assert calls["compute_apply"] == 2 and calls["refused"] == 0
+    np.testing.assert_allclose([r.learning_rate for r in results], [0.1, 0.05, 0.1 / 3])
+    assert [r.step for r in results] == [0, 0, 0]
+
+
+def test_a_micro_batch_the_gate_refuses_is_computed_again_apart(calls):
+    """A NaN: refused, then computed apart, which names its row; nothing applied, the forward
+    pass's counter put back."""
+    model = build()
+    trainer, sess = quiet_trainer(model, v1.train.AdamOptimizer(0.01))
+    data = batches(0, 2, 16)
+    trainer.step(sess, [model.feed(data[0])])
+    before = model.values(sess)
+    bad = dict(data[1], x=data[1]["x"].copy())
+    bad["x"][5, 0] = np.nan
+    with pytest.raises(hostavg.StepError, match="sample 5"):
+        trainer.step(sess, [model.feed(bad)])
+    # (then the culprit search computes its parts)
+    assert calls["compute_apply"] == calls["refused"] == 1 and calls["apply"] == 1
+    assert calls["compute"] > 2
+    after = model.values(sess)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)

@@ -43,6 +43,7 @@ class Distributed:
 
     #: Each rank holds its own micro-batches only.
     sees_every_micro_batch = False
+    passes_one_through = False  # the mean is every rank's
 
     def __init__(self, comm):
         try:

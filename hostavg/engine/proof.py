@@ -22,10 +22,15 @@ import ml_dtypes
 from hostavg.core.bounds import UpdateBound, sparse_factor
 from hostavg.core.gradients import SparseGradient, VariableSpec
 
-__all__ = ["EVERY", "Proof"]
+__all__ = ["ALLOWANCES", "EVERY", "Proof"]
 
 #: Proven applies between two checked ones that measure again.
 EVERY = 100
+
+#: The multiples of the last apply's gradient bound that :meth:`Proof.allowance` tries, the
+#: largest first: a gradient up to 4 times the last one's norm is still applied in the
+#: compute's call.
+ALLOWANCES = (4.0, 1.25)
 
 #: target -> every Proof of it (of every trainer), to tell those that share a variable.
 _PROOFS = weakref.WeakKeyDictionary()
@@ -57,9 +62,14 @@ class Proof:
         # lost from its squared norm (flushed to 0 on the device, or summed in that dtype).
         self._floor = max(math.sqrt(float(f.tiny)) for f in info)
         self._sparse = [n for n, s in spec.items() if s.sparse]
+        # sqrt(rows) of the sparse variable with the most: the most a gradient's rows repeat
+        self._rows = max((sparse_factor(s.shape[0]) for s in spec.values() if s.sparse),
+                         default=1.0)
         self.bounds: dict | None = None  # role -> bound
         self.since = 0  # proven applies since the bounds were measured
         self._pending: dict | None = None
+        self._allowed: dict | None = None  # the bounds after an apply at the allowance
+        self._last: float | None = None  # the last gradient bound made of a mean
         self._sharing = weakref.WeakSet()  # other proofs of the target bounding a variable of mine
         if target is not None:
             self._share(target)
@@ -87,10 +97,7 @@ class Proof:
         is, the bounds after it wait for :meth:`applied`. The gradient's bound is the norm of
         all of it (at least any variable's), times the repeats a sparse one's rows may sum."""
         self._pending = None
-        if self.measuring or sq_norms is None:
-            return False
-        lr = self.bound.learning_rate(feed)
-        if lr is None or not math.isfinite(lr):
+        if sq_norms is None:
             return False
         try:
             g = math.sqrt(math.fsum(sq_norms.values())) + self._floor
@@ -99,13 +106,50 @@ class Proof:
         if self._sparse:
             g *= max(sparse_factor(len(mean[n].indices)) if isinstance(mean[n], SparseGradient)
                      else 1.0 for n in self._sparse)
+        self._last = g
+        self._pending = self._admitted(g, feed)
+        return self._pending is not None
+
+    def allowance(self, feed: Mapping) -> float | None:
+        """What an apply fed ``feed`` that must be allowed before its gradient is known
+        (:class:`~hostavg.engine.protocols.Fused`) is allowed: the largest L2 norm of its
+        gradient (times sqrt(rows) of its sparse part with the most) under which it is proven,
+        found among a few multiples of the last apply's gradient bound (:data:`ALLOWANCES`);
+        None where none proves it, or the bounds are being measured. The bounds after it
+        wait for :meth:`settled`."""
+        self._pending = self._allowed = None
+        if self._last is None:
+            return None
+        for factor in ALLOWANCES:
+            g = self._last * factor
+            self._allowed = self._admitted(g, feed)
+            if self._allowed is not None:
+                # (the floor that proves adds, and the rounding of the norm where it is made)
+                return (g - self._floor * self._rows) * (1 - 1e-9)
+        return None
+
+    def settled(self, mean: Mapping, sq_norms: Mapping[str, float], feed: Mapping) -> None:
+        """After an apply that :meth:`allowance` allowed went through: the bounds after it, for
+        :meth:`applied`, from its actual gradient ``mean`` (tighter), or the allowance's where
+        the host's rounding of that gradient's norm disagrees."""
+        allowed = self._allowed
+        if not self.proves(mean, sq_norms, feed):
+            self._pending = allowed
+
+    def _admitted(self, g: float, feed: Mapping) -> dict | None:
+        """The bounds after an apply fed ``feed`` of a gradient bounded by ``g``, where the rule
+        proves every one of them (and every value formed on the way) within :attr:`limit`;
+        else None."""
+        if self.measuring:
+            return None
+        lr = self.bound.learning_rate(feed)
+        if lr is None or not math.isfinite(lr):
+            return None
         new, formed = self.bound.rule.advance(self.bounds, g, lr, self.eps)
         limit = self.limit
         ok = g <= limit and all(x <= limit for x in new.values()) and \
             all(x <= limit for x in formed)  # (False for a NaN)
-        if ok:
-            self._pending = new
-        return ok
+        return new if ok else None
 
     def applied(self, magnitudes: Mapping[str, float] | None) -> None:
         """After an apply went through: the bounds become its ``magnitudes`` (name in

@@ -15,7 +15,7 @@ from hostavg.core.stats import update_ratio
 
 __all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "ApplyRequest", "Applied", "Average", "Backend",
            "Bounded",
-           "Computed", "HostAverage", "NotVectorized", "SampleStats", "SampleSums", "Tally",
+           "Computed", "Fused", "HostAverage", "NotVectorized", "SampleStats", "SampleSums", "Tally",
            "Vectorized"]
 
 
@@ -203,6 +203,26 @@ class Bounded(Protocol):
         apply is checked on the device)."""
 
 
+class Fused(Protocol):
+    """What a backend may add so that a step of one micro-batch costs one call: its compute and
+    its apply together, the apply unchecked and gated on the device by what the engine allows
+    (:meth:`~hostavg.engine.step.Engine.step`; the engine asks only where no hook, statistic
+    or measurement must see the gradient before the apply)."""
+
+    #: Whether the backend's applies are checked (``check_applied``): then the engine allows
+    #: a fused apply only the gradient bound its proof gives (:meth:`Proof.allowance
+    #: <hostavg.engine.proof.Proof.allowance>`); else any finite gradient.
+    checks: bool
+
+    def compute_apply(self, feed, allowance: float) -> tuple[Computed, Applied] | None:
+        """:meth:`Backend.compute` of ``feed`` and, in the same call, the unchecked apply of its
+        gradients, which runs only where its loss is a finite scalar and the L2 norm of all
+        its gradients, times sqrt(rows) of its sparse one with the most, is at most
+        ``allowance`` (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`): (what the compute gave, what the apply reported). None
+        where the apply did not run (refused, or the call failed before it): what the compute
+        assigns may have moved; the engine restores it and computes again apart."""
+
+
 class Backend(Protocol):
     """What the engine needs of a framework: one model, bound to where its values live.
 
@@ -336,6 +356,9 @@ class Average(Protocol):
     #: Whether this process holds every micro-batch of the step (then the
     #: statistics that need every micro-batch's gradients can be computed).
     sees_every_micro_batch: bool
+    #: Whether the mean of a step of one micro-batch is that micro-batch's gradient itself,
+    #: computed by nobody (then a :class:`Fused` backend may apply it in its compute's call).
+    passes_one_through: bool
 
     def begin(self, backend: Backend) -> None:
         """Called before each step (over MPI: the first step of a target takes rank 0's values)."""
@@ -360,6 +383,7 @@ class HostAverage:
     """One process; the mean is computed on the host with NumPy."""
 
     sees_every_micro_batch = True
+    passes_one_through = True
 
     def begin(self, backend: Backend) -> None:
         pass

@@ -117,6 +117,10 @@ class Engine:
         widest = all(accumulation_dtype(s.dtype, self._acc.accum_dtype).itemsize >= 8
                      for s in spec.values())
         self._overflow_hint = CAST_HINT if widest else OVERFLOW_HINT
+        # The mean of one micro-batch is its gradient exactly: no accumulation dtype rounds it.
+        self._exact_one = all(np.can_cast(s.dtype, accumulation_dtype(s.dtype,
+                                                                      self._acc.accum_dtype))
+                              for s in spec.values())
         self._busy = threading.Lock()
         # target -> its Proof (None: its backend proves nothing), kept as long as the target.
         self._proofs = weakref.WeakKeyDictionary()
@@ -150,6 +154,10 @@ class Engine:
         self._freeze_hooks = methods(hooks, "frozen")
         self._batch_hooks = methods(hooks, "on_step_batch")
         self._sample_hooks = methods(hooks, "skip_samples")
+        # A hook that sees a step before its apply, or asks what the apply measures.
+        self._before_apply = bool(self._micro_hooks or self._step_hooks or self._ratio_hooks
+                                  or self._freeze_hooks or self._batch_hooks
+                                  or self._sample_hooks)
 
     @contextlib.contextmanager
     def hooked(self, extra: Sequence):
@@ -369,7 +377,8 @@ class Engine:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
         checked, sq = self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
         return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
-                       *self._measured(backend, batches, result, after), sq_norms=sq)
+                       *self._measured(backend, batches, result, after), sq_norms=sq,
+                       fused=log.fused)
 
     def _measured(self, backend, batches: list, result: StepResult, step: int) -> tuple:
         """Shows the step's own micro-batches to the ``on_step_batch`` hooks, at the step's
@@ -401,6 +410,7 @@ class Engine:
                                   emptied=frozenset() if skipping is None else skipping.emptied)
                 held = [b.feed for b in batches if b.feed is not None]
                 apply_feed = backend.apply_feed(held, "step") if held else None
+                log.fused = self._fusing(backend, snapshot, batches, apply_feed, log)
                 global_step, log = self._computed(backend, snapshot, batches, log)
             except HostavgError as e:
                 if skipping is None or not skipping.leave_out(e, self._chosen(e)):
@@ -413,6 +423,26 @@ class Engine:
             if skipping is not None:
                 log.micro = [replace(m, skipped=skipping.skipped[m.index]) for m in log.micro]
             return batches, apply_feed, global_step, log
+
+    def _fusing(self, backend, snapshot, batches: list[Prepared], apply_feed,
+                log: _StepLog) -> _Fused | None:
+        """Where the step's one micro-batch is computed and applied in one call
+        (:class:`~hostavg.engine.protocols.Fused`), its :class:`_Fused` (what its apply is
+        allowed); else None. Only where nothing must see the gradient before the apply (no
+        hook that looks before it, no statistics, no measured apply, no earlier try) and
+        the mean is that gradient itself; an apply that checks is allowed what its proof
+        gives (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`)."""
+        if (len(batches) != 1 or batches[0].feed is None or log.flagged or self._before_apply
+                or self.statistics or self.update_ratios_every or self.distributions_every
+                or not self._exact_one or not self.average.passes_one_through
+                or backend.nonfinite != "refuse"
+                or not callable(getattr(backend, "compute_apply", None))):
+            return None
+        allowance = math.inf
+        if backend.checks:
+            proof = self.proof_of(backend)
+            allowance = None if proof is None else proof.allowance(apply_feed)
+        return None if allowance is None else _Fused(allowance, snapshot)
 
     def _chosen(self, error: HostavgError) -> tuple:
         """The culprit samples of ``error`` that the ``skip_samples`` hooks leave out: what any
@@ -450,10 +480,9 @@ class Engine:
         the rollback variables, restored when its micro-batch is dropped (a computation in
         flight, which ran after it, is then computed again).
 
-        Once every micro-batch has run (none is computing any more), the culprit samples
-        of each one whose own loss or gradients were non-finite are looked for
-        (:mod:`hostavg.engine.culprits`): named in the error of the one that failed the
-        step, kept as ``MicroBatch.culprits`` of those that hooks dropped.
+        Once every micro-batch has run, the culprit samples of each one whose own loss or
+        gradients were non-finite are looked for (:mod:`hostavg.engine.culprits`): named in the
+        error of the one that failed the step, kept as ``MicroBatch.culprits`` of dropped ones.
         """
         keep = self._may_drop or bool(log.searched)
         whole = sum(batch.size for batch in batches)
@@ -467,7 +496,7 @@ class Engine:
             except HostavgError as e:
                 raise type(e)(f"step, {batch.where}: {e}") from e.__cause__
             return before, self._compute(backend, batch.feed, batch.size, f"step, {batch.where}",
-                                         whole)
+                                         whole, log.fused)
 
         pool = None
         if self.overlap and len(batches) > 1:
@@ -643,11 +672,27 @@ class Engine:
                                     culprits=found, outlier=outlier))
         return global_step
 
-    def _compute(self, backend, feed, n: int, where: str,
-                 whole: int | None = None) -> tuple[Gradients, int, tuple]:
+    def _fused_compute(self, backend, feed, n: int, where: str, fused: _Fused) -> tuple:
+        """:meth:`_compute` of a step's one micro-batch, applied in the same call where the
+        backend's gate lets it (``fused.applied``); where it does not, what that call assigned
+        is restored and the micro-batch computed again alone, its apply to follow apart. From
+        this call on, a signal waits for the step (:func:`~hostavg.engine.signals.hold`)."""
+        hold()
+        done = backend.compute_apply(feed, fused.allowance)
+        if done is None:
+            backend.restore(fused.snapshot)
+            return self._compute(backend, feed, n, where, n)
+        computed, fused.applied = done
+        return self._gradients(computed, n)
+
+    def _compute(self, backend, feed, n: int, where: str, whole: int | None = None,
+                 fused: _Fused | None = None) -> tuple[Gradients, int, tuple]:
         """Micro-batch ``where``'s gradients, the global step and what else it fetched.
         ``whole``: the samples of the batch it was cut from; an error that shows a shape built
-        from them says so."""
+        from them says so. ``fused``: a step's one micro-batch, computed and applied in one
+        call (:meth:`_fused_compute`)."""
+        if fused is not None:
+            return self._fused_compute(backend, feed, n, where, fused)
         try:
             out = backend.compute(feed, n / whole if whole else 1.0)
         except HostavgError as e:
@@ -664,8 +709,29 @@ class Engine:
         if np.ndim(out.loss) != 0:
             raise StepError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
                             f"reduce it with {backend.advice['mean_op']}")
+        return self._gradients(out, n)
+
+    @staticmethod
+    def _gradients(out, n: int) -> tuple[Gradients, int, tuple]:
+        """(the :class:`Gradients` of ``out``, a :class:`Computed` of ``n`` samples, its global
+        step, what else it fetched)."""
         return Gradients(out.grads, loss=float(out.loss), size=n, sq_norms=out.sq_norms), \
             out.global_step, out.fetched
+
+
+class _Fused:
+    """A step of one micro-batch computed and applied in one call (:meth:`Engine._fusing`).
+
+    Attributes:
+      allowance: the gradient bound under which the apply runs in the compute's call.
+      snapshot: the step's rollback snapshot, restored where it does not.
+      applied: what that apply reported, once it ran; else None.
+    """
+
+    __slots__ = ("allowance", "snapshot", "applied")
+
+    def __init__(self, allowance: float, snapshot):
+        self.allowance, self.snapshot, self.applied = allowance, snapshot, None
 
 
 class _StepLog:
@@ -693,10 +759,12 @@ class _StepLog:
         computed again without those a search's ``then`` dropped; else None.
       dropping: index -> why, of each one a search's ``then`` dropped (the step is then
         computed again without them).
+      fused: the :class:`_Fused` of a step whose one micro-batch is computed and applied
+        in one call, or None.
     """
 
     __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "asked", "weighed",
-                 "failed", "raised", "flagged", "searched", "dropping")
+                 "failed", "raised", "flagged", "searched", "dropping", "fused")
 
     def __init__(self, keep: bool, flagged: Mapping, searched: Mapping | None = None):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
@@ -704,6 +772,7 @@ class _StepLog:
         self.kept = [] if keep else None
         self.failed = self.raised = None
         self.weighed, self.flagged, self.searched = False, flagged, searched
+        self.fused = None
 
     def again(self) -> _StepLog:
         """The log of the step computed again without the micro-batches ``dropping`` names."""
@@ -762,6 +831,8 @@ class Pending(NamedTuple):
         hooks that measured on it before the apply (``on_step_batch``), which measure on it
         again after (``on_applied_batch``); None and () where none did.
       sq_norms: name -> the squared norm of ``mean``'s value, where it was checked finite.
+      fused: the step's :class:`_Fused` where its one micro-batch was computed in a call
+        that may apply it too (its ``applied``: the apply went through there); else None.
     """
 
     engine: Engine
@@ -774,6 +845,7 @@ class Pending(NamedTuple):
     measure: StepBatch | None = None
     measuring: tuple = ()
     sq_norms: dict | None = None
+    fused: _Fused | None = None
 
 
 class Retry(NamedTuple):
@@ -898,7 +970,8 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
     held = frozen.held(backend, frozen.named(engine._freeze_hooks, after, engine.spec))
     applied, proven = _proven_apply(engine, backend, pending.mean, pending.sq_norms, pending.feed,
                                     ApplyRequest(ratios=asked or (bool(every) and after % every == 0),
-                                                 values=kept_distributions or bool(pending.measuring)))
+                                                 values=kept_distributions or bool(pending.measuring)),
+                                    pending.fused)
     if held is not None and not applied.nonfinite:  # (an apply gone non-finite undid itself)
         applied = held.put_back(backend, applied)
     if applied.nonfinite:
@@ -922,13 +995,19 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
 
 
 def _proven_apply(engine: Engine, backend: Backend, mean: dict, sq_norms: dict | None, feed,
-                  request: ApplyRequest) -> tuple:
+                  request: ApplyRequest, fused: _Fused | None = None) -> tuple:
     """(what ``backend.apply`` of ``mean`` asked for ``request`` did, whether it ran unchecked
     since the host proved it finite): proven applies run unchecked, the others checked and
     measuring the bounds again (:mod:`~hostavg.engine.proof`); the bounds move with every apply
     that went through. (A backend may check a proven apply all the same, as Keras does one
-    that measures the update ratios: it then measures.)"""
+    that measures the update ratios: it then measures.) An apply that ran in its compute's
+    call (``fused.applied``) was proven by its allowance: the bounds move by its gradient."""
     proof = engine.proof_of(backend)
+    if fused is not None and fused.applied is not None:
+        if proof is not None:
+            proof.settled(mean, sq_norms, feed)
+            proof.applied(None)
+        return fused.applied, proof is not None
     proven = proof is not None and proof.proves(mean, sq_norms, feed)
     applied = backend.apply(mean, feed, request._replace(
         proven=proven, magnitudes=proof is not None and not proven))

@@ -18,6 +18,8 @@ v1 = tf.compat.v1
 class GraphAverage(HostAverage):
     """average="graph": the mean computed by the trainer's small averaging graph, in the step's session."""
 
+    passes_one_through = False  # even of one micro-batch: (w g) / w in the session
+
     def __init__(self, wiring):
         self._reducer = wiring.reducer
 

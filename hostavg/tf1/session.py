@@ -115,6 +115,19 @@ class SessionBackend:
         with _session_errors("compute"):
             return self.wiring.compute(self.session, feed, self.fetches)
 
+    @property
+    def checks(self) -> bool:
+        """Whether applies are checked (``check_applied``): :class:`~hostavg.engine.protocols.Fused`."""
+        return self.wiring.checks
+
+    def compute_apply(self, feed: dict, allowance: float) -> tuple | None:
+        """One micro-batch's session call that applies it too where its gate lets it
+        (:class:`~hostavg.engine.protocols.Fused`); None with more fetches to run
+        (``fetches``), which the apply would have to wait for."""
+        if self.fetches:
+            return None
+        return self.wiring.compute_apply(self.session, feed, allowance)
+
     def hvp(self, feed: dict, vector) -> tuple:
         with _session_errors("hvp"):
             return self.wiring.hvp(self.session, feed, vector)

@@ -61,7 +61,7 @@ class Wiring:
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
                  session_threads: str = "pool", check_applied: bool = True):
-        self.graph, self.loss = loss.graph, loss
+        self.graph, self.loss, self.checks = loss.graph, loss, check_applied
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
             self.increment = 1 if increment_global_step else 0
@@ -71,7 +71,8 @@ class Wiring:
             self.names = [v.op.name for v in self.trained]
             self.spec = _variable_specs(pairs)
             self._grads = [g for g, _ in pairs]
-            self._fetches = _compute_fetches(loss, self.global_step, self._grads, self.update_ops)
+            self._fetches, self._coalesced = _compute_fetches(loss, self.global_step, self._grads,
+                                                              self.update_ops)
             # What a failed step must restore: every variable the compute call may assign, read
             # into values of their own (a reference variable's read_value() is its buffer,
             # which the next compute's UPDATE_OPS assign in place).
@@ -111,6 +112,7 @@ class Wiring:
                                           unchecked_before, self.learning_rate, None),
                     measuring=self._apply_fetches.measuring_too(
                         checked_op, measured_train_op, self._measured_variables()))
+            self._fused = self._fuse(optimizer, step) if average == "host" else None
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -130,6 +132,71 @@ class Wiring:
         place) and read-only, None for an operation.
         """
         out = self._callables.get(sess, self._with(fetches), tuple(feed))(*feed.values())
+        return self._computed(out, fetches)
+
+    def compute_apply(self, sess, feed: dict, allowance: float) -> tuple | None:
+        """:meth:`compute` of ``feed`` and, in the same session call, the train op run unchecked
+        on its gradients (sparse rows coalesced, as an apply of them is fed), where the gate
+        of :meth:`_fuse` lets it: ``(Computed, Applied)``; None where it did not, or the call
+        failed (nothing applied), or the mean is averaged in the graph."""
+        if self._fused is None:
+            return None
+        fetches, placeholder = self._fused
+        try:
+            out = self._callables.get(sess, fetches, (*feed, placeholder))(*feed.values(),
+                                                                            allowance)
+        except (tf.errors.OpError, ValueError, TypeError):  # the gate's, or the compute's own
+            return None  # (the apply waits for the gate, which waits for every compute fetch)
+        k = self._tensors
+        rate = None if self.learning_rate is None else float(out[k + 1])
+        return self._computed(out[:k], ()), Applied(int(out[k]), learning_rate=rate)
+
+    def _fuse(self, optimizer, step) -> tuple:
+        """What :meth:`compute_apply` runs: (the compute's fetches, then the global step after
+        another apply op of ``optimizer`` (its slots) run on their gradients, and the learning
+        rate; the placeholder of the allowance). Its gradients wait for the gate: an
+        assertion, after every compute fetch and the UPDATE_OPS, that the loss is a finite
+        scalar and the L2 norm of all the gradients (squares reduced in float64), times
+        sqrt(rows) of the sparse one with the most, is at most the allowance
+        (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`). Built with the
+        trainer: an op made a control input once a session ran it is changed after its run."""
+        with tf.name_scope("hostavg_fused"):
+            allowance = v1.placeholder(tf.float64, (), name="allowance")
+            k = len(self._grads)
+            squares = self._fetches[2 + len(_flat(self._coalesced)):][:k]
+            total = tf.add_n([tf.cast(q, tf.float64) for q in squares])
+            rows = [tf.size(g.indices) for g in self._coalesced if isinstance(g, tf.IndexedSlices)]
+            factor = tf.sqrt(tf.cast(tf.maximum(tf.reduce_max(tf.stack(rows)), 1), tf.float64)) \
+                if rows else tf.constant(1.0, tf.float64)
+            loss = self._fetches[0]
+            ok = tf.logical_and(tf.equal(tf.rank(loss), 0),
+                                tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32))))
+            ok = tf.logical_and(ok, tf.logical_and(tf.math.is_finite(total),
+                                                   tf.sqrt(total) * factor <= allowance))
+            before = [f for f in self._fetches if isinstance(f, tf.Operation)] + \
+                [self._fetches[1]]
+            with tf.control_dependencies(before):
+                gate = tf.debugging.Assert(ok, ["hostavg: the fused apply is not allowed"],
+                                           name="gate")
+            with tf.control_dependencies([gate]):
+                gated = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices),
+                                          g.dense_shape)
+                         if isinstance(g, tf.IndexedSlices) else tf.identity(g)
+                         for g in self._coalesced]
+                train_op = optimizer.apply_gradients(
+                    _applied(zip(gated, self.trained), _densifies_sparse(optimizer)),
+                    global_step=step)
+            with tf.control_dependencies([train_op]):
+                after = [self.global_step.read_value()]
+            if self.learning_rate is not None:
+                after.append(tf.identity(self.learning_rate))
+        tensors = [f for f in self._fetches if isinstance(f, tf.Tensor)]
+        ops = [f for f in self._fetches if isinstance(f, tf.Operation)]
+        return tensors + after + ops, allowance
+
+    def _computed(self, out: list, fetches: tuple) -> Computed:
+        """The :class:`Computed` of a compute call's outputs ``out`` (``fetches``: the more
+        tensors it ran)."""
         got = iter(out[2:])
         values = {}
         for name, g in zip(self.names, self._grads):
@@ -311,10 +378,10 @@ def _variable_specs(pairs) -> dict:
                                     isinstance(g, tf.IndexedSlices)) for g, v in pairs}
 
 
-def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> list:
+def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> tuple[list, list]:
     """What a micro-batch's compute fetches: the loss, the global step, each gradient (a
     sparse one coalesced, as its indices and values), each gradient's squared norm, and the
-    UPDATE_OPS.
+    UPDATE_OPS; and the gradients as fetched (the sparse ones coalesced).
 
     Sparse rows leave the session coalesced (sorted, unique, duplicates summed) by the same
     ops whatever the micro-batch, so that a gradient depends only on its feed and weights,
@@ -333,7 +400,7 @@ def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> list:
                     for g in fetched]
     if update_ops:
         fetches.append(tf.group(*update_ops, name="hostavg_update_ops"))
-    return fetches
+    return fetches, fetched
 
 
 def _apply_feeds(grads: list) -> tuple:

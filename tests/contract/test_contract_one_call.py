@@ -1,0 +1,110 @@
+"""A step of one micro-batch, computed and applied in one call, is the step computed apart.
+
+Where nothing must see a step's gradient before its apply (no hook that looks before it, no
+statistics, no measured apply), a backend that can (hostavg.engine.protocols.Fused; TF1)
+runs the compute and the apply of a step of one micro-batch in one call, the apply gated on
+the device by what the host-side proof allows. Such a step must be the step computed and
+applied apart, bit for bit, results and state: a hook that looks and changes nothing makes
+every step run apart. A micro-batch the gate refuses (a NaN, a gradient larger than the
+proof allows) is computed again apart: the same error naming the same rows, the same state
+kept, or the same checked apply.
+"""
+
+import numpy as np
+import pytest
+from backends import BATCH, message_with_notes, same
+from models import batches
+
+import hostavg
+from hostavg.compat import public_api_only
+
+QUIET = {"watch_outliers": False, "diagnose": False}
+
+
+class Looking:
+    """Looks at every micro-batch before the apply and changes nothing: its trainer's steps
+    are computed and applied apart."""
+
+    drops = False
+
+    def on_micro_batch(self, micro):
+        return None
+
+
+def twins(backend, model="mlp", optimizer="adam", **kw):
+    """Two trainers of the same model from the same weights: the second's steps run apart."""
+    return (backend.make(model, optimizer, **QUIET, **kw),
+            backend.make(model, optimizer, hooks=[Looking()], **QUIET, **kw))
+
+
+def assert_same_step(a, b):
+    """Two StepResults of the same step: every number the same, bit for bit."""
+    assert (a.step, a.loss, a.size, a.proven, a.learning_rate, a.skipped) == \
+        (b.step, b.loss, b.size, b.proven, b.learning_rate, b.skipped)
+    assert (a.stats.grad_norm, a.stats.micro_norms, a.stats.variable_norms) == \
+        (b.stats.grad_norm, b.stats.micro_norms, b.stats.variable_norms)
+    for name in a.grads:
+        x, y = a.grads[name], b.grads[name]
+        if isinstance(x, hostavg.SparseGradient):
+            np.testing.assert_array_equal(x.indices, y.indices)
+            x, y = x.values, y.values
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "momentum"])
+@pytest.mark.parametrize("model", ["mlp", "embedding", "batchnorm"])
+def test_a_step_of_one_micro_batch_is_the_step_computed_and_applied_apart(
+        backend, model, optimizer, check):
+    one, apart = twins(backend, model, optimizer, check_applied=check)
+    results = []
+    for d in batches(0, 5, BATCH, sparse=model == "embedding"):
+        a, b = one.step([one.native(d)]), apart.step([apart.native(d)])
+        assert_same_step(a, b)
+        results.append(a)
+        same(one.values(), apart.values())
+    assert [r.step for r in results] == [1, 2, 3, 4, 5]
+    if check and not (backend.id == "tf1" and public_api_only()):
+        assert [r.proven for r in results] == [False] + [True] * 4
+
+
+def test_a_non_finite_sample_fails_the_step_naming_its_row_and_changes_nothing(backend):
+    """The gate refuses the NaN: nothing applied, moving statistics put back, the row named."""
+    one, apart = twins(backend, "batchnorm")
+    data = batches(4, 3, BATCH)
+    for face in (one, apart):
+        face.step([face.native(data[0])])
+        face.step([face.native(data[1])])
+    poisoned = dict(data[2], x=data[2]["x"].copy())
+    poisoned["x"][7, 1] = np.nan
+    rows = np.arange(100, 100 + BATCH)
+    said = []
+    for face in (one, apart):
+        before = face.values()
+        with pytest.raises(hostavg.StepError) as raised:
+            face.step([face.native(poisoned)], rows=[rows])
+        same(face.values(), before)
+        said.append(message_with_notes(raised.value))
+        assert "data row 107" in said[-1], said[-1]
+    assert said[0] == said[1]
+    for face in (one, apart):  # and both step on alike
+        result = face.step([face.native(data[2])])
+    same(one.values(), apart.values())
+    assert result.step == 3
+
+
+def test_a_gradient_larger_than_the_proof_allows_is_applied_apart(backend):
+    """A micro-batch whose gradient is about 1e6 times the last one's: the gate refuses it
+    (the proof allowed a few times the last), so it is computed again and applied apart,
+    proven by its own norm: the same step as computed apart."""
+    one, apart = twins(backend)
+    data = batches(6, 3, BATCH)
+    loud = dict(data[2], x=data[2]["x"] * np.float32(1e6))
+    results = []
+    for d in (data[0], data[1], loud, data[1]):
+        a, b = one.step([one.native(d)]), apart.step([apart.native(d)])
+        assert_same_step(a, b)
+        results.append(a)
+        same(one.values(), apart.values())
+    if not (backend.id == "tf1" and public_api_only()):
+        assert [r.proven for r in results] == [False, True, True, True]
