@@ -308,17 +308,19 @@ class Engine:
         """Tells the averaging that the loop around the steps ends with ``error`` (see :meth:`Average.abandon`)."""
         self.average.abandon(error)
 
-    def _step(self, backend, snapshot, feeds, sizes, rows, flagged: Mapping) -> Pending:
+    def _step(self, backend, snapshot, feeds, sizes, rows, flagged: Mapping,
+              lone: bool = True) -> Pending:
         """Steps 2-5 of a step from ``snapshot``: its :class:`Pending` apply. ``flagged``: index
         -> :class:`~hostavg.engine.overflow.Overflow` of the micro-batches that drove an
-        earlier try of this step's apply non-finite."""
+        earlier try of this step's apply non-finite. ``lone``: no other trainer's step is
+        computed before this one is applied (else no apply runs in a compute's call)."""
         acc, log = self._acc, _StepLog(self._keep_micro, flagged)
         batches = []
         acc.reset()
         micro = log.micro
         try:
             batches, apply_feed, global_step, log = self._tried(backend, snapshot, feeds, sizes,
-                                                                 rows, log)
+                                                                 rows, log, lone)
             micro = log.micro
             error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
                                        acc.total_weight, acc.loss_sum,
@@ -398,7 +400,7 @@ class Engine:
                 measuring.append(hook)
         return batch, tuple(measuring)
 
-    def _tried(self, backend, snapshot, feeds, sizes, rows, log: _StepLog) -> tuple:
+    def _tried(self, backend, snapshot, feeds, sizes, rows, log: _StepLog, lone: bool) -> tuple:
         """The step's micro-batches prepared and :meth:`_computed`: (them, what the apply is fed,
         the global step, the log). Where samples it names fail it and ``skip_samples`` hooks
         choose to leave some of them out, it is tried again from ``snapshot`` without them
@@ -410,7 +412,8 @@ class Engine:
                                   emptied=frozenset() if skipping is None else skipping.emptied)
                 held = [b.feed for b in batches if b.feed is not None]
                 apply_feed = backend.apply_feed(held, "step") if held else None
-                log.fused = self._fusing(backend, snapshot, batches, apply_feed, log)
+                log.fused = self._fusing(backend, snapshot, batches, apply_feed, log) if lone \
+                    else None
                 global_step, log = self._computed(backend, snapshot, batches, log)
             except HostavgError as e:
                 if skipping is None or not skipping.leave_out(e, self._chosen(e)):
@@ -879,7 +882,8 @@ def _try(steps: Sequence[tuple], flagged: Mapping) -> list[StepResult] | Retry:
                     snapshot = backend.snapshot()
                     taken.append((backend, snapshot))
                     pending.append(engine._step(backend, snapshot, feeds, sizes,
-                                                rows[0] if rows else None, flagged.get(k, {})))
+                                                rows[0] if rows else None, flagged.get(k, {}),
+                                                lone=len(steps) == 1))
                 hold()  # from here on a signal waits for the steps to be returned whole
                 for k, one in enumerate(pending):
                     applied = _applied(one, k, results, len(pending))

@@ -164,9 +164,9 @@ class Backend:
         left out of training; returns :meth:`Face.values` afterwards."""
         raise NotImplementedError
 
-    def pair(self, hooks=((), ())) -> tuple[Face, Face]:
+    def pair(self, hooks=((), ()), **trainer_kw) -> tuple[Face, Face]:
         """Two faces whose trainers can step together (:meth:`step_together`), with ``hooks``
-        (one list per trainer)."""
+        (one list per trainer) and ``trainer_kw``."""
         raise NotImplementedError
 
     def step_together(self, steps: list) -> list:
@@ -232,16 +232,17 @@ class TF1(Backend):
     def oracle(self, model, optimizer, data, untrained=()):
         return full_batch(OPTIMIZERS[optimizer], data, untrained=untrained, **self.BUILD[model])
 
-    def pair(self, hooks=((), ())):
+    def pair(self, hooks=((), ()), **trainer_kw):
         """Two trainers of one graph, a GAN's two networks: the hidden layer's and the output
         layer's, each with its own Adam; the second leaves the global step alone."""
         built, loss = self._model("mlp")
         with built.graph.as_default():
             hidden = [v for v in v1.trainable_variables() if v.op.name.startswith("hidden/")]
             out = [v for v in v1.trainable_variables() if v.op.name.startswith("out/")]
-            first = hostavg.Trainer(loss, make_optimizer("adam"), hidden, hooks=hooks[0])
+            first = hostavg.Trainer(loss, make_optimizer("adam"), hidden, hooks=hooks[0],
+                                    **trainer_kw)
             second = hostavg.Trainer(loss, make_optimizer("adam"), out, increment_global_step=False,
-                                     hooks=hooks[1])
+                                     hooks=hooks[1], **trainer_kw)
             init = v1.global_variables_initializer()
         sess = v1.Session(graph=built.graph)
         sess.run(init)
@@ -366,8 +367,8 @@ class Keras(Backend):
                 built.train_on_batch(*keras_batch(d))
         return keras_values(built, opt)
 
-    def pair(self, hooks=((), ())):
-        return self.make(hooks=hooks[0]), self.make(hooks=hooks[1])
+    def pair(self, hooks=((), ()), **trainer_kw):
+        return self.make(hooks=hooks[0], **trainer_kw), self.make(hooks=hooks[1], **trainer_kw)
 
     def step_together(self, steps):
         return hostavg.keras.step_together([(face.trainer, micro) for face, micro in steps])

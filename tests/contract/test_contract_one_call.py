@@ -108,3 +108,17 @@ def test_a_gradient_larger_than_the_proof_allows_is_applied_apart(backend):
         same(one.values(), apart.values())
     if not (backend.id == "tf1" and public_api_only()):
         assert [r.proven for r in results] == [False, True, True, True]
+
+
+def test_trainers_stepped_together_both_compute_before_either_applies(backend):
+    """step_together of two trainers of one micro-batch each: neither applies in its compute's
+    call, so the second computes from the weights the first did."""
+    a, b = backend.pair(**QUIET)
+    c, d = backend.pair(**QUIET)
+    for data in batches(12, 3, BATCH):
+        backend.step_together([(a, [a.native(data)]), (b, [b.native(data)])])
+        means = [face.mean([face.native(data)]) for face in (c, d)]  # both from the same weights
+        for face, mean in zip((c, d), means):
+            face.apply(mean)
+    same(a.values(), c.values())
+    same(b.values(), d.values())
