@@ -14,9 +14,8 @@ from hostavg.core.gradients import VariableSpec
 from hostavg.core.stats import update_ratio
 
 __all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "ApplyRequest", "Applied", "Average", "Backend",
-           "Bounded",
-           "Computed", "Fused", "HostAverage", "NotVectorized", "SampleStats", "SampleSums", "Tally",
-           "Vectorized"]
+           "Bounded", "Computed", "Fused", "HostAverage", "NotVectorized", "SampleStats",
+           "SampleSums", "Tally", "Vectorized"]
 
 
 #: Where a trainer computes the mean of the accumulated gradients. "host":
@@ -218,9 +217,10 @@ class Fused(Protocol):
         """:meth:`Backend.compute` of ``feed`` and, in the same call, the unchecked apply of its
         gradients, which runs only where its loss is a finite scalar and the L2 norm of all
         its gradients, times sqrt(rows) of its sparse one with the most, is at most
-        ``allowance`` (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`): (what the compute gave, what the apply reported). None
-        where the apply did not run (refused, or the call failed before it): what the compute
-        assigns may have moved; the engine restores it and computes again apart."""
+        ``allowance`` (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`): (what
+        the compute gave, what the apply reported). None where the apply did not run (refused,
+        or the call failed before it): what the compute assigns may have moved; the engine
+        restores it and computes again apart."""
 
 
 class Backend(Protocol):

@@ -972,10 +972,10 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
                 for hook, wants in engine._ratio_hooks)
     kept_distributions = bool(seen) and after % seen == 0
     held = frozen.held(backend, frozen.named(engine._freeze_hooks, after, engine.spec))
+    request = ApplyRequest(ratios=asked or (bool(every) and after % every == 0),
+                           values=kept_distributions or bool(pending.measuring))
     applied, proven = _proven_apply(engine, backend, pending.mean, pending.sq_norms, pending.feed,
-                                    ApplyRequest(ratios=asked or (bool(every) and after % every == 0),
-                                                 values=kept_distributions or bool(pending.measuring)),
-                                    pending.fused)
+                                    request, pending.fused)
     if held is not None and not applied.nonfinite:  # (an apply gone non-finite undid itself)
         applied = held.put_back(backend, applied)
     if applied.nonfinite:

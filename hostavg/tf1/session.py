@@ -117,7 +117,8 @@ class SessionBackend:
 
     @property
     def checks(self) -> bool:
-        """Whether applies are checked (``check_applied``): :class:`~hostavg.engine.protocols.Fused`."""
+        """Whether applies are checked (``check_applied``), for
+        :class:`~hostavg.engine.protocols.Fused`."""
         return self.wiring.checks
 
     def compute_apply(self, feed: dict, allowance: float) -> tuple | None:
