@@ -173,15 +173,15 @@ def test_a_subclass_of_adam_keeps_the_sparse_update():
 def calls(monkeypatch):
     """Counts the trainers' session calls by kind: computes, applies, and computes that apply
     too (with how many of those the gate refused: nothing applied)."""
-    from hostavg.tf1.wiring import Wiring
+    from hostavg.tf1.session import SessionBackend
     counted = {"compute": 0, "apply": 0, "compute_apply": 0, "refused": 0}
     for kind in ("compute", "apply", "compute_apply"):
-        def counting(*args, _kind=kind, _method=getattr(Wiring, kind), **kwargs):
+        def counting(*args, _kind=kind, _method=getattr(SessionBackend, kind), **kwargs):
             counted[_kind] += 1
             out = _method(*args, **kwargs)
             counted["refused"] += _kind == "compute_apply" and out is None
             return out
-        monkeypatch.setattr(Wiring, kind, counting)
+        monkeypatch.setattr(SessionBackend, kind, counting)
     return counted
 
 

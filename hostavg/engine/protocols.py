@@ -208,6 +208,9 @@ class Fused(Protocol):
     (:meth:`~hostavg.engine.step.Engine.step`; the engine asks only where no hook, statistic
     or measurement must see the gradient before the apply)."""
 
+    #: Whether the backend can run a step of one micro-batch in one call (TF1: no more
+    #: fetches to wait for, the mean not averaged in the graph).
+    fuses: bool
     #: Whether the backend's applies are checked (``check_applied``): then the engine allows
     #: a fused apply only the gradient bound its proof gives (:meth:`Proof.allowance
     #: <hostavg.engine.proof.Proof.allowance>`); else any finite gradient.
@@ -220,7 +223,7 @@ class Fused(Protocol):
         ``allowance`` (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`): (what
         the compute gave, what the apply reported). None where the apply did not run (refused,
         or the call failed before it): what the compute assigns may have moved; the engine
-        restores it and computes again apart."""
+        restores it and computes again apart. Asked only where :attr:`fuses`."""
 
 
 class Backend(Protocol):

@@ -438,8 +438,7 @@ class Engine:
         if (len(batches) != 1 or batches[0].feed is None or log.flagged or self._before_apply
                 or self.statistics or self.update_ratios_every or self.distributions_every
                 or not self._exact_one or not self.average.passes_one_through
-                or backend.nonfinite != "refuse"
-                or not callable(getattr(backend, "compute_apply", None))):
+                or backend.nonfinite != "refuse" or not getattr(backend, "fuses", False)):
             return None
         allowance = math.inf
         if backend.checks:

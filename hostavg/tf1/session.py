@@ -121,12 +121,16 @@ class SessionBackend:
         :class:`~hostavg.engine.protocols.Fused`."""
         return self.wiring.checks
 
+    @property
+    def fuses(self) -> bool:
+        """Whether a step of one micro-batch can be one call
+        (:class:`~hostavg.engine.protocols.Fused`): not with more ``fetches``, which the apply
+        would have to wait for, nor where the mean is averaged in the graph."""
+        return not self.fetches and self.wiring.fuses
+
     def compute_apply(self, feed: dict, allowance: float) -> tuple | None:
         """One micro-batch's session call that applies it too where its gate lets it
-        (:class:`~hostavg.engine.protocols.Fused`); None with more fetches to run
-        (``fetches``), which the apply would have to wait for."""
-        if self.fetches:
-            return None
+        (:class:`~hostavg.engine.protocols.Fused`)."""
         return self.wiring.compute_apply(self.session, feed, allowance)
 
     def hvp(self, feed: dict, vector) -> tuple:

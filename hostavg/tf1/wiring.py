@@ -138,9 +138,7 @@ class Wiring:
         """:meth:`compute` of ``feed`` and, in the same session call, the train op run unchecked
         on its gradients (sparse rows coalesced, as an apply of them is fed), where the gate
         of :meth:`_fuse` lets it: ``(Computed, Applied)``; None where it did not, or the call
-        failed (nothing applied), or the mean is averaged in the graph."""
-        if self._fused is None:
-            return None
+        failed (nothing applied)."""
         fetches, placeholder = self._fused
         try:
             out = self._callables.get(sess, fetches, (*feed, placeholder))(*feed.values(),
@@ -150,6 +148,11 @@ class Wiring:
         k = self._tensors
         rate = None if self.learning_rate is None else float(out[k + 1])
         return self._computed(out[:k], ()), Applied(int(out[k]), learning_rate=rate)
+
+    @property
+    def fuses(self) -> bool:
+        """Whether :meth:`compute_apply` serves: not where the mean is averaged in the graph."""
+        return self._fused is not None
 
     def _fuse(self, optimizer, step) -> tuple:
         """What :meth:`compute_apply` runs: (the compute's fetches, then the global step after
