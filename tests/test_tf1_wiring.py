@@ -231,17 +231,24 @@ def test_a_step_that_something_must_see_before_its_apply_runs_apart(calls, why):
 
 
 def test_a_fed_learning_rate_and_a_global_step_left_alone_in_one_call(calls):
-    model = build()
-    with model.graph.as_default():
-        rate = v1.placeholder(tf.float32, (), name="rate")
-    trainer, sess = quiet_trainer(model, v1.train.MomentumOptimizer(rate, 0.9),
-                                  increment_global_step=False)
-    data = batches(0, 3, 16)
-    results = [trainer.step(sess, [{**model.feed(d), rate: 0.1 / (i + 1)}])
-               for i, d in enumerate(data)]
+    """Fused: the rate each step is fed, reported and applied as by the same steps apart."""
+    def run(hooks):
+        model = build()
+        with model.graph.as_default():
+            rate = v1.placeholder(tf.float32, (), name="rate")
+        trainer, sess = quiet_trainer(model, v1.train.MomentumOptimizer(rate, 0.9),
+                                      increment_global_step=False, hooks=hooks)
+        results = [trainer.step(sess, [{**model.feed(d), rate: 0.1 / (i + 1)}])
+                   for i, d in enumerate(batches(0, 3, 16))]
+        return results, model.values(sess)
+    results, got = run(())
     assert calls["compute_apply"] == 2 and calls["refused"] == 0
     np.testing.assert_allclose([r.learning_rate for r in results], [0.1, 0.05, 0.1 / 3])
     assert [r.step for r in results] == [0, 0, 0]
+    apart, want = run([Looking()])
+    assert [r.learning_rate for r in apart] == [r.learning_rate for r in results]
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_a_micro_batch_the_gate_refuses_is_computed_again_apart(calls):
