@@ -71,8 +71,8 @@ class Wiring:
             self.names = [v.op.name for v in self.trained]
             self.spec = _variable_specs(pairs)
             self._grads = [g for g, _ in pairs]
-            self._fetches, self._coalesced = _compute_fetches(loss, self.global_step, self._grads,
-                                                              self.update_ops)
+            self._fetches, fetched, sq = _compute_fetches(loss, self.global_step, self._grads,
+                                                          self.update_ops)
             # What a failed step must restore: every variable the compute call may assign, read
             # into values of their own (a reference variable's read_value() is its buffer,
             # which the next compute's UPDATE_OPS assign in place).
@@ -112,7 +112,7 @@ class Wiring:
                                           unchecked_before, self.learning_rate, None),
                     measuring=self._apply_fetches.measuring_too(
                         checked_op, measured_train_op, self._measured_variables()))
-            self._fused = self._fuse(optimizer, step) if average == "host" else None
+            self._fused = self._fuse(optimizer, step, fetched, sq) if average == "host" else None
             self._callables = Callables(session_threads)
             self._unfed = {}  # (fetches' id, feed keys) -> placeholders read and not fed
             self._extended = {}  # more fetches -> the compute's fetches and them
@@ -154,10 +154,11 @@ class Wiring:
         """Whether :meth:`compute_apply` serves: not where the mean is averaged in the graph."""
         return self._fused is not None
 
-    def _fuse(self, optimizer, step) -> tuple:
+    def _fuse(self, optimizer, step, coalesced: list, squares: list) -> tuple:
         """What :meth:`compute_apply` runs: (the compute's fetches, then the global step after
-        another apply op of ``optimizer`` (its slots) run on their gradients, and the learning
-        rate; the placeholder of the allowance). Its gradients wait for the gate: an
+        another apply op of ``optimizer`` (its slots) run on their gradients ``coalesced``, and
+        the learning rate; the placeholder of the allowance), ``squares`` the compute's
+        squared norms of them. Its gradients wait for the gate: an
         assertion, after every compute fetch and the UPDATE_OPS, that the loss is a finite
         scalar and the L2 norm of all the gradients (squares reduced in float64), times
         sqrt(rows) of the sparse one with the most, is at most the allowance
@@ -165,10 +166,8 @@ class Wiring:
         trainer: an op made a control input once a session ran it is changed after its run."""
         with tf.name_scope("hostavg_fused"):
             allowance = v1.placeholder(tf.float64, (), name="allowance")
-            k = len(self._grads)
-            squares = self._fetches[2 + len(_flat(self._coalesced)):][:k]
             total = tf.add_n([tf.cast(q, tf.float64) for q in squares])
-            rows = [tf.size(g.indices) for g in self._coalesced if isinstance(g, tf.IndexedSlices)]
+            rows = [tf.size(g.indices) for g in coalesced if isinstance(g, tf.IndexedSlices)]
             factor = tf.sqrt(tf.cast(tf.maximum(tf.reduce_max(tf.stack(rows)), 1), tf.float64)) \
                 if rows else tf.constant(1.0, tf.float64)
             loss = self._fetches[0]
@@ -176,16 +175,15 @@ class Wiring:
                                 tf.reduce_all(tf.math.is_finite(tf.cast(loss, tf.float32))))
             ok = tf.logical_and(ok, tf.logical_and(tf.math.is_finite(total),
                                                    tf.sqrt(total) * factor <= allowance))
-            before = [f for f in self._fetches if isinstance(f, tf.Operation)] + \
-                [self._fetches[1]]
-            with tf.control_dependencies(before):
+            ops = [f for f in self._fetches if isinstance(f, tf.Operation)]
+            with tf.control_dependencies(ops + [self._fetches[1]]):
                 gate = tf.debugging.Assert(ok, ["hostavg: the fused apply is not allowed"],
                                            name="gate")
             with tf.control_dependencies([gate]):
                 gated = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices),
                                           g.dense_shape)
                          if isinstance(g, tf.IndexedSlices) else tf.identity(g)
-                         for g in self._coalesced]
+                         for g in coalesced]
                 train_op = optimizer.apply_gradients(
                     _applied(zip(gated, self.trained), _densifies_sparse(optimizer)),
                     global_step=step)
@@ -194,7 +192,6 @@ class Wiring:
             if self.learning_rate is not None:
                 after.append(tf.identity(self.learning_rate))
         tensors = [f for f in self._fetches if isinstance(f, tf.Tensor)]
-        ops = [f for f in self._fetches if isinstance(f, tf.Operation)]
         return tensors + after + ops, allowance
 
     def _computed(self, out: list, fetches: tuple) -> Computed:
@@ -381,10 +378,11 @@ def _variable_specs(pairs) -> dict:
                                     isinstance(g, tf.IndexedSlices)) for g, v in pairs}
 
 
-def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> tuple[list, list]:
+def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> tuple[list, list, list]:
     """What a micro-batch's compute fetches: the loss, the global step, each gradient (a
     sparse one coalesced, as its indices and values), each gradient's squared norm, and the
-    UPDATE_OPS; and the gradients as fetched (the sparse ones coalesced).
+    UPDATE_OPS; and the gradients as fetched (the sparse ones coalesced) and their squared
+    norms, each a list.
 
     Sparse rows leave the session coalesced (sorted, unique, duplicates summed) by the same
     ops whatever the micro-batch, so that a gradient depends only on its feed and weights,
@@ -399,11 +397,12 @@ def _compute_fetches(loss, global_step, grads: list, update_ops: list) -> tuple[
         fetched = [_coalesced(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     fetches = [loss, global_step.read_value()] + _flat(fetched)
     with tf.name_scope("hostavg_norms"):
-        fetches += [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
-                    for g in fetched]
+        squares = [_squared_norm(g.values if isinstance(g, tf.IndexedSlices) else g)
+                   for g in fetched]
+    fetches += squares
     if update_ops:
         fetches.append(tf.group(*update_ops, name="hostavg_update_ops"))
-    return fetches, fetched
+    return fetches, fetched, squares
 
 
 def _apply_feeds(grads: list) -> tuple:
