@@ -245,6 +245,13 @@ def _bench_selection_options(group) -> None:
     group.add_argument("--curvature", action="store_true",
                        help="instead, time one Hessian-vector product against one compute per "
                             "face, and hooks.Curvature's share of a step at every=1 and 10")
+    group.add_argument("--programs", type=_names, nargs="?", const=(), default=None,
+                       metavar="NAMES",
+                       help="instead, time hostavg.keras.Trainer.fit against model.fit with "
+                            "gradient_accumulation_steps on keras-io programs of published shape, "
+                            "comma-separated (default all): convnet, bilstm, structured, "
+                            "transformer; k micro-batches per batch (default 4); 2 to 3 minutes "
+                            "on TensorFlow")
 
 
 def _bench_run_options(group) -> None:
@@ -265,6 +272,8 @@ def _bench(args) -> int:
         from hostavg.compat.tensorflow import import_tensorflow
         import_tensorflow()  # quietly, before Keras imports it
     from hostavg.cli import bench
+    if args.programs is not None:
+        return _bench_programs(args)
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
                                ("implementation", args.implementations, bench.IMPLEMENTATIONS),
                                ("optimizer", args.optimizers, bench.OPTIMIZERS)):
@@ -310,6 +319,20 @@ def _bench(args) -> int:
         print(f"(memory not measured with --grid {args.grid}: each probe starts a fresh "
               f"process; see --grid quick)")
     return _write_json(args, results) if args.json else 0
+
+
+def _bench_programs(args) -> int:
+    from hostavg.cli import bench_programs
+    unknown = sorted(set(args.programs) - set(bench_programs.PROGRAMS))
+    if unknown:
+        raise ArgumentError(f"unknown program {', '.join(unknown)}; the programs are "
+                            f"{', '.join(bench_programs.PROGRAMS)}")
+    (k, *more) = args.k or [4]
+    if more:
+        raise ArgumentError("--programs takes one --k")
+    rows = bench_programs.run(args.programs or list(bench_programs.PROGRAMS), k,
+                              repeats=args.repeats)
+    return _write_json(args, {"programs": rows}) if args.json else 0
 
 
 def _learning_rate(name: str, lr: float | None) -> float:
