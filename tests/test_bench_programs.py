@@ -46,3 +46,9 @@ def test_bench_programs_names_an_unknown_program(capsys):
     err = capsys.readouterr().err
     assert "unknown program resnet; the programs are convnet, bilstm, structured, " \
            "transformer" in err
+
+
+def test_bench_programs_refuses_a_k_that_does_not_divide_a_batch(capsys):
+    assert main(["bench", "--programs", "convnet,structured", "--k", "3"]) != 0
+    err = capsys.readouterr().err
+    assert "--k 3 does not divide the batch size of convnet (128), structured (32)" in err

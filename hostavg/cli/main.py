@@ -330,8 +330,13 @@ def _bench_programs(args) -> int:
     (k, *more) = args.k or [4]
     if more:
         raise ArgumentError("--programs takes one --k")
-    rows = bench_programs.run(args.programs or list(bench_programs.PROGRAMS), k,
-                              repeats=args.repeats)
+    names = args.programs or list(bench_programs.PROGRAMS)
+    uneven = [f"{n} ({bench_programs.BATCH_SIZES[n]})" for n in names
+              if bench_programs.BATCH_SIZES[n] % k]
+    if uneven:
+        raise ArgumentError(f"--k {k} does not divide the batch size of {', '.join(uneven)}: "
+                            f"both fits would not see the same micro-batches; try --k 2 or 4")
+    rows = bench_programs.run(names, k, repeats=args.repeats)
     return _write_json(args, {"programs": rows}) if args.json else 0
 
 
