@@ -518,6 +518,22 @@ def test_a_tensorboard_folder_of_another_run_is_refused_unless_overwritten(tmp_p
     assert len(list((tmp_path / "tb").iterdir())) == 1
 
 
+def test_event_files_of_one_second_are_read_in_the_order_written(tmp_path, monkeypatch):
+    # The 10th file of a process after its 9th, in the same second: TensorBoard reads a
+    # folder's files in name order, so the files' numbers must sort as numbers do.
+    import itertools
+    from hostavg.inspect import tensorboard
+    monkeypatch.setattr(tensorboard, "_FILES", itertools.count(9))
+    monkeypatch.setattr(tensorboard.time, "time", lambda: 1_800_000_000.5)
+    board = TensorBoard(tmp_path / "tb")
+    s = Setup(hooks=[board])
+    for _ in range(2):
+        s.trainer.step(s.sess, s.feeds)
+        board.close()  # the next step opens the next file
+    assert len(list((tmp_path / "tb").iterdir())) == 2
+    assert [step for step, _ in events(tmp_path / "tb")["hostavg/loss"]] == [1, 2]
+
+
 def test_one_running_noise_scale_average_everywhere(tmp_path):
     import inspect
     beta = stats.NOISE_SCALE_BETA

@@ -35,7 +35,8 @@ HISTOGRAM_BUCKETS = 30
 HISTOGRAMS_EVERY = 10
 #: What names an event file (as TensorBoard's own writers name them).
 _EVENTS = "events.out.tfevents."
-#: Numbers the event files this process opens (two in one second keep their names apart).
+#: Numbers the event files this process opens (two in one second keep their names apart), zero-
+#: padded: TensorBoard reads a folder's files in name order, in which "10" sorts before "9".
 _FILES = itertools.count()
 
 
@@ -121,7 +122,7 @@ class TensorBoard:
             self._claimed = True
         now = time.time()
         path = os.path.join(self.logdir, f"{_EVENTS}{int(now):010d}.{socket.gethostname()}."
-                                         f"{os.getpid()}.{next(_FILES)}.hostavg")
+                                         f"{os.getpid()}.{next(_FILES):06d}.hostavg")
         writer = RecordWriter(open(path, "xb"))  # noqa: SIM115 - closed by close()
         writer.write(event(wall_time=now, file_version="brain.Event:2").SerializeToString())
         return writer
