@@ -32,7 +32,7 @@ from hostavg.train.diagnose import MEASURED_FIRST
 
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
            "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "defaults", "grid", "keras_backend",
-           "measure_memory", "run", "time_config"]
+           "measure_memory", "median_s", "run", "time_config"]
 
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds hostavg-stack+stats).
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
@@ -395,6 +395,19 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
             "iqr_s": {n: _iqr(t) for n, t in times.items()},
             "max_weight_diff": diff, "parameters": impls[names[0]].parameters,
             "steps_per_sample": inner}
+
+
+def median_s(calls: dict, repeats: int, inner: int = 1) -> dict:
+    """name -> median seconds of ``inner`` consecutive ``calls[name]()``, interleaved."""
+    times = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                calls[name]()
+            times[name].append((time.perf_counter() - t0) / inner)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _steps_per_sample(impls: dict, micro: list, min_sample_s: float, probes: int = 5) -> int:

@@ -10,8 +10,6 @@ and without it, interleaved.
 
 from __future__ import annotations
 
-import statistics
-import time
 
 from hostavg.cli import bench
 from hostavg.inspect.curvature import Curvature
@@ -49,19 +47,6 @@ def _calls(impl, micro) -> tuple:
     return lambda: impl.trainer.compute(x, y), lambda: impl.trainer.hvp(x, y, vectors=g)
 
 
-def _median_s(calls: dict, repeats: int, inner: int = 1) -> dict:
-    """name -> median seconds of ``inner`` consecutive ``calls[name]()``, interleaved."""
-    times = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                calls[name]()
-            times[name].append((time.perf_counter() - t0) / inner)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def time_curvature(config: bench.Config, face: str, repeats: int = 5) -> dict:
     """The compute's and the product's median seconds, and the hook's share of a step per
     period of :data:`EVERY`, for ``face`` on ``config``."""
@@ -69,11 +54,11 @@ def time_curvature(config: bench.Config, face: str, repeats: int = 5) -> dict:
     impls = {every: _make(face, config, every) for every in (None, *EVERY)}
     compute, product = _calls(impls[None], micro)
     product()  # traced and compiled before timing
-    calls = _median_s({"compute": compute, "product": product}, repeats, inner=5)
+    calls = bench.median_s({"compute": compute, "product": product}, repeats, inner=5)
     for impl in impls.values():  # the step and the product traced and compiled before timing
         impl.step(micro)
         _calls(impl, micro)[1]()
-    steps = _median_s({every: lambda i=impl: [i.step(micro) for _ in range(STEPS)]
+    steps = bench.median_s({every: lambda i=impl: [i.step(micro) for _ in range(STEPS)]
                        for every, impl in impls.items()}, repeats)
     for impl in impls.values():
         impl.close()

@@ -17,8 +17,6 @@ watches' warnings are silenced: on generated data they describe the data.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -170,13 +168,7 @@ def _timed(fits: dict, name: str, k: int, repeats: int) -> dict:
     for fit in fits.values():
         for _ in range(warmup):
             fit()
-    times = {n: [] for n in IMPLEMENTATIONS}
-    for r in range(repeats):
-        for n in IMPLEMENTATIONS[r % 2:] + IMPLEMENTATIONS[:r % 2]:
-            t0 = time.perf_counter()
-            fits[n]()
-            times[n].append(time.perf_counter() - t0)
-    median = {n: statistics.median(t) for n, t in times.items()}
+    median = bench.median_s({n: fits[n] for n in IMPLEMENTATIONS}, repeats)
     return {"program": name, "k": k, "median_s": median,
             "ratio": median["hostavg-fit"] / median["keras-fit"]}
 
