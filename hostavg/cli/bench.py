@@ -31,8 +31,9 @@ from hostavg.core.errors import ArgumentError
 from hostavg.train.diagnose import MEASURED_FIRST
 
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
-           "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "defaults", "grid", "keras_backend",
-           "measure_memory", "median_s", "run", "time_config"]
+           "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "batch_arguments", "defaults", "faces",
+           "grid", "in_fresh_process", "keras_backend", "measure_memory", "median_s", "peak_bytes",
+           "run", "status_kb", "time_config"]
 
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds hostavg-stack+stats).
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
@@ -353,6 +354,20 @@ def _make(name: str, config: Config, session_config=None):
             "keras-accum": lambda: _KerasAccumulation(config)}[name]()
 
 
+def faces(backend: str) -> tuple:
+    """The hostavg faces a bench of one trainer method times on Keras's ``backend``: the TF1
+    ``hostavg`` and ``hostavg-keras`` on TensorFlow, ``hostavg-keras`` alone elsewhere."""
+    return ("hostavg", "hostavg-keras") if backend == "tensorflow" else ("hostavg-keras",)
+
+
+def batch_arguments(impl, x, y) -> tuple:
+    """The leading arguments of ``impl.trainer``'s compute, hvp and per_sample for the batch
+    ``(x, y)``: ``(sess, feed_dict)`` on the TF1 face, ``(x, y)`` on the Keras face."""
+    if isinstance(impl, _Impl):
+        return impl.sess, impl.feed(x, y)
+    return x, y
+
+
 def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7,
                 warmup: int = 1, min_sample_s: float = 0.0) -> dict:
     """Median step seconds per implementation, timed interleaved; also their weights' agreement.
@@ -449,17 +464,34 @@ PROBE_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
 def measure_memory(probes, steps: int = 3) -> list[int]:
     """Peak memory in use added by ``steps`` steps of each ``(config, implementation)`` probe.
 
-    The probes run one after the other in one fresh process (:data:`PROBE_ENV`);
+    The probes run one after the other in one fresh process (:func:`in_fresh_process`);
     each returns the peak resident set size during its steps above the one
     before them, in bytes, in the order given.
     """
-    code = ("import json; from hostavg.cli.bench import _memory_probe, Config; "
-            f"print(json.dumps([_memory_probe(c, i, {steps}) for c, i in {list(probes)!r}]))")
+    return in_fresh_process(_memory_probes, list(probes), steps)
+
+
+def in_fresh_process(function, *arguments):
+    """``function(*arguments)`` run in a fresh Python process with :data:`PROBE_ENV`; its result.
+
+    ``function``: a module-level function whose result JSON can carry;
+    ``arguments``: values whose ``repr`` rebuilds them (numbers, strings,
+    lists, tuples, :class:`Config`). Raises RuntimeError with the process's
+    stderr if it fails.
+    """
+    code = (f"import json; from hostavg.cli.bench import Config; "
+            f"from {function.__module__} import {function.__name__} as probe; "
+            f"print(json.dumps(probe(*{arguments!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, **PROBE_ENV), timeout=600)
     if out.returncode:
-        raise RuntimeError(f"memory probes {list(probes)} failed:\n{out.stderr}")
+        raise RuntimeError(f"{function.__name__}{arguments!r} failed in a fresh process:\n"
+                           f"{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _memory_probes(probes: list, steps: int) -> list[int]:
+    return [_memory_probe(config, implementation, steps) for config, implementation in probes]
 
 
 def _memory_probe(config: Config, implementation: str, steps: int) -> int:
@@ -468,14 +500,21 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     # One step of a single micro-batch first: kernels, caches and one gradient's buffers
     # are allocated then, and a step of k micro-batches cannot hide in memory it freed.
     impl.step(data[0][:1])
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set size to the current one
-    before = status_kb("VmRSS")
-    for micro in data[1:]:
-        impl.step(micro)
-    peak = (status_kb("VmHWM") - before) * 1024
+    peak = peak_bytes(lambda: [impl.step(micro) for micro in data[1:]])
     impl.close()
     return peak
+
+
+def peak_bytes(call) -> int:
+    """The peak resident set size while ``call()`` runs above the one before it, in bytes, at
+    least 0 (Linux: /proc/self/clear_refs resets the peak, VmHWM, to the resident size, VmRSS;
+    the kernel's count of it can lag a few pages behind VmRSS, so a call that adds nothing can
+    read as a little below it)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_kb("VmRSS")
+    call()
+    return max(0, (status_kb("VmHWM") - before) * 1024)
 
 
 def status_kb(field: str) -> int:

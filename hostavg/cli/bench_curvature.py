@@ -10,21 +10,15 @@ and without it, interleaved.
 
 from __future__ import annotations
 
-
 from hostavg.cli import bench
 from hostavg.inspect.curvature import Curvature
 
-__all__ = ["EVERY", "faces", "run", "time_curvature"]
+__all__ = ["EVERY", "run", "time_curvature"]
 
 #: The hook's periods whose share of a step is measured.
 EVERY = (1, 10)
 #: Steps per timed run of the step shares: one period of the longest.
 STEPS = max(EVERY)
-
-
-def faces(backend: str) -> tuple:
-    """The implementations of :mod:`hostavg.cli.bench` timed on Keras's ``backend``."""
-    return ("hostavg", "hostavg-keras") if backend == "tensorflow" else ("hostavg-keras",)
 
 
 def _make(face: str, config: bench.Config, every: int | None):
@@ -37,14 +31,9 @@ def _make(face: str, config: bench.Config, every: int | None):
 
 def _calls(impl, micro) -> tuple:
     """(one compute, one product) of the first micro-batch of ``micro``, on either face."""
-    x, y = micro[0]
-    if isinstance(impl, bench._Impl):
-        trainer, sess, feed = impl.trainer, impl.sess, impl.feed(x, y)
-        g = trainer.compute(sess, feed)
-        return (lambda: trainer.compute(sess, feed),
-                lambda: trainer.hvp(sess, feed, vectors=g))
-    g = impl.trainer.compute(x, y)
-    return lambda: impl.trainer.compute(x, y), lambda: impl.trainer.hvp(x, y, vectors=g)
+    trainer, arguments = impl.trainer, bench.batch_arguments(impl, *micro[0])
+    g = trainer.compute(*arguments)
+    return lambda: trainer.compute(*arguments), lambda: trainer.hvp(*arguments, vectors=g)
 
 
 def time_curvature(config: bench.Config, face: str, repeats: int = 5) -> dict:
@@ -73,7 +62,7 @@ def run(configs, backend: str, repeats: int = 5, out=print) -> list:
         f"{'step':>10}" + "".join(f"{f'every={e}':>10}" for e in EVERY))
     rows = []
     for config in configs:
-        for face in faces(backend):
+        for face in bench.faces(backend):
             r = {"config": str(config), "face": face, **time_curvature(config, face, repeats)}
             rows.append(r)
             out(f"{str(config):<34}{face:<15}{r['compute_s'] * 1e3:>8.2f}ms"
