@@ -245,6 +245,12 @@ def _bench_selection_options(group) -> None:
     group.add_argument("--curvature", action="store_true",
                        help="instead, time one Hessian-vector product against one compute per "
                             "face, and hooks.Curvature's share of a step at every=1 and 10")
+    group.add_argument("--per-sample", action="store_true",
+                       help="instead, time one per_sample against one compute of the same batch "
+                            "per face (--models, default mlp-50k and conv; --micro-batch-sizes: "
+                            "the batch's samples, default 256), then measure the peak memory of "
+                            "one per_sample of 1,000 conv samples at the default chunk size and "
+                            "as one chunk (each in a fresh process; --no-memory skips it)")
     group.add_argument("--programs", type=_names, nargs="?", const=(), default=None,
                        metavar="NAMES",
                        help="instead, time hostavg.keras.Trainer.fit against model.fit with "
@@ -272,6 +278,11 @@ def _bench(args) -> int:
         from hostavg.compat.tensorflow import import_tensorflow
         import_tensorflow()  # quietly, before Keras imports it
     from hostavg.cli import bench
+    modes = [flag for flag, on in (("--curvature", args.curvature),
+                                   ("--per-sample", args.per_sample),
+                                   ("--programs", args.programs is not None)) if on]
+    if len(modes) > 1:
+        raise ArgumentError(f"{' and '.join(modes)} are different benches; choose one")
     if args.programs is not None:
         return _bench_programs(args)
     for kind, given, known in (("model", args.models, bench.CONFIG_MODELS),
@@ -283,6 +294,8 @@ def _bench(args) -> int:
     if args.repeats < 1:
         raise ArgumentError(f"--repeats must be >= 1, got {args.repeats}")
     backend = bench.keras_backend()
+    if args.per_sample:
+        return _bench_per_sample(args, backend)
     named = [*(args.implementations or ()), *(["hostavg-stack+stats"] if args.stats else [])]
     graphs = sorted(set(named) - set(bench.KERAS_IMPLEMENTATIONS))
     if backend != "tensorflow" and graphs:
@@ -318,6 +331,20 @@ def _bench(args) -> int:
     if unprobed and not args.no_memory:
         print(f"(memory not measured with --grid {args.grid}: each probe starts a fresh "
               f"process; see --grid quick)")
+    return _write_json(args, results) if args.json else 0
+
+
+def _bench_per_sample(args, backend: str) -> int:
+    from hostavg.cli import bench, bench_per_sample
+    if args.k:
+        raise ArgumentError(f"--per-sample times one batch of --micro-batch-sizes samples; it "
+                            f"takes no --k (got {','.join(map(str, args.k))})")
+    configs = [bench.Config(model, samples, 1)
+               for model in args.models or bench_per_sample.MODELS
+               for samples in args.micro_batch_sizes or bench_per_sample.SAMPLES]
+    memory = None if args.no_memory else bench_per_sample.MEMORY_CONFIG
+    results = bench_per_sample.run(configs, backend, repeats=min(args.repeats, 5),
+                                   memory_config=memory)
     return _write_json(args, results) if args.json else 0
 
 

@@ -1,0 +1,67 @@
+"""``hostavg bench --per-sample`` times per_sample against a compute on each face, and its
+memory probe shows what the chunk size bounds."""
+
+import json
+
+import pytest
+
+from hostavg.cli import bench, bench_per_sample
+from hostavg.cli import main
+from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
+
+#: Parameters of logreg: a 784 x 10 kernel and 10 biases.
+LOGREG_PARAMETERS = 784 * 10 + 10
+
+
+def test_bench_per_sample_prints_a_row_per_face_with_its_ratio_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "per_sample.json"
+    assert main(["bench", "--per-sample", "--models", "logreg", "--micro-batch-sizes", "8",
+                 "--repeats", "3", "--no-memory", "--json", str(path)]) == 0
+    faces = bench.faces(bench.keras_backend())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["configuration", "face", "params", "compute", "per_sample",
+                                "ratio"]
+    rows = [line.split() for line in lines[1:1 + len(faces)]]
+    assert [row[:4] for row in rows] == [["logreg,", "8", "samples", face] for face in faces]
+    result = json.loads(path.read_text())
+    assert set(result) == {"format", "machine", "keras_backend", "repeats", "timing"}  # no memory
+    assert (result["format"], result["repeats"]) == (bench_per_sample.FORMAT, 3)
+    for row, timed, face in zip(rows, result["timing"], faces):
+        assert set(timed) == {"model", "samples", "face", "chunk_size", "parameters",
+                              "compute_s", "per_sample_s", "ratio"}
+        assert (timed["model"], timed["samples"], timed["face"], timed["chunk_size"],
+                timed["parameters"]) == ("logreg", 8, face, DEFAULT_CHUNK_SIZE, LOGREG_PARAMETERS)
+        assert timed["per_sample_s"] > timed["compute_s"] > 0  # 8 samples' gradients, then dots
+        assert timed["ratio"] == timed["per_sample_s"] / timed["compute_s"]
+        assert row[4:] == [f"{LOGREG_PARAMETERS:,}", f"{timed['compute_s'] * 1e3:.2f}ms",
+                           f"{timed['per_sample_s'] * 1e3:.1f}ms", f"{timed['ratio']:.1f}x"]
+    assert f"chunk_size={DEFAULT_CHUNK_SIZE}" in lines[1 + len(faces)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k", "2"], "--per-sample times one batch of --micro-batch-sizes samples; it takes no "
+                   "--k (got 2)"),
+    (["--curvature"], "--curvature and --per-sample are different benches; choose one"),
+])
+def test_bench_per_sample_refuses_what_it_cannot_honour_in_one_line(argv, message, capsys):
+    assert main(["bench", "--per-sample", "--models", "logreg", *argv]) == 2
+    assert capsys.readouterr().err == f"hostavg bench: error: {message}\n"
+
+
+@pytest.mark.slow  # two fresh processes
+def test_per_sample_memory_at_the_default_chunk_is_a_fraction_of_the_whole_batch_as_one():
+    samples = 1024
+    (face, *_) = bench.faces(bench.keras_backend())
+    chunked, whole = bench_per_sample.memory(bench.Config("logreg", samples, 1), faces=(face,),
+                                             out=lambda line: None, progress=False)
+    assert (chunked["chunk_size"], whole["chunk_size"]) == (DEFAULT_CHUNK_SIZE, samples)
+    gradients = LOGREG_PARAMETERS * 4 * samples  # 31 MiB of float32 per-sample gradients
+    assert whole["gradients_bytes"] == gradients
+    for row in (chunked, whole):
+        assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] >= 0
+        assert row["parameters"] == LOGREG_PARAMETERS
+    # As one chunk, every sample's gradient exists at once (kept on the host by TF1, made
+    # together by a vectorized call); at the default chunk, one chunk's at most (1/16 of it)
+    # and what a call needs besides: well under a quarter.
+    assert whole["peak_bytes"] >= 0.9 * gradients, whole
+    assert chunked["peak_bytes"] < gradients / 4, chunked
