@@ -17,7 +17,8 @@ COLUMNS = ["loss", "norm", "cosine", "cosine_to_rest"]
 def brute_force(trainer, x, y, w) -> np.ndarray:
     """(n, 4) of each sample computed alone (``trainer.compute``), cosines in float64."""
     alone = [trainer.compute(x[i:i + 1], y[i:i + 1], w[i:i + 1]) for i in range(len(x))]
-    flat = np.array([np.concatenate([np.ravel(g[n]) for n in trainer.spec]) for g in alone])
+    flat = np.array([np.concatenate([np.ravel(g[n]) for n in trainer.spec]) for g in alone],
+                    np.float64)
     mean, out = flat.mean(axis=0), []
     for i, (g, f) in enumerate(zip(alone, flat)):
         rest, norm = np.delete(flat, i, axis=0).mean(axis=0), np.linalg.norm(f)
@@ -39,6 +40,29 @@ def test_keras_convnet_with_sample_weights_in_chunks_is_each_sample_alone():
     want = brute_force(trainer, x, y, w)
     np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
     assert not np.allclose(want[:, 0], brute_force(trainer, x, y, np.ones_like(w))[:, 0])
+
+
+def test_a_gradient_whose_squares_overflow_float32_has_its_finite_norm_and_cosines():
+    """A sample weighted 1e20: its gradient's entries are finite float32 (about 1e20), their
+    squares and its dot with the mean are not. Its norm is its gradient's float64 norm and
+    its cosine and the others' the brute force's, in one chunk as alone: the vectorized sums
+    and dots do not overflow where the gradient does not. Its cosine to the rest is NaN, not
+    a number made of rounding."""
+    model = models.keras_convnet(8, [3], 4, seed=1)
+    trainer = hostavg.keras.Trainer(model, models.keras_loss(), keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(3)
+    x = rng.random((6, 64), dtype=np.float32)
+    y = rng.integers(0, 4, 6).astype(np.int32)
+    w = np.ones(6, np.float32)
+    w[2] = 1e20
+    want = brute_force(trainer, x, y, w)
+    assert np.all(np.isfinite(want)) and want[2, 1] > 1e19
+    # the others sum to about 1e-20 of its gradient: rounding, for any dot in floating point
+    want[2, 3] = np.nan
+    for chunk_size in (1, 6):
+        table = trainer.per_sample(x, y, w, chunk_size=chunk_size)
+        assert table["error"].isna().all()
+        np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
 
 
 def test_a_model_with_its_own_train_step_computes_alone_and_says_why_once():

@@ -17,17 +17,22 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
 from hostavg.core.errors import HostavgError, warn
 from hostavg.core.gradients import SparseGradient, squared_norm, squared_norms
 from hostavg.core.split import sample_count, take
-from hostavg.core.stats import cosines_from_dots
+from hostavg.core.stats import REST_EPS, cosines_from_dots
 from hostavg.engine.batches import prepare_one
 from hostavg.engine.protocols import NotVectorized, SampleStats
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "per_sample"]
+
+#: A dot that a backend forms in a variable's dtype is taken as exact to this many of its
+#: epsilons of |g_i| |mean| (forward mode adds a few roundings a layer).
+DOT_EPS = 64
 
 #: Samples per chunk unless told: per-sample gradients of at most this many samples exist at
 #: a time (in the framework's memory, within one call).
@@ -67,6 +72,11 @@ class _PerSample:
         self.acc = Accumulator(engine.spec, accumulate="sum", accum_dtype=np.float64)
         # a backend without sample_sums (TF1) computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
+        # the dots' precision, below which cancellation in a cosine to the rest is rounding:
+        # float64 of each gradient, until a backend forms them in the variables' dtypes
+        self.rest_eps = REST_EPS
+        self.backend_eps = max(REST_EPS, *(DOT_EPS * float(ml_dtypes.finfo(s.dtype).eps)
+                                           for s in engine.spec.values()))
 
     def stats(self) -> SampleStats:
         with self.engine.leaving_no_trace(self.backend, "per_sample") as snapshot:
@@ -77,16 +87,17 @@ class _PerSample:
             finite = sorted(i for part in parts for i in part.samples)
             if finite:
                 mean = self.acc.mean()
+                along = _along(mean) if self.vectorizing else None
                 self.backend.restore(snapshot)  # the second pass meets the first one's state
                 for part in parts:
-                    self._second(part, mean)
+                    self._second(part, mean, along)
         cosines, to_rest = (np.full(len(self.losses), math.nan) for _ in range(2))
         if len(finite) == 1:
             cosines[finite] = 1.0  # its own mean; no others
         elif finite:
             gbar_sq = math.fsum(squared_norm(v) for v in mean.values())
             cosines[finite], to_rest[finite] = cosines_from_dots(
-                self.dots[finite], self.sq[finite], gbar_sq, np.ones(len(finite)))
+                self.dots[finite], self.sq[finite], gbar_sq, np.ones(len(finite)), self.rest_eps)
         return SampleStats(*(tuple(float(v) for v in column) for column in (
             self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
 
@@ -194,13 +205,15 @@ class _PerSample:
 
     # --- Second pass: g_i . M -----------------------------------------------------------------
 
-    def _second(self, part: _Part, mean) -> None:
+    def _second(self, part: _Part, mean, along) -> None:
         """g_i . ``mean`` of each sample of ``part``, into :attr:`dots` (NaN where a sample
-        that computed in the first pass fails in this one)."""
+        that computed in the first pass fails in this one); ``along``: :func:`_along` of it."""
         if part.feed is not None and self.vectorizing:
+            top, direction = along
             try:
-                self.dots[part.samples] = self.backend.sample_dots(
-                    part.feed, {n: _dense(v) for n, v in mean.items()})
+                self.dots[part.samples] = top * np.asarray(
+                    self.backend.sample_dots(part.feed, direction), np.float64)
+                self.rest_eps = self.backend_eps
                 return
             except NotVectorized as e:
                 self._stop(str(e))
@@ -215,6 +228,16 @@ class _PerSample:
 
 def _size(chunk) -> int:
     return sample_count(chunk, "per_sample")
+
+
+def _along(mean) -> tuple[float, dict]:
+    """(a, name -> mean / a as a dense float64 array), a the mean's largest magnitude (1 where
+    that is 0 or not finite): a backend forms g_i . (mean / a) in the variables' dtype, which
+    neither overflows nor flushes to 0 where g_i and mean do not, and a times it is g_i . mean."""
+    dense = {n: _dense(v) for n, v in mean.items()}
+    top = max((float(np.max(np.abs(v), initial=0.0)) for v in dense.values()), default=0.0)
+    top = top if math.isfinite(top) and top > 0 else 1.0
+    return top, {n: v / top for n, v in dense.items()}
 
 
 def _dense(value) -> np.ndarray:

@@ -218,9 +218,12 @@ class KerasJaxBackend(CompiledModel):
     def sample_sums(self, feed) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.vmap`` of one sample's loss
         and gradient (its squared norm reduced there) and the gradient of the sum of the
-        vmapped losses, in one jitted call."""
-        losses, sq, sums = self._per_sample_call(feed, "sums")
-        return SampleSums(np.asarray(losses, np.float64), np.asarray(sq, np.float64),
+        vmapped losses, in one jitted call. A squared norm that overflows the wide dtype (or
+        meets a NaN) is reduced again from the gradient divided by its largest magnitude a, and
+        multiplied by a^2 here, in float64."""
+        losses, sq, tops, sums = self._per_sample_call(feed, "sums")
+        return SampleSums(np.asarray(losses, np.float64),
+                          np.asarray(sq, np.float64) * np.square(np.asarray(tops, np.float64)),
                           {name: np.asarray(s) for name, s in zip(self.spec, sums)})
 
     def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
@@ -271,13 +274,21 @@ class KerasJaxBackend(CompiledModel):
         def sums(trainable, untrained, metric_values, slots, flat):
             kept_values, grad = [trainable[i] for i in kept], jax.grad(one, has_aux=True)
 
-            def sample(leaves):
+            def sample(leaves, divided):
                 g, value = grad(kept_values, trainable, untrained, metric_values, slots, leaves)
-                return value, jnp.sum(_squares(unscaled(g, slots)))
-            values, sq = jax.vmap(sample)(flat)
+                g = unscaled(g, slots)
+                top = jnp.ones((), _WIDE)
+                if divided:  # by the largest magnitude, where it is finite and not 0
+                    largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in g])).astype(_WIDE)
+                    top = jnp.where(jnp.isfinite(largest) & (largest > 0), largest, top)
+                    g = [x / top.astype(x.dtype) for x in g]
+                return value, jnp.sum(_squares(g)), top
+            values, sq, tops = jax.vmap(lambda leaves: sample(leaves, False))(flat)
+            sq, tops = jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: (sq, tops),
+                                    lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:])
             total = jax.grad(lambda kv: jnp.sum(each(kv, trainable, untrained, metric_values,
                                                      slots, flat)[0]))(kept_values)
-            return values, sq, unscaled(total, slots)
+            return values, sq, tops, unscaled(total, slots)
 
         def dots(trainable, untrained, metric_values, slots, flat, mean):
             return jax.jvp(lambda kv: each(kv, trainable, untrained, metric_values, slots,

@@ -155,16 +155,20 @@ class KerasBackend(CompiledModel):
 
     def sample_sums(self, feed) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``tf.vectorized_map`` of one
-        sample's loss and gradient in a ``tf.function``, reduced there (float64)."""
+        sample's loss and gradient in a ``tf.function``, reduced there in the gradients' dtype
+        (as a batch's gradient sums its samples), then cast to float64."""
         losses, sq, *sums = self._per_sample_call(feed, "sums", [])
         return SampleSums(np.asarray(losses, np.float64), np.asarray(sq),
                           {name: np.asarray(s) for name, s in zip(self.spec, sums)})
 
     def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
-        """See :class:`~hostavg.engine.protocols.Vectorized`: each sample's gradient dotted
-        with ``mean`` in float64, in the vectorized call."""
+        """See :class:`~hostavg.engine.protocols.Vectorized`: g_i . ``mean`` as the derivative of
+        each sample's loss along ``mean`` (in the variables' dtypes), forward mode
+        (``tf.autodiff.ForwardAccumulator``) under ``tf.vectorized_map``: no sample's gradient
+        is formed."""
         return np.asarray(self._per_sample_call(
-            feed, "dots", [eager_tensor(mean[name], np.float64) for name in self.spec])[0])
+            feed, "dots", [eager_tensor(mean[name], np.float64) for name in self.spec])[0],
+            np.float64)
 
     def _per_sample_call(self, feed, kind: str, extra: list):
         """The compiled ``kind`` function of the feed's signature (:meth:`_sample_function`)
@@ -187,29 +191,43 @@ class KerasBackend(CompiledModel):
     def _sample_function(self, signature, kind: str):
         """``(*leaves) -> [losses, squared norms, *sums]`` ("sums") or ``(*leaves, *mean) ->
         [g_i . mean]`` ("dots"): every sample computed alone (a batch of one) under
-        ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing)."""
+        ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing).
+
+        A squared norm is summed in the gradient's dtype, and again in float64 where that
+        overflows (or a NaN is met), so that a finite gradient's norm is finite."""
         model, trained, optimizer, scales = self.model, self._trained, self.optimizer, self._scales
         k = len(trained)
 
-        def one(leaves):
+        def forward(leaves):
             x, y, w = _rebuild(signature, [leaf[None] for leaf in leaves])
+            return self._loss(x, y, model(x, training=True), w)
+
+        def one(leaves):
             with keras.StatelessScope(), tf.GradientTape() as tape:
-                loss = self._loss(x, y, model(x, training=True), w)
+                loss = forward(leaves)
                 scaled = optimizer.scale_loss(loss) if scales else loss
             grads = tape.gradient(scaled, trained)
             if scales:
                 grads = [g / tf.cast(_scale(optimizer), g.dtype) for g in grads]
-            return loss, [tf.reshape(tf.cast(g, tf.float64), [-1]) for g in grads]
+            return loss, [tf.reshape(g, [-1]) for g in grads]
 
         def sums(*flat):
             losses, grads = tf.vectorized_map(one, list(flat))
-            return [losses, tf.add_n([tf.reduce_sum(tf.square(g), 1) for g in grads]),
-                    *(tf.reshape(tf.reduce_sum(g, 0), v.shape) for g, v in zip(grads, trained))]
+            sq = tf.add_n([tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64) for g in grads])
+            sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
+                [tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads]))
+            return [losses, sq, *(tf.cast(tf.reshape(tf.reduce_sum(g, 0), v.shape), tf.float64)
+                                  for g, v in zip(grads, trained))]
 
         def dots(*flat):
-            _, grads = tf.vectorized_map(one, list(flat[:-k]))
-            return [tf.add_n([tf.linalg.matvec(g, tf.reshape(m, [-1]))
-                              for g, m in zip(grads, flat[-k:])])]
+            tangents = [tf.cast(m, v.dtype) for m, v in zip(flat[-k:], trained)]
+
+            def along(leaves):
+                with tf.autodiff.ForwardAccumulator([v.value for v in trained], tangents) as acc:
+                    with keras.StatelessScope():
+                        loss = forward(leaves)
+                return tf.cast(acc.jvp(loss, unconnected_gradients="zero"), tf.float64)
+            return [tf.vectorized_map(along, list(flat[:-k]))]
 
         return sums if kind == "sums" else dots
 
