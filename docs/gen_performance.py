@@ -145,10 +145,36 @@ def host_memory_table(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_sample_table(run: dict) -> str:
+    """A run of ``hostavg bench --per-sample``: per_sample against compute, per face, and the
+    peak memory of one per_sample by chunk size."""
+    bench = run["bench"]
+    mib = 2 ** 20
+    lines = [caption(run), "",
+             f"Each cell the median of {bench['repeats']} calls, interleaved, after one untimed "
+             f"call of each:", "",
+             "| model, samples | face | parameters | compute | per_sample | ratio |",
+             "|---|---|--:|--:|--:|--:|"]
+    lines += [f"| {r['model']}, {r['samples']} | `{r['face']}` | {r['parameters']:,} | "
+              f"{_ms(r['compute_s'])} | {_ms(r['per_sample_s'])} | {r['ratio']:.1f}x |"
+              for r in bench["timing"]]
+    if bench.get("memory"):
+        first = bench["memory"][0]
+        lines += ["", f"Peak extra resident memory of one per_sample of {first['model']}, "
+                      f"{first['samples']:,} samples, each in a fresh process:", "",
+                  "| face | chunk_size | one chunk's float32 gradients | peak |",
+                  "|---|--:|--:|--:|"]
+        lines += [f"| `{r['face']}` | {r['chunk_size']:,} | {r['gradients_bytes'] / mib:.1f} MiB "
+                  f"| {r['peak_bytes'] / mib:.1f} MiB |" for r in bench["memory"]]
+    return "\n".join(lines) + "\n"
+
+
 def table(run: dict) -> str:
     """A run's timings (median step time and ratio to each row's baseline) and its memory."""
     if run.get("kind") == "host-memory":
         return host_memory_table(run)
+    if "timing" in run["bench"]:
+        return per_sample_table(run)
     configs = run["bench"]["configs"]
     names = list(configs[0]["median_s"])
     baselines = sorted({c["baseline"] for c in configs})
