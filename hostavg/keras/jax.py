@@ -136,7 +136,7 @@ class KerasJaxBackend(CompiledModel):
                 [v.value for v in model.trainable_variables],
                 [v.value for v in model.non_trainable_variables],
                 [v.value for v in model.metrics_variables], self._slots(), leaves,
-                [jnp.asarray(vector[name], s.dtype) for name, s in self.spec.items()])
+                [np.asarray(vector[name], s.dtype) for name, s in self.spec.items()])
         return float(loss), {name: np.asarray(p) for name, p in zip(self.spec, products)}
 
     def _hvp_function(self, loss):
@@ -171,7 +171,7 @@ class KerasJaxBackend(CompiledModel):
         if function is None:
             function = self._applies[traced] = self._application(traced)
         trained = [self.model.trainable_variables[i] for i in self._kept]
-        grads = [jnp.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
+        grads = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]  # jit puts them
         before = self.global_step()
         with _jax_errors("apply"):
             out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
