@@ -83,8 +83,8 @@ def run(configs, backend: str, repeats: int = 5, memory_config: bench.Config | N
     out(f"(compute: one call on the whole batch; per_sample: one call on the same batch, "
         f"chunk_size={DEFAULT_CHUNK_SIZE}; medians of {repeats}, interleaved, after one "
         f"untimed call of each; ratio: per_sample / compute)")
-    results = {"format": FORMAT, "machine": bench._machine(), "keras_backend": backend, "repeats": repeats,
-               "timing": timing}
+    results = {"format": FORMAT, "machine": bench._machine(), "keras_backend": backend,
+               "repeats": repeats, "timing": timing}
     if memory_config is not None:
         results["memory"] = memory(memory_config, bench.faces(backend), out=out)
     return results
@@ -96,8 +96,8 @@ def memory(config: bench.Config = MEMORY_CONFIG, faces=("hostavg",),
     ``faces`` and chunk size of ``chunk_sizes`` (default: the default chunk size and the whole
     batch), each in a fresh process (:func:`measure_memory`); prints them and returns the rows:
     ``model``, ``samples``, ``face``, ``chunk_size``, ``parameters``, ``gradients_bytes`` (one
-    chunk's float32 per-sample gradients) and ``peak_bytes``. ``progress``: a stream for a line per probe as it starts (default standard error; False
-    for none).
+    chunk's float32 per-sample gradients) and ``peak_bytes``. ``progress``: a stream for a
+    line per probe as it starts (default standard error; False for none).
     """
     say = bench._progress(progress)
     n = config.micro_batch_size
