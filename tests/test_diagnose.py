@@ -4,6 +4,7 @@
 "exploding", and healthy runs reach no verdict. TF1 and Keras on TensorFlow here; Keras on JAX
 in CI's KERAS_BACKEND=jax step (.ci/run)."""
 
+import math
 import warnings
 
 import keras
@@ -193,3 +194,33 @@ def test_a_large_embedding_whose_gradient_touches_a_few_rows_is_not_vanishing():
             result = trainer.step(sess, hostavg.split({model.x: ids, model.y: labels}, 32))
     assert result.step == 30
     assert not [str(w.message) for w in caught if issubclass(w.category, DiagnosisWarning)]
+
+
+def _applied(step, ratios, norms, grads):
+    """What Diagnose reads of an applied step: update ratios (None: not measured), the weights'
+    norms, and each variable's gradient norm (one micro-batch, a dense gradient of 4)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(step=step, info={}, update_ratios=ratios, weight_norms=norms,
+                           grads={n: np.zeros(4, np.float32) for n in grads},
+                           stats=SimpleNamespace(variable_norms=grads, grad_norm=1.0,
+                                                 micro_variable_norms=None))
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_weights_that_started_at_zero_are_no_reference_for_vanishing(head):
+    """A bias that started at 0 (its first update ratio inf) has weights of norm 1e-6 and so a
+    |gradient| / |weights| of 100, 1e7 above a kernel's 1e-5: small weights by their start, not
+    a gradient that vanished elsewhere; that kernel against a head kernel at 1 is vanishing."""
+    diagnose, grads = Diagnose(), {"kernel": 1e-5, "bias": 1e-4, **({"head": 1.0} if head else {})}
+    norms = {"kernel": 1.0, "bias": 1e-6, **({"head": 1.0} if head else {})}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 31):
+            ratios = {n: (math.inf if n == "bias" and step == 1 else 1e-3) for n in grads}
+            diagnose.on_applied(_applied(step, ratios, norms, grads))
+    said = [str(w.message) for w in caught if issubclass(w.category, DiagnosisWarning)]
+    if head:
+        assert len(said) == 1 and said[0].startswith("step 20: vanishing (kernel)")
+        assert "below head's 1" in said[0]
+    else:
+        assert not said

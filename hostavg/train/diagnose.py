@@ -81,8 +81,9 @@ class Diagnose:
     - ``"dead"``: a gradient exactly 0 in every micro-batch of :data:`DEAD_STEPS` steps.
     - ``"vanishing"``: |gradient| / |weights| :data:`VANISHING` times below the largest
       variable's for :data:`VANISHING_STEPS` steps, the variables named in the model's
-      order (from the input side; not an embedding's sparse gradient, a few of its rows); judged on gradients, which Adam's normalised updates
-      hide. The weights' norms are the last measured.
+      order (from the input side; not an embedding's sparse gradient, a few of its rows, nor
+      weights that started at 0); judged on gradients, which Adam's normalised updates hide.
+      The weights' norms are the last measured.
     - ``"exploding"``: the mean gradient's norm over :data:`EXPLODING` times its median over
       the last 20 steps, :data:`EXPLODING_STEPS` steps in a row.
 
@@ -163,9 +164,12 @@ class Diagnose:
     def _vanishing(self, result) -> list:
         grads = result.stats.variable_norms
         # 0 is dead's, not this; a sparse gradient touches a few rows of a table it is judged
-        # against whole: an embedding of 50,000 rows sat 1e4 below its model's output bias
+        # against whole: an embedding of 50,000 rows sat 1e4 below its model's output bias;
+        # weights that started at 0 (a bias) are small by their start, not by their gradient:
+        # a transformer's attention output bias stood 1e4 above its query kernel at step 20
         relative = {n: g / self._norms[n] for n, g in grads.items()
                     if self._norms.get(n, 0) > 0 and math.isfinite(g) and g > 0
+                    and n not in self._started_zero
                     and not isinstance(result.grads.get(n), SparseGradient)}
         if len(relative) < 2:
             return []
