@@ -65,6 +65,32 @@ def test_a_gradient_whose_squares_overflow_float32_has_its_finite_norm_and_cosin
         np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1, 10, 30, 1000])
+def test_one_sample_standing_out_has_its_cosine_to_the_rest_to_1e6(scale):
+    """One sample's inputs ``scale`` times the others': the cosine to the rest subtracts
+    numbers about scale^2 times its value, so float32 rounding in the vectorized sums and dots
+    would be multiplied by that; such a batch is computed again from each sample alone (a
+    review found 5e-5 off at 10x and NaN at 30x where the value is 0.44). At 1000x the others
+    are below float64's rounding of the whole (REST_EPS): NaN, not a number."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1)])
+    trainer = hostavg.keras.Trainer(model, keras.losses.MeanSquaredError(),
+                                    keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+    x[2] *= scale
+    w = np.ones(8, np.float32)
+    want = brute_force(trainer, x, y, w)
+    assert np.isfinite(want).all()
+    if scale == 1000:
+        want[2, 3] = np.nan
+    for chunk_size in (3, 8):
+        table = trainer.per_sample(x, y, w, chunk_size=chunk_size)
+        np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
+
+
 def test_a_model_with_its_own_train_step_computes_alone_and_says_why_once():
     class Own(keras.Sequential):
         def train_step(self, *args):  # (data) on TensorFlow, (state, data) on JAX
@@ -97,3 +123,32 @@ def test_tf1_computes_each_sample_alone_its_documented_path_without_a_warning():
         table = trainer.per_sample(sess, feed, chunk_size=2)
     assert not [str(w.message) for w in said if "computes each sample alone" in str(w.message)]
     assert table["error"].isna().all() and len(table) == 5
+
+
+def test_tf1_a_sample_standing_out_has_its_cosine_to_the_rest_to_1e6():
+    """The TF1 twin of the Keras case above: each sample alone, its squared norm and dot in
+    float64, so one sample 10 times the others' inputs has the brute force's cosine to the
+    rest (its float32 norm would be off by 1e-7 times the 3,000 the cosine magnifies)."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    rng = np.random.default_rng(0)
+    with graph.as_default():
+        x, y = v1.placeholder(tf.float32, [None, 16]), v1.placeholder(tf.float32, [None, 1])
+        w1 = tf.Variable(rng.normal(0, 0.3, (16, 32)).astype(np.float32))
+        w2 = tf.Variable(rng.normal(0, 0.3, (32, 1)).astype(np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    xs = rng.normal(size=(8, 16)).astype(np.float32)
+    ys = rng.normal(size=(8, 1)).astype(np.float32)
+    xs[2] *= 10
+    alone = [trainer.compute(sess, {x: xs[i:i + 1], y: ys[i:i + 1]}) for i in range(8)]
+    G = np.array([np.concatenate([np.ravel(g[n]) for n in trainer.spec]) for g in alone],
+                 np.float64)
+    rest = np.delete(G, 2, axis=0).mean(axis=0)
+    want = G[2] @ rest / (np.linalg.norm(G[2]) * np.linalg.norm(rest))
+    table = trainer.per_sample(sess, {x: xs, y: ys}, chunk_size=3)
+    assert table["cosine_to_rest"][2] == pytest.approx(want, rel=1e-6, abs=1e-6)
+    np.testing.assert_allclose(table["norm"], np.linalg.norm(G, axis=1), rtol=1e-12)

@@ -225,8 +225,11 @@ class Gradients(Mapping):
         self._values = dict(values)
         self.loss = loss
         self.size = size
+        # a framework's squared norm not finite (its float32 squares overflowed, or a NaN) is
+        # taken on the host, in float64, when asked: finite wherever the entries are
         self.sq_norms = {name: float(q) for name, q in (sq_norms or {}).items()
-                         if name in self._values and is_frozen(self._values[name])}
+                         if name in self._values and is_frozen(self._values[name])
+                         and math.isfinite(q)}
 
     def __getitem__(self, name: str):
         return self._values[name]

@@ -445,13 +445,10 @@ def cosines_to_rest(G, b) -> np.ndarray:
     return _to_rest(G @ gbar, np.einsum("ij,ij->i", G, G), float(gbar @ gbar), b)
 
 
-def cosines_from_dots(dots, sq_norms, gbar_sq: float, b,
-                      rest_eps: float = REST_EPS) -> tuple[np.ndarray, np.ndarray]:
+def cosines_from_dots(dots, sq_norms, gbar_sq: float, b) -> tuple[np.ndarray, np.ndarray]:
     """(each row's cosine with Gbar, :func:`cosines_to_rest`) from g_i . Gbar, |g_i|^2,
     |Gbar|^2 and b_i alone: (k,) float64 each, without G. The first is
-    g_i . Gbar / (|g_i| |Gbar|), NaN where a norm is 0. ``rest_eps``: the share of
-    |S|^2 + |b_i g_i|^2 below which the others' squared sum is rounding (the second is NaN
-    there); :data:`REST_EPS` for dots and norms exact to float64, more for less exact ones.
+    g_i . Gbar / (|g_i| |Gbar|), NaN where a norm is 0.
 
     Example:
       >>> cosines_from_dots([0.5, 0.5], [1.0, 1.0], 0.5, [1, 1])  # rows [1, 0] and [0, 1]
@@ -459,18 +456,17 @@ def cosines_from_dots(dots, sq_norms, gbar_sq: float, b,
     """
     dots, sq, b = (np.asarray(a, np.float64) for a in (dots, sq_norms, b))
     with np.errstate(invalid="ignore", divide="ignore"):
-        return dots / (np.sqrt(sq) * math.sqrt(gbar_sq)), _to_rest(dots, sq, gbar_sq, b, rest_eps)
+        return dots / (np.sqrt(sq) * math.sqrt(gbar_sq)), _to_rest(dots, sq, gbar_sq, b)
 
 
-def _to_rest(dots: np.ndarray, sq: np.ndarray, gbar_sq: float, b: np.ndarray,
-             rest_eps: float = REST_EPS) -> np.ndarray:
+def _to_rest(dots: np.ndarray, sq: np.ndarray, gbar_sq: float, b: np.ndarray) -> np.ndarray:
     """:func:`cosines_to_rest` from g_i . Gbar, |g_i|^2, |Gbar|^2 and b_i."""
     B = float(b.sum())
     whole, own = B * B * gbar_sq, b * b * sq
     rest_sq = whole - 2 * B * b * dots + own
     with np.errstate(invalid="ignore", divide="ignore"):
         out = (B * dots - b * sq) / np.sqrt(sq * rest_sq)
-    out[~(rest_sq > rest_eps * (whole + own))] = np.nan
+    out[~(rest_sq > REST_EPS * (whole + own))] = np.nan
     return np.clip(out, -1.0, 1.0)
 
 

@@ -9,7 +9,10 @@ from those three numbers (:func:`~hostavg.core.stats.cosines_from_dots`), so no
 sample's gradient outlives its chunk. A :class:`~hostavg.engine.protocols.Vectorized`
 backend computes a chunk in one call per pass; elsewhere (or where vectorizing
 fails: a warning says why) each sample is computed alone, in each pass. Both
-passes start from the same state, so they meet the same random draws.
+passes start from the same state, so they meet the same random draws. A vectorized
+chunk rounds in the variables' dtype; where a cosine to the rest would magnify that past
+1e-6 (one sample's gradient dominating the others'), the batch is computed again, each
+sample alone, its squared norm and dot in float64 (:data:`ROUNDING`).
 """
 
 from __future__ import annotations
@@ -22,17 +25,20 @@ import numpy as np
 
 from hostavg.core.accumulator import Accumulator
 from hostavg.core.errors import HostavgError, warn
-from hostavg.core.gradients import SparseGradient, squared_norm, squared_norms
+from hostavg.core.gradients import SparseGradient, squared_norm
 from hostavg.core.split import sample_count, take
-from hostavg.core.stats import REST_EPS, cosines_from_dots
+from hostavg.core.stats import cosines_from_dots
 from hostavg.engine.batches import prepare_one
 from hostavg.engine.protocols import NotVectorized, SampleStats
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "per_sample"]
 
-#: A dot that a backend forms in a variable's dtype is taken as exact to this many of its
-#: epsilons of |g_i| |mean| (forward mode adds a few roundings a layer).
-DOT_EPS = 64
+#: A backend's vectorized sums, squared norms and dots round (in the variables' dtype): a
+#: cosine to the rest is off by about ROUNDING epsilons of that dtype times
+#: :func:`_amplification`'s bound (float32: 1.5e-8 times it, measured on an MLP where one
+#: sample's inputs were 10 times the others'). Where that would pass TOLERANCE, every value
+#: is computed again from each sample alone, its squared norm and dot in float64 on the host.
+ROUNDING, TOLERANCE = 1 / 6, 1e-6
 
 #: Samples per chunk unless told: per-sample gradients of at most this many samples exist at
 #: a time (in the framework's memory, within one call).
@@ -66,40 +72,56 @@ class _PerSample:
 
     def __init__(self, engine, backend, chunks: list, rows):
         self.engine, self.backend, self.chunks, self.rows = engine, backend, chunks, rows
-        n = sum(_size(c) for c in chunks)
-        self.losses, self.sq, self.dots = (np.full(n, math.nan) for _ in range(3))
-        self.errors = [None] * n
-        self.acc = Accumulator(engine.spec, accumulate="sum", accum_dtype=np.float64)
         # a backend without sample_sums (TF1) computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
-        # the dots' precision, below which cancellation in a cosine to the rest is rounding:
-        # float64 of each gradient, until a backend forms them in the variables' dtypes
-        self.rest_eps = REST_EPS
-        self.backend_eps = max(REST_EPS, *(DOT_EPS * float(ml_dtypes.finfo(s.dtype).eps)
-                                           for s in engine.spec.values()))
+        # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
+        self.rounding = ROUNDING * max(float(ml_dtypes.finfo(s.dtype).eps)
+                                       for s in engine.spec.values())
+        self._columns()
+
+    def _columns(self) -> None:
+        """Empty columns, mean and errors, for a pass over every chunk."""
+        n = sum(_size(c) for c in self.chunks)
+        self.losses, self.sq, self.dots = (np.full(n, math.nan) for _ in range(3))
+        self.errors = [None] * n
+        self.acc = Accumulator(self.engine.spec, accumulate="sum", accum_dtype=np.float64)
 
     def stats(self) -> SampleStats:
         with self.engine.leaving_no_trace(self.backend, "per_sample") as snapshot:
-            parts, start = [], 0
-            for chunk in self.chunks:
-                parts += self._first(chunk, start)
-                start += _size(chunk)
-            finite = sorted(i for part in parts for i in part.samples)
-            if finite:
-                mean = self.acc.mean()
-                along = _along(mean) if self.vectorizing else None
-                self.backend.restore(snapshot)  # the second pass meets the first one's state
-                for part in parts:
-                    self._second(part, mean, along)
+            vectorized = self.vectorizing
+            finite, gbar_sq = self._passes(snapshot)
+            if vectorized and self.vectorizing and len(finite) > 1 and _amplification(
+                    self.dots[finite], self.sq[finite], gbar_sq) * self.rounding > TOLERANCE:
+                # a sample's cosine to the rest would be mostly rounding (one sample's gradient
+                # dominating the others'): every value again from each sample alone, in float64
+                self.vectorizing = False
+                self.backend.restore(snapshot)
+                self._columns()
+                finite, gbar_sq = self._passes(snapshot)
         cosines, to_rest = (np.full(len(self.losses), math.nan) for _ in range(2))
         if len(finite) == 1:
             cosines[finite] = 1.0  # its own mean; no others
         elif finite:
-            gbar_sq = math.fsum(squared_norm(v) for v in mean.values())
             cosines[finite], to_rest[finite] = cosines_from_dots(
-                self.dots[finite], self.sq[finite], gbar_sq, np.ones(len(finite)), self.rest_eps)
+                self.dots[finite], self.sq[finite], gbar_sq, np.ones(len(finite)))
         return SampleStats(*(tuple(float(v) for v in column) for column in (
             self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
+
+    def _passes(self, snapshot) -> tuple[list, float]:
+        """Both passes over every chunk, from ``snapshot``'s state: (the finite samples, |mean|^2)."""
+        parts, start = [], 0
+        for chunk in self.chunks:
+            parts += self._first(chunk, start)
+            start += _size(chunk)
+        finite = sorted(i for part in parts for i in part.samples)
+        if not finite:
+            return finite, math.nan
+        mean = self.acc.mean()
+        along = _along(mean) if self.vectorizing else None
+        self.backend.restore(snapshot)  # the second pass meets the first one's state
+        for part in parts:
+            self._second(part, mean, along)
+        return finite, math.fsum(squared_norm(v) for v in mean.values())
 
     def _stop(self, why: str) -> None:
         """Computes each sample alone from now on, and warns once why."""
@@ -183,7 +205,8 @@ class _PerSample:
             if g is None:
                 continue
             i = start + p
-            self.losses[i], self.sq[i] = g.loss, math.fsum(squared_norms(g).values())
+            # in float64, as the dots: a dominant sample's cosine to the rest is exact
+            self.losses[i], self.sq[i] = g.loss, math.fsum(map(_squares64, g.values()))
             if math.isfinite(self.sq[i]) and math.isfinite(g.loss):
                 self.acc.add_checked(dict(g), 1.0, None, 0.0)
                 finite.append(p)
@@ -213,7 +236,6 @@ class _PerSample:
             try:
                 self.dots[part.samples] = top * np.asarray(
                     self.backend.sample_dots(part.feed, direction), np.float64)
-                self.rest_eps = self.backend_eps
                 return
             except NotVectorized as e:
                 self._stop(str(e))
@@ -230,6 +252,24 @@ def _size(chunk) -> int:
     return sample_count(chunk, "per_sample")
 
 
+def _amplification(dots, sq, gbar_sq: float) -> float:
+    """How many times its inputs' relative rounding a cosine to the rest can be off, at most
+    over the samples: with K samples, S = K mean and r_i = |S - g_i|^2 = K^2 |mean|^2
+    - 2 K g_i . mean + |g_i|^2, the numerator K g_i . mean - |g_i|^2 is off by up to
+    (K |g_i . mean| + |g_i|^2) rounding, over |g_i| sqrt(r_i), and the denominator's r_i by
+    up to (K^2 |mean|^2 + |g_i|^2) (whose share of r_i a cosine of 1 at most carries); inf
+    where an r_i is not above 0. 1.5 on 256 samples of the bench's MLP, 12 on 8 of a small
+    one; 3,000 where one of those 8 has inputs 10 times the others'."""
+    k = len(dots)
+    whole = k * k * gbar_sq
+    rest = whole - 2 * k * dots + sq
+    with np.errstate(invalid="ignore", divide="ignore"):
+        a = (k * np.abs(dots) + sq) / np.sqrt(sq * rest) + (whole + sq) / rest
+    a[~(rest > 0)] = math.inf
+    a[~(sq > 0)] = 0.0  # a gradient of 0: its cosines are NaN whatever the rounding
+    return float(np.max(a))
+
+
 def _along(mean) -> tuple[float, dict]:
     """(a, name -> mean / a as a dense float64 array), a the mean's largest magnitude (1 where
     that is 0 or not finite): a backend forms g_i . (mean / a) in the variables' dtype, which
@@ -238,6 +278,13 @@ def _along(mean) -> tuple[float, dict]:
     top = max((float(np.max(np.abs(v), initial=0.0)) for v in dense.values()), default=0.0)
     top = top if math.isfinite(top) and top > 0 else 1.0
     return top, {n: v / top for n, v in dense.items()}
+
+
+def _squares64(value) -> float:
+    """The squared norm of a gradient (dense, or a SparseGradient's rows summed), in float64."""
+    flat = np.ravel(value.coalesce().values if isinstance(value, SparseGradient) else value)
+    flat = flat.astype(np.float64)
+    return float(np.dot(flat, flat))
 
 
 def _dense(value) -> np.ndarray:

@@ -230,7 +230,7 @@ class KerasJaxBackend(CompiledModel):
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.jvp`` of the vmapped losses
         along ``mean`` (in the variables' dtypes), g_i . mean for every sample in one forward
         pass."""
-        tangent = [jnp.asarray(np.asarray(mean[name], s.dtype)) for name, s in self.spec.items()]
+        tangent = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]
         return np.asarray(self._per_sample_call(feed, "dots", tangent), np.float64)
 
     def _per_sample_call(self, feed, kind: str, *extra):
