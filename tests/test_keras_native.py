@@ -107,6 +107,35 @@ def test_a_compiled_model_trains_with_its_strings_dicts_and_loss_weights_as_kera
         history.history)
 
 
+def regularized(seed=0):
+    keras.utils.set_random_seed(seed)
+    return compiled(keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(HIDDEN, activation="tanh",
+                           kernel_regularizer=keras.regularizers.L2(0.1)),
+        keras.layers.Dense(CLASSES, bias_regularizer=keras.regularizers.L1(0.05))]))
+
+
+def test_weight_regularizers_train_as_keras_fit_and_per_sample_vectorizes():
+    """A regularizer reads its variable in the scope hostavg builds the loss and metrics in
+    (on JAX that scope had no values: every compute failed "the model cannot run on this
+    batch"). The step is Keras's own, regularization included; per_sample computes without
+    falling back (a sample alone's loss has the whole regularization, as Keras's has)."""
+    x, y = data(2, n=128)
+    twin = regularized()
+    want = twin.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    model = regularized()
+    history = hostavg.keras.Trainer(model).fit(x, y, batch_size=BATCH, micro_batch_size=MICRO,
+                                               epochs=2, shuffle=False, verbose=0)
+    assert_history(history.history, want.history)
+    assert_close(weights(model), weights(twin))
+    trainer = hostavg.keras.Trainer(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        table = trainer.per_sample(x[:6], y[:6], chunk_size=4)
+    alone = [trainer.compute(x[i:i + 1], y[i:i + 1]) for i in range(6)]
+    np.testing.assert_allclose(table["loss"], [g.loss for g in alone], rtol=1e-6)
+
 def test_explicit_arguments_win_and_the_compiled_metrics_stay():
     x, y = data(2)
     model = compiled(optimizer="sgd", loss="mse")

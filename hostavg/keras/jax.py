@@ -416,10 +416,12 @@ class KerasJaxBackend(CompiledModel):
         """Creates the compiled loss's and metrics' variables, which Keras makes on their first
         use, before a compiled function is traced (JAX cannot create variables within one):
         the loss and metrics computed once on the batch's first sample, eagerly, in a
-        ``StatelessScope`` that keeps what they would assign from the model."""
+        ``StatelessScope`` that keeps what they would assign from the model (reading the
+        variables' values through it: a weight regularizer reads its variable there)."""
         model = self.model
         x, y, w = _rebuild(signature, [leaf[:1] for leaf in leaves])
-        with _model_errors(what), keras.StatelessScope():
+        values = [(v, v.value) for v in model.variables]
+        with _model_errors(what), keras.StatelessScope(state_mapping=values):
             y_pred = model(x, training=False)
             model.compute_loss(x, y, y_pred, w)
             model.compute_metrics(x, y, y_pred, w)

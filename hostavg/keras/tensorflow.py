@@ -199,11 +199,14 @@ class KerasBackend(CompiledModel):
         k = len(trained)
 
         def forward(leaves):
+            """One sample's loss, in a ``StatelessScope`` that reads every variable's value (a
+            weight regularizer reads its variable there) and keeps what would be assigned."""
             x, y, w = _rebuild(signature, [leaf[None] for leaf in leaves])
-            return self._loss(x, y, model(x, training=True), w)
+            with keras.StatelessScope(state_mapping=[(v, v.value) for v in model.variables]):
+                return self._loss(x, y, model(x, training=True), w)
 
         def one(leaves):
-            with keras.StatelessScope(), tf.GradientTape() as tape:
+            with tf.GradientTape() as tape:
                 loss = forward(leaves)
                 scaled = optimizer.scale_loss(loss) if scales else loss
             grads = tape.gradient(scaled, trained)
@@ -224,8 +227,7 @@ class KerasBackend(CompiledModel):
 
             def along(leaves):
                 with tf.autodiff.ForwardAccumulator([v.value for v in trained], tangents) as acc:
-                    with keras.StatelessScope():
-                        loss = forward(leaves)
+                    loss = forward(leaves)
                 return tf.cast(acc.jvp(loss, unconnected_gradients="zero"), tf.float64)
             return [tf.vectorized_map(along, list(flat[:-k]))]
 
