@@ -108,7 +108,8 @@ class _PerSample:
             self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
 
     def _passes(self, snapshot) -> tuple[list, float]:
-        """Both passes over every chunk, from ``snapshot``'s state: (the finite samples, |mean|^2)."""
+        """Both passes over every chunk, from ``snapshot``'s state: (the finite samples,
+        |mean|^2)."""
         parts, start = [], 0
         for chunk in self.chunks:
             parts += self._first(chunk, start)
