@@ -42,6 +42,11 @@ def test_bench_per_sample_prints_a_row_per_face_with_its_ratio_and_writes_json(t
     (["--k", "2"], "--per-sample times one batch of --micro-batch-sizes samples; it takes no "
                    "--k (got 2)"),
     (["--curvature"], "--curvature and --per-sample are different benches; choose one"),
+    (["--optimizers", "sgd", "--stats"], "--per-sample times each face's compute and "
+     "per_sample, no implementation, optimizer or statistics; it takes no --optimizers sgd or "
+     "--stats"),
+    (["--implementations", "hostavg"], "--per-sample times each face's compute and per_sample, "
+     "no implementation, optimizer or statistics; it takes no --implementations hostavg"),
 ])
 def test_bench_per_sample_refuses_what_it_cannot_honour_in_one_line(argv, message, capsys):
     assert main(["bench", "--per-sample", "--models", "logreg", *argv]) == 2

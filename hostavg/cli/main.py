@@ -339,6 +339,12 @@ def _bench_per_sample(args, backend: str) -> int:
     if args.k:
         raise ArgumentError(f"--per-sample times one batch of --micro-batch-sizes samples; it "
                             f"takes no --k (got {','.join(map(str, args.k))})")
+    unused = [f"--{flag} {','.join(given)}" for flag, given in (
+        ("implementations", args.implementations), ("optimizers", args.optimizers)) if given]
+    if unused or args.stats:
+        raise ArgumentError(f"--per-sample times each face's compute and per_sample, no "
+                            f"implementation, optimizer or statistics; it takes no "
+                            f"{' or '.join(unused + ['--stats'] * args.stats)}")
     configs = [bench.Config(model, samples, 1)
                for model in args.models or bench_per_sample.MODELS
                for samples in args.micro_batch_sizes or bench_per_sample.SAMPLES]
