@@ -88,16 +88,15 @@ class _PerSample:
 
     def stats(self) -> SampleStats:
         with self.engine.leaving_no_trace(self.backend, "per_sample") as snapshot:
-            vectorized = self.vectorizing
-            finite, gbar_sq = self._passes(snapshot)
-            if vectorized and self.vectorizing and len(finite) > 1 and _amplification(
+            finite, gbar_sq, rounded = self._passes(snapshot)
+            if rounded and len(finite) > 1 and _amplification(
                     self.dots[finite], self.sq[finite], gbar_sq) * self.rounding > TOLERANCE:
                 # a sample's cosine to the rest would be mostly rounding (one sample's gradient
                 # dominating the others'): every value again from each sample alone, in float64
                 self.vectorizing = False
                 self.backend.restore(snapshot)
                 self._columns()
-                finite, gbar_sq = self._passes(snapshot)
+                finite, gbar_sq, _ = self._passes(snapshot)
         cosines, to_rest = (np.full(len(self.losses), math.nan) for _ in range(2))
         if len(finite) == 1:
             cosines[finite] = 1.0  # its own mean; no others
@@ -107,22 +106,24 @@ class _PerSample:
         return SampleStats(*(tuple(float(v) for v in column) for column in (
             self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
 
-    def _passes(self, snapshot) -> tuple[list, float]:
+    def _passes(self, snapshot) -> tuple[list, float, bool]:
         """Both passes over every chunk, from ``snapshot``'s state: (the finite samples,
-        |mean|^2)."""
+        |mean|^2, whether any chunk computed together: its values rounded in the variables'
+        dtype, also where vectorizing stopped after it)."""
         parts, start = [], 0
         for chunk in self.chunks:
             parts += self._first(chunk, start)
             start += _size(chunk)
         finite = sorted(i for part in parts for i in part.samples)
+        rounded = any(part.feed is not None for part in parts)
         if not finite:
-            return finite, math.nan
+            return finite, math.nan, rounded
         mean = self.acc.mean()
         along = _along(mean) if self.vectorizing else None
         self.backend.restore(snapshot)  # the second pass meets the first one's state
         for part in parts:
             self._second(part, mean, along)
-        return finite, math.fsum(squared_norm(v) for v in mean.values())
+        return finite, math.fsum(squared_norm(v) for v in mean.values()), rounded
 
     def _stop(self, why: str) -> None:
         """Computes each sample alone from now on, and warns once why."""
