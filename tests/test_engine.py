@@ -547,3 +547,22 @@ def test_sparse_rows_that_overflow_only_when_cast_are_refused_not_applied(sizes)
             r"\1 Inf\)\. Nothing was applied\. Every micro-batch's gradients were finite")):
         trainer.step(sess, micro_feeds(model, data, sizes))
     assert_bitwise(model.values(sess), before)
+
+
+def test_an_evolved_record_is_what_dataclasses_replace_makes():
+    """evolved (the engine's cheap replace of a frozen record) equals dataclasses.replace:
+    the changed fields changed, the others the same objects, the original untouched, still
+    frozen; a name that is no field is refused as replace refuses it."""
+    import dataclasses
+    from hostavg.core.results import MicroBatch, StepResult, evolved
+    micro = (MicroBatch(0, 4, 0.5, None),)
+    record = StepResult(0.5, None, micro, 3, 4, info={"a": 1})
+    new = evolved(record, step=4, proven=True)
+    assert new == dataclasses.replace(record, step=4, proven=True) and type(new) is StepResult
+    assert (record.step, record.proven, new.step, new.proven) == (3, False, 4, True)
+    assert new.micro is record.micro and new.info is record.info
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.step = 5
+    with pytest.raises(TypeError, match="no field stepp"):
+        evolved(record, stepp=4)
+    assert repr(new) == repr(dataclasses.replace(record, step=4, proven=True))

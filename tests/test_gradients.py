@@ -146,3 +146,33 @@ def test_stable_order_is_numpys_stable_argsort(dtype, high):
                         rng.integers(0, high, n, endpoint=True, dtype=dtype)):
             np.testing.assert_array_equal(_stable_order(indices),
                                           np.argsort(indices, kind="stable"))
+
+
+def test_only_arrays_freeze_made_are_trusted_and_their_entries_go_with_them():
+    """What the caches trust (is_frozen, own): freeze's own views, read-only, still alive.
+    An array made later at a freed one's address, one whose flag was set back, or a copy
+    is not trusted; and no entry outlives its array."""
+    import gc
+    from hostavg.core import gradients
+    from hostavg.core.gradients import freeze, is_frozen, own
+    given = np.arange(3.0)
+    view = freeze(given)
+    assert is_frozen(view) and not view.flags.writeable and not given.flags.writeable
+    assert not is_frozen(given) and not is_frozen(view.copy())
+    assert own(view) is view and own(given) is not given and is_frozen(own(given))
+    gc.collect()
+    before = len(gradients._FROZEN)
+    views = [freeze(np.zeros(3)) for _ in range(200)]
+    assert len(gradients._FROZEN) == before + 200
+    del views
+    gc.collect()
+    assert len(gradients._FROZEN) == before
+    for _ in range(200):  # a new array where a frozen view was (CPython reuses addresses)
+        freeze(np.zeros(3))
+        other = np.zeros(3)
+        other.flags.writeable = False
+        assert not is_frozen(other)
+    back = freeze(np.zeros(3))
+    back.base.flags.writeable = True  # a foreign buffer's flag can be set back by hand
+    back.flags.writeable = True
+    assert not is_frozen(back)

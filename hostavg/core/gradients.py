@@ -37,8 +37,20 @@ __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coale
            "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm",
            "squared_norms"]
 
-#: Every array :func:`freeze` made, by id, held weakly: what the caches may trust.
-_FROZEN = weakref.WeakValueDictionary()
+#: Every array :func:`freeze` made: its id -> a weak reference to it, which takes the entry
+#: with it when the array goes: what the caches may trust. (A plain dict of C-level
+#: references: a step freezes a few arrays per variable, and a WeakValueDictionary's
+#: Python-level entries cost twice as much.)
+_FROZEN: dict = {}
+
+
+def _forget(key: int):
+    """The callback of the reference ``_FROZEN[key]``: removes that entry, if it is still the
+    one whose array went."""
+    def gone(ref, key=key, frozen=_FROZEN):  # (the dict bound here: safe at interpreter exit)
+        if frozen.get(key) is ref:
+            frozen.pop(key, None)
+    return gone
 
 
 def freeze(array) -> np.ndarray:
@@ -57,7 +69,8 @@ def freeze(array) -> np.ndarray:
         link.flags.writeable = False
         link = link.base
     view = base.view()
-    _FROZEN[id(view)] = view
+    key = id(view)
+    _FROZEN[key] = weakref.ref(view, _forget(key))
     return view
 
 
@@ -65,7 +78,8 @@ def is_frozen(value) -> bool:
     """Whether ``value`` (an array or a :class:`SparseGradient`) is made of arrays :func:`freeze` made, still read-only."""
     if isinstance(value, SparseGradient):
         return is_frozen(value.indices) and is_frozen(value.values)
-    return _FROZEN.get(id(value)) is value and not value.flags.writeable
+    ref = _FROZEN.get(id(value))
+    return ref is not None and ref() is value and not value.flags.writeable
 
 
 def own(value, dtype=None):

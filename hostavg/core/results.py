@@ -23,7 +23,23 @@ from hostavg.core.optional import pandas
 from hostavg.core.stats import StepStats
 
 __all__ = ["Culprit", "FIT_METHODS", "HOOK_METHODS", "Drop", "Hook", "MicroBatch", "Outlier",
-           "STEP_METHODS", "Search", "StepResult", "check_quantity"]
+           "STEP_METHODS", "Search", "StepResult", "check_quantity", "evolved"]
+
+
+def evolved(record, **changes):
+    """``dataclasses.replace(record, **changes)`` for the engine's records (frozen dataclasses
+    that hold what they were given and derive nothing in ``__init__``): the same record, with
+    the same objects in the fields not changed, made without running ``__init__`` field by
+    field (a StepResult's replace cost a step about 10 microseconds, a tenth of what hostavg
+    adds to a step of one small micro-batch). TypeError for a name that is not a field."""
+    fields = record.__dict__
+    unknown = changes.keys() - fields.keys()
+    if unknown:
+        raise TypeError(f"{type(record).__name__} has no field {', '.join(sorted(unknown))}")
+    new = object.__new__(type(record))
+    new.__dict__.update(fields)
+    new.__dict__.update(changes)
+    return new
 
 
 @dataclass(frozen=True)

@@ -158,8 +158,9 @@ class Proof:
         (each no lower than before: a value put back from before the apply, as a frozen
         variable's, stays within them); an apply neither proven nor measured leaves them
         unknown."""
-        for other in self._sharing:  # their variables moved without them
-            other.bounds = None
+        if self._sharing:  # (iterating even an empty WeakSet costs a step microseconds)
+            for other in self._sharing:  # their variables moved without them
+                other.bounds = None
         if magnitudes is not None:
             roles = self.bound.roles
             found = {r: [float(magnitudes[roles[n][r]]) for n in self.names] for r in self.roles}

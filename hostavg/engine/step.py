@@ -41,7 +41,7 @@ from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, p
 from hostavg.core.gradients import (INPUTS_HINT, Gradients, VariableSpec, check_finite, conform,
                                     freeze, nonfinite_entries, squared_norm)
 from hostavg.core.gradients import squared_norms as _sq_norms
-from hostavg.core.results import Drop, MicroBatch, Search, StepResult
+from hostavg.core.results import Drop, MicroBatch, Search, StepResult, evolved
 from hostavg.core.schema import UserStatistics
 from hostavg.core.split import sample_count, split
 from hostavg.core.stats import StepStats, step_stats
@@ -985,7 +985,7 @@ def _apply(pending: Pending, retry: bool) -> StepResult | list:
             return overflows
         raise error
     kept = applied.weights is not None and applied.skipped is None
-    return replace(pending.result, step=applied.global_step,
+    return evolved(pending.result, step=applied.global_step,
                    update_ratios=None if applied.skipped else applied.update_ratios,
                    weight_norms=None if applied.skipped else applied.weight_norms,
                    learning_rate=applied.learning_rate, skipped=applied.skipped,

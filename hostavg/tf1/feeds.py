@@ -65,7 +65,9 @@ class FeedConformer:
                     key.dtype.base_dtype.as_numpy_dtype,
                     None if shape.rank is None else tuple(shape.as_list()))
             dtype, shape = form
-            array = feed_array(value, dtype, f"{what}: feed {key.name!r}")
+            # (an array as it must be needs no message: a tensor's name costs calls into TF)
+            array = value if type(value) is np.ndarray and value.dtype == dtype else \
+                feed_array(value, dtype, f"{what}: feed {key.name!r}")
             if shape is not None and not _fits(array.shape, shape):
                 if array.ndim and array.ndim == len(shape) and _fits(array.shape[1:], shape[1:]):
                     raise ArgumentError(
