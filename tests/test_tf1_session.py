@@ -35,6 +35,74 @@ def test_caller_and_pool_give_bit_identical_weights_equal_to_the_full_batch_step
                         atol=2e-6)
 
 
+def denormal_graph():
+    """A graph whose values pass through float32 denormals (1e-10 * 1e-30 = 1e-40), which
+    TensorFlow's pool threads flush to zero, and whose loss magnifies them back: a variable
+    w's gradient is 0 where they are flushed, about 4e-10 where they are kept."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None], name="x")
+        w = v1.get_variable("w", initializer=tf.constant(1.0))
+        tiny = x * tf.constant(1e-30) * w  # denormal products, and their gradient
+        loss = tf.reduce_sum(tiny) * tf.constant(1e30)
+    return graph, x, w, tiny, loss
+
+
+def test_caller_threads_flush_denormals_as_the_pool_and_sess_run_do():
+    """In the calling thread the ops flush denormal floats to zero as the pool's threads do
+    (hostavg.tf1.denormals), so "caller" equals sess.run bit for bit; the calling thread's
+    own state is put back after each call. Without it, TensorFlow's inline ops keep them."""
+    import numpy as np
+    from hostavg.compat.tensorflow import session_call
+    from hostavg.tf1.denormals import like_the_pool
+    from hostavg.tf1.session import Callables
+    if like_the_pool() is None:
+        pytest.skip("no MXCSR to set on this platform: the documented difference stays")
+    graph, x, w, tiny, loss = denormal_graph()
+    sess = v1.Session(graph=graph)
+    sess.run(w.initializer)
+    feed = np.full(4, 1e-10, np.float32)
+    want = sess.run([tiny, loss], {x: feed})
+    assert not want[0].any() and want[1] == 0  # flushed: the pool's answer
+    raw = session_call(sess, [tiny, loss], [], (x,), v1.RunOptions(inter_op_thread_pool=-1))(feed)
+    assert raw[0].all() and raw[1] > 0  # kept: TensorFlow's own caller-thread run differs
+    for threads in SESSION_THREADS:
+        got = Callables(threads).get(sess, [tiny, loss], (x,))(feed)
+        assert_bitwise(dict(enumerate(got)), dict(enumerate(want)))
+    assert np.float32(1e-40) * np.float32(1.0) > 0  # this thread keeps denormals again
+
+
+def test_a_caller_trainer_steps_through_denormal_gradients_as_the_pool_one():
+    """A trainer whose gradients pass through denormals steps the same in both modes, equal
+    to the program's own train op run by sess.run (the fused step of one micro-batch, and a
+    step of two): flushed, w does not move."""
+    import numpy as np
+    from hostavg.tf1.denormals import like_the_pool
+    if like_the_pool() is None:
+        pytest.skip("no MXCSR to set on this platform: the documented difference stays")
+    feed = np.full(4, 1e-10, np.float32)
+    weights = {}
+    for threads in (*SESSION_THREADS, "own"):
+        graph, x, w, _, loss = denormal_graph()
+        with graph.as_default():
+            opt = v1.train.GradientDescentOptimizer(1e9)  # a kept gradient moves w by 0.4
+            if threads == "own":
+                train_op = opt.minimize(loss)
+            else:
+                trainer = hostavg.Trainer(loss, opt, session_threads=threads)
+            init = v1.global_variables_initializer()
+        sess = v1.Session(graph=graph)
+        sess.run(init)
+        for k in (1, 2):
+            if threads == "own":
+                sess.run(train_op, {x: feed})
+            else:
+                trainer.step(sess, [{x: feed[i::k]} for i in range(k)])
+        weights[threads] = sess.run(w)
+    assert weights["caller"] == weights["pool"] == weights["own"] == 1.0, weights
+
+
 class PoolSpy(v1.Session):
     """A real session that notes the inter-op pool every compiled call was made for."""
 

@@ -16,6 +16,7 @@ from hostavg.compat.tensorflow import first_line, session_call
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed
+from hostavg.tf1.denormals import like_the_pool
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
@@ -27,13 +28,14 @@ v1 = tf.compat.v1
 #: Where a trainer's session calls run their ops. "pool" (the default): the session's
 #: inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
 #: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
-#: which can cost as much as a small model's whole compute (the performance page). Two
-#: differences make it opt-in: the calling thread does not flush denormal floats to zero as
-#: TensorFlow's pool threads do, so values below ~1.2e-38 (float32) can differ from
-#: ``sess.run``'s in kernels small enough to run inline; and a kernel that blocks its
-#: thread until another op of the same call runs (a StagingArea's get before its put) would
-#: wait forever, so calls that reach one of :data:`BLOCKING_OPS` use the pool anyway. A
-#: graph placed on several devices (CPU and GPU) uses the pool either way.
+#: which can cost as much as a small model's whole compute (the performance page). The calling
+#: thread flushes denormal floats to zero and rounds to nearest during the call, as
+#: TensorFlow's pool threads do (:mod:`hostavg.tf1.denormals`; on x86-64 Linux, elsewhere
+#: values below ~1.2e-38 in float32 can differ from ``sess.run``'s in kernels small enough
+#: to run inline). A kernel that blocks its thread until another op of the same call runs (a
+#: StagingArea's get before its put) would wait forever, so calls that reach one of
+#: :data:`BLOCKING_OPS` use the pool anyway. A graph placed on several devices (CPU and
+#: GPU) uses the pool either way.
 SESSION_THREADS = ("pool", "caller")
 
 #: Op types whose kernels block their thread until another op runs (StagingArea and
@@ -291,12 +293,14 @@ class Callables:
 def _compile(sess, fetches, feed_keys, threads: str):
     tensors = [f for f in fetches if isinstance(f, tf.Tensor)]
     targets = [f for f in fetches if isinstance(f, tf.Operation)]
-    options = None
+    options = flushing = None
     if threads == "caller" and not reaches(fetches, feed_keys, BLOCKING_OPS):
         options = v1.RunOptions(inter_op_thread_pool=-1)
+        flushing = like_the_pool()  # its ops then round as the pool's would
     run = session_call(sess, tensors, targets, feed_keys, options)
     dtypes = [k.dtype.base_dtype.as_numpy_dtype for k in feed_keys]
 
     def call(*values):
-        return run(*[np.asarray(v, d) for v, d in zip(values, dtypes)])
+        arrays = [np.asarray(v, d) for v, d in zip(values, dtypes)]
+        return run(*arrays) if flushing is None else flushing(run, *arrays)
     return call

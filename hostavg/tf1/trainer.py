@@ -100,8 +100,9 @@ class Trainer(BaseTrainer):
           session_threads: one of :data:`~hostavg.tf1.session.SESSION_THREADS`:
             "pool" (default) runs the trainer's session calls in the
             session's inter-op pool, as ``sess.run``; "caller" in the calling
-            thread (faster for small models; denormal floats are kept, which
-            the pool flushes to zero). See the performance page.
+            thread (faster for small models; it flushes denormal floats to
+            zero during the call as the pool does, on x86-64 Linux). See the
+            performance page.
 
         Attributes:
           graph: the loss's graph; sessions passed in must run it.
