@@ -56,8 +56,8 @@ def _calling(libm):
 
 @functools.cache
 def _flushing():
-    """The context manager of :func:`like_the_pool`, or None where this platform has none
-    that works (checked: a float32 denormal times 1 is 0 within it, and not after)."""
+    """What :func:`like_the_pool` gives, or None where this platform has nothing that works
+    (checked: a float32 denormal times 1 is 0 within it, and MXCSR as before after it)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
     name = ctypes.util.find_library("m")

@@ -26,8 +26,8 @@ __all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend", "de
 v1 = tf.compat.v1
 
 #: Where a trainer's session calls run their ops (the default: :func:`default_threads`).
-#: "pool": the session's inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
-#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
+#: "pool": the session's inter-op thread pool, as ``sess.run`` does. "caller": the thread that
+#: calls (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
 #: which can cost as much as a small model's whole compute (the performance page). The calling
 #: thread flushes denormal floats to zero and rounds to nearest during the call, as
 #: TensorFlow's pool threads do (:mod:`hostavg.tf1.denormals`; on x86-64 Linux, elsewhere
@@ -37,6 +37,7 @@ v1 = tf.compat.v1
 #: :data:`BLOCKING_OPS` use the pool anyway. A graph placed on several devices (CPU and
 #: GPU) uses the pool either way.
 SESSION_THREADS = ("pool", "caller")
+
 
 def default_threads() -> str:
     """A trainer's ``session_threads`` unless told: "caller" where the calling thread can take
