@@ -111,7 +111,7 @@ def test_bench_overhead_prints_ratios_to_the_programs_own_train_op(tmp_path, cap
     assert "bench: timing logreg micro=32 k=1 (1 of 1): 2 samples of each of 4 implementations, " \
            "a sample being as many steps as the slowest takes 0.1 s for\n" in printed.err
     header, row, footer, steps, memory = printed.out.splitlines()
-    assert header.split() == ["configuration", "params", "hostavg", "hostavg-pool", "full-batch",
+    assert header.split() == ["configuration", "params", "hostavg", "hostavg-caller", "full-batch",
                               "in-graph"]
     (config,) = json.loads(out.read_text())["configs"]
     assert (config["model"], config["k"], config["optimizer"]) == ("logreg", 1, "adam")
@@ -119,7 +119,7 @@ def test_bench_overhead_prints_ratios_to_the_programs_own_train_op(tmp_path, cap
     cells = row.split()[4:]
     assert row.startswith("logreg micro=32 k=1") and len(cells) == 12, row
     assert cells[2::3] == [f"{config['ratio_to_baseline'][n]:.2f}"
-                           for n in ("hostavg", "hostavg-pool", "full-batch", "in-graph")]
+                           for n in ("hostavg", "hostavg-caller", "full-batch", "in-graph")]
     assert footer.endswith("interquartile range in parentheses, and its ratio to full-batch, "
                            "the program's own train op on the same feed)")
     assert steps == (f"(times per step; each sample timed {config['steps_per_sample']} consecutive "

@@ -39,7 +39,7 @@ __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
                            "full-batch", "hostavg-keras", "keras-accum")
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
-                                             "hostavg-caller", "hostavg-pool", "hostavg-unchecked",
+                                             "hostavg-caller", "hostavg-unchecked",
                                              "hostavg-watched", "hostavg-keras-overlap",
                                              "hostavg-keras-unchecked", "hostavg-keras-watched")
 #: The implementations that run on any Keras backend (the others are TF1 graphs).
@@ -50,7 +50,7 @@ KERAS_DEFAULT_IMPLEMENTATIONS = ("hostavg-keras", "keras-accum")
 #: What ``hostavg bench --grid gpu`` runs unless told otherwise.
 GPU_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
-OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-pool", "full-batch", "in-graph")
+OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph")
 #: What every hostavg implementation is made with but the "-watched" ones, which time the
 #: default watches: the bench steps each round's micro-batches many times, so a model that
 #: learns them by heart meets the next round's as a spike, which
@@ -341,7 +341,6 @@ def _make(name: str, config: Config, session_config=None):
             "hostavg-overlap": lambda: _Hostavg(config, trainer_kw={"overlap": True}, **kw),
             "hostavg-caller": lambda: _Hostavg(config, trainer_kw={"session_threads": "caller"},
                                                **kw),
-            "hostavg-pool": lambda: _Hostavg(config, trainer_kw={"session_threads": "pool"}, **kw),
             "hostavg-unchecked": lambda: _Hostavg(config, trainer_kw={"check_applied": False},
                                                   **kw),
             "hostavg-watched": lambda: _Hostavg(config, trainer_kw=WATCHED, **kw),

@@ -213,7 +213,7 @@ def _bench_selection_options(group) -> None:
                             "to a step of one micro-batch (k = 1) against the program's own train "
                             "op (full-batch) on logreg, mlp-50k and embedding-50k with Adam and "
                             "embedding-50k with SGD, then embedding-50k at k = 8 with SGD and Adam "
-                            "against in-graph accumulation; hostavg, hostavg-pool, full-batch and "
+                            "against in-graph accumulation; hostavg, hostavg-caller, full-batch and "
                             "in-graph, "
                             "each sample as many steps as the slowest takes 0.1 s for, no memory "
                             "probes; gpu (for a GPU): MLPs of 2M, 50M and 200M parameters at "
@@ -234,7 +234,7 @@ def _bench_selection_options(group) -> None:
     group.add_argument("--implementations", type=_names, default=None, metavar="NAMES",
                        help="only these, comma-separated: hostavg, hostavg-stack, hostavg-graph, "
                             "in-graph, plain-host, full-batch, hostavg-keras, keras-accum, "
-                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller, hostavg-pool, "
+                            "hostavg-stack+stats, hostavg-overlap, hostavg-caller, "
                             "hostavg-unchecked, hostavg-watched, hostavg-keras-overlap, "
                             "hostavg-keras-unchecked, hostavg-keras-watched. "
                             "With KERAS_BACKEND=jax only the hostavg-keras ones and keras-accum "

@@ -6,17 +6,18 @@ ops run in the thread that calls (``session_threads="caller"``) would otherwise 
 in Python's state: denormal inputs and results kept, so values below about 1.2e-38 (float32)
 differ from ``sess.run``'s. :func:`like_the_pool` runs a call with the calling thread's
 MXCSR as the pool's and puts it back after, through glibc's ``fegetenv``/``fesetenv``
-(``fenv_t`` on x86-64 ends with MXCSR). Checked once, on first use, by a denormal NumPy
-product in the scope; where that cannot be done (not x86-64 Linux with glibc) it is None,
-and the difference stays (documented with ``session_threads``).
+(``fenv_t`` on x86-64 ends with MXCSR); the exception flags raised within the call go
+with the state the call ran in. Checked once, on first use, by denormal NumPy products in
+the scope; where that cannot be done (not 64-bit x86 Linux with glibc) it is None, and the
+difference stays (documented with ``session_threads``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import platform
+import struct
 import sys
 
 import numpy as np
@@ -46,8 +47,8 @@ def _calling(libm):
             raise OSError("fegetenv failed")
         flushed = copy(saved)
         flushed.mxcsr = (saved.mxcsr | FLUSH) & ~ROUNDING
-        put(flushed)
-        try:
+        try:  # (set inside: an interrupt between the two must still find the restore)
+            put(flushed)
             return function(*args)
         finally:
             put(saved)
@@ -58,24 +59,30 @@ def _calling(libm):
 def _flushing():
     """What :func:`like_the_pool` gives, or None where this platform has nothing that works
     (checked: a float32 denormal times 1 is 0 within it, and MXCSR as before after it)."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") \
+            or struct.calcsize("P") != 8:
         return None
-    name = ctypes.util.find_library("m")
-    try:
-        libm = ctypes.CDLL(name or "libm.so.6")
-        libm.fegetenv.argtypes = libm.fesetenv.argtypes = [ctypes.POINTER(_Env)]
-    except (OSError, AttributeError):
+    libm = None
+    for name in ("libm.so.6", None):  # (by name: find_library would start a subprocess)
+        try:
+            libm = ctypes.CDLL(name)
+            libm.fegetenv.argtypes = libm.fesetenv.argtypes = [ctypes.POINTER(_Env)]
+            break
+        except (OSError, AttributeError):
+            libm = None
+    if libm is None:
         return None
-    tiny, one = np.float32(1e-40), np.float32(1.0)
+    tiny, one, large = np.float32(1e-40), np.float32(1.0), np.float32(1e30)
     before, after = _Env(), _Env()
     try:
         libm.fegetenv(ctypes.byref(before))
-        inside = _calling(libm)(lambda: float(tiny * one))
+        # FTZ: a denormal result is 0; DAZ: a denormal input is 0 (1e-40 * 1e30 is normal)
+        inside = _calling(libm)(lambda: (float(tiny * one), float(tiny * large)))
         libm.fegetenv(ctypes.byref(after))
     except OSError:
         return None
-    status = 0x3F  # (MXCSR's sticky exception flags: what the product itself may set)
-    if inside != 0.0 or (after.mxcsr & ~status) != (before.mxcsr & ~status):
+    status = 0x3F  # (MXCSR's sticky exception flags: what the products themselves may set)
+    if inside != (0.0, 0.0) or (after.mxcsr & ~status) != (before.mxcsr & ~status):
         return None  # not flushed within, or not put back after
     return _calling(libm)
 

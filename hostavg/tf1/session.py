@@ -21,13 +21,13 @@ from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
 
-__all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend", "default_threads"]
+__all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend"]
 
 v1 = tf.compat.v1
 
-#: Where a trainer's session calls run their ops (the default: :func:`default_threads`).
-#: "pool": the session's inter-op thread pool, as ``sess.run`` does. "caller": the thread that
-#: calls (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
+#: Where a trainer's session calls run their ops. "pool" (the default): the session's
+#: inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
+#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
 #: which can cost as much as a small model's whole compute (the performance page). The calling
 #: thread flushes denormal floats to zero and rounds to nearest during the call, as
 #: TensorFlow's pool threads do (:mod:`hostavg.tf1.denormals`; on x86-64 Linux, elsewhere
@@ -37,14 +37,6 @@ v1 = tf.compat.v1
 #: :data:`BLOCKING_OPS` use the pool anyway. A graph placed on several devices (CPU and
 #: GPU) uses the pool either way.
 SESSION_THREADS = ("pool", "caller")
-
-
-def default_threads() -> str:
-    """A trainer's ``session_threads`` unless told: "caller" where the calling thread can take
-    the pool threads' floating-point state for a call (x86-64 Linux: its values are then
-    ``sess.run``'s bit for bit, without the hand-off to the pool and back), else "pool"."""
-    return "pool" if like_the_pool() is None else "caller"
-
 
 #: Op types whose kernels block their thread until another op runs (StagingArea and
 #: MapStagingArea gets, peeks and full puts): a call reaching one runs in the pool.

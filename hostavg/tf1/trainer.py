@@ -23,7 +23,7 @@ from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.tf1.average import GraphAverage
 from hostavg.tf1.feeds import resolve_feed
 from hostavg.tf1.saver import refuse_saver_checkpoint
-from hostavg.tf1.session import SESSION_THREADS, SessionBackend, default_threads
+from hostavg.tf1.session import SESSION_THREADS, SessionBackend
 from hostavg.tf1.wiring import Wiring
 from hostavg.train.history import History
 from hostavg.train.sources import Validation
@@ -75,7 +75,7 @@ class Trainer(BaseTrainer):
                  micro_batches: int | None = None, accumulate: str = "sum", average: str = "host",
                  accum_dtype=None, global_step=None, increment_global_step: bool = True,
                  update_ops=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 session_threads: str | None = None, overlap: bool = False,
+                 session_threads: str = "pool", overlap: bool = False,
                  distributions_every: int | None = None, check_applied: bool = True,
                  statistics=None, watch_outliers: bool = True, diagnose: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
@@ -97,12 +97,12 @@ class Trainer(BaseTrainer):
           update_ops: what each micro-batch runs beside forward and backward.
             None: the graph's UPDATE_OPS that the loss's feeds can run; a
             list: exactly those; ``[]``: none.
-          session_threads: "caller" runs the session calls' ops in the calling
-            thread, with the pool threads' floating-point state (no hand-off
-            to the pool and back: faster for small models); "pool" in the
-            session's inter-op pool, as ``sess.run``; the same values either
-            way. None (default): "caller" where that state can be set (x86-64
-            Linux), else "pool" (:func:`~hostavg.tf1.session.default_threads`).
+          session_threads: one of :data:`~hostavg.tf1.session.SESSION_THREADS`:
+            "pool" (default) runs the trainer's session calls in the
+            session's inter-op pool, as ``sess.run``; "caller" in the calling
+            thread (faster for small models; it flushes denormal floats to
+            zero during the call as the pool does, on x86-64 Linux). See the
+            performance page.
 
         Attributes:
           graph: the loss's graph; sessions passed in must run it.
@@ -131,7 +131,6 @@ class Trainer(BaseTrainer):
                 f"tf.compat.v1.train.AdamOptimizer), got {type(optimizer).__name__}")
         if average not in AVERAGE_MODES:
             raise ArgumentError(f"average must be one of {AVERAGE_MODES}, got {average!r}")
-        session_threads = default_threads() if session_threads is None else session_threads
         if session_threads not in SESSION_THREADS:
             raise ArgumentError(
                 f"session_threads must be one of {SESSION_THREADS}, got {session_threads!r}")
@@ -143,8 +142,9 @@ class Trainer(BaseTrainer):
         super().__init__(micro_batch_size=micro_batch_size, micro_batches=micro_batches,
                          accumulate=accumulate, accum_dtype=accum_dtype, hooks=hooks, comm=comm,
                          update_ratios_every=update_ratios_every, overlap=overlap,
-                         distributions_every=distributions_every, check_applied=check_applied,
-                         statistics=statistics, watch_outliers=watch_outliers, diagnose=diagnose)
+                         distributions_every=distributions_every,
+                         check_applied=check_applied, statistics=statistics,
+                         watch_outliers=watch_outliers, diagnose=diagnose)
         self.average = average
         if average == "graph" and self.accum_dtype is not None:
             try:
