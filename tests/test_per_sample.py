@@ -15,10 +15,11 @@ COLUMNS = ["loss", "norm", "cosine", "cosine_to_rest"]
 
 
 def brute_force(trainer, x, y, w) -> np.ndarray:
-    """(n, 4) of each sample computed alone (``trainer.compute``), cosines in float64."""
+    """(n, 4) of each sample computed alone (``trainer.compute``; a sparse gradient made dense),
+    cosines in float64."""
     alone = [trainer.compute(x[i:i + 1], y[i:i + 1], w[i:i + 1]) for i in range(len(x))]
-    flat = np.array([np.concatenate([np.ravel(g[n]) for n in trainer.spec]) for g in alone],
-                    np.float64)
+    flat = np.array([np.concatenate([np.ravel(getattr(g[n], "to_dense", lambda: g[n])())
+                                     for n in trainer.spec]) for g in alone], np.float64)
     mean, out = flat.mean(axis=0), []
     for i, (g, f) in enumerate(zip(alone, flat)):
         rest, norm = np.delete(flat, i, axis=0).mean(axis=0), np.linalg.norm(f)

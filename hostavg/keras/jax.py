@@ -37,6 +37,7 @@ from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectori
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors, traced_message
+from hostavg.keras.dense_norms import DenseTaps
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
@@ -239,21 +240,54 @@ class KerasJaxBackend(CompiledModel):
         _, leaves, signature = feed
         self.vectorizable()
         loss = self._losses[signature]
-        function = self._samples.get((signature, kind))
-        if function is None:
-            function = self._samples[signature, kind] = self._sample_function(loss, kind)
         model = self.model
         with _jax_errors("per_sample"), _vectorizing():
+            function = self._samples.get((signature, kind))
+            if function is None:
+                taps = self._dense_taps(loss, leaves) if kind == "sums" else None
+                function = self._samples[signature, kind] = self._sample_function(loss, kind, taps)
             return jax.block_until_ready(function(
                 [v.value for v in model.trainable_variables],
                 [v.value for v in model.non_trainable_variables],
                 [v.value for v in model.metrics_variables], self._slots(), leaves, *extra))
 
-    def _sample_function(self, loss, kind: str):
+    def _dense_taps(self, loss, leaves) -> DenseTaps:
+        """The ``Dense`` layers whose squared norms the "sums" function takes from |a|^2
+        |delta|^2 (:mod:`hostavg.keras.dense_norms`): the eligible ones whose kernel and bias the
+        loss, traced on one sample with the layers tapped, reads nowhere else (where JAX's
+        jaxpr cannot be walked, none)."""
+        trainable, kept = list(self.model.trainable_variables), self._kept
+        trained = [trainable[i] for i in kept]
+        taps = DenseTaps(self.model, trained)
+        if not taps:
+            return taps
+        places = sorted(taps.indices())  # in kept's order
+
+        def probe(mapped, values, untrained, metric_values, slots, flat):
+            own = {id(trained[p]): values[kept[p]] for p in places}
+            kept_values = [values[i] for i in kept]
+            for p, value in zip(places, mapped):  # what a read through the variable sees
+                kept_values[p] = value
+            with taps.tapped(lambda v: own[id(v)], lambda j, z: z, [None] * len(taps)):
+                return loss(_with_kept(values, kept, kept_values), untrained, metric_values,
+                            slots, [leaf[None] for leaf in flat])
+        values = [v.value for v in trainable]
+        traced = jax.make_jaxpr(probe)(
+            [values[kept[p]] for p in places], values,
+            [v.value for v in self.model.non_trainable_variables],
+            [v.value for v in self.model.metrics_variables], self._slots(),
+            [leaf[0] for leaf in leaves])
+        read = {p for p, used in zip(places, used_inputs(traced)) if used}
+        return taps.without([layer for layer, k, b in zip(taps.layers, taps.kernels, taps.biases)
+                             if k in read or b in read])
+
+    def _sample_function(self, loss, kind: str, taps: DenseTaps | None = None):
         """``kind`` "sums": ``(trainable, untrained, metric values, optimizer values, leaves) ->
         (losses, squared norms, the gradient of their sum)``; "dots": ``(..., leaves, mean) ->
         g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
-        from the same values; the new values of what the forward pass assigns are dropped."""
+        from the same values; the new values of what the forward pass assigns are dropped.
+        The squared norms of ``taps``' layers are |a|^2 |delta|^2
+        (:mod:`hostavg.keras.dense_norms`), where every norm is finite."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
         def unscaled(grads, slots):
@@ -271,6 +305,8 @@ class KerasJaxBackend(CompiledModel):
             return jax.vmap(lambda leaves: one(kept_values, trainable, untrained, metric_values,
                                                slots, leaves))(flat)
 
+        trained = [self.model.trainable_variables[i] for i in kept]
+
         def sums(trainable, untrained, metric_values, slots, flat):
             kept_values, grad = [trainable[i] for i in kept], jax.grad(one, has_aux=True)
 
@@ -283,12 +319,17 @@ class KerasJaxBackend(CompiledModel):
                     top = jnp.where(jnp.isfinite(largest) & (largest > 0), largest, top)
                     g = [x / top.astype(x.dtype) for x in g]
                 return value, jnp.sum(_squares(g)), top
-            values, sq, tops = jax.vmap(lambda leaves: sample(leaves, False))(flat)
+            if taps:
+                values, sq, tops, total = _tapped_sums(
+                    taps, trained, one, lambda g: unscaled(g, slots), kept_values,
+                    (trainable, untrained, metric_values, slots), flat)
+            else:
+                values, sq, tops = jax.vmap(lambda leaves: sample(leaves, False))(flat)
+                total = unscaled(jax.grad(lambda kv: jnp.sum(each(
+                    kv, trainable, untrained, metric_values, slots, flat)[0]))(kept_values), slots)
             sq, tops = jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: (sq, tops),
                                     lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:])
-            total = jax.grad(lambda kv: jnp.sum(each(kv, trainable, untrained, metric_values,
-                                                     slots, flat)[0]))(kept_values)
-            return values, sq, tops, unscaled(total, slots)
+            return values, sq, tops, total
 
         def dots(trainable, untrained, metric_values, slots, flat, mean):
             return jax.jvp(lambda kv: each(kv, trainable, untrained, metric_values, slots,
@@ -628,6 +669,50 @@ class _Stateless(NamedTuple):
     finite: Any
     magnitudes: Any
     next_rate: Any
+
+
+def _tapped_sums(taps: DenseTaps, trained: list, one, unscaled, kept_values: list,
+                 arguments: tuple, flat) -> tuple:
+    """(losses, squared norms, ones, the gradient of the losses' sum) of every sample of
+    ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
+    (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
+    and biases of ``taps``' layers (indices into ``trained``, whose values are
+    ``kept_values``) are not differentiated: their squared norms are |a|^2 |delta|^2 and
+    |delta|^2, their sums A^T Delta and the sum of Delta (:mod:`hostavg.keras.dense_norms`);
+    the other variables' gradients are formed."""
+    places = taps.indices()
+    rest = [p for p in range(len(kept_values)) if p not in places]
+    own = {id(trained[p]): kept_values[p] for p in places}
+
+    def sample(leaves):
+        def of(others, zeros):
+            values, inputs = list(kept_values), [None] * len(taps)
+            for p, value in zip(rest, others):
+                values[p] = value
+            with taps.tapped(lambda v: own[id(v)], lambda j, z: z + zeros[j], inputs):
+                scaled, value = one(values, *arguments, leaves)
+            return scaled, (value, [jnp.zeros(layer.kernel.shape[:1], layer.compute_dtype)
+                                    if a is None else a[0]  # a layer this sample skips
+                                    for a, layer in zip(inputs, taps.layers)])
+        zeros = [jnp.zeros((1, layer.units), layer.compute_dtype) for layer in taps.layers]
+        (g, deltas), (value, inputs) = jax.grad(of, (0, 1), has_aux=True)(
+            [kept_values[p] for p in rest], zeros)
+        g, deltas = unscaled(g), [d[0] for d in unscaled(deltas)]
+        sq = sum((_sum_squares(x) for x in g), jnp.zeros((), _WIDE))
+        for delta, a, bias in zip(deltas, inputs, taps.biases):
+            delta_sq = _sum_squares(delta)
+            sq = sq + _sum_squares(a) * delta_sq + (0 if bias is None else delta_sq)
+        return value, sq, g, inputs, deltas
+
+    values, sq, g, inputs, deltas = jax.vmap(sample)(flat)
+    total = [None] * len(kept_values)
+    for p, x in zip(rest, g):
+        total[p] = jnp.sum(x, 0)
+    for a, delta, kernel, bias in zip(inputs, deltas, taps.kernels, taps.biases):
+        total[kernel] = a.T @ delta
+        if bias is not None:
+            total[bias] = jnp.sum(delta, 0)
+    return values, sq, jnp.ones_like(sq), total
 
 
 def _with_kept(trainable: list, kept: list, kept_values: list) -> list:

@@ -38,6 +38,7 @@ from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import (ApplyOutputs, CompiledModel, loss_function, model_errors,
                                   traced_message)
+from hostavg.keras.dense_norms import DenseTaps
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasBackend", "KerasTrainStepBackend", "refuse_strategies"]
@@ -177,24 +178,38 @@ class KerasBackend(CompiledModel):
         self.vectorizable()
         function = self._samples.get((signature, kind))
         if function is None:
-            means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
+            function = self._samples[signature, kind] = self._sample_trace(leaves, signature, kind)
+        with _tensorflow_errors("per_sample"):
+            return function(*map(eager_tensor, leaves), *extra)
+
+    def _sample_trace(self, leaves, signature, kind: str):
+        """:meth:`_sample_function` of ``kind`` traced for the feed's ``leaves``; "sums" with
+        the eligible ``Dense`` layers tapped (:mod:`hostavg.keras.dense_norms`) whose kernel and
+        bias the loss reads nowhere else (traced again without those it does)."""
+        means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
+        taps = DenseTaps(self.model, self._trained) if kind == "sums" else None
+        while True:
+            read = []  # the taps' layers whose weights the loss reads elsewhere, while tracing
             try:
-                function = self._trace(self._sample_function(signature, kind),
+                function = self._trace(self._sample_function(signature, kind, taps, read),
                                        [*leaves, *(means if kind == "dots" else [])], "per_sample")
             except HostavgError as e:
                 raise NotVectorized(f"tf.vectorized_map of the model's one-sample gradient "
                                     f"failed: {e}") from e
-            self._samples[signature, kind] = function
-        with _tensorflow_errors("per_sample"):
-            return function(*map(eager_tensor, leaves), *extra)
+            if not read:
+                return function
+            taps = taps.without(read)
 
-    def _sample_function(self, signature, kind: str):
+    def _sample_function(self, signature, kind: str, taps: DenseTaps | None = None,
+                         read: list | None = None):
         """``(*leaves) -> [losses, squared norms, *sums]`` ("sums") or ``(*leaves, *mean) ->
         [g_i . mean]`` ("dots"): every sample computed alone (a batch of one) under
         ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing).
 
         A squared norm is summed in the gradient's dtype, and again in float64 where that
-        overflows (or a NaN is met), so that a finite gradient's norm is finite."""
+        overflows (or a NaN is met), so that a finite gradient's norm is finite. The squared
+        norms and sums of ``taps``' layers come from a and delta (:func:`_tapped_one`); where
+        the loss reads one's weights elsewhere, its layer is added to ``read`` while tracing."""
         model, trained, optimizer, scales = self.model, self._trained, self.optimizer, self._scales
         k = len(trained)
 
@@ -205,22 +220,37 @@ class KerasBackend(CompiledModel):
             with keras.StatelessScope(state_mapping=[(v, v.value) for v in model.variables]):
                 return self._loss(x, y, model(x, training=True), w)
 
+        def unscaled(grads):
+            return [g / tf.cast(_scale(optimizer), g.dtype) for g in grads] if scales else grads
+
+        def scaled(loss):
+            return optimizer.scale_loss(loss) if scales else loss
+
         def one(leaves):
             with tf.GradientTape() as tape:
                 loss = forward(leaves)
-                scaled = optimizer.scale_loss(loss) if scales else loss
-            grads = tape.gradient(scaled, trained)
-            if scales:
-                grads = [g / tf.cast(_scale(optimizer), g.dtype) for g in grads]
-            return loss, [tf.reshape(g, [-1]) for g in grads]
+                optimized = scaled(loss)
+            return loss, [tf.reshape(g, [-1]) for g in unscaled(tape.gradient(optimized, trained))]
 
         def sums(*flat):
-            losses, grads = tf.vectorized_map(one, list(flat))
-            sq = tf.add_n([tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64) for g in grads])
+            if taps:
+                losses, grads, inputs, deltas = tf.vectorized_map(
+                    lambda leaves: _tapped_one(taps, trained, forward, scaled, unscaled, read,
+                                                leaves),
+                    list(flat))
+            else:
+                (losses, grads), inputs, deltas = tf.vectorized_map(one, list(flat)), [], []
+            tapped = tf.add_n([tf.zeros_like(losses, tf.float64), *_tapped_squares(
+                taps, inputs, deltas)])
+            sq = tf.add_n([tapped, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
+                                     for g in grads)])
             sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
-                [tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads]))
-            return [losses, sq, *(tf.cast(tf.reshape(tf.reduce_sum(g, 0), v.shape), tf.float64)
-                                  for g, v in zip(grads, trained))]
+                [tapped, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads)]))
+            total = [tf.reduce_sum(g, 0) for g in grads]
+            if taps:
+                total = _tapped_total(taps, len(trained), total, inputs, deltas)
+            return [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
+                                  for g, v in zip(total, trained))]
 
         def dots(*flat):
             tangents = [tf.cast(m, v.dtype) for m, v in zip(flat[-k:], trained)]
@@ -655,6 +685,68 @@ def _undo_if_nonfinite(held: list, checked: list, before: list, rows: list):
         return tf.identity(finite)
     return finite_flags([held[i].value if rows[i] is None else held[i].value.sparse_read(rows[i])
                          for i in checked], undo)
+
+
+def _tapped_one(taps: DenseTaps, trained: list, forward, scaled, unscaled, read: list,
+                leaves) -> tuple:
+    """One sample's loss, the flat gradients of the ``trained`` variables that are not
+    ``taps``' kernels and biases, and per tapped layer its input a and delta (flat, zeros
+    for a layer the sample skips), all divided by the loss scale (``unscaled``);
+    ``forward(leaves)`` the loss, ``scaled(loss)`` as the optimizer scales it. A layer whose
+    kernel or bias still gets a gradient (the loss reads it elsewhere) is added to ``read``."""
+    places = taps.indices()
+    others = [v for p, v in enumerate(trained) if p not in places]
+    tapped = [trained[p] for p in sorted(places)]
+    inputs, zeros = [None] * len(taps), [None] * len(taps)
+    with tf.GradientTape() as tape:
+        def tap(j, z):
+            zeros[j] = tf.zeros_like(z)
+            tape.watch(zeros[j])
+            return z + zeros[j]
+        with taps.tapped(lambda v: tf.stop_gradient(v.value), tap, inputs):
+            loss = forward(leaves)
+        optimized = scaled(loss)
+    called = [z for z in zeros if z is not None]
+    grads = tape.gradient(optimized, [*others, *tapped, *called])
+    for p, g in zip(sorted(places), grads[len(others):len(others) + len(tapped)]):
+        if g is not None:
+            read += [layer for layer, k, b in zip(taps.layers, taps.kernels, taps.biases)
+                     if p in (k, b)]
+    deltas = iter(unscaled([tf.zeros_like(z) if g is None else g  # an output the loss skips
+                            for g, z in zip(grads[len(others) + len(tapped):], called)]))
+    a, d = [], []
+    for j, layer in enumerate(taps.layers):
+        delta = None if zeros[j] is None else next(deltas)
+        a.append(tf.zeros(layer.kernel.shape[:1], layer.compute_dtype) if delta is None
+                 else tf.reshape(inputs[j], [-1]))
+        d.append(tf.zeros([layer.units], layer.compute_dtype) if delta is None
+                 else tf.reshape(delta, [-1]))
+    return loss, [tf.reshape(g, [-1]) for g in unscaled(grads[:len(others)])], a, d
+
+
+def _tapped_squares(taps: DenseTaps | None, inputs: list, deltas: list) -> list:
+    """(n,) float64 per tapped kernel and bias: each sample's squared gradient norm there,
+    |a|^2 |delta|^2 and |delta|^2, from ``inputs`` (n, in) and ``deltas`` (n, out)."""
+    out = []
+    for a, d, bias in zip(inputs, deltas, taps.biases if taps else []):
+        d_sq = tf.reduce_sum(tf.square(tf.cast(d, tf.float64)), 1)
+        out.append(tf.reduce_sum(tf.square(tf.cast(a, tf.float64)), 1) * d_sq)
+        if bias is not None:
+            out.append(d_sq)
+    return out
+
+
+def _tapped_total(taps: DenseTaps, k: int, others: list, inputs: list, deltas: list) -> list:
+    """The sum over the samples of each of the ``k`` trained variables' gradients, in order:
+    ``others`` for those not tapped, A^T Delta for a tapped kernel, the sum of Delta for its
+    bias."""
+    places, rest = taps.indices(), iter(others)
+    total = [None if p in places else next(rest) for p in range(k)]
+    for a, d, kernel, bias in zip(inputs, deltas, taps.kernels, taps.biases):
+        total[kernel] = tf.matmul(a, d, transpose_a=True)
+        if bias is not None:
+            total[bias] = tf.reduce_sum(d, 0)
+    return total
 
 
 def _scale(optimizer):

@@ -1,0 +1,151 @@
+"""per_sample's squared norms at Dense layers from |a|^2 |delta|^2 (hostavg.keras.dense_norms),
+on the process's Keras backend: the same table as each sample computed alone on models where
+a Dense layer is tapped and where one must not be (its kernel tied to another layer, the layer
+called twice, a rank-3 input, a regularizer), and which layers the traced function taps."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import hostavg.keras
+from hostavg.keras.dense_norms import DenseTaps
+from test_per_sample import COLUMNS, brute_force
+
+
+@pytest.fixture
+def tapped(monkeypatch):
+    """The layer names of each ``DenseTaps.tapped`` entered: the last is what the traced
+    per-sample function taps (JAX checks all candidates first, TensorFlow traces again
+    without the layers whose weights the loss reads elsewhere)."""
+    seen, original = [], DenseTaps.tapped
+
+    def spy(self, read, tap, inputs):
+        seen.append(sorted(layer.name for layer in self.layers))
+        return original(self, read, tap, inputs)
+    monkeypatch.setattr(DenseTaps, "tapped", spy)
+    return seen
+
+
+class Tied(keras.layers.Layer):
+    """Logits from another layer's kernel, transposed (a tied output embedding)."""
+
+    def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.dense.kernel))
+
+
+def _mlp():
+    return keras.Sequential([keras.Input((12,)),
+                             keras.layers.Dense(16, activation="tanh", name="hidden"),
+                             keras.layers.Dense(8, activation="relu", use_bias=False,
+                                                name="no_bias"),
+                             keras.layers.Dense(3, name="out")])
+
+
+def _tied():
+    x = keras.Input((12,))
+    embed = keras.layers.Dense(12, name="embed")  # (12, 12): its transpose maps back
+    h = keras.layers.Dense(12, activation="tanh", name="hidden")(embed(x))
+    out = keras.layers.Dense(3, name="out")(Tied(embed, name="tied")(h))
+    return keras.Model(x, out)
+
+
+def _shared():
+    x = keras.Input((12,))
+    twice = keras.layers.Dense(12, activation="tanh", name="twice")
+    return keras.Model(x, keras.layers.Dense(3, name="out")(twice(twice(x))))
+
+
+def _sequence():
+    x = keras.Input((12,))
+    h = keras.layers.Reshape((3, 4))(x)
+    h = keras.layers.Dense(5, activation="tanh", name="per_step")(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(keras.layers.Flatten()(h)))
+
+
+def _regularized():
+    return keras.Sequential([keras.Input((12,)),
+                             keras.layers.Dense(16, activation="tanh", name="decayed",
+                                                kernel_regularizer=keras.regularizers.L2(0.1)),
+                             keras.layers.Dense(3, name="out")])
+
+
+def _embedded():
+    x = keras.Input((4,), dtype="int32")
+    h = keras.layers.Flatten()(keras.layers.Embedding(10, 3, name="embedding")(x))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+CASES = {  # model, the layers the traced function taps
+    "mlp": (_mlp, ["hidden", "no_bias", "out"]),
+    "tied": (_tied, ["hidden", "out"]),
+    "shared": (_shared, ["out"]),
+    "sequence": (_sequence, ["out"]),
+    "regularized": (_regularized, ["out"]),
+    # on TensorFlow an Embedding's gradient is rows: each sample computes alone, untapped
+    "embedded": (_embedded, ["out"] if keras.backend.backend() == "jax" else []),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_per_sample_is_each_sample_alone_and_taps_only_what_it_may(case, tapped):
+    _check(case, keras.optimizers.SGD(0.1), tapped)
+
+
+def test_a_loss_scale_is_divided_out_of_the_tapped_layers_too(tapped):
+    _check("mlp", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                      initial_scale=2.0 ** 10), tapped)
+
+
+def _check(case, optimizer, tapped):
+    """per_sample of CASES[case] in chunks equals each sample alone, and taps its layers."""
+    make, taps = CASES[case]
+    keras.utils.set_random_seed(1)
+    model = make()
+    trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), optimizer)
+    rng = np.random.default_rng(4)
+    x = (rng.integers(0, 10, (11, 4)).astype(np.int32) if case == "embedded"
+         else rng.normal(size=(11, 12)).astype(np.float32))
+    y = rng.integers(0, 3, 11).astype(np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if taps else "ignore", UserWarning)  # vectorized
+        table = trainer.per_sample(x, y, chunk_size=4)
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), brute_force(trainer, x, y, np.ones(len(x), np.float32)),
+                               rtol=1e-6, atol=1e-6)
+    assert (tapped[-1] if tapped else []) == taps
+    assert all("call" not in vars(layer) for layer in model._flatten_layers())
+
+
+def test_only_a_plain_dense_of_trained_weights_is_a_candidate():
+    class Sub(keras.layers.Dense):
+        pass
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="plain"),
+                              Sub(4, name="subclass"), keras.layers.Dense(4, name="frozen"),
+                              keras.layers.Dense(4, name="lora"),
+                              keras.layers.Dense(4, name="half", dtype="mixed_float16"),
+                              keras.layers.Dense(2, name="last")])
+    model.get_layer("frozen").trainable = False
+    model.get_layer("lora").enable_lora(2)
+    taps = DenseTaps(model, model.trainable_variables)
+    assert [layer.name for layer in taps.layers] == ["plain", "last"]
+    assert [model.trainable_variables[i].path.split("/", 1)[1]
+            for i in sorted(taps.indices())] == ["plain/kernel", "plain/bias", "last/kernel",
+                                                 "last/bias"]
+
+
+def test_a_tapped_layer_is_its_own_again_after_a_call_that_raises():
+    model = _mlp()
+    taps = DenseTaps(model, model.trainable_variables)
+    with pytest.raises(RuntimeError, match="in the middle"):
+        with taps.tapped(lambda v: v.value, lambda j, z: z, [None] * len(taps)):
+            assert all("call" in vars(layer) for layer in taps.layers)
+            raise RuntimeError("in the middle")
+    assert all("call" not in vars(layer) for layer in model.layers)
+    model(np.zeros((2, 12), np.float32))
