@@ -103,7 +103,7 @@ class _PerSample:
         elif finite:
             cosines[finite], to_rest[finite] = cosines_from_dots(
                 self.dots[finite], self.sq[finite], gbar_sq, np.ones(len(finite)))
-        return SampleStats(*(tuple(float(v) for v in column) for column in (
+        return SampleStats(*(tuple(column.tolist()) for column in (  # float64: Python floats
             self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
 
     def _passes(self, snapshot) -> tuple[list, float, bool]:
