@@ -1,7 +1,8 @@
 """per_sample's squared norms at Dense layers from |a|^2 |delta|^2 (hostavg.keras.dense_norms),
 on the process's Keras backend: the same table as each sample computed alone on models where
-a Dense layer is tapped and where one must not be (its kernel tied to another layer, the layer
-called twice, a rank-3 input, a regularizer), and which layers the traced function taps."""
+a Dense layer is tapped and where one must not be (its kernel tied to another layer, the
+layer called twice, on a rank-3 input or on rows folded into the batch, a regularizer), and
+which layers the traced function taps."""
 
 import warnings
 
@@ -68,6 +69,22 @@ def _sequence():
     return keras.Model(x, keras.layers.Dense(3, name="out")(keras.layers.Flatten()(h)))
 
 
+class Folded(keras.layers.Layer):
+    """A Dense on a sample's 3 rows of 4, folded into the batch: (n, 12) -> (3n, 4) -> (n, 15)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(5, activation="tanh", name="folded")
+
+    def call(self, x):
+        return keras.ops.reshape(self.dense(keras.ops.reshape(x, (-1, 4))), (-1, 15))
+
+
+def _folded():
+    x = keras.Input((12,))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(Folded()(x)))
+
+
 def _regularized():
     return keras.Sequential([keras.Input((12,)),
                              keras.layers.Dense(16, activation="tanh", name="decayed",
@@ -86,6 +103,7 @@ CASES = {  # model, the layers the traced function taps
     "tied": (_tied, ["hidden", "out"]),
     "shared": (_shared, ["out"]),
     "sequence": (_sequence, ["out"]),
+    "folded": (_folded, ["out"]),
     "regularized": (_regularized, ["out"]),
     # on TensorFlow an Embedding's gradient is rows: each sample computes alone, untapped
     "embedded": (_embedded, ["out"] if keras.backend.backend() == "jax" else []),

@@ -14,8 +14,8 @@ six times the whole batch's compute. Here each such layer's output gets a zero "
 
 Which layers (:class:`DenseTaps`): exactly ``keras.layers.Dense``, trained kernel and bias,
 no regularizer, LoRA or quantization, the variables' dtype the compute dtype. Whether the
-loss reads the kernel or bias elsewhere (a tied weight; a layer called twice or on a rank-3
-input, where it runs its own ``call``) a backend checks once per signature on the traced
+loss reads the kernel or bias elsewhere (a tied weight; a layer called twice or on more than
+one row, where it runs its own ``call``) a backend checks once per signature on the traced
 function (:meth:`DenseTaps.tapped` reads the weights from where the backend says, so a read
 through the variable is another use); such a layer's gradient is formed as before.
 """
@@ -79,14 +79,17 @@ class DenseTaps:
         as ``tap(j, z)`` (j: the layer's place in :attr:`layers`), W and b given by
         ``read(variable)`` rather than read through the variable, and keeps a in
         ``inputs[j]`` (a list of one None per layer). A second call of a layer, or one on
-        an input of rank above 2, runs the layer's own ``call`` (which reads the variable:
-        the backend's check then finds the layer's weight read elsewhere)."""
+        anything but one row (1 x in: a sample computed alone, its batch of one; not a
+        sequence, nor rows a layer such as ``TimeDistributed`` folds into the batch), runs
+        the layer's own ``call``, which reads the variable: the backend's check then finds
+        the layer's weight read elsewhere."""
         owner = threading.get_ident()
         for j, layer in enumerate(self.layers):
             original = layer.call
 
             def call(x, training=None, j=j, layer=layer, original=original):
-                if threading.get_ident() != owner or inputs[j] is not None or len(x.shape) != 2:
+                if threading.get_ident() != owner or inputs[j] is not None or \
+                        tuple(x.shape)[:1] != (1,) or len(x.shape) != 2:  # not one 1 x in row
                     return original(x, training=training)
                 z = ops.matmul(x, read(layer.kernel))
                 if layer.bias is not None:
