@@ -4,6 +4,8 @@ a Dense layer is tapped and where one must not be (its kernel tied to another la
 layer called twice, on a rank-3 input or on rows folded into the batch, a regularizer), and
 which layers the traced function taps."""
 
+import threading
+import time
 import warnings
 
 import keras
@@ -17,15 +19,20 @@ from test_per_sample import COLUMNS, brute_force
 
 @pytest.fixture
 def tapped(monkeypatch):
-    """The layer names of each ``DenseTaps.tapped`` entered: the last is what the traced
-    per-sample function taps (JAX checks all candidates first, TensorFlow traces again
-    without the layers whose weights the loss reads elsewhere)."""
-    seen, original = [], DenseTaps.tapped
+    """The layer names each per-sample "sums" function is built with, in order: the last is
+    what per_sample's function taps (TensorFlow builds again without the layers whose weights
+    the loss reads elsewhere; both build again untapped where a tapped one fails)."""
+    if keras.backend.backend() == "jax":
+        from hostavg.keras.jax import KerasJaxBackend as Backend
+    else:
+        from hostavg.keras.tensorflow import KerasBackend as Backend
+    seen, original = [], Backend._sample_function
 
-    def spy(self, read, tap, inputs):
-        seen.append(sorted(layer.name for layer in self.layers))
-        return original(self, read, tap, inputs)
-    monkeypatch.setattr(DenseTaps, "tapped", spy)
+    def spy(self, first, kind, taps=None, *rest):
+        if kind == "sums":
+            seen.append(sorted(layer.name for layer in taps.layers) if taps else [])
+        return original(self, first, kind, taps, *rest)
+    monkeypatch.setattr(Backend, "_sample_function", spy)
     return seen
 
 
@@ -85,6 +92,37 @@ def _folded():
     return keras.Model(x, keras.layers.Dense(3, name="out")(Folded()(x)))
 
 
+def _one_kernel():
+    """Two Dense layers holding one kernel variable: its gradient is both theirs."""
+    x = keras.Input((12,))
+    first, second = keras.layers.Dense(12, activation="tanh"), keras.layers.Dense(12, name="second")
+    first.build((None, 12))
+    second.build((None, 12))
+    object.__setattr__(second, "_kernel", first._kernel)  # (Keras's tracking bypassed)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(second(first(x))))
+
+
+class Cell(keras.layers.Layer):
+    """An RNN cell with a Dense inside: called in a loop's body (lax.scan on JAX)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense, self.state_size = keras.layers.Dense(6, activation="tanh", name="cell"), 6
+
+    def build(self, shape):
+        self.dense.build((None, 10))
+
+    def call(self, x, states):
+        h = self.dense(keras.ops.concatenate([x, states[0]], -1))
+        return h, [h]
+
+
+def _recurrent():
+    x = keras.Input((12,))
+    h = keras.layers.RNN(Cell())(keras.layers.Reshape((3, 4))(x))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
 def _regularized():
     return keras.Sequential([keras.Input((12,)),
                              keras.layers.Dense(16, activation="tanh", name="decayed",
@@ -105,6 +143,11 @@ CASES = {  # model, the layers the traced function taps
     "sequence": (_sequence, ["out"]),
     "folded": (_folded, ["out"]),
     "regularized": (_regularized, ["out"]),
+    "one kernel": (_one_kernel, ["out"]),
+    # JAX: a tapped call in a loop's body fails (its input escapes lax.scan), so untapped;
+    # TensorFlow: the cell's weights count as read elsewhere, and then each sample computes
+    # alone anyway (tf.vectorized_map cannot convert the RNN's loop)
+    "recurrent": (_recurrent, [] if keras.backend.backend() == "jax" else ["out"]),
     # on TensorFlow an Embedding's gradient is rows: each sample computes alone, untapped
     "embedded": (_embedded, ["out"] if keras.backend.backend() == "jax" else []),
 }
@@ -132,7 +175,8 @@ def _check(case, optimizer, tapped):
          else rng.normal(size=(11, 12)).astype(np.float32))
     y = rng.integers(0, 3, 11).astype(np.int32)
     with warnings.catch_warnings():
-        warnings.simplefilter("error" if taps else "ignore", UserWarning)  # vectorized
+        warnings.simplefilter("error" if taps and case != "recurrent" else "ignore",
+                              UserWarning)  # vectorized
         table = trainer.per_sample(x, y, chunk_size=4)
     np.testing.assert_allclose(table[COLUMNS].to_numpy(float), brute_force(trainer, x, y, np.ones(len(x), np.float32)),
                                rtol=1e-6, atol=1e-6)
@@ -167,3 +211,60 @@ def test_a_tapped_layer_is_its_own_again_after_a_call_that_raises():
             raise RuntimeError("in the middle")
     assert all("call" not in vars(layer) for layer in model.layers)
     model(np.zeros((2, 12), np.float32))
+
+
+def test_two_threads_tapping_one_model_each_get_each_sample_alone():
+    """Two trainers of one model, per_sample in two threads at once (a review saw one thread
+    restore the other's call and then fail to find its own): each table is each sample
+    alone, none falls back, and no layer keeps a call of its own."""
+    keras.utils.set_random_seed(1)
+    model = _mlp()
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(11, 12)).astype(np.float32)
+    y = rng.integers(0, 3, 11).astype(np.int32)
+
+    def trainer():
+        return hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), keras.optimizers.SGD(0.1))
+    tables, trainers = {}, {c: trainer() for c in (4, 3, 5, 2)}  # (compile is not threadsafe)
+
+    def run(chunk_size):
+        tables[chunk_size] = trainers[chunk_size].per_sample(x, y, chunk_size=chunk_size)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=run, args=(c,)) for c in trainers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not [w for w in said if "per_sample" in str(w.message)]
+    want = brute_force(trainers[4], x, y, np.ones(len(x), np.float32))
+    assert sorted(tables) == [2, 3, 4, 5]
+    for table in tables.values():
+        np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
+    assert all("call" not in vars(layer) for layer in model._flatten_layers())
+
+
+def test_taps_of_two_threads_take_turns():
+    """A second thread's taps wait for the first's to be restored: else each would replace
+    the other's call mid-trace (JAX's probe and trace would then disagree)."""
+    model = _mlp()
+    taps = DenseTaps(model, model.trainable_variables)
+    inside, order = threading.Event(), []
+
+    def tap(name, wait):
+        if wait:
+            inside.wait()
+        with taps.tapped(lambda v: v.value, lambda j, z: z, [None] * len(taps)):
+            order.append(f"{name} in")
+            inside.set()
+            time.sleep(0.2)  # (the other thread would enter here)
+            order.append(f"{name} out")
+    threads = [threading.Thread(target=tap, args=("first", False)),
+               threading.Thread(target=tap, args=("second", True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order == ["first in", "first out", "second in", "second out"]
+    assert all("call" not in vars(layer) for layer in model.layers)

@@ -12,23 +12,27 @@ each sample's in x out gradient only to sum its squares: on a 784-64-10 MLP that
 six times the whole batch's compute. Here each such layer's output gets a zero "tap" t
 (z + t), the gradient with respect to t is delta, and a is what the layer was called on.
 
-Which layers (:class:`DenseTaps`): exactly ``keras.layers.Dense``, trained kernel and bias,
-no regularizer, LoRA or quantization, the variables' dtype the compute dtype. Whether the
-loss reads the kernel or bias elsewhere (a tied weight; a layer called twice or on more than
-one row, where it runs its own ``call``) a backend checks once per signature on the traced
-function (:meth:`DenseTaps.tapped` reads the weights from where the backend says, so a read
-through the variable is another use); such a layer's gradient is formed as before.
+Which layers (:class:`DenseTaps`): exactly ``keras.layers.Dense``, trained weights held by no
+other layer, no regularizer, LoRA or quantization, its dtype the compute dtype. Whether the
+loss reads them elsewhere (a tied weight; a layer called twice or on more than one row runs
+its own ``call``) a backend checks once per signature on the traced function; such a layer's
+gradient is formed as before, and every layer's where a tapped function fails to trace (a
+Dense in a loop's body, whose input would escape it).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from contextlib import contextmanager
 
 import keras
 from keras import ops
 
 __all__ = ["DenseTaps"]
+
+#: Held while a thread's taps are installed (:meth:`DenseTaps.tapped`).
+_TAPPING = threading.RLock()
 
 
 class DenseTaps:
@@ -47,14 +51,15 @@ class DenseTaps:
 
     def __init__(self, model, trained: list, layers=None):
         at = {id(v): i for i, v in enumerate(trained)}
-        self.layers, self.kernels, self.biases = [], [], []
-        for layer in model._flatten_layers() if layers is None else layers:
-            if not _eligible(layer) or id(layer.kernel) not in at or (
-                    layer.bias is not None and id(layer.bias) not in at):
-                continue
-            self.layers.append(layer)
-            self.kernels.append(at[id(layer.kernel)])
-            self.biases.append(None if layer.bias is None else at[id(layer.bias)])
+        found = [layer for layer in (model._flatten_layers() if layers is None else layers)
+                 if _eligible(layer) and id(layer.kernel) in at
+                 and (layer.bias is None or id(layer.bias) in at)]
+        # a variable held by two layers gets both their gradients: formed, not tapped
+        held = Counter(id(v) for layer in found for v in _weights(layer))
+        found = [layer for layer in found if all(held[id(v)] == 1 for v in _weights(layer))]
+        self.layers = found
+        self.kernels = [at[id(layer.kernel)] for layer in found]
+        self.biases = [None if layer.bias is None else at[id(layer.bias)] for layer in found]
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -83,26 +88,39 @@ class DenseTaps:
         sequence, nor rows a layer such as ``TimeDistributed`` folds into the batch), runs
         the layer's own ``call``, which reads the variable: the backend's check then finds
         the layer's weight read elsewhere."""
-        owner = threading.get_ident()
-        for j, layer in enumerate(self.layers):
-            original = layer.call
+        with _TAPPING:  # one thread's taps at a time: each restores what it replaced
+            owner, installed = threading.get_ident(), []
+            try:
+                for j, layer in enumerate(self.layers):
+                    installed.append(self._install(j, layer, owner, read, tap, inputs))
+                yield
+            finally:
+                for layer, call in zip(self.layers, installed):
+                    if vars(layer).get("call") is call:
+                        object.__delattr__(layer, "call")
 
-            def call(x, training=None, j=j, layer=layer, original=original):
-                if threading.get_ident() != owner or inputs[j] is not None or \
-                        tuple(x.shape)[:1] != (1,) or len(x.shape) != 2:  # not one 1 x in row
-                    return original(x, training=training)
-                z = ops.matmul(x, read(layer.kernel))
-                if layer.bias is not None:
-                    z = ops.add(z, read(layer.bias))
-                z = tap(j, z)
-                inputs[j] = x
-                return z if layer.activation is None else layer.activation(z)
-            object.__setattr__(layer, "call", call)
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                object.__delattr__(layer, "call")
+    @staticmethod
+    def _install(j: int, layer, owner: int, read, tap, inputs: list):
+        """Replaces ``layer``'s call as :meth:`tapped` says; returns the replacement."""
+        original = layer.call
+
+        def call(x, training=None):
+            if threading.get_ident() != owner or inputs[j] is not None or \
+                    tuple(x.shape)[:1] != (1,) or len(x.shape) != 2:  # not one 1 x in row
+                return original(x, training=training)
+            z = ops.matmul(x, read(layer.kernel))
+            if layer.bias is not None:
+                z = ops.add(z, read(layer.bias))
+            z = tap(j, z)
+            inputs[j] = x
+            return z if layer.activation is None else layer.activation(z)
+        object.__setattr__(layer, "call", call)
+        return call
+
+
+def _weights(layer) -> list:
+    """``layer``'s kernel and bias (where it has one)."""
+    return [layer.kernel] + ([] if layer.bias is None else [layer.bias])
 
 
 def _eligible(layer) -> bool:

@@ -241,15 +241,26 @@ class KerasJaxBackend(CompiledModel):
         self.vectorizable()
         loss = self._losses[signature]
         model = self.model
+        arguments = ([v.value for v in model.trainable_variables],
+                     [v.value for v in model.non_trainable_variables],
+                     [v.value for v in model.metrics_variables], self._slots(), leaves, *extra)
         with _jax_errors("per_sample"), _vectorizing():
             function = self._samples.get((signature, kind))
-            if function is None:
-                taps = self._dense_taps(loss, leaves) if kind == "sums" else None
-                function = self._samples[signature, kind] = self._sample_function(loss, kind, taps)
-            return jax.block_until_ready(function(
-                [v.value for v in model.trainable_variables],
-                [v.value for v in model.non_trainable_variables],
-                [v.value for v in model.metrics_variables], self._slots(), leaves, *extra))
+            if function is not None:
+                return jax.block_until_ready(function(*arguments))
+            taps = self._dense_taps(loss, leaves) if kind == "sums" else None
+            function = self._sample_function(loss, kind, taps)
+            try:
+                out = jax.block_until_ready(function(*arguments))
+            except Exception:
+                if not taps:
+                    raise
+                # a tapped layer's input escaping the trace of a loop's body (a Dense in an
+                # RNN's cell, run by lax.scan): untapped, as the layers' gradients were formed
+                function = self._sample_function(loss, kind)
+                out = jax.block_until_ready(function(*arguments))
+            self._samples[signature, kind] = function
+            return out
 
     def _dense_taps(self, loss, leaves) -> DenseTaps:
         """The ``Dense`` layers whose squared norms the "sums" function takes from |a|^2
@@ -272,11 +283,14 @@ class KerasJaxBackend(CompiledModel):
                 return loss(_with_kept(values, kept, kept_values), untrained, metric_values,
                             slots, [leaf[None] for leaf in flat])
         values = [v.value for v in trainable]
-        traced = jax.make_jaxpr(probe)(
-            [values[kept[p]] for p in places], values,
-            [v.value for v in self.model.non_trainable_variables],
-            [v.value for v in self.model.metrics_variables], self._slots(),
-            [leaf[0] for leaf in leaves])
+        try:
+            traced = jax.make_jaxpr(probe)(
+                [values[kept[p]] for p in places], values,
+                [v.value for v in self.model.non_trainable_variables],
+                [v.value for v in self.model.metrics_variables], self._slots(),
+                [leaf[0] for leaf in leaves])
+        except Exception:  # the taps' doing: none (the model's own errors meet it untapped)
+            return taps.without(taps.layers)
         read = {p for p, used in zip(places, used_inputs(traced)) if used}
         return taps.without([layer for layer, k, b in zip(taps.layers, taps.kernels, taps.biases)
                              if k in read or b in read])

@@ -194,6 +194,9 @@ class KerasBackend(CompiledModel):
                 function = self._trace(self._sample_function(signature, kind, taps, read),
                                        [*leaves, *(means if kind == "dots" else [])], "per_sample")
             except HostavgError as e:
+                if taps:  # the taps' doing (a Dense in a loop's body, say): untapped
+                    taps = taps.without(taps.layers)
+                    continue
                 raise NotVectorized(f"tf.vectorized_map of the model's one-sample gradient "
                                     f"failed: {e}") from e
             if not read:
