@@ -130,6 +130,14 @@ def _regularized():
                              keras.layers.Dense(3, name="out")])
 
 
+def _active():
+    """An activity regularizer: a loss the layer adds on its output (tapped: delta has it)."""
+    return keras.Sequential([
+        keras.Input((12,)), keras.layers.Dense(8, activation="tanh", name="hidden",
+                                               activity_regularizer=keras.regularizers.L2(0.3)),
+        keras.layers.Dense(3, name="out")])
+
+
 def _embedded():
     x = keras.Input((4,), dtype="int32")
     h = keras.layers.Flatten()(keras.layers.Embedding(10, 3, name="embedding")(x))
@@ -143,6 +151,7 @@ CASES = {  # model, the layers the traced function taps
     "sequence": (_sequence, ["out"]),
     "folded": (_folded, ["out"]),
     "regularized": (_regularized, ["out"]),
+    "active": (_active, ["hidden", "out"]),
     "one kernel": (_one_kernel, ["out"]),
     # JAX: a tapped call in a loop's body fails (its input escapes lax.scan), so untapped;
     # TensorFlow: the cell's weights count as read elsewhere, and then each sample computes

@@ -218,9 +218,12 @@ class KerasBackend(CompiledModel):
 
         def forward(leaves):
             """One sample's loss, in a ``StatelessScope`` that reads every variable's value (a
-            weight regularizer reads its variable there) and keeps what would be assigned."""
+            weight regularizer reads its variable there), keeps what would be assigned and
+            collects what layers add (an activity regularizer's loss, which ``model.losses``
+            then reads from it; a scope that does not collect drops it)."""
             x, y, w = _rebuild(signature, [leaf[None] for leaf in leaves])
-            with keras.StatelessScope(state_mapping=[(v, v.value) for v in model.variables]):
+            with keras.StatelessScope(state_mapping=[(v, v.value) for v in model.variables],
+                                      collect_losses=True):
                 return self._loss(x, y, model(x, training=True), w)
 
         def unscaled(grads):
