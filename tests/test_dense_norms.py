@@ -187,8 +187,8 @@ def _check(case, optimizer, tapped):
         warnings.simplefilter("error" if taps and case != "recurrent" else "ignore",
                               UserWarning)  # vectorized
         table = trainer.per_sample(x, y, chunk_size=4)
-    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), brute_force(trainer, x, y, np.ones(len(x), np.float32)),
-                               rtol=1e-6, atol=1e-6)
+    want = brute_force(trainer, x, y, np.ones(len(x), np.float32))
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), want, rtol=1e-6, atol=1e-6)
     assert (tapped[-1] if tapped else []) == taps
     assert all("call" not in vars(layer) for layer in model._flatten_layers())
 
