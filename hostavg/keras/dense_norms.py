@@ -49,10 +49,9 @@ class DenseTaps:
       biases: per layer, the bias's index in ``trained``, or None (no bias).
     """
 
-    def __init__(self, model, trained: list, layers=None):
+    def __init__(self, model, trained: list):
         at = {id(v): i for i, v in enumerate(trained)}
-        found = [layer for layer in (model._flatten_layers() if layers is None else layers)
-                 if _eligible(layer) and id(layer.kernel) in at
+        found = [layer for layer in model._flatten_layers() if _eligible(layer) and id(layer.kernel) in at
                  and (layer.bias is None or id(layer.bias) in at)]
         # a variable held by two layers gets both their gradients: formed, not tapped
         held = Counter(id(v) for layer in found for v in _weights(layer))
@@ -67,6 +66,24 @@ class DenseTaps:
     def indices(self) -> set:
         """The indices in ``trained`` of every eligible layer's kernel and bias."""
         return set(self.kernels) | {b for b in self.biases if b is not None}
+
+    def untapped(self, k: int) -> list:
+        """The indices, among ``k`` trained variables, of those no layer here holds."""
+        places = self.indices()
+        return [p for p in range(k) if p not in places]
+
+    def totals(self, others: list, inputs: list, deltas: list) -> list:
+        """Each trained variable's gradient summed over a chunk's samples, in order: ``others``
+        for :meth:`untapped`'s (summed already), A^T Delta for a layer's kernel and the sum of
+        Delta for its bias, from ``inputs`` (n, in) and ``deltas`` (n, out) per layer."""
+        total = [None] * (len(others) + len(self.indices()))
+        for p, summed in zip(self.untapped(len(total)), others):
+            total[p] = summed
+        for a, d, kernel, bias in zip(inputs, deltas, self.kernels, self.biases):
+            total[kernel] = ops.matmul(ops.transpose(a), d)
+            if bias is not None:
+                total[bias] = ops.sum(d, axis=0)
+        return total
 
     def without(self, layers) -> DenseTaps:
         """These taps less ``layers`` (by identity)."""

@@ -276,9 +276,8 @@ class KerasJaxBackend(CompiledModel):
 
         def probe(mapped, values, untrained, metric_values, slots, flat):
             own = {id(trained[p]): values[kept[p]] for p in places}
-            kept_values = [values[i] for i in kept]
-            for p, value in zip(places, mapped):  # what a read through the variable sees
-                kept_values[p] = value
+            # mapped: what a read through the variable sees
+            kept_values = _with_kept([values[i] for i in kept], places, mapped)
             with taps.tapped(lambda v: own[id(v)], lambda j, z: z, [None] * len(taps)):
                 return loss(_with_kept(values, kept, kept_values), untrained, metric_values,
                             slots, [leaf[None] for leaf in flat])
@@ -694,15 +693,12 @@ def _tapped_sums(taps: DenseTaps, trained: list, one, unscaled, kept_values: lis
     ``kept_values``) are not differentiated: their squared norms are |a|^2 |delta|^2 and
     |delta|^2, their sums A^T Delta and the sum of Delta (:mod:`hostavg.keras.dense_norms`);
     the other variables' gradients are formed."""
-    places = taps.indices()
-    rest = [p for p in range(len(kept_values)) if p not in places]
-    own = {id(trained[p]): kept_values[p] for p in places}
+    rest = taps.untapped(len(kept_values))
+    own = {id(trained[p]): kept_values[p] for p in taps.indices()}
 
     def sample(leaves):
         def of(others, zeros):
-            values, inputs = list(kept_values), [None] * len(taps)
-            for p, value in zip(rest, others):
-                values[p] = value
+            values, inputs = _with_kept(kept_values, rest, others), [None] * len(taps)
             with taps.tapped(lambda v: own[id(v)], lambda j, z: z + zeros[j], inputs):
                 scaled, value = one(values, *arguments, leaves)
             return scaled, (value, [jnp.zeros(layer.kernel.shape[:1], layer.compute_dtype)
@@ -719,13 +715,7 @@ def _tapped_sums(taps: DenseTaps, trained: list, one, unscaled, kept_values: lis
         return value, sq, g, inputs, deltas
 
     values, sq, g, inputs, deltas = jax.vmap(sample)(flat)
-    total = [None] * len(kept_values)
-    for p, x in zip(rest, g):
-        total[p] = jnp.sum(x, 0)
-    for a, delta, kernel, bias in zip(inputs, deltas, taps.kernels, taps.biases):
-        total[kernel] = a.T @ delta
-        if bias is not None:
-            total[bias] = jnp.sum(delta, 0)
+    total = taps.totals([jnp.sum(x, 0) for x in g], inputs, deltas)
     return values, sq, jnp.ones_like(sq), total
 
 

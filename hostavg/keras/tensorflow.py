@@ -254,7 +254,7 @@ class KerasBackend(CompiledModel):
                 [tapped, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads)]))
             total = [tf.reduce_sum(g, 0) for g in grads]
             if taps:
-                total = _tapped_total(taps, len(trained), total, inputs, deltas)
+                total = taps.totals(total, inputs, deltas)
             return [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
                                   for g, v in zip(total, trained))]
 
@@ -700,9 +700,9 @@ def _tapped_one(taps: DenseTaps, trained: list, forward, scaled, unscaled, read:
     for a layer the sample skips), all divided by the loss scale (``unscaled``);
     ``forward(leaves)`` the loss, ``scaled(loss)`` as the optimizer scales it. A layer whose
     kernel or bias still gets a gradient (the loss reads it elsewhere) is added to ``read``."""
-    places = taps.indices()
-    others = [v for p, v in enumerate(trained) if p not in places]
-    tapped = [trained[p] for p in sorted(places)]
+    places = sorted(taps.indices())
+    others = [trained[p] for p in taps.untapped(len(trained))]
+    tapped = [trained[p] for p in places]
     inputs, zeros = [None] * len(taps), [None] * len(taps)
     with tf.GradientTape() as tape:
         def tap(j, z):
@@ -714,7 +714,7 @@ def _tapped_one(taps: DenseTaps, trained: list, forward, scaled, unscaled, read:
         optimized = scaled(loss)
     called = [z for z in zeros if z is not None]
     grads = tape.gradient(optimized, [*others, *tapped, *called])
-    for p, g in zip(sorted(places), grads[len(others):len(others) + len(tapped)]):
+    for p, g in zip(places, grads[len(others):len(others) + len(tapped)]):
         if g is not None:
             read += [layer for layer, k, b in zip(taps.layers, taps.kernels, taps.biases)
                      if p in (k, b)]
@@ -740,19 +740,6 @@ def _tapped_squares(taps: DenseTaps | None, inputs: list, deltas: list) -> list:
         if bias is not None:
             out.append(d_sq)
     return out
-
-
-def _tapped_total(taps: DenseTaps, k: int, others: list, inputs: list, deltas: list) -> list:
-    """The sum over the samples of each of the ``k`` trained variables' gradients, in order:
-    ``others`` for those not tapped, A^T Delta for a tapped kernel, the sum of Delta for its
-    bias."""
-    places, rest = taps.indices(), iter(others)
-    total = [None if p in places else next(rest) for p in range(k)]
-    for a, d, kernel, bias in zip(inputs, deltas, taps.kernels, taps.biases):
-        total[kernel] = tf.matmul(a, d, transpose_a=True)
-        if bias is not None:
-            total[bias] = tf.reduce_sum(d, 0)
-    return total
 
 
 def _scale(optimizer):
