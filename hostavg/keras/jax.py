@@ -37,7 +37,7 @@ from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectori
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors, traced_message
-from hostavg.keras.dense_norms import DenseTaps
+from hostavg.keras.layer_taps import LayerTaps
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
@@ -248,7 +248,7 @@ class KerasJaxBackend(CompiledModel):
             function = self._samples.get((signature, kind))
             if function is not None:
                 return jax.block_until_ready(function(*arguments))
-            taps = self._dense_taps(loss, leaves) if kind == "sums" else None
+            taps = self._layer_taps(loss, leaves) if kind == "sums" else None
             function = self._sample_function(loss, kind, taps)
             try:
                 out = jax.block_until_ready(function(*arguments))
@@ -262,23 +262,28 @@ class KerasJaxBackend(CompiledModel):
             self._samples[signature, kind] = function
             return out
 
-    def _dense_taps(self, loss, leaves) -> DenseTaps:
-        """The ``Dense`` layers whose squared norms the "sums" function takes from |a|^2
-        |delta|^2 (:mod:`hostavg.keras.dense_norms`): the eligible ones whose kernel and bias the
-        loss, traced on one sample with the layers tapped, reads nowhere else (where JAX's
-        jaxpr cannot be walked, none)."""
+    def _layer_taps(self, loss, leaves) -> LayerTaps:
+        """The ``Dense`` and convolution layers whose squared norms and sums the "sums"
+        function takes from a and delta (:mod:`hostavg.keras.layer_taps`): the eligible ones
+        that the loss, traced on one sample with the layers tapped, calls and whose kernel
+        and bias it reads nowhere else (where JAX's jaxpr cannot be walked, none), with
+        their outputs' shapes for a sample recorded (:attr:`LayerTaps.outputs`)."""
         trainable, kept = list(self.model.trainable_variables), self._kept
         trained = [trainable[i] for i in kept]
-        taps = DenseTaps(self.model, trained)
+        taps = LayerTaps(self.model, trained)
         if not taps:
             return taps
-        places = sorted(taps.indices())  # in kept's order
+        places, outputs = sorted(taps.indices()), [None] * len(taps)  # places: in kept's order
+
+        def tap(j, z):
+            outputs[j] = jax.ShapeDtypeStruct(z.shape, z.dtype)
+            return z
 
         def probe(mapped, values, untrained, metric_values, slots, flat):
             own = {id(trained[p]): values[kept[p]] for p in places}
             # mapped: what a read through the variable sees
             kept_values = _with_kept([values[i] for i in kept], places, mapped)
-            with taps.tapped(lambda v: own[id(v)], lambda j, z: z, [None] * len(taps)):
+            with taps.tapped(lambda v: own[id(v)], tap, [None] * len(taps)):
                 return loss(_with_kept(values, kept, kept_values), untrained, metric_values,
                             slots, [leaf[None] for leaf in flat])
         values = [v.value for v in trainable]
@@ -290,17 +295,18 @@ class KerasJaxBackend(CompiledModel):
                 [leaf[0] for leaf in leaves])
         except Exception:  # the taps' doing: none (the model's own errors meet it untapped)
             return taps.without(taps.layers)
+        taps.outputs = {id(layer): out for layer, out in zip(taps.layers, outputs)}
         read = {p for p, used in zip(places, used_inputs(traced)) if used}
-        return taps.without([layer for layer, k, b in zip(taps.layers, taps.kernels, taps.biases)
-                             if k in read or b in read])
+        return taps.without(taps.holding(read) + [layer for layer, out in zip(taps.layers, outputs)
+                                                  if out is None])
 
-    def _sample_function(self, loss, kind: str, taps: DenseTaps | None = None):
+    def _sample_function(self, loss, kind: str, taps: LayerTaps | None = None):
         """``kind`` "sums": ``(trainable, untrained, metric values, optimizer values, leaves) ->
         (losses, squared norms, the gradient of their sum)``; "dots": ``(..., leaves, mean) ->
         g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
         from the same values; the new values of what the forward pass assigns are dropped.
-        The squared norms of ``taps``' layers are |a|^2 |delta|^2
-        (:mod:`hostavg.keras.dense_norms`), where every norm is finite."""
+        The squared norms of ``taps``' layers come from a and delta
+        (:mod:`hostavg.keras.layer_taps`), where every norm is finite."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
         def unscaled(grads, slots):
@@ -684,15 +690,15 @@ class _Stateless(NamedTuple):
     next_rate: Any
 
 
-def _tapped_sums(taps: DenseTaps, trained: list, one, unscaled, kept_values: list,
+def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
                  arguments: tuple, flat) -> tuple:
     """(losses, squared norms, ones, the gradient of the losses' sum) of every sample of
     ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
     (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
     and biases of ``taps``' layers (indices into ``trained``, whose values are
-    ``kept_values``) are not differentiated: their squared norms are |a|^2 |delta|^2 and
-    |delta|^2, their sums A^T Delta and the sum of Delta (:mod:`hostavg.keras.dense_norms`);
-    the other variables' gradients are formed."""
+    ``kept_values``) are not differentiated: their squared norms and sums come from each
+    layer's input a and delta (:mod:`hostavg.keras.layer_taps`); the other variables'
+    gradients are formed."""
     rest = taps.untapped(len(kept_values))
     own = {id(trained[p]): kept_values[p] for p in taps.indices()}
 
@@ -701,21 +707,17 @@ def _tapped_sums(taps: DenseTaps, trained: list, one, unscaled, kept_values: lis
             values, inputs = _with_kept(kept_values, rest, others), [None] * len(taps)
             with taps.tapped(lambda v: own[id(v)], lambda j, z: z + zeros[j], inputs):
                 scaled, value = one(values, *arguments, leaves)
-            return scaled, (value, [jnp.zeros(layer.kernel.shape[:1], layer.compute_dtype)
-                                    if a is None else a[0]  # a layer this sample skips
-                                    for a, layer in zip(inputs, taps.layers)])
-        zeros = [jnp.zeros((1, layer.units), layer.compute_dtype) for layer in taps.layers]
+            return scaled, (value, [a[0] for a in inputs])
+        zeros = [jnp.zeros(taps.outputs[id(layer)].shape, taps.outputs[id(layer)].dtype)
+                 for layer in taps.layers]
         (g, deltas), (value, inputs) = jax.grad(of, (0, 1), has_aux=True)(
             [kept_values[p] for p in rest], zeros)
         g, deltas = unscaled(g), [d[0] for d in unscaled(deltas)]
-        sq = sum((_sum_squares(x) for x in g), jnp.zeros((), _WIDE))
-        for delta, a, bias in zip(deltas, inputs, taps.biases):
-            delta_sq = _sum_squares(delta)
-            sq = sq + _sum_squares(a) * delta_sq + (0 if bias is None else delta_sq)
-        return value, sq, g, inputs, deltas
+        return value, sum((_sum_squares(x) for x in g), jnp.zeros((), _WIDE)), g, inputs, deltas
 
     values, sq, g, inputs, deltas = jax.vmap(sample)(flat)
-    total = taps.totals([jnp.sum(x, 0) for x in g], inputs, deltas)
+    tapped, total = taps.sums([jnp.sum(x, 0) for x in g], inputs, deltas, _WIDE)
+    sq = sq + tapped
     return values, sq, jnp.ones_like(sq), total
 
 

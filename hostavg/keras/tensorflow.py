@@ -38,7 +38,7 @@ from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import (ApplyOutputs, CompiledModel, loss_function, model_errors,
                                   traced_message)
-from hostavg.keras.dense_norms import DenseTaps
+from hostavg.keras.layer_taps import LayerTaps
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasBackend", "KerasTrainStepBackend", "refuse_strategies"]
@@ -184,10 +184,11 @@ class KerasBackend(CompiledModel):
 
     def _sample_trace(self, leaves, signature, kind: str):
         """:meth:`_sample_function` of ``kind`` traced for the feed's ``leaves``; "sums" with
-        the eligible ``Dense`` layers tapped (:mod:`hostavg.keras.dense_norms`) whose kernel and
-        bias the loss reads nowhere else (traced again without those it does)."""
+        the eligible ``Dense`` and convolution layers tapped (:mod:`hostavg.keras.layer_taps`)
+        whose kernel and bias the loss reads nowhere else (traced again without those it does,
+        or does not call)."""
         means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
-        taps = DenseTaps(self.model, self._trained) if kind == "sums" else None
+        taps = LayerTaps(self.model, self._trained) if kind == "sums" else None
         while True:
             read = []  # the taps' layers whose weights the loss reads elsewhere, while tracing
             try:
@@ -203,7 +204,7 @@ class KerasBackend(CompiledModel):
                 return function
             taps = taps.without(read)
 
-    def _sample_function(self, signature, kind: str, taps: DenseTaps | None = None,
+    def _sample_function(self, signature, kind: str, taps: LayerTaps | None = None,
                          read: list | None = None):
         """``(*leaves) -> [losses, squared norms, *sums]`` ("sums") or ``(*leaves, *mean) ->
         [g_i . mean]`` ("dots"): every sample computed alone (a batch of one) under
@@ -244,17 +245,17 @@ class KerasBackend(CompiledModel):
                     lambda leaves: _tapped_one(taps, trained, forward, scaled, unscaled, read,
                                                 leaves),
                     list(flat))
+                if read:  # traced again without those layers (_sample_trace)
+                    return [losses]
             else:
                 (losses, grads), inputs, deltas = tf.vectorized_map(one, list(flat)), [], []
-            tapped = tf.add_n([tf.zeros_like(losses, tf.float64), *_tapped_squares(
-                taps, inputs, deltas)])
+            total = [tf.reduce_sum(g, 0) for g in grads]
+            tapped, total = taps.sums(total, inputs, deltas, tf.float64) if taps else (None, total)
+            tapped = tf.zeros_like(losses, tf.float64) if tapped is None else tapped
             sq = tf.add_n([tapped, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
                                      for g in grads)])
             sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
                 [tapped, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads)]))
-            total = [tf.reduce_sum(g, 0) for g in grads]
-            if taps:
-                total = taps.totals(total, inputs, deltas)
             return [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
                                   for g, v in zip(total, trained))]
 
@@ -693,13 +694,14 @@ def _undo_if_nonfinite(held: list, checked: list, before: list, rows: list):
                          for i in checked], undo)
 
 
-def _tapped_one(taps: DenseTaps, trained: list, forward, scaled, unscaled, read: list,
+def _tapped_one(taps: LayerTaps, trained: list, forward, scaled, unscaled, read: list,
                 leaves) -> tuple:
     """One sample's loss, the flat gradients of the ``trained`` variables that are not
-    ``taps``' kernels and biases, and per tapped layer its input a and delta (flat, zeros
-    for a layer the sample skips), all divided by the loss scale (``unscaled``);
+    ``taps``' kernels and biases, and per tapped layer its input a and delta (the sample's,
+    its batch of one dropped), all divided by the loss scale (``unscaled``);
     ``forward(leaves)`` the loss, ``scaled(loss)`` as the optimizer scales it. A layer whose
-    kernel or bias still gets a gradient (the loss reads it elsewhere) is added to ``read``."""
+    kernel or bias still gets a gradient (the loss reads it elsewhere), or that the loss
+    does not call, is added to ``read``."""
     places = sorted(taps.indices())
     others = [trained[p] for p in taps.untapped(len(trained))]
     tapped = [trained[p] for p in places]
@@ -712,34 +714,15 @@ def _tapped_one(taps: DenseTaps, trained: list, forward, scaled, unscaled, read:
         with taps.tapped(lambda v: tf.stop_gradient(v.value), tap, inputs):
             loss = forward(leaves)
         optimized = scaled(loss)
+    read += [layer for layer, z in zip(taps.layers, zeros) if z is None]
     called = [z for z in zeros if z is not None]
     grads = tape.gradient(optimized, [*others, *tapped, *called])
-    for p, g in zip(places, grads[len(others):len(others) + len(tapped)]):
-        if g is not None:
-            read += [layer for layer, k, b in zip(taps.layers, taps.kernels, taps.biases)
-                     if p in (k, b)]
-    deltas = iter(unscaled([tf.zeros_like(z) if g is None else g  # an output the loss skips
-                            for g, z in zip(grads[len(others) + len(tapped):], called)]))
-    a, d = [], []
-    for j, layer in enumerate(taps.layers):
-        delta = None if zeros[j] is None else next(deltas)
-        a.append(tf.zeros(layer.kernel.shape[:1], layer.compute_dtype) if delta is None
-                 else tf.reshape(inputs[j], [-1]))
-        d.append(tf.zeros([layer.units], layer.compute_dtype) if delta is None
-                 else tf.reshape(delta, [-1]))
-    return loss, [tf.reshape(g, [-1]) for g in unscaled(grads[:len(others)])], a, d
-
-
-def _tapped_squares(taps: DenseTaps | None, inputs: list, deltas: list) -> list:
-    """(n,) float64 per tapped kernel and bias: each sample's squared gradient norm there,
-    |a|^2 |delta|^2 and |delta|^2, from ``inputs`` (n, in) and ``deltas`` (n, out)."""
-    out = []
-    for a, d, bias in zip(inputs, deltas, taps.biases if taps else []):
-        d_sq = tf.reduce_sum(tf.square(tf.cast(d, tf.float64)), 1)
-        out.append(tf.reduce_sum(tf.square(tf.cast(a, tf.float64)), 1) * d_sq)
-        if bias is not None:
-            out.append(d_sq)
-    return out
+    read += taps.holding({p for p, g in zip(places, grads[len(others):len(others) + len(tapped)])
+                          if g is not None})
+    deltas = unscaled([tf.zeros_like(z) if g is None else g  # an output the loss skips
+                       for g, z in zip(grads[len(others) + len(tapped):], called)])
+    return (loss, [tf.reshape(g, [-1]) for g in unscaled(grads[:len(others)])],
+            [x[0] for x in inputs if x is not None], [d[0] for d in deltas])
 
 
 def _scale(optimizer):

@@ -1,8 +1,9 @@
-"""per_sample's squared norms at Dense layers from |a|^2 |delta|^2 (hostavg.keras.dense_norms),
-on the process's Keras backend: the same table as each sample computed alone on models where
-a Dense layer is tapped and where one must not be (its kernel tied to another layer, the
-layer called twice, on a rank-3 input or on rows folded into the batch, a regularizer), and
-which layers the traced function taps."""
+"""per_sample's norms and sums at Dense and convolution layers from their inputs and the loss's
+gradient at their outputs (hostavg.keras.layer_taps), on the process's Keras backend: the same
+table as each sample computed alone on models where a layer is tapped (convolutions strided,
+dilated, padded "same" unevenly, causal) and where one must not be (its kernel tied to another
+layer, the layer called twice, on a rank-3 input or on rows folded into the batch, a
+regularizer), and which layers the traced function taps."""
 
 import threading
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import hostavg.keras
-from hostavg.keras.dense_norms import DenseTaps
+from hostavg.keras.layer_taps import LayerTaps
 from test_per_sample import COLUMNS, brute_force
 
 
@@ -144,6 +145,36 @@ def _embedded():
     return keras.Model(x, keras.layers.Dense(3, name="out")(h))
 
 
+def _convolved():
+    """Convolutions padded "same" (with a stride: one more row and column after than
+    before), strided "valid" with an oblong kernel, dilated, without a bias."""
+    return keras.Sequential([
+        keras.Input((8, 8, 2)),
+        keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="same"),
+        keras.layers.Conv2D(3, (3, 2), strides=2, use_bias=False, name="strided"),
+        keras.layers.Conv2D(3, 2, dilation_rate=2, padding="same", activation="tanh",
+                            name="dilated"),
+        keras.layers.Conv2D(2, 3, strides=2, padding="same", name="uneven"),
+        keras.layers.Flatten(), keras.layers.Dense(3, name="out")])
+
+
+def _convolved_1d():
+    return keras.Sequential([
+        keras.Input((10, 3)),
+        keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, activation="relu",
+                            name="causal"),
+        keras.layers.Conv1D(2, 2, strides=2, name="valid"),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3, name="out")])
+
+
+def _siamese():
+    """One Conv2D called on the image and on it flipped: the second call reads the kernel."""
+    x = keras.Input((6, 6, 1))
+    conv = keras.layers.Conv2D(3, 3, activation="relu", name="twice")
+    h = keras.layers.Concatenate()([conv(x), conv(keras.ops.flip(x, axis=2))])
+    return keras.Model(x, keras.layers.Dense(3, name="out")(keras.layers.Flatten()(h)))
+
+
 CASES = {  # model, the layers the traced function taps
     "mlp": (_mlp, ["hidden", "no_bias", "out"]),
     "tied": (_tied, ["hidden", "out"]),
@@ -159,6 +190,9 @@ CASES = {  # model, the layers the traced function taps
     "recurrent": (_recurrent, [] if keras.backend.backend() == "jax" else ["out"]),
     # on TensorFlow an Embedding's gradient is rows: each sample computes alone, untapped
     "embedded": (_embedded, ["out"] if keras.backend.backend() == "jax" else []),
+    "convolved": (_convolved, ["dilated", "out", "same", "strided", "uneven"]),
+    "convolved 1d": (_convolved_1d, ["causal", "out", "valid"]),
+    "siamese": (_siamese, ["out"]),
 }
 
 
@@ -181,7 +215,7 @@ def _check(case, optimizer, tapped):
         from_logits=True), optimizer)
     rng = np.random.default_rng(4)
     x = (rng.integers(0, 10, (11, 4)).astype(np.int32) if case == "embedded"
-         else rng.normal(size=(11, 12)).astype(np.float32))
+         else rng.normal(size=(11, *model.input_shape[1:])).astype(np.float32))
     y = rng.integers(0, 3, 11).astype(np.int32)
     with warnings.catch_warnings():
         warnings.simplefilter("error" if taps and case != "recurrent" else "ignore",
@@ -193,9 +227,20 @@ def _check(case, optimizer, tapped):
     assert all("call" not in vars(layer) for layer in model._flatten_layers())
 
 
-def test_only_a_plain_dense_of_trained_weights_is_a_candidate():
+def test_only_a_plain_dense_or_convolution_of_trained_weights_is_a_candidate():
     class Sub(keras.layers.Dense):
         pass
+
+    images = keras.Sequential([
+        keras.Input((6, 6, 4)), keras.layers.Conv2D(4, 3, name="plain"),
+        keras.layers.Conv2D(4, 3, groups=2, name="grouped"),
+        keras.layers.Conv2D(4, 1, name="decayed", bias_regularizer=keras.regularizers.L2(0.1)),
+        keras.layers.SeparableConv2D(4, 1, name="separable"),
+        keras.layers.Conv2DTranspose(4, 1, name="transposed"),
+        keras.layers.DepthwiseConv2D(1, name="depthwise"), keras.layers.Flatten(),
+        keras.layers.Dense(2, name="last")])
+    assert [layer.name for layer in LayerTaps(images, images.trainable_variables).layers] == [
+        "plain", "last"]
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="plain"),
                               Sub(4, name="subclass"), keras.layers.Dense(4, name="frozen"),
@@ -204,7 +249,7 @@ def test_only_a_plain_dense_of_trained_weights_is_a_candidate():
                               keras.layers.Dense(2, name="last")])
     model.get_layer("frozen").trainable = False
     model.get_layer("lora").enable_lora(2)
-    taps = DenseTaps(model, model.trainable_variables)
+    taps = LayerTaps(model, model.trainable_variables)
     assert [layer.name for layer in taps.layers] == ["plain", "last"]
     assert [model.trainable_variables[i].path.split("/", 1)[1]
             for i in sorted(taps.indices())] == ["plain/kernel", "plain/bias", "last/kernel",
@@ -213,7 +258,7 @@ def test_only_a_plain_dense_of_trained_weights_is_a_candidate():
 
 def test_a_tapped_layer_is_its_own_again_after_a_call_that_raises():
     model = _mlp()
-    taps = DenseTaps(model, model.trainable_variables)
+    taps = LayerTaps(model, model.trainable_variables)
     with pytest.raises(RuntimeError, match="in the middle"):
         with taps.tapped(lambda v: v.value, lambda j, z: z, [None] * len(taps)):
             assert all("call" in vars(layer) for layer in taps.layers)
@@ -258,7 +303,7 @@ def test_taps_of_two_threads_take_turns():
     """A second thread's taps wait for the first's to be restored: else each would replace
     the other's call mid-trace (JAX's probe and trace would then disagree)."""
     model = _mlp()
-    taps = DenseTaps(model, model.trainable_variables)
+    taps = LayerTaps(model, model.trainable_variables)
     inside, order = threading.Event(), []
 
     def tap(name, wait):
