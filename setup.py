@@ -46,7 +46,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hostavg", "hostavg.*"]),
     python_requires=">=3.10",
-    install_requires=[TENSORFLOW, KERAS, "numpy", "ml_dtypes", "tqdm"],
+    install_requires=[TENSORFLOW, KERAS, "numpy", "ml_dtypes", "threadpoolctl", "tqdm"],
     extras_require={
         # Data sets shipped inside these packages, for `hostavg train`.
         "demo": DEMO,

@@ -28,6 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from hostavg.core.blas import in_one_blas_thread
 from hostavg.core.check import RandomOp
 from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, non_negative_int,
                                   object_list, positive_int, warn, within_step)
@@ -166,6 +167,7 @@ def fit_arguments(*, batch_size, cut: Cut, validation_freq, epochs=1, seed=None,
         validation_freq=validation_freq)
 
 
+@in_one_blas_thread  # the callbacks' too: see hostavg.core.blas
 def fit(run: Run, source: BatchSource, validation: Validation | None,
         arguments: FitArguments) -> History:
     """Trains ``run`` over the batches of ``source``, evaluating ``validation`` (None: none) at
