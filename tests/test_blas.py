@@ -9,6 +9,7 @@ from test_trainer import Case
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import hostavg
+from hostavg.core import blas
 from hostavg.core.blas import one_blas_thread
 
 
@@ -76,4 +77,30 @@ def test_one_thread_holds_until_the_last_holder_leaves(two_threads):
     finally:
         leave.set()
         other.join()
+    assert set(_threads()) == {2}
+
+
+@pytest.mark.parametrize("where", ["taken", "given back"])
+def test_a_hold_interrupted_gives_the_count_back_then_or_at_the_next(two_threads, monkeypatch,
+                                                                      where):
+    """A Ctrl-C lands between two bytecodes: here just after the count is set to one, or just
+    before it is set back."""
+    setting, calls = blas._as_controller, []
+
+    def interrupted(action):
+        calls.append(action)
+        if where == "taken" or len(calls) == 1:
+            setting(action)
+        if len(calls) == (1 if where == "taken" else 2):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(blas, "_as_controller", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with one_blas_thread():
+            pass
+    monkeypatch.setattr(blas, "_as_controller", setting)
+    assert blas._held["depth"] == 0
+    # taken: given back at once; given back: left at one, for the next hold to give back
+    assert set(_threads()) == ({2} if where == "taken" else {1})
+    with one_blas_thread():
+        assert set(_threads()) == {1}
     assert set(_threads()) == {2}

@@ -4,9 +4,9 @@ hostavg's host arithmetic (squared norms, dots, a stack's statistics) calls NumP
 vectors of tens of thousands of entries or more, where OpenBLAS splits a call over threads,
 which then wait for the next call spinning a while before they sleep (MKL's likewise). The
 framework's next call, a few microseconds later, finds those cores busy: on 2 cores,
-one ``per_sample`` of 256 convnet samples took 140 ms instead of 80, and one ``compute`` of
-them 32 ms instead of 18 (Keras on TensorFlow, ``hostavg bench --per-sample``). The arrays
-are small enough that one thread loses little: 6 us for 65,536 float32 products.
+one ``per_sample`` of 256 convnet samples took 142 ms instead of 85 (Keras on TensorFlow),
+and a ``compute`` of them right after one 32 ms instead of 18. The arrays are small enough
+that one thread loses little: 6 us for 65,536 float32 products.
 
 :func:`one_blas_thread` holds the loaded BLAS libraries at one thread (``threadpoolctl``)
 from the first entry to the last exit of any thread (it counts them), then gives back the
@@ -22,40 +22,63 @@ import threading
 __all__ = ["one_blas_thread", "in_one_blas_thread"]
 
 _LOCK = threading.Lock()
-_held = {"depth": 0, "limiter": None, "controller": None}
+#: depth: the holds open now, over every thread; counts: (library, its thread count before
+#: the first of them) per BLAS library, until given back; libraries: threadpoolctl's, found once.
+_held = {"depth": 0, "counts": None, "libraries": None}
 
 
 @contextlib.contextmanager
 def one_blas_thread():
-    """Within the block (and any other thread's), NumPy's BLAS runs in one thread."""
-    with _LOCK:
-        if _held["depth"] == 0:
-            if _held["controller"] is None:
-                from threadpoolctl import ThreadpoolController  # its scan of libraries: once
-                _held["controller"] = ThreadpoolController()
-            _held["limiter"] = _as_controller(
-                lambda: _held["controller"].limit(limits=1, user_api="blas"))
-        _held["depth"] += 1
+    """Within the block (and any other thread's), NumPy's BLAS runs in one thread.
+
+    A KeyboardInterrupt while a hold is taken gives the count back at once; one while it is
+    given back (Python runs the handler between two bytecodes) can leave it at one, which
+    the next hold gives back first, and one just as the last hold starts to close (before
+    it is counted closed) leaves the holds counted open: BLAS then stays at one thread."""
+    counted = False
     try:
+        with _LOCK:
+            if _held["depth"] == 0:
+                _give_back()  # what an interrupted hold left
+                _hold()
+            # one line: nothing runs a signal's handler between the two stores
+            _held["depth"], counted = _held["depth"] + 1, True
         yield
     finally:
         with _LOCK:
-            _held["depth"] -= 1
+            if counted:
+                _held["depth"] -= 1
             if _held["depth"] == 0:
-                _as_controller(_held["limiter"].restore_original_limits)
-                _held["limiter"] = None
+                _give_back()
 
 
-def _as_controller(action):
-    """``action()`` with this thread free to set the limits: threadpoolctl lets only the
-    thread that set OpenBLAS's (pthreads) limits first set them, the others' calls doing
-    nothing, where the holds' first entry and last exit may be different threads."""
+def _hold() -> None:
+    """Records each BLAS library's thread count, then sets it to one."""
+    if _held["libraries"] is None:
+        from threadpoolctl import ThreadpoolController  # its scan of the libraries: once
+        _held["libraries"] = ThreadpoolController().select(user_api="blas").lib_controllers
+    _held["counts"] = [(lib, lib.get_num_threads()) for lib in _held["libraries"]]
+    _as_controller(lambda: [lib.set_num_threads(1) for lib in _held["libraries"]])
+
+
+def _give_back() -> None:
+    """Sets each BLAS library's thread count back to what :func:`_hold` recorded, if anything."""
+    counts = _held["counts"]
+    if counts is not None:
+        _as_controller(lambda: [lib.set_num_threads(n) for lib, n in counts if n is not None])
+        _held["counts"] = None
+
+
+def _as_controller(action) -> None:
+    """``action()`` with this thread free to set the counts: threadpoolctl lets only the
+    thread that set OpenBLAS's (pthreads) count first set it, the others' calls doing
+    nothing, where a hold's first entry and last exit may be different threads."""
     def clear():
-        for lib in _held["controller"].lib_controllers:
+        for lib in _held["libraries"]:
             getattr(type(lib), "clear_controlling_thread", lambda force: None)(force=True)
     clear()
     try:
-        return action()
+        action()
     finally:
         clear()
 
