@@ -95,6 +95,11 @@ def hold() -> None:
                 set_handler(signum, _handler)
 
 
+def holding() -> bool:
+    """Whether SIGINT and SIGTERM wait now (a :func:`hold` not yet released)."""
+    return bool(_open) and _main() and _open[-1].holding
+
+
 def release() -> None:
     """Signals act at once again; those that waited are delivered now."""
     if not _open or not _main():
