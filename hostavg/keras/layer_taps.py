@@ -94,19 +94,18 @@ class LayerTaps:
             total[p] = summed
         for layer, a, d, kernel, bias in zip(self.layers, inputs, deltas, self.kernels,
                                              self.biases):
-            axes = tuple(range(1, len(d.shape) - 1))  # a convolution's output positions
-            if isinstance(layer, keras.layers.Dense):
-                d_sq = _squares(d, wide)
-                squares.append(_squares(a, wide) * d_sq)
+            if isinstance(layer, keras.layers.Dense):  # the bias's gradient: delta itself
+                biased, biased_sq = d, _squares(d, wide)
+                squares.append(_squares(a, wide) * biased_sq)
                 total[kernel] = ops.matmul(ops.transpose(a), d)
-            else:
+            else:  # the bias's gradient: delta summed over the output positions
+                biased, biased_sq = ops.sum(d, axis=tuple(range(1, len(d.shape) - 1))), None
                 grads = _conv_grads(layer, a, d)
                 squares.append(_squares(grads, wide))
                 total[kernel] = ops.sum(grads, axis=0)
             if bias is not None:
-                per_sample = ops.sum(d, axis=axes) if axes else d
-                squares.append(_squares(per_sample, wide) if axes else d_sq)
-                total[bias] = ops.sum(per_sample, axis=0)
+                squares.append(_squares(biased, wide) if biased_sq is None else biased_sq)
+                total[bias] = ops.sum(biased, axis=0)
         return (ops.sum(ops.stack(squares), axis=0) if squares else None), total
 
     def without(self, layers) -> LayerTaps:
