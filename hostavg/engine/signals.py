@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 from hostavg.compat.python import get_handler, set_handler
 
-__all__ = ["hold", "region", "release", "sigterm_as_exit"]
+__all__ = ["held", "hold", "region", "release", "sigterm_as_exit"]
 
 _SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 
@@ -95,9 +95,20 @@ def hold() -> None:
                 set_handler(signum, _handler)
 
 
-def holding() -> bool:
-    """Whether SIGINT and SIGTERM wait now (a :func:`hold` not yet released)."""
-    return bool(_open) and _main() and _open[-1].holding
+@contextmanager
+def held():
+    """Within the block SIGINT and SIGTERM wait (in the main thread), as a file is written: a
+    KeyboardInterrupt or SystemExit raised inside numpy's zip writer came out as zipfile's
+    ValueError. Those that waited act as the block ends, or, inside a hold not yet released
+    (a step's apply), where that one is."""
+    with region():
+        outer = bool(_open) and _main() and _open[-1].holding
+        hold()
+        try:
+            yield
+        finally:
+            if not outer:
+                release()
 
 
 def release() -> None:

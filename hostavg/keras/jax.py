@@ -302,7 +302,7 @@ class KerasJaxBackend(CompiledModel):
 
     def _sample_function(self, loss, kind: str, taps: LayerTaps | None = None):
         """``kind`` "sums": ``(trainable, untrained, metric values, optimizer values, leaves) ->
-        (losses, squared norms, the gradient of their sum)``; "dots": ``(..., leaves, mean) ->
+        (losses, squared norms, the sum of their gradients)``; "dots": ``(..., leaves, mean) ->
         g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
         from the same values; the new values of what the forward pass assigns are dropped.
         The squared norms of ``taps``' layers come from a and delta
@@ -337,17 +337,19 @@ class KerasJaxBackend(CompiledModel):
                     largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in g])).astype(_WIDE)
                     top = jnp.where(jnp.isfinite(largest) & (largest > 0), largest, top)
                     g = [x / top.astype(x.dtype) for x in g]
-                return value, jnp.sum(_squares(g)), top
+                return value, jnp.sum(_squares(g)), top, g
             if taps:
                 values, sq, tops, total = _tapped_sums(
                     taps, trained, one, lambda g: unscaled(g, slots), kept_values,
                     (trainable, untrained, metric_values, slots), flat)
             else:
-                values, sq, tops = jax.vmap(lambda leaves: sample(leaves, False))(flat)
-                total = unscaled(jax.grad(lambda kv: jnp.sum(each(
-                    kv, trainable, untrained, metric_values, slots, flat)[0]))(kept_values), slots)
+                # the sum of the gradients vmap forms anyway, not the gradient of the losses'
+                # sum: XLA's batched convolution gradient rounds that to 3e-6 of the mean
+                # where the samples' gradients mostly cancel (20 times the sum's)
+                values, sq, tops, g = jax.vmap(lambda leaves: sample(leaves, False))(flat)
+                total = [jnp.sum(x, 0) for x in g]
             sq, tops = jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: (sq, tops),
-                                    lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:])
+                                    lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:3])
             return values, sq, tops, total
 
         def dots(trainable, untrained, metric_values, slots, flat, mean):
@@ -692,7 +694,7 @@ class _Stateless(NamedTuple):
 
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
                  arguments: tuple, flat) -> tuple:
-    """(losses, squared norms, ones, the gradient of the losses' sum) of every sample of
+    """(losses, squared norms, ones, the sum of the samples' gradients) of every sample of
     ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
     (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
     and biases of ``taps``' layers (indices into ``trained``, whose values are

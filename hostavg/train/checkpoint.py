@@ -6,7 +6,8 @@ variable as the array ``var/<name>``, by the name its backend gives it, and
 dtype and, when fit wrote it, fit's state (position, ``batch_size``,
 ``seed``, History).
 
-Atomic: written under a temporary name, flushed, then renamed into place.
+Atomic: written under a temporary name, flushed, then renamed into place; a
+Ctrl-C or SIGTERM meanwhile acts once that is done.
 Restoring reads and checks everything first and changes nothing unless all
 of it is sound; a damaged file raises HostavgError naming it.
 
@@ -28,6 +29,7 @@ import numpy as np
 from hostavg.core.dtypes import EXTENDED, decode, encode, name_of
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive_int
 from hostavg.core.files import folder, fsync_dir, read_array, remove_stale, temporary
+from hostavg.engine.signals import held
 from hostavg.train.history import History
 
 __all__ = ["CheckpointDir", "read", "restore", "save", "write"]
@@ -62,6 +64,13 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
     if not above.is_dir():
         raise ArgumentError(f"cannot write the checkpoint {str(path)!r}: {str(above)!r} is a file, "
                             f"not a folder")
+    with held():  # a Ctrl-C or SIGTERM acts once the file is whole
+        _write(path, arrays)
+    return path
+
+
+def _write(path: Path, arrays: dict) -> None:
+    """np.savez of ``arrays`` to a temporary file renamed to ``path``, and fsync'd."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +88,6 @@ def write(path, values: Mapping[str, np.ndarray], *, fit: dict | None = None) ->
         if tmp is not None and tmp.exists():
             tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-    return path
 
 
 def read(path, forms: Mapping[str, tuple], where: str = "the model") -> tuple[dict, dict | None]:

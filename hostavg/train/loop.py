@@ -35,7 +35,7 @@ from hostavg.core.errors import (ArgumentError, HostavgError, StepError, flag, n
 from hostavg.core.results import FIT_METHODS, HOOK_METHODS, StepResult
 from hostavg.core.split import Cut, as_arrays, feed_size, pieces, take
 from hostavg.engine.hooks import name_of
-from hostavg.engine.signals import hold, holding, region, release, sigterm_as_exit
+from hostavg.engine.signals import hold, region, release, sigterm_as_exit
 from hostavg.train.agreement import shared_seed
 from hostavg.train.callbacks import StopTraining
 from hostavg.train.checkpoint import CheckpointDir
@@ -345,14 +345,8 @@ def checkpoint(run: Run, plan: FitPlan, state: FitState) -> int:
     """Writes a checkpoint of ``run`` at its global step, holding ``state``; returns the step."""
     global_step = run.global_step()
     saved = state.saved(plan.batch_size)
-    held = holding()
-    hold()  # a SIGTERM's SystemExit inside numpy's zip writer came out as its ValueError
-    try:
-        with within_step():  # fit's own path: no argument of the caller's now
-            plan.checkpoints.save(global_step, lambda path: run.save(path, saved))
-    finally:
-        if not held:  # else the step's hold, released where it was taken
-            release()  # what waited acts now, the checkpoint whole
+    with within_step():  # fit's own path: no argument of the caller's now
+        plan.checkpoints.save(global_step, lambda path: run.save(path, saved))
     return global_step
 
 
