@@ -65,8 +65,9 @@ def test_per_sample_memory_at_the_default_chunk_is_a_fraction_of_the_whole_batch
     for row in (chunked, whole):
         assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] >= 0
         assert row["parameters"] == LOGREG_PARAMETERS
-    # As one chunk, every sample's gradient exists at once (kept on the host by TF1, made
-    # together by a vectorized call); at the default chunk, one chunk's at most (1/16 of it)
-    # and what a call needs besides: well under a quarter.
-    assert whole["peak_bytes"] >= 0.9 * gradients, whole
+    # As one chunk, what a call holds per sample exists for every sample at once (the kernel's
+    # gradient is not formed, a Dense or MatMul being tapped, but its input and the loss's
+    # gradient at its output are); at the default chunk, one chunk's (1/16 of it) and what a
+    # call needs besides: well under a quarter of the gradients, and of the whole batch's.
     assert chunked["peak_bytes"] < gradients / 4, chunked
+    assert whole["peak_bytes"] > 3 * chunked["peak_bytes"], (whole, chunked)

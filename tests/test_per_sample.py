@@ -17,9 +17,15 @@ COLUMNS = ["loss", "norm", "cosine", "cosine_to_rest"]
 def brute_force(trainer, x, y, w) -> np.ndarray:
     """(n, 4) of each sample computed alone (``trainer.compute``; a sparse gradient made dense),
     cosines in float64."""
-    alone = [trainer.compute(x[i:i + 1], y[i:i + 1], w[i:i + 1]) for i in range(len(x))]
+    return table_of([trainer.compute(x[i:i + 1], y[i:i + 1], w[i:i + 1])
+                     for i in range(len(x))], trainer.spec)
+
+
+def table_of(alone: list, spec) -> np.ndarray:
+    """(n, 4) loss, norm, cosine and cosine to the rest of the Gradients ``alone`` (one per
+    sample), in float64; a sparse gradient made dense."""
     flat = np.array([np.concatenate([np.ravel(getattr(g[n], "to_dense", lambda: g[n])())
-                                     for n in trainer.spec]) for g in alone], np.float64)
+                                     for n in spec]) for g in alone], np.float64)
     mean, out = flat.mean(axis=0), []
     for i, (g, f) in enumerate(zip(alone, flat)):
         rest, norm = np.delete(flat, i, axis=0).mean(axis=0), np.linalg.norm(f)
@@ -107,9 +113,9 @@ def test_a_model_with_its_own_train_step_computes_alone_and_says_why_once():
     assert table["error"].isna().all() and table["loss"].notna().all()
 
 
-def test_tf1_computes_each_sample_alone_its_documented_path_without_a_warning():
-    """TF1's one sample per call is the face's path (its loss is one tensor of the whole
-    feed), documented, not a failure to vectorize: no warning, notebooks stay quiet."""
+def test_tf1_vectorizes_a_plain_graph_without_a_warning():
+    """A plain TF1 graph's samples compute many per call (hostavg.tf1.samples): no warning,
+    notebooks stay quiet (tests/test_tf1_samples.py has the rest)."""
     import warnings
 
     import tensorflow as tf

@@ -15,7 +15,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import first_line, session_call
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive_int, refused
 from hostavg.core.split import blocks_of, feed_size
-from hostavg.engine.protocols import Applied, ApplyRequest, Computed
+from hostavg.engine.protocols import Applied, ApplyRequest, Computed, SampleSums
 from hostavg.tf1.denormals import like_the_pool
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
@@ -134,6 +134,23 @@ class SessionBackend:
         """One micro-batch's session call that applies it too where its gate lets it
         (:class:`~hostavg.engine.protocols.Fused`)."""
         return self.wiring.compute_apply(self.session, feed, allowance)
+
+    def sample_sums(self, feed: dict) -> SampleSums:
+        """See :class:`~hostavg.engine.protocols.Vectorized`: the loss's subgraph imported per
+        sample under ``tf.vectorized_map`` (:mod:`hostavg.tf1.samples`), one session call;
+        squared norms in float64, sums in the gradients' dtype."""
+        with _session_errors("per_sample"):
+            losses, sq, *sums = self.wiring.samples(self.session, feed, "sums")
+        return SampleSums(np.asarray(losses, np.float64), np.asarray(sq, np.float64),
+                          dict(zip(self.spec, sums)))
+
+    def sample_dots(self, feed: dict, mean) -> np.ndarray:
+        """See :class:`~hostavg.engine.protocols.Vectorized`: g_i . ``mean``, in float64, each
+        sample's gradient formed in the call and dotted there."""
+        means = tuple(np.asarray(mean[name], np.float64) for name in self.spec)
+        with _session_errors("per_sample"):
+            return np.asarray(self.wiring.samples(self.session, feed, "dots", means)[0],
+                              np.float64)
 
     def hvp(self, feed: dict, vector) -> tuple:
         with _session_errors("hvp"):

@@ -26,6 +26,7 @@ from hostavg.tf1.advice import advice_for
 from hostavg.tf1.average import GraphReducer
 from hostavg.tf1.checked import checked_train_op, rows_written
 from hostavg.tf1.feeds import FeedConformer
+from hostavg.tf1 import samples
 from hostavg.tf1.session import Callables
 from hostavg.tf1.variables import (assigned_variables, find_global_step, load_variables,
                                    select_update_ops, state_changes, value_now)
@@ -67,10 +68,10 @@ class Wiring:
             self.increment = 1 if increment_global_step else 0
             self.update_ops = select_update_ops(self.graph, loss, update_ops)
             pairs = _gradient_pairs(optimizer, loss, var_list)
-            self.trained = [v for _, v in pairs]
+            self.trained, self._grads = [v for _, v in pairs], [g for g, _ in pairs]
             self.names = [v.op.name for v in self.trained]
             self.spec = _variable_specs(pairs)
-            self._grads = [g for g, _ in pairs]
+            self._vectorized = samples.Vectorized(loss, self.trained, optimizer, pairs)
             self._fetches, fetched, sq = _compute_fetches(loss, self.global_step, self._grads,
                                                           self.update_ops)
             # What a failed step must restore: every variable the compute call may assign, read
@@ -209,6 +210,14 @@ class Wiring:
                     for name, q in zip(self.names, map(float, got))}
         return Computed(out[0], values, int(out[1]), sq_norms,
                         _fetched(fetches, out[self._tensors:]) if fetches else ())
+
+    def samples(self, sess, feed: dict, kind: str, means: tuple = ()) -> list:
+        """The vectorized samples of ``feed`` (:mod:`hostavg.tf1.samples`), ``kind`` "sums" or
+        "dots" (fed ``means``, in :attr:`names`' order), in one session call. Raises
+        NotVectorized."""
+        fetches, placeholders = self._vectorized.fetches(feed, kind)
+        return self._callables.get(sess, fetches, tuple(feed) + placeholders)(*feed.values(),
+                                                                              *means)
 
     def hvp(self, sess, feed: dict, vector: Mapping) -> tuple:
         """(the loss, name -> H v as a dense array) by double backprop: the gradient of

@@ -1,0 +1,262 @@
+"""Each sample of a feed computed alone, many per session call (``per_sample`` on the TF1 face).
+
+A TF1 loss is one tensor of the whole feed, so it cannot be called on one sample as a
+Keras model can. Its subgraph (the ops the loss runs, stopping at the fed tensors) is
+imported again inside ``tf.vectorized_map``, once per sample, with each fed array mapped to
+that sample's row (a batch of one), every other fed tensor to itself and every variable
+handle to the graph's own, so that the copy reads the same variables and the same feed.
+Its gradients, taken with respect to the copy's reads of each trained variable, are the
+sample's alone, as the trainer's compute of a batch of one gives them. One function per
+feed signature and kind (the first pass's sums, the second pass's dots with a fed mean) is
+built into the graph on its first call.
+
+Vectorizing refuses (:class:`~hostavg.engine.protocols.NotVectorized`, saying why: the
+engine then computes each sample in a call of its own) a loss that runs a stateful op
+other than a variable's read (random draws, assignments, tables, iterators), a sparse
+gradient (each sample's would be the whole table), a reference variable, an optimizer
+whose ``compute_gradients`` is its own, a finalized graph, a feed whose arrays differ in
+length (blocks), and any op ``tf.vectorized_map`` has no rule for.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hostavg.compat.tensorflow import first_line
+from hostavg.engine.protocols import NotVectorized
+from hostavg.tf1.walk import ops_run
+
+__all__ = ["Vectorized", "build", "refusal"]
+
+v1 = tf.compat.v1
+
+#: Stateful op types the imported loss may run: a variable's handle and its reads.
+READS = frozenset({"VarHandleOp", "ReadVariableOp"})
+#: Assignments the loss may wait for without reading what they assign: left out.
+ASSIGNS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+
+
+class Vectorized:
+    """A trainer's vectorized samples: :func:`build`'s functions, one per feed signature
+    (its keys, which of them hold rows) and kind, built on first use and kept."""
+
+    def __init__(self, loss, trained: list, optimizer, pairs: list):
+        self.loss, self.trained = loss, trained
+        self.refused = refusal(optimizer, pairs)
+        self._built = {}  # signature -> (fetches, mean placeholders), or its NotVectorized
+
+    def fetches(self, feed: dict, kind: str) -> tuple[list, tuple]:
+        """:func:`build` of ``feed``'s signature and ``kind``, built once; raises
+        NotVectorized (again, where it did before)."""
+        if self.refused:
+            raise NotVectorized(self.refused)
+        signature = (tuple(feed), tuple(value.ndim > 0 for value in feed.values()), kind)
+        built = self._built.get(signature)
+        if built is None:
+            try:
+                built = build(self.loss, self.trained, feed, kind)
+            except NotVectorized as e:
+                built = e
+            self._built[signature] = built
+        if isinstance(built, NotVectorized):
+            raise built
+        return built
+
+
+def refusal(optimizer, pairs: list) -> str | None:
+    """Why the trainer's samples cannot be vectorized whatever the feed (``pairs``: the
+    optimizer's (gradient, variable) pairs), or None."""
+    if type(optimizer).compute_gradients is not v1.train.Optimizer.compute_gradients:
+        return (f"{type(optimizer).__name__} computes its own gradients (compute_gradients), "
+                f"which a vectorized sample would not")
+    for g, v in pairs:
+        if isinstance(g, tf.IndexedSlices):
+            return (f"{v.op.name!r} has a sparse gradient (an embedding's rows), and each "
+                    f"sample's would be the whole table")
+        if getattr(v, "handle", None) is None or v.handle.op.type != "VarHandleOp":
+            return f"{v.op.name!r} is a reference variable, not a resource variable"
+    return None
+
+
+def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
+    """(fetches, mean placeholders): for ``kind`` "sums" [losses (n,), squared norms (n,)
+    float64, each trained variable's gradient summed over the samples], for "dots" [g_i . mean
+    (n,) float64], fed ``feed``'s keys (then, for "dots", a float64 placeholder per trained
+    variable, its mean). Built in the loss's graph; raises NotVectorized."""
+    graph = loss.graph
+    if graph.finalized:
+        raise NotVectorized("the graph is finalized, and the vectorized samples are new ops")
+    lengths = {len(value) for value in feed.values() if value.ndim}
+    if len(lengths) != 1:
+        raise NotVectorized("the feed's arrays differ in length (blocks of rows per sample)")
+    batched = [key for key, value in feed.items() if value.ndim]
+    rowed = {id(key) for key in batched}
+    nodes, reads = _subgraph(loss, trained, tuple(feed))
+    taps = _candidates(nodes, reads)
+    with graph.as_default(), tf.name_scope("hostavg_per_sample"):
+        means = tuple(v1.placeholder(tf.float64, v.shape, name="mean") for v in trained) \
+            if kind == "dots" else ()
+        shared = {t.name: t for t in feed if id(t) not in rowed}  # fed to the session call
+        handles = {op.outputs[0].name: op.outputs[0] for op in nodes.values()
+                   if op.type == "VarHandleOp"}  # the graph's own variables
+        definition = _definition(graph, nodes)
+        consumed, tapped = _inputs(definition), []  # tapped: what _one tapped, as it traced
+
+        def one(rows):
+            mapped = {**shared, **handles, **{t.name: row[None] for t, row in zip(batched, rows)}}
+            out = tf.graph_util.import_graph_def(
+                definition, input_map={n: t for n, t in mapped.items() if n in consumed},
+                return_elements=[loss.name, *(name for _, name in reads),
+                                 *(f"{op.name}:0" for op in taps.values()),
+                                 *(op.inputs[0].name for op in taps.values())], name="sample")
+            return _one(out, reads, taps, trained, tapped)
+
+        try:
+            losses, formed, inputs, deltas = tf.vectorized_map(one, batched,
+                                                               fallback_to_while_loop=False)
+        except Exception as e:  # noqa: BLE001 - pfor's refusals come as several types
+            raise NotVectorized(f"tf.vectorized_map of the loss's subgraph failed "
+                                f"({type(e).__name__}: {first_line(e)})") from e
+        return _reduced(kind, losses, formed, dict(zip(tapped, zip(inputs, deltas))),
+                        trained, means), means
+
+
+def _candidates(nodes: dict, reads: list) -> dict:
+    """Trained variable index -> the MatMul that is the loss's only use of it, as its right
+    operand, untransposed: its gradient a^T delta need not be formed where a is one row."""
+    counts, out = {}, {}
+    for i, _ in reads:
+        counts[i] = counts.get(i, 0) + 1
+    users = {}
+    for op in nodes.values():
+        for t in op.inputs:
+            users.setdefault(t.name, []).append(op)
+    for i, name in reads:
+        used = users.get(name, [])
+        if counts[i] == 1 and len(used) == 1 and used[0].type == "MatMul" \
+                and used[0].inputs[1].name == name and used[0].inputs[0].name != name \
+                and not used[0].get_attr("transpose_a") and not used[0].get_attr("transpose_b"):
+            out[i] = used[0]
+    return out
+
+
+def _one(out: list, reads: list, taps: dict, trained: list, chosen: list) -> tuple:
+    """One sample's (loss, [each untapped variable's gradient, flat], [each tapped MatMul's
+    input a], [the loss's gradient delta at its output]) from the imported ``out``: the loss,
+    the reads, then each candidate tap's output and input. A candidate is tapped where its
+    input is one row (not a sequence's rows); ``chosen`` gets the tapped indices, in order."""
+    loss, rest = out[0], out[1:]
+    read_values, rest = rest[:len(reads)], rest[len(reads):]
+    outputs, inputs = rest[:len(taps)], rest[len(taps):]
+    tapped = {i: (z, a) for i, z, a in zip(taps, outputs, inputs)
+              if a.shape.rank == 2 and a.shape[0] == 1}
+    chosen[:] = list(tapped)
+    xs = [t for (i, _), t in zip(reads, read_values) if i not in tapped]
+    xs += [z for z, _ in tapped.values()]
+    grads = tf.gradients(loss, xs)
+    deltas = grads[len(xs) - len(tapped):]
+    formed = _gradients([i for i, _ in reads if i not in tapped], grads, trained, tapped)
+    return (loss, [tf.reshape(g, [-1]) for g in formed],
+            [a[0] for _, a in tapped.values()],
+            [tf.zeros(z.shape[1:], z.dtype) if d is None else d[0]
+             for (z, _), d in zip(tapped.values(), deltas)])
+
+
+def _reduced(kind: str, losses, formed: list, tapped: dict, trained: list, means: tuple) -> list:
+    """The fetches of :func:`build` from the vectorized samples: ``formed`` the untapped
+    variables' (n, size) gradients in order, ``tapped`` index -> (A (n, d), Delta (n, units))."""
+    untapped = [i for i in range(len(trained)) if i not in tapped]
+    if kind == "dots":  # in the variables' dtype, as the other faces' forward mode
+        parts = [tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
+                 for i, g in zip(untapped, formed)]
+        parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
+                  for i, (a, d) in tapped.items()]
+        return [tf.cast(tf.add_n(parts), tf.float64)]
+    wide = [tf.reduce_sum(tf.square(tf.cast(a, tf.float64)), 1)
+            * tf.reduce_sum(tf.square(tf.cast(d, tf.float64)), 1) for a, d in tapped.values()]
+    zero = tf.zeros_like(losses, tf.float64)
+    sq = tf.add_n([zero, *wide, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
+                                  for g in formed)])
+    sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
+        [zero, *wide, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in formed)]))
+    sums = dict(zip(untapped, (tf.reduce_sum(g, 0) for g in formed)))
+    sums.update((i, tf.matmul(a, d, transpose_a=True)) for i, (a, d) in tapped.items())
+    return [losses, sq, *(tf.reshape(sums[i], v.shape) for i, v in enumerate(trained))]
+
+
+def _subgraph(loss, trained: list, fed: tuple) -> tuple[dict, list]:
+    """(name -> op the loss runs when ``fed`` are fed, [(a trained variable's index, the name
+    "op:0" of one of its reads)], several per variable where the loss reads it more than once).
+    An assignment the loss only waits for (a control input: a counter, a moving average), to a
+    variable it does not read, is left out, as the other faces' stateless calls drop what the
+    forward pass assigns."""
+    ran = list(ops_run([loss.op], fed))
+    consumed = {t.op for op in ran for t in op.inputs}
+    read = {op.inputs[0].op for op in ran if op.type == "ReadVariableOp"}
+    dropped = {op for op in ran if op.type in ASSIGNS and op not in consumed
+               and op.inputs[0].op not in read}
+    nodes = {op.name: op for op in _walk(loss.op, set(fed), dropped)}
+    stateful = sorted({op.type for op in nodes.values()
+                       if op._is_stateful and op.type not in READS})  # noqa: SLF001
+    if stateful:
+        raise NotVectorized(f"the loss runs stateful ops ({', '.join(stateful)}), which each "
+                            f"sample would run again")
+    index = {v.handle.op.name: i for i, v in enumerate(trained)}
+    reads = []
+    for op in nodes.values():
+        for t in op.inputs:
+            if t.op.name not in index:
+                continue
+            if op.type != "ReadVariableOp":
+                raise NotVectorized(f"{op.type} {op.name!r} reads the variable {t.op.name!r} "
+                                    f"other than by a ReadVariableOp")
+            reads.append((index[t.op.name], op.outputs[0].name))
+    return nodes, sorted(reads)
+
+
+def _walk(start, fed: set, dropped: set) -> list:
+    """:func:`~hostavg.tf1.walk.ops_run` of ``start``, not into the control inputs ``dropped``."""
+    seen, todo = {}, [start]
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen[op.name] = op
+        todo.extend(t.op for t in op.inputs if t not in fed)
+        todo.extend(c for c in op.control_inputs if c not in dropped)
+    return list(seen.values())
+
+
+def _definition(graph, nodes: dict):
+    """The GraphDef of ``nodes`` (and the graph's functions), without colocation attributes
+    (which may name ops left out)."""
+    full = graph.as_graph_def()
+    out = v1.GraphDef()
+    out.versions.CopyFrom(full.versions)
+    out.library.CopyFrom(full.library)
+    for node in full.node:
+        if node.name in nodes:
+            copy = out.node.add()
+            copy.CopyFrom(node)
+            copy.attr.pop("_class", None)
+            kept = [i for i in copy.input if not i.startswith("^") or i[1:] in nodes]
+            del copy.input[:]
+            copy.input.extend(kept)
+    return out
+
+
+def _inputs(definition) -> set:
+    """The tensors the nodes of ``definition`` take as inputs, each as "op:index"."""
+    return {i if ":" in i else f"{i}:0" for node in definition.node for i in node.input
+            if not i.startswith("^")}
+
+
+def _gradients(positions: list, grads: list, trained: list, tapped: dict) -> list:
+    """Each untapped trained variable's gradient: the sum of ``grads`` over its reads
+    (``positions``: the variable each read is of); zeros where it has none."""
+    per = {i: [] for i in range(len(trained)) if i not in tapped}
+    for i, g in zip(positions, grads):
+        if g is not None:
+            per[i].append(tf.convert_to_tensor(g))
+    return [tf.add_n(gs) if gs else tf.zeros(trained[i].shape, trained[i].dtype.base_dtype)
+            for i, gs in per.items()]

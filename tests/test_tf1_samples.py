@@ -1,0 +1,113 @@
+"""per_sample on the TF1 face, vectorized (hostavg.tf1.samples): the loss's subgraph imported
+per sample under tf.vectorized_map gives each sample's values as computed alone, on a graph
+with what TF1 programs hold (a fed scalar, a placeholder with a default, a variable read twice,
+one not trained, a counter the loss waits for), in one session call per pass and chunk; where
+it must refuse, a warning says why and each sample computes alone, to the same values."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hostavg
+from hostavg.tf1.session import SessionBackend
+from hostavg.tf1.wiring import Wiring
+from test_per_sample import COLUMNS, table_of
+
+v1 = tf.compat.v1
+
+
+def _build(kind=None, optimizer=None):
+    """(trainer, session, feed of 11 samples, the counter): an MLP whose logits are scaled by
+    a fed scalar, with ``kind`` "sequence", "dropout", "sparse", "reference" or "finalized"."""
+    rng = np.random.default_rng(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        y = v1.placeholder(tf.int32, [None], name="y")
+        scale = v1.placeholder(tf.float32, [], name="scale")
+        training = v1.placeholder_with_default(True, [], name="training")
+        variable = (lambda value, **kw: v1.Variable(value, use_resource=False, **kw)) \
+            if kind == "reference" else tf.Variable
+        w1 = variable(rng.normal(0, 0.5, (6, 8)).astype(np.float32), name="w1")
+        w2 = variable(rng.normal(0, 0.5, (8, 3)).astype(np.float32), name="w2")
+        offset = tf.Variable(np.full(8, 0.1, np.float32), trainable=False, name="offset")
+        counter = tf.Variable(0, trainable=False, name="forward_passes")
+        if kind == "sparse":
+            table = tf.Variable(rng.normal(size=(20, 6)).astype(np.float32), name="table")
+            x = v1.placeholder(tf.int32, [None, 2], name="ids")
+            inputs = tf.reduce_mean(tf.nn.embedding_lookup(table, x), axis=1)
+            xs = rng.integers(0, 20, (11, 2)).astype(np.int32)
+        elif kind == "sequence":  # 3 rows a sample, folded into the batch for one MatMul
+            x = v1.placeholder(tf.float32, [None, 3, 6], name="x")
+            inputs, xs = tf.reshape(x, [-1, 6]), rng.normal(size=(11, 3, 6)).astype(np.float32)
+        else:
+            x = v1.placeholder(tf.float32, [None, 6], name="x")
+            inputs, xs = x, rng.normal(size=(11, 6)).astype(np.float32)
+        with tf.control_dependencies([counter.assign_add(1)]):
+            h = tf.tanh(tf.matmul(inputs, w1) + offset)
+        if kind == "sequence":
+            h = tf.reduce_mean(tf.reshape(h, [-1, 3, 8]), axis=1)
+        h = tf.where(training, h, 0.5 * h)
+        if kind == "dropout":
+            h = tf.nn.dropout(h, rate=0.5)
+        logits = (tf.matmul(h, w2) + 0.1 * tf.matmul(tf.square(h), w2)) * scale  # w2 read twice
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+        trainer = hostavg.Trainer(loss, optimizer or v1.train.GradientDescentOptimizer(0.1))
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    if kind == "finalized":
+        graph.finalize()
+    feed = {x: xs, y: rng.integers(0, 3, 11).astype(np.int32), scale: np.float32(1.5)}
+    return trainer, sess, feed, counter
+
+
+def _alone(trainer, sess, feed) -> np.ndarray:
+    """(n, 4) of each sample computed alone (trainer.compute of a batch of one)."""
+    rows = [{k: (v[i:i + 1] if np.ndim(v) else v) for k, v in feed.items()} for i in range(11)]
+    return table_of([trainer.compute(sess, row) for row in rows], trainer.spec)
+
+
+@pytest.mark.parametrize("kind, chunk_size", [(None, 1), (None, 4), (None, 11),
+                                              ("sequence", 4)])
+def test_each_sample_as_alone_in_two_calls_per_chunk_and_nothing_changed(kind, chunk_size,
+                                                                         monkeypatch):
+    """w1's gradient a^T delta is not formed (hostavg.tf1.samples taps its MatMul), except
+    where its input holds several rows of a sample ("sequence"); w2 is read twice."""
+    trainer, sess, feed, counter = _build(kind)
+    calls, computes = [], []
+    samples, compute = Wiring.samples, SessionBackend.compute
+    monkeypatch.setattr(Wiring, "samples", lambda self, s, f, kind, *a: calls.append(kind)
+                        or samples(self, s, f, kind, *a))
+    monkeypatch.setattr(SessionBackend, "compute", lambda *a: computes.append(1) or compute(*a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # vectorized: no fallback
+        table = trainer.per_sample(sess, feed, chunk_size=chunk_size)
+    chunks = -(-11 // chunk_size)
+    assert sorted(calls) == ["dots"] * chunks + ["sums"] * chunks and not computes
+    assert sess.run(counter) == 0  # the counter the loss waits for: not assigned
+    monkeypatch.undo()
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
+                               rtol=1e-6, atol=1e-6)
+
+
+class _OwnGradients(v1.train.GradientDescentOptimizer):
+    def compute_gradients(self, loss, *args, **kwargs):
+        return [(2 * g, v) for g, v in super().compute_gradients(loss, *args, **kwargs)]
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("sparse", "'table' has a sparse gradient"),
+    ("reference", "'w1' is a reference variable"),
+    ("finalized", "the graph is finalized"),
+    ("dropout", r"stateful ops \(RandomUniform\)"),
+    ("own gradients", "_OwnGradients computes its own gradients")])
+def test_where_it_cannot_vectorize_it_says_why_and_computes_each_alone(kind, why):
+    trainer, sess, feed, _ = _build(kind, _OwnGradients(0.1) if kind == "own gradients" else None)
+    with pytest.warns(UserWarning, match=f"per_sample computes each sample alone.*{why}"):
+        table = trainer.per_sample(sess, feed, chunk_size=4)
+    assert table["error"].isna().all() and len(table) == 11
+    if kind != "dropout":  # a random draw per call
+        np.testing.assert_allclose(table[COLUMNS].to_numpy(float),
+                                   _alone(trainer, sess, feed), rtol=1e-6, atol=1e-6)
