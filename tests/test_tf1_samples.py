@@ -76,20 +76,27 @@ def test_each_sample_as_alone_in_two_calls_per_chunk_and_nothing_changed(kind, c
     """w1's gradient a^T delta is not formed (hostavg.tf1.samples taps its MatMul), except
     where its input holds several rows of a sample ("sequence"); w2 is read twice."""
     trainer, sess, feed, counter = _build(kind)
+    table = _vectorized(trainer, sess, feed, chunk_size, monkeypatch)
+    assert sess.run(counter) == 0  # the counter the loss waits for: not assigned
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
+                               rtol=1e-6, atol=1e-6)
+
+
+def _vectorized(trainer, sess, feed, chunk_size, monkeypatch):
+    """trainer.per_sample of ``feed``, asserting that each chunk was one session call per pass
+    and that no sample computed alone (no warning, no compute)."""
     calls, computes = [], []
     samples, compute = Wiring.samples, SessionBackend.compute
     monkeypatch.setattr(Wiring, "samples", lambda self, s, f, kind, *a: calls.append(kind)
                         or samples(self, s, f, kind, *a))
     monkeypatch.setattr(SessionBackend, "compute", lambda *a: computes.append(1) or compute(*a))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # vectorized: no fallback
+        warnings.simplefilter("error", UserWarning)
         table = trainer.per_sample(sess, feed, chunk_size=chunk_size)
-    chunks = -(-11 // chunk_size)
+    chunks = -(-len(table) // chunk_size)
     assert sorted(calls) == ["dots"] * chunks + ["sums"] * chunks and not computes
-    assert sess.run(counter) == 0  # the counter the loss waits for: not assigned
     monkeypatch.undo()
-    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
-                               rtol=1e-6, atol=1e-6)
+    return table
 
 
 class _OwnGradients(v1.train.GradientDescentOptimizer):
@@ -111,3 +118,30 @@ def test_where_it_cannot_vectorize_it_says_why_and_computes_each_alone(kind, why
     if kind != "dropout":  # a random draw per call
         np.testing.assert_allclose(table[COLUMNS].to_numpy(float),
                                    _alone(trainer, sess, feed), rtol=1e-6, atol=1e-6)
+
+
+def test_a_convnet_with_strided_same_and_dilated_valid_convolutions_is_each_sample_alone(
+        monkeypatch):
+    """Its Conv2D kernels' gradients formed per kernel offset (hostavg.core.convolution):
+    "SAME" with a stride on 8x8 (one more row and column after), "VALID" dilated, and a
+    kernel read by two convolutions (formed by the vectorized gradient instead)."""
+    rng = np.random.default_rng(1)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 8, 8, 2], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        k1, k2, k3 = (tf.Variable(rng.normal(0, 0.4, shape).astype(np.float32))
+                      for shape in [(3, 3, 2, 4), (2, 2, 4, 3), (1, 1, 3, 3)])
+        h = tf.nn.relu(tf.nn.conv2d(x, k1, strides=2, padding="SAME"))           # 4x4
+        h = tf.tanh(tf.nn.conv2d(h, k2, strides=1, padding="VALID", dilations=2))  # 2x2
+        h = tf.nn.conv2d(h, k3, 1, "VALID") + tf.nn.conv2d(tf.square(h), k3, 1, "VALID")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.reduce_mean(h, axis=[1, 2])))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    feed = {x: rng.normal(size=(11, 8, 8, 2)).astype(np.float32),
+            y: rng.integers(0, 3, 11).astype(np.int32)}
+    table = _vectorized(trainer, sess, feed, 4, monkeypatch)
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
+                               rtol=1e-6, atol=1e-6)

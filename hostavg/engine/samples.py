@@ -72,7 +72,7 @@ class _PerSample:
 
     def __init__(self, engine, backend, chunks: list, rows):
         self.engine, self.backend, self.chunks, self.rows = engine, backend, chunks, rows
-        # a backend without sample_sums (TF1) computes one sample per call by design: no warning
+        # a backend without sample_sums computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
         # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
         self.rounding = ROUNDING * max(float(ml_dtypes.finfo(s.dtype).eps)

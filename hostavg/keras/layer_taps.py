@@ -21,13 +21,14 @@ as before, and every layer's where a tapped function fails to trace (a loop's bo
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import Counter
 from contextlib import contextmanager
 
 import keras
 from keras import ops
+
+from hostavg.core.convolution import kernel_gradients, same_padding
 
 __all__ = ["LayerTaps"]
 
@@ -169,21 +170,11 @@ class LayerTaps:
 def _conv_grads(layer, a, d):
     """Each sample's gradient of a convolution's kernel, (n, *kernel_size, in, out): from its
     inputs ``a`` (n, *spatial, in; "causal" padding applied) and ``deltas`` (n, *outputs,
-    out), one product per kernel offset of the inputs it met at each output position."""
-    sizes, strides, dilations = layer.kernel_size, layer.strides, layer.dilation_rate
-    inner, outer = tuple(a.shape[1:-1]), tuple(d.shape[1:-1])
-    if layer.padding == "same":  # TensorFlow's and XLA's rule: the odd one after
-        pads = [max((o - 1) * s + (k - 1) * r + 1 - i, 0)
-                for i, o, k, s, r in zip(inner, outer, sizes, strides, dilations)]
-        a = ops.pad(a, [[0, 0]] + [[p // 2, p - p // 2] for p in pads] + [[0, 0]])
-    letters = "hw"[:len(sizes)]
-    spec = f"n{letters}c,n{letters}o->nco"
-    grads = []
-    for offset in itertools.product(*map(range, sizes)):
-        window = tuple(slice(t * r, t * r + (o - 1) * s + 1, s)
-                       for t, r, o, s in zip(offset, dilations, outer, strides))
-        grads.append(ops.einsum(spec, a[(slice(None), *window)], d))
-    return ops.reshape(ops.stack(grads, axis=1), (-1, *layer.kernel.shape))
+    out) (:func:`hostavg.core.convolution.kernel_gradients`)."""
+    strides, dilations = layer.strides, layer.dilation_rate
+    padding = same_padding(tuple(a.shape[1:-1]), tuple(d.shape[1:-1]), layer.kernel_size,
+                           strides, dilations) if layer.padding == "same" else None
+    return kernel_gradients(a, d, tuple(layer.kernel.shape), strides, dilations, padding, ops)
 
 
 def _squares(x, wide):

@@ -20,9 +20,12 @@ length (blocks), and any op ``tf.vectorized_map`` has no rule for.
 
 from __future__ import annotations
 
+import math
+
 import tensorflow as tf
 
 from hostavg.compat.tensorflow import first_line
+from hostavg.core.convolution import kernel_gradients, same_padding
 from hostavg.engine.protocols import NotVectorized
 from hostavg.tf1.walk import ops_run
 
@@ -57,6 +60,9 @@ class Vectorized:
                 built = build(self.loss, self.trained, feed, kind)
             except NotVectorized as e:
                 built = e
+            except Exception as e:  # noqa: BLE001 - a graph this module does not foresee
+                built = NotVectorized(f"building the vectorized samples failed "
+                                      f"({type(e).__name__}: {first_line(e)})")
             self._built[signature] = built
         if isinstance(built, NotVectorized):
             raise built
@@ -117,13 +123,21 @@ def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
         except Exception as e:  # noqa: BLE001 - pfor's refusals come as several types
             raise NotVectorized(f"tf.vectorized_map of the loss's subgraph failed "
                                 f"({type(e).__name__}: {first_line(e)})") from e
-        return _reduced(kind, losses, formed, dict(zip(tapped, zip(inputs, deltas))),
-                        trained, means), means
+        formed = dict(zip([i for i in range(len(trained)) if i not in tapped], formed))
+        products = {}  # a MatMul's a and delta
+        for i, a, d in zip(tapped, inputs, deltas):
+            if taps[i].type == "Conv2D":
+                formed[i] = _convolved(taps[i], a, d)
+            else:
+                products[i] = (a, d)
+        return _reduced(kind, losses, formed, products, trained, means), means
 
 
 def _candidates(nodes: dict, reads: list) -> dict:
-    """Trained variable index -> the MatMul that is the loss's only use of it, as its right
-    operand, untransposed: its gradient a^T delta need not be formed where a is one row."""
+    """Trained variable index -> the op that is the loss's only use of it, as its right
+    operand: an untransposed MatMul (its gradient a^T delta need not be formed where a is one
+    row) or a Conv2D, NHWC, padded "SAME" or "VALID" (its gradient formed per kernel offset:
+    :mod:`hostavg.core.convolution`)."""
     counts, out = {}, {}
     for i, _ in reads:
         counts[i] = counts.get(i, 0) + 1
@@ -133,23 +147,31 @@ def _candidates(nodes: dict, reads: list) -> dict:
             users.setdefault(t.name, []).append(op)
     for i, name in reads:
         used = users.get(name, [])
-        if counts[i] == 1 and len(used) == 1 and used[0].type == "MatMul" \
-                and used[0].inputs[1].name == name and used[0].inputs[0].name != name \
-                and not used[0].get_attr("transpose_a") and not used[0].get_attr("transpose_b"):
-            out[i] = used[0]
+        if counts[i] != 1 or len(used) != 1 or used[0].inputs[1].name != name \
+                or used[0].inputs[0].name == name:
+            continue
+        op = used[0]
+        if op.type == "MatMul" and not op.get_attr("transpose_a") \
+                and not op.get_attr("transpose_b"):
+            out[i] = op
+        elif op.type == "Conv2D" and op.get_attr("data_format") == b"NHWC" \
+                and op.get_attr("padding") in (b"SAME", b"VALID"):
+            out[i] = op
     return out
 
 
 def _one(out: list, reads: list, taps: dict, trained: list, chosen: list) -> tuple:
-    """One sample's (loss, [each untapped variable's gradient, flat], [each tapped MatMul's
-    input a], [the loss's gradient delta at its output]) from the imported ``out``: the loss,
-    the reads, then each candidate tap's output and input. A candidate is tapped where its
-    input is one row (not a sequence's rows); ``chosen`` gets the tapped indices, in order."""
+    """One sample's (loss, [each untapped variable's gradient, flat], [each tapped op's input
+    a], [the loss's gradient delta at its output]) from the imported ``out``: the loss, the
+    reads, then each candidate tap's output and input. A candidate is tapped where its input
+    is the sample's one row (not a sequence's rows) or image, of known shape; ``chosen`` gets
+    the tapped indices, in order."""
     loss, rest = out[0], out[1:]
     read_values, rest = rest[:len(reads)], rest[len(reads):]
     outputs, inputs = rest[:len(taps)], rest[len(taps):]
-    tapped = {i: (z, a) for i, z, a in zip(taps, outputs, inputs)
-              if a.shape.rank == 2 and a.shape[0] == 1}
+    tapped = {i: (z, a) for (i, op), z, a in zip(taps.items(), outputs, inputs)
+              if a.shape.rank == (2 if op.type == "MatMul" else 4) and a.shape[0] == 1
+              and a.shape.is_fully_defined() and z.shape.is_fully_defined()}
     chosen[:] = list(tapped)
     xs = [t for (i, _), t in zip(reads, read_values) if i not in tapped]
     xs += [z for z, _ in tapped.values()]
@@ -162,13 +184,24 @@ def _one(out: list, reads: list, taps: dict, trained: list, chosen: list) -> tup
              for (z, _), d in zip(tapped.values(), deltas)])
 
 
-def _reduced(kind: str, losses, formed: list, tapped: dict, trained: list, means: tuple) -> list:
-    """The fetches of :func:`build` from the vectorized samples: ``formed`` the untapped
-    variables' (n, size) gradients in order, ``tapped`` index -> (A (n, d), Delta (n, units))."""
-    untapped = [i for i in range(len(trained)) if i not in tapped]
+def _convolved(op, a, d):
+    """(n, kernel size) each sample's kernel gradient of the Conv2D ``op`` from its inputs
+    ``a`` (n, H, W, C) and deltas ``d`` (n, OH, OW, O)."""
+    kernel = tuple(op.inputs[1].shape.as_list())
+    strides, dilations = op.get_attr("strides")[1:3], op.get_attr("dilations")[1:3]
+    padding = same_padding(a.shape[1:3], d.shape[1:3], kernel[:2], strides, dilations) \
+        if op.get_attr("padding") == b"SAME" else None
+    grads = kernel_gradients(a, d, kernel, strides, dilations, padding, tf)
+    return tf.reshape(grads, [-1, math.prod(kernel)])
+
+
+def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means: tuple) -> list:
+    """The fetches of :func:`build` from the vectorized samples: ``formed`` index -> the
+    variable's (n, size) gradients, ``tapped`` index -> (A (n, d), Delta (n, units)) of a
+    MatMul, for every trained variable."""
     if kind == "dots":  # in the variables' dtype, as the other faces' forward mode
         parts = [tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
-                 for i, g in zip(untapped, formed)]
+                 for i, g in formed.items()]
         parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
                   for i, (a, d) in tapped.items()]
         return [tf.cast(tf.add_n(parts), tf.float64)]
@@ -176,10 +209,11 @@ def _reduced(kind: str, losses, formed: list, tapped: dict, trained: list, means
             * tf.reduce_sum(tf.square(tf.cast(d, tf.float64)), 1) for a, d in tapped.values()]
     zero = tf.zeros_like(losses, tf.float64)
     sq = tf.add_n([zero, *wide, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
-                                  for g in formed)])
+                                  for g in formed.values())])
     sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
-        [zero, *wide, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in formed)]))
-    sums = dict(zip(untapped, (tf.reduce_sum(g, 0) for g in formed)))
+        [zero, *wide, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1)
+                        for g in formed.values())]))
+    sums = {i: tf.reduce_sum(g, 0) for i, g in formed.items()}
     sums.update((i, tf.matmul(a, d, transpose_a=True)) for i, (a, d) in tapped.items())
     return [losses, sq, *(tf.reshape(sums[i], v.shape) for i, v in enumerate(trained))]
 

@@ -269,8 +269,9 @@ class BaseTrainer:
         Each sample is computed alone (in training mode: batch norm normalises
         a sample by itself), ``chunk_size`` samples per call where the framework
         vectorizes the per-sample gradient (JAX: ``jax.vmap``; TensorFlow:
-        ``tf.vectorized_map``; samples of one call meet the same dropout draws),
-        else one sample per call (a warning says why), in two passes (the mean
+        ``tf.vectorized_map``, on TF1 of the loss's subgraph imported per sample;
+        samples of one call meet the same dropout draws), else one sample per
+        call (a warning says why), in two passes (the mean
         gradient, then each sample's dot with it), and changes nothing: what the
         computes assigned is restored. The mean is over the samples whose loss
         and gradient are finite. Cost and memory: docs/guides/inspecting.md,
