@@ -40,6 +40,18 @@ class _Region:
         self.pending = []
         self.holding = False
 
+    def handle(self, signum, frame):
+        """The handler while the region holds its signals: one waits, or goes on at once."""
+        if self.holding:
+            self.pending.append(signum)
+            return
+        previous = self.previous[signum]
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:  # the default action: end the process, now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
 
 _open: list[_Region] = []  # the main thread's open region (at most one: inner ones join it)
 
@@ -70,15 +82,41 @@ def region():
         yield
         return
     here = _Region()
-    _open.append(here)
     try:
+        _open.append(here)  # inside: a Ctrl-C just after it still closes the region
         yield
     finally:
-        for signum, handler in here.previous.items():
-            set_handler(signum, handler)
-        _open.pop()
-        for signum in here.pending:
-            signal.raise_signal(signum)  # its own handler runs now, as it would have then
+        # What arrives from here on waits (no call comes before this, so no handler runs
+        # first), until the handlers are back: a Ctrl-C halfway through had left the region
+        # open, which then swallowed every later one (an outside review).
+        here.holding = True
+        try:
+            if _open and _open[-1] is here:
+                _open.pop()
+            _put_back(list(here.previous.items()))
+        finally:
+            pending, here.pending = here.pending, []
+            _deliver(pending)  # each to its own handler, as it would have then
+
+
+def _put_back(handlers: list) -> None:
+    """Sets each (signal number, handler) of ``handlers``, each also where setting one before
+    it let a signal's handler raise."""
+    if handlers:
+        try:
+            set_handler(*handlers[0])
+        finally:
+            _put_back(handlers[1:])
+
+
+def _deliver(signals: list) -> None:
+    """Raises each of ``signals`` again, in order, to whatever handles it now, each also where
+    an earlier one's handler raised (the last raised carries the others as its context)."""
+    if signals:
+        try:
+            signal.raise_signal(signals[0])
+        finally:
+            _deliver(signals[1:])
 
 
 def hold() -> None:
@@ -92,7 +130,7 @@ def hold() -> None:
             handler = get_handler(signum)
             if handler is not None:  # None: set outside Python, and we could not put it back
                 here.previous[signum] = handler
-                set_handler(signum, _handler)
+                set_handler(signum, here.handle)
 
 
 @contextmanager
@@ -118,18 +156,4 @@ def release() -> None:
     here = _open[-1]
     here.holding = False
     pending, here.pending = here.pending, []
-    for signum in pending:
-        signal.raise_signal(signum)  # to _handler, which no longer holds
-
-
-def _handler(signum, frame):
-    here = _open[-1]
-    if here.holding:
-        here.pending.append(signum)
-        return
-    previous = here.previous[signum]
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_DFL:  # the default action: end the process, now
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    _deliver(pending)  # to the region's handler, which no longer holds
