@@ -252,6 +252,29 @@ def test_untapped_convolutions_whose_gradients_mostly_cancel_are_each_sample_alo
     assert tapped[-1] == []
 
 
+def test_a_sample_whose_tapped_gradient_overflows_is_left_out_as_alone(tapped):
+    """A linear regression's sample whose loss is finite (its residual squared, 2e38) and
+    whose gradient 2 r x (9e38) is not, in float32: its norm Inf and cosines NaN as alone, the
+    others' those of the mean without it (its |a|^2 |delta|^2 in float64 was finite, and its
+    Inf entered the mean: every other cosine NaN)."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="out")])
+    model.set_weights([np.full((4, 1), 0.5, np.float32), np.zeros(1, np.float32)])
+    trainer = hostavg.keras.Trainer(model, keras.losses.MeanSquaredError(),
+                                    keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(6, 4)).astype(np.float32), rng.normal(size=(6, 1)).astype(np.float32)
+    x[2, 0] = 3e19
+    keep, ones = np.delete(np.arange(6), 2), np.ones(6, np.float32)
+    want = brute_force(trainer, x[keep], y[keep], ones[keep])
+    for chunk_size in (1, 6):
+        table = trainer.per_sample(x, y, chunk_size=chunk_size)
+        assert np.isinf(table["norm"][2]) and table.loc[2, ["cosine", "cosine_to_rest"]].isna().all()
+        np.testing.assert_allclose(table.drop(index=2)[COLUMNS].to_numpy(float), want,
+                                   rtol=1e-6, atol=1e-6)
+    assert tapped[-1] == ["out"]
+
+
 def test_only_a_plain_dense_or_convolution_of_trained_weights_is_a_candidate():
     class Sub(keras.layers.Dense):
         pass

@@ -64,8 +64,13 @@ def _build(kind=None, optimizer=None):
 
 
 def _alone(trainer, sess, feed) -> np.ndarray:
-    """(n, 4) of each sample computed alone (trainer.compute of a batch of one)."""
-    rows = [{k: (v[i:i + 1] if np.ndim(v) else v) for k, v in feed.items()} for i in range(11)]
+    """(n, 4) of each of the 11 samples computed alone (trainer.compute of a batch of one)."""
+    return _alone_rows(trainer, sess, feed, 11)
+
+
+def _alone_rows(trainer, sess, feed, n: int) -> np.ndarray:
+    """(n, 4) of each of ``n`` samples computed alone."""
+    rows = [{k: (v[i:i + 1] if np.ndim(v) else v) for k, v in feed.items()} for i in range(n)]
     return table_of([trainer.compute(sess, row) for row in rows], trainer.spec)
 
 
@@ -137,11 +142,67 @@ def test_a_convnet_with_strided_same_and_dilated_valid_convolutions_is_each_samp
         h = tf.nn.conv2d(h, k3, 1, "VALID") + tf.nn.conv2d(tf.square(h), k3, 1, "VALID")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=tf.reduce_mean(h, axis=[1, 2])))
+    _vectorized_as_alone(loss, {x: rng.normal(size=(11, 8, 8, 2)).astype(np.float32),
+                                y: rng.integers(0, 3, 11).astype(np.int32)}, monkeypatch)
+
+
+def test_kernels_read_through_an_op_and_explicit_padding_vectorize(monkeypatch):
+    """A trained scalar only a one-input op reads (exp of a log temperature), a kernel read
+    through tf.identity (untapped: formed), a Conv2D padded explicitly and unevenly (tapped):
+    vectorized, each sample as alone (an outside review found the first stopping the whole
+    vectorization, and the last failing every call and computing each sample alone)."""
+    rng = np.random.default_rng(2)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6, 6, 1], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        kernel = tf.Variable(rng.normal(0, 0.5, (3, 3, 1, 2)).astype(np.float32))
+        w = tf.Variable(rng.normal(0, 0.3, (2 * 7 * 7, 3)).astype(np.float32))
+        log_temperature = tf.Variable(np.float32(0.3))
+        h = tf.nn.relu(tf.nn.conv2d(x, kernel, 1, [[0, 0], [1, 2], [2, 1], [0, 0]]))  # 7x7
+        logits = tf.matmul(tf.reshape(h, [-1, 2 * 7 * 7]), tf.identity(w)) \
+            * tf.exp(log_temperature)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=logits))
+    _vectorized_as_alone(loss, {x: rng.normal(size=(11, 6, 6, 1)).astype(np.float32),
+                                y: rng.integers(0, 3, 11).astype(np.int32)}, monkeypatch)
+
+
+def _vectorized_as_alone(loss, feed: dict, monkeypatch) -> None:
+    """A trainer of ``loss`` (SGD): per_sample of ``feed``'s 11 samples in chunks of 4 is
+    vectorized (:func:`_vectorized`) and each sample's values as alone."""
+    with loss.graph.as_default():
         trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
-        sess = v1.Session(graph=graph)
+        sess = v1.Session(graph=loss.graph)
         sess.run(v1.global_variables_initializer())
-    feed = {x: rng.normal(size=(11, 8, 8, 2)).astype(np.float32),
-            y: rng.integers(0, 3, 11).astype(np.int32)}
     table = _vectorized(trainer, sess, feed, 4, monkeypatch)
     np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_a_sample_whose_tapped_gradient_overflows_is_left_out_as_alone():
+    """A linear regression's sample whose loss is finite (its residual squared, 2e38) and
+    whose gradient 2 r x (9e38) is not, in float32: its norm Inf and cosines NaN as alone, and
+    the others' cosines those of the mean without it, not NaN (an outside review: its float64
+    |a|^2 |delta|^2 was finite, and its Inf entered the mean)."""
+    rng = np.random.default_rng(3)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        w = tf.Variable(np.full((4, 1), 0.5, np.float32))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    xs, ys = rng.normal(size=(6, 4)).astype(np.float32), rng.normal(size=(6, 1)).astype(np.float32)
+    xs[2, 0] = 3e19
+    want = _alone_rows(trainer, sess, {x: xs, y: ys}, 6)
+    assert np.isfinite(want[2, 0]) and not np.isfinite(want[2, 1])
+    for chunk_size in (1, 6):
+        table = trainer.per_sample(sess, {x: xs, y: ys}, chunk_size=chunk_size)
+        assert np.isinf(table["norm"][2]) and table.loc[2, ["cosine", "cosine_to_rest"]].isna().all()
+        keep = np.delete(np.arange(6), 2)
+        np.testing.assert_allclose(table.drop(index=2)[COLUMNS].to_numpy(float),
+                                   _alone_rows(trainer, sess, {x: xs[keep], y: ys[keep]}, 5),
+                                   rtol=1e-6, atol=1e-6)

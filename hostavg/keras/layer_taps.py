@@ -26,6 +26,7 @@ from collections import Counter
 from contextlib import contextmanager
 
 import keras
+import ml_dtypes
 from keras import ops
 
 from hostavg.core.convolution import kernel_gradients, same_padding
@@ -97,7 +98,7 @@ class LayerTaps:
                                              self.biases):
             if isinstance(layer, keras.layers.Dense):  # the bias's gradient: delta itself
                 biased, biased_sq = d, _squares(d, wide)
-                squares.append(_squares(a, wide) * biased_sq)
+                squares.append(_outer_squares(a, d, biased_sq, wide))
                 total[kernel] = ops.matmul(ops.transpose(a), d)
             else:  # the bias's gradient: delta summed over the output positions
                 biased, biased_sq = ops.sum(d, axis=tuple(range(1, len(d.shape) - 1))), None
@@ -175,6 +176,16 @@ def _conv_grads(layer, a, d):
     padding = same_padding(tuple(a.shape[1:-1]), tuple(d.shape[1:-1]), layer.kernel_size,
                            strides, dilations) if layer.padding == "same" else None
     return kernel_gradients(a, d, tuple(layer.kernel.shape), strides, dilations, padding, ops)
+
+
+def _outer_squares(a, d, d_sq, wide):
+    """Each sample's |a|^2 |delta|^2 (``d_sq``: |delta|^2), the squared norm of its gradient
+    a^T delta, in ``wide``; Inf where an entry a_j delta_k overflows the layer's dtype, as the
+    gradient formed alone would."""
+    big = float(ml_dtypes.finfo(keras.backend.standardize_dtype(a.dtype)).max)
+    peak = ops.max(ops.abs(ops.cast(a, wide)), axis=1) * ops.max(ops.abs(ops.cast(d, wide)),
+                                                                 axis=1)
+    return ops.where(peak > big, ops.cast(float("inf"), wide), _squares(a, wide) * d_sq)
 
 
 def _squares(x, wide):

@@ -136,7 +136,7 @@ def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
 def _candidates(nodes: dict, reads: list) -> dict:
     """Trained variable index -> the op that is the loss's only use of it, as its right
     operand: an untransposed MatMul (its gradient a^T delta need not be formed where a is one
-    row) or a Conv2D, NHWC, padded "SAME" or "VALID" (its gradient formed per kernel offset:
+    row) or a Conv2D, NHWC (its gradient formed per kernel offset:
     :mod:`hostavg.core.convolution`)."""
     counts, out = {}, {}
     for i, _ in reads:
@@ -147,15 +147,14 @@ def _candidates(nodes: dict, reads: list) -> dict:
             users.setdefault(t.name, []).append(op)
     for i, name in reads:
         used = users.get(name, [])
-        if counts[i] != 1 or len(used) != 1 or used[0].inputs[1].name != name \
-                or used[0].inputs[0].name == name:
-            continue
+        if counts[i] != 1 or len(used) != 1 or len(used[0].inputs) != 2 \
+                or used[0].inputs[1].name != name or used[0].inputs[0].name == name:
+            continue  # read twice, or not as the right operand of a binary op
         op = used[0]
         if op.type == "MatMul" and not op.get_attr("transpose_a") \
                 and not op.get_attr("transpose_b"):
             out[i] = op
-        elif op.type == "Conv2D" and op.get_attr("data_format") == b"NHWC" \
-                and op.get_attr("padding") in (b"SAME", b"VALID"):
+        elif op.type == "Conv2D" and op.get_attr("data_format") == b"NHWC":
             out[i] = op
     return out
 
@@ -189,10 +188,27 @@ def _convolved(op, a, d):
     ``a`` (n, H, W, C) and deltas ``d`` (n, OH, OW, O)."""
     kernel = tuple(op.inputs[1].shape.as_list())
     strides, dilations = op.get_attr("strides")[1:3], op.get_attr("dilations")[1:3]
-    padding = same_padding(a.shape[1:3], d.shape[1:3], kernel[:2], strides, dilations) \
-        if op.get_attr("padding") == b"SAME" else None
+    kind = op.get_attr("padding")
+    if kind == b"SAME":
+        padding = same_padding(a.shape[1:3], d.shape[1:3], kernel[:2], strides, dilations)
+    elif kind == b"EXPLICIT":  # [before, after] per axis of NHWC
+        given = op.get_attr("explicit_paddings")
+        padding = [tuple(given[2:4]), tuple(given[4:6])]
+    else:
+        padding = None
     grads = kernel_gradients(a, d, kernel, strides, dilations, padding, tf)
     return tf.reshape(grads, [-1, math.prod(kernel)])
+
+
+def _outer_squares(a, d):
+    """(n,) float64: each sample's |a|^2 |delta|^2, the squared norm of its gradient a^T delta
+    (``a`` (n, d), ``d`` (n, units)); Inf where an entry a_j delta_k would overflow the
+    variables' dtype, as the gradient formed alone would."""
+    big = a.dtype.max
+    wide = [tf.cast(x, tf.float64) for x in (a, d)]
+    peak = tf.reduce_max(tf.abs(wide[0]), 1) * tf.reduce_max(tf.abs(wide[1]), 1)
+    sq = tf.reduce_sum(tf.square(wide[0]), 1) * tf.reduce_sum(tf.square(wide[1]), 1)
+    return tf.where(peak > big, tf.constant(float("inf"), tf.float64), sq)
 
 
 def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means: tuple) -> list:
@@ -205,8 +221,7 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
         parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
                   for i, (a, d) in tapped.items()]
         return [tf.cast(tf.add_n(parts), tf.float64)]
-    wide = [tf.reduce_sum(tf.square(tf.cast(a, tf.float64)), 1)
-            * tf.reduce_sum(tf.square(tf.cast(d, tf.float64)), 1) for a, d in tapped.values()]
+    wide = [_outer_squares(a, d) for a, d in tapped.values()]
     zero = tf.zeros_like(losses, tf.float64)
     sq = tf.add_n([zero, *wide, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
                                   for g in formed.values())])
@@ -222,14 +237,17 @@ def _subgraph(loss, trained: list, fed: tuple) -> tuple[dict, list]:
     """(name -> op the loss runs when ``fed`` are fed, [(a trained variable's index, the name
     "op:0" of one of its reads)], several per variable where the loss reads it more than once).
     An assignment the loss only waits for (a control input: a counter, a moving average), to a
-    variable it does not read, is left out, as the other faces' stateless calls drop what the
-    forward pass assigns."""
+    variable the rest does not read, is left out, as the other faces' stateless calls drop what
+    the forward pass assigns."""
     ran = list(ops_run([loss.op], fed))
     consumed = {t.op for op in ran for t in op.inputs}
-    read = {op.inputs[0].op for op in ran if op.type == "ReadVariableOp"}
-    dropped = {op for op in ran if op.type in ASSIGNS and op not in consumed
-               and op.inputs[0].op not in read}
+    dropped = {op for op in ran if op.type in ASSIGNS and op not in consumed}
     nodes = {op.name: op for op in _walk(loss.op, set(fed), dropped)}
+    read = {op.inputs[0].op for op in nodes.values() if op.type == "ReadVariableOp"}
+    kept = sorted(op.name for op in dropped if op.inputs[0].op in read)
+    if kept:
+        raise NotVectorized(f"the loss waits for assignments to variables it reads "
+                            f"({', '.join(kept[:3])}), which each sample would make again")
     stateful = sorted({op.type for op in nodes.values()
                        if op._is_stateful and op.type not in READS})  # noqa: SLF001
     if stateful:
