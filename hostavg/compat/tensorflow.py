@@ -31,7 +31,7 @@ from hostavg.compat import choose
 __all__ = ["READ_OPS", "ROWS_KEPT", "concrete_call", "eager_tensor", "finite_flags", "first_line",
            "hyperparameters", "import_tensorflow", "input_types", "is_ref_dtype",
            "largest_magnitudes", "learning_rate", "magnitude_ends", "rows_fed",
-           "rows_of", "session_call"]
+           "rows_of", "sample_squares", "session_call"]
 
 #: Ops that take a variable (its resource handle) only to read it.
 READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -446,6 +446,15 @@ def finite_flags(values: list, undo=None):
             return flags
         return tf.cond(tf.reduce_all(flags), lambda: flags, lambda: undo(flags))
     return tf.cond(tf.reduce_all(quick), lambda: quick, exact)
+
+
+def sample_squares(known, grads: list):
+    """(n,) float64: ``known`` (n,) float64 plus each sample's sum of squares over ``grads``
+    (each (n, size), a row per sample), squared in the gradients' dtype; where a sum is not
+    finite (a square overflowing float32), all of them again in float64."""
+    sq = tf.add_n([known, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64) for g in grads)])
+    return tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
+        [known, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads)]))
 
 
 def magnitude_ends(values: list):

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, finite_flags,
                                        first_line, largest_magnitudes, magnitude_ends, rows_fed,
-                                       rows_of)
+                                       rows_of, sample_squares)
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectorized, SampleSums
@@ -251,11 +251,8 @@ class KerasBackend(CompiledModel):
                 (losses, grads), inputs, deltas = tf.vectorized_map(one, list(flat)), [], []
             total = [tf.reduce_sum(g, 0) for g in grads]
             tapped, total = taps.sums(total, inputs, deltas, tf.float64) if taps else (None, total)
-            tapped = tf.zeros_like(losses, tf.float64) if tapped is None else tapped
-            sq = tf.add_n([tapped, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
-                                     for g in grads)])
-            sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
-                [tapped, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1) for g in grads)]))
+            sq = sample_squares(tf.zeros_like(losses, tf.float64) if tapped is None else tapped,
+                                grads)
             return [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
                                   for g, v in zip(total, trained))]
 

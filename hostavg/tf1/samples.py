@@ -24,7 +24,7 @@ import math
 
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import first_line
+from hostavg.compat.tensorflow import first_line, sample_squares
 from hostavg.core.convolution import kernel_gradients, same_padding
 from hostavg.engine.protocols import NotVectorized
 from hostavg.tf1.walk import ops_run
@@ -221,13 +221,9 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
         parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
                   for i, (a, d) in tapped.items()]
         return [tf.cast(tf.add_n(parts), tf.float64)]
-    wide = [_outer_squares(a, d) for a, d in tapped.values()]
-    zero = tf.zeros_like(losses, tf.float64)
-    sq = tf.add_n([zero, *wide, *(tf.cast(tf.reduce_sum(tf.square(g), 1), tf.float64)
-                                  for g in formed.values())])
-    sq = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: sq, lambda: tf.add_n(
-        [zero, *wide, *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), 1)
-                        for g in formed.values())]))
+    sq = sample_squares(tf.add_n([tf.zeros_like(losses, tf.float64),
+                                  *(_outer_squares(a, d) for a, d in tapped.values())]),
+                        list(formed.values()))
     sums = {i: tf.reduce_sum(g, 0) for i, g in formed.items()}
     sums.update((i, tf.matmul(a, d, transpose_a=True)) for i, (a, d) in tapped.items())
     return [losses, sq, *(tf.reshape(sums[i], v.shape) for i, v in enumerate(trained))]
@@ -242,7 +238,7 @@ def _subgraph(loss, trained: list, fed: tuple) -> tuple[dict, list]:
     ran = list(ops_run([loss.op], fed))
     consumed = {t.op for op in ran for t in op.inputs}
     dropped = {op for op in ran if op.type in ASSIGNS and op not in consumed}
-    nodes = {op.name: op for op in _walk(loss.op, set(fed), dropped)}
+    nodes = {op.name: op for op in ops_run([loss.op], fed, dropped)}
     read = {op.inputs[0].op for op in nodes.values() if op.type == "ReadVariableOp"}
     kept = sorted(op.name for op in dropped if op.inputs[0].op in read)
     if kept:
@@ -264,19 +260,6 @@ def _subgraph(loss, trained: list, fed: tuple) -> tuple[dict, list]:
                                     f"other than by a ReadVariableOp")
             reads.append((index[t.op.name], op.outputs[0].name))
     return nodes, sorted(reads)
-
-
-def _walk(start, fed: set, dropped: set) -> list:
-    """:func:`~hostavg.tf1.walk.ops_run` of ``start``, not into the control inputs ``dropped``."""
-    seen, todo = {}, [start]
-    while todo:
-        op = todo.pop()
-        if op.name in seen:
-            continue
-        seen[op.name] = op
-        todo.extend(t.op for t in op.inputs if t not in fed)
-        todo.extend(c for c in op.control_inputs if c not in dropped)
-    return list(seen.values())
 
 
 def _definition(graph, nodes: dict):

@@ -16,9 +16,10 @@ __all__ = ["RANDOM_OPS", "SAVED_STATE", "SELECT_OPS", "ops_run", "placeholders_r
            "reaches", "switches"]
 
 
-def ops_run(ops: Iterable, fed=()) -> Iterator:
+def ops_run(ops: Iterable, fed=(), skipped=frozenset()) -> Iterator:
     """Every op that running ``ops`` runs when ``fed`` (tensors) are fed: a walk back through
-    inputs and control inputs, stopping at fed tensors."""
+    inputs and control inputs, stopping at fed tensors; ``skipped``: ops whose control edges
+    are not followed (an op only waited for, left out)."""
     fed, seen, todo = set(fed), set(), list(ops)
     while todo:
         op = todo.pop()
@@ -27,7 +28,7 @@ def ops_run(ops: Iterable, fed=()) -> Iterator:
         seen.add(op)
         yield op
         todo.extend(t.op for t in op.inputs if t not in fed)
-        todo.extend(op.control_inputs)
+        todo.extend(c for c in op.control_inputs if c not in skipped)
 
 
 def placeholders_read(fetches, fed=(), with_default: bool = True) -> list:
