@@ -20,7 +20,8 @@ from test_per_sample import COLUMNS, brute_force
 
 @pytest.fixture
 def tapped(monkeypatch):
-    """The layer names each per-sample "sums" function is built with, in order: the last is
+    """The layer names each per-sample "sums" (or "both": sums and dots) function is built
+    with, in order: the last is
     what per_sample's function taps (TensorFlow builds again without the layers whose weights
     the loss reads elsewhere; both build again untapped where a tapped one fails)."""
     if keras.backend.backend() == "jax":
@@ -30,7 +31,7 @@ def tapped(monkeypatch):
     seen, original = [], Backend._sample_function
 
     def spy(self, first, kind, taps=None, *rest):
-        if kind == "sums":
+        if kind != "dots":
             seen.append(sorted(layer.name for layer in taps.layers) if taps else [])
         return original(self, first, kind, taps, *rest)
     monkeypatch.setattr(Backend, "_sample_function", spy)

@@ -161,11 +161,13 @@ class SampleSums(NamedTuple):
       sq_norms: (n,) float64, |g_i|^2 of each sample's gradient g_i (NaN or Inf where
         non-finite).
       sums: name -> sum_i g_i over the n samples, dense, of each trained variable's shape.
+      dots: (n,) float64, g_i . ``along`` where the call was given a direction, else None.
     """
 
     losses: Any
     sq_norms: Any
     sums: dict
+    dots: Any = None
 
 
 class NotVectorized(Exception):
@@ -181,8 +183,10 @@ class Vectorized(Protocol):
     (what the forward pass would assign is not assigned), nothing per sample kept after
     the call. Samples then meet the same random draws (dropout) within a call."""
 
-    def sample_sums(self, feed) -> SampleSums:
-        """Each sample's loss and squared gradient norm, and the sum of their gradients."""
+    def sample_sums(self, feed, along: Mapping | None = None) -> SampleSums:
+        """Each sample's loss and squared gradient norm, and the sum of their gradients; with
+        ``along`` (name -> float64 array of each trained variable's shape), also g_i . along
+        (:attr:`SampleSums.dots`, in the variables' dtype), from the gradient the call forms."""
 
     def sample_dots(self, feed, mean: Mapping) -> Any:
         """(n,) float64: g_i . ``mean`` for each sample (``mean``: name -> float64 array of

@@ -1,18 +1,21 @@
 """Each sample of a batch computed alone, chunk by chunk (:meth:`Engine.per_sample`).
 
-Two passes over chunks of at most ``chunk_size`` samples. The first computes
-each sample's loss and squared gradient norm |g_i|^2 and adds the gradients of
-the K finite samples (loss and gradient) to a float64 sum, whose mean M is
-their mean gradient; the second computes g_i . M. The cosine with M,
-g_i . M / (|g_i| |M|), and with the others' mean, (K M - g_i) / (K - 1), follow
-from those three numbers (:func:`~hostavg.core.stats.cosines_from_dots`), so no
-sample's gradient outlives its chunk. A :class:`~hostavg.engine.protocols.Vectorized`
-backend computes a chunk in one call per pass; elsewhere (or where vectorizing
-fails: a warning says why) each sample is computed alone, in each pass. Both
-passes start from the same state, so they meet the same random draws. A vectorized
-chunk rounds in the variables' dtype; where a cosine to the rest would magnify that past
-1e-6 (one sample's gradient dominating the others'), the batch is computed again, each
-sample alone, its squared norm and dot in float64 (:data:`ROUNDING`).
+A compute of the whole batch gives its mean gradient M_b. Then one pass over chunks of at
+most ``chunk_size`` samples computes each sample's loss, squared gradient norm |g_i|^2 and
+g_i . M_b, and adds the gradients of the K finite samples (loss and gradient) to a float64
+sum, whose mean M is their mean gradient. The cosine with M, g_i . M / (|g_i| |M|), and
+with the others' mean, (K M - g_i) / (K - 1), follow from those numbers
+(:func:`~hostavg.core.stats.cosines_from_dots`), so no sample's gradient outlives its
+chunk. g_i . M_b stands for g_i . M where the host's bound on what M - M_b moves a cosine
+(:func:`_guess_error`) is within :data:`TOLERANCE`; else (a loss that is no mean over its
+samples, dropout, a non-finite sample, gradients that mostly cancel) a second pass computes
+g_i . M. A :class:`~hostavg.engine.protocols.Vectorized` backend computes a chunk in one
+call per pass; elsewhere (or where vectorizing fails: a warning says why) each sample
+alone, in each pass, after no batch compute. Every pass starts from the same state, so a
+chunk meets the same random draws in each. A vectorized chunk rounds in the variables'
+dtype; where a cosine to the rest would magnify that past 1e-6 (one sample's gradient
+dominating the others'), the batch is computed again, each sample alone, its squared norm
+and dot in float64 (:data:`ROUNDING`).
 """
 
 from __future__ import annotations
@@ -53,25 +56,30 @@ class _Part(NamedTuple):
       samples: their places in the batch, in the feed's order.
       given: their chunk as given and each one's place in it (for computing alone).
       grads: their gradients where kept (a batch of one chunk, computed alone), else None.
+      dotted: whether their g_i . M_b came with the first pass.
     """
 
     feed: Any
     samples: list
     given: tuple
     grads: list | None
+    dotted: bool = False
 
 
-def per_sample(engine, backend, chunks: list, rows) -> SampleStats:
-    """The samples of ``chunks`` (consecutive pieces of a batch, of data ``rows``: a read-only
-    int64 array, or None) computed alone; see the module docstring. Changes nothing."""
-    return _PerSample(engine, backend, chunks, rows).stats()
+def per_sample(engine, backend, data, chunks: list, rows) -> SampleStats:
+    """The samples of the batch ``data``, cut into ``chunks`` (consecutive pieces, of data
+    ``rows``: a read-only int64 array, or None), computed alone; see the module docstring.
+    Changes nothing."""
+    return _PerSample(engine, backend, data, chunks, rows).stats()
 
 
 class _PerSample:
     """One call of :func:`per_sample`: its columns, filled chunk by chunk."""
 
-    def __init__(self, engine, backend, chunks: list, rows):
-        self.engine, self.backend, self.chunks, self.rows = engine, backend, chunks, rows
+    def __init__(self, engine, backend, data, chunks: list, rows):
+        self.engine, self.backend, self.data = engine, backend, data
+        self.chunks, self.rows = chunks, rows
+        self.along = None  # _along of the batch compute's mean M_b, while a pass dots with it
         # a backend without sample_sums computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
         # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
@@ -107,9 +115,10 @@ class _PerSample:
             self.losses, np.sqrt(self.sq), cosines, to_rest)), tuple(self.errors))
 
     def _passes(self, snapshot) -> tuple[list, float, bool]:
-        """Both passes over every chunk, from ``snapshot``'s state: (the finite samples,
+        """Every pass over every chunk, from ``snapshot``'s state: (the finite samples,
         |mean|^2, whether any chunk computed together: its values rounded in the variables'
         dtype, also where vectorizing stopped after it)."""
+        self.along = self._guess(snapshot)
         parts, start = [], 0
         for chunk in self.chunks:
             parts += self._first(chunk, start)
@@ -119,11 +128,49 @@ class _PerSample:
         if not finite:
             return finite, math.nan, rounded
         mean = self.acc.mean()
-        along = _along(mean) if self.vectorizing else None
-        self.backend.restore(snapshot)  # the second pass meets the first one's state
-        for part in parts:
-            self._second(part, mean, along)
-        return finite, math.fsum(squared_norm(v) for v in mean.values()), rounded
+        gbar_sq = math.fsum(squared_norm(v) for v in mean.values())
+        if not self._guess_holds(parts, mean, gbar_sq, len(finite)):
+            parts = [part._replace(dotted=False) for part in parts]
+        later = [part for part in parts if not part.dotted]
+        if later:
+            along = _along(mean) if self.vectorizing else None
+            self.backend.restore(snapshot)  # the second pass meets the first one's state
+            for part in later:
+                self._second(part, mean, along)
+        return finite, gbar_sq, rounded
+
+    def _guess(self, snapshot) -> tuple | None:
+        """:func:`_along` of M_b, the mean gradient of one compute of the whole batch, for the
+        first pass to dot with; None where the backend does not vectorize, the batch is one
+        sample, that compute fails (the chunks then say which sample) or M_b is not finite.
+        Leaves ``snapshot``'s state."""
+        if not self.vectorizing or len(self.losses) < 2:
+            return None
+        try:
+            feed, n = prepare_one(self.backend, self.data, None, "per_sample")
+            grads = self.engine._compute(self.backend, feed, n, "per_sample")[0]
+        except HostavgError:
+            return None
+        finally:
+            self.backend.restore(snapshot)
+        top, direction = _along(grads)
+        return (top, direction) if all(np.isfinite(v).all() for v in direction.values()) \
+            else None
+
+    def _guess_holds(self, parts: list, mean, gbar_sq: float, k: int) -> bool:
+        """Whether the first pass's g_i . M_b may stand for g_i . ``mean`` (M, of ``k`` finite
+        samples, |M|^2 ``gbar_sq``) in every cosine of its dotted ``parts``: the bound on what
+        |g_i . (M - M_b)| <= |g_i| |M - M_b| moves one (:func:`_guess_error`), plus the
+        vectorized values' rounding (:func:`_amplification`), within :data:`TOLERANCE`."""
+        dotted = [i for part in parts if part.dotted for i in part.samples]
+        if not dotted or k < 2:
+            return True  # nothing guessed, or one sample: its cosine is 1 whatever its dot
+        top, direction = self.along
+        off = math.sqrt(math.fsum(float(np.sum(np.square(_dense(m) - top * direction[n])))
+                                  for n, m in mean.items()))
+        dots, sq = self.dots[dotted], self.sq[dotted]
+        return (_guess_error(dots, sq, gbar_sq, k, off)
+                + self.rounding * _amplification(dots, sq, gbar_sq, k)) <= TOLERANCE
 
     def _stop(self, why: str) -> None:
         """Computes each sample alone from now on, and warns once why."""
@@ -175,6 +222,9 @@ class _PerSample:
             return None
         samples = [start + p for p in places]
         self.losses[samples], self.sq[samples] = out.losses, out.sq_norms
+        dotted = out.dots is not None
+        if dotted:
+            self.dots[samples] = self.along[0] * np.asarray(out.dots, np.float64)
         finite = np.isfinite(out.losses) & np.isfinite(out.sq_norms)
         places = [p for p, ok in zip(places, finite) if ok]
         if places and not finite.all():  # the sum again, of the finite ones alone
@@ -186,11 +236,14 @@ class _PerSample:
         if places:
             self.acc.add_checked({n: s / len(places) for n, s in out.sums.items()},
                                  float(len(places)), None, 0.0)
-        return _Part(feed, [start + p for p in places], (chunk, places), None)
+        return _Part(feed, [start + p for p in places], (chunk, places), None, dotted)
 
     def _sums(self, feed):
-        """``backend.sample_sums(feed)``, or None where it failed (see :meth:`_together`)."""
+        """``backend.sample_sums(feed)``, along M_b where the pass dots with it (see
+        :meth:`_guess`), or None where it failed (see :meth:`_together`)."""
         try:
+            if self.along is not None:
+                return self.backend.sample_sums(feed, self.along[1])
             return self.backend.sample_sums(feed)
         except NotVectorized as e:
             self._stop(str(e))
@@ -254,15 +307,16 @@ def _size(chunk) -> int:
     return sample_count(chunk, "per_sample")
 
 
-def _amplification(dots, sq, gbar_sq: float) -> float:
+def _amplification(dots, sq, gbar_sq: float, k: int | None = None) -> float:
     """How many times its inputs' relative rounding a cosine to the rest can be off, at most
     over the samples: with K samples, S = K mean and r_i = |S - g_i|^2 = K^2 |mean|^2
     - 2 K g_i . mean + |g_i|^2, the numerator K g_i . mean - |g_i|^2 is off by up to
     (K |g_i . mean| + |g_i|^2) rounding, over |g_i| sqrt(r_i), and the denominator's r_i by
     up to (K^2 |mean|^2 + |g_i|^2) (whose share of r_i a cosine of 1 at most carries); inf
     where an r_i is not above 0. 1.5 on 256 samples of the bench's MLP, 12 on 8 of a small
-    one; 3,000 where one of those 8 has inputs 10 times the others'."""
-    k = len(dots)
+    one; 3,000 where one of those 8 has inputs 10 times the others'. ``k``: the finite
+    samples, where ``dots`` and ``sq`` are some of them (default: all)."""
+    k = len(dots) if k is None else k
     whole = k * k * gbar_sq
     rest = whole - 2 * k * dots + sq
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -270,6 +324,27 @@ def _amplification(dots, sq, gbar_sq: float) -> float:
     a[~(rest > 0)] = math.inf
     a[~(sq > 0)] = 0.0  # a gradient of 0: its cosines are NaN whatever the rounding
     return float(np.max(a))
+
+
+def _guess_error(dots, sq, gbar_sq: float, k: int, off: float) -> float:
+    """How far at most a cosine moves where each g_i . M in ``dots`` is off by up to d =
+    |g_i| ``off`` (``sq``: |g_i|^2, ``gbar_sq``: |M|^2, ``k`` finite samples). The cosine
+    with M, g_i . M / (|g_i| |M|), by off / |M|. The one to the rest, c_i = (k g_i . M -
+    |g_i|^2) / (|g_i| sqrt(r_i)) with r_i = k^2 |M|^2 - 2 k g_i . M + |g_i|^2: its numerator
+    moves by k d, and sqrt(r_i) by a factor within (1 -+ e_i)^(1/2), e_i = 2 k d / r_i, so
+    c_i by at most k off (1 / sqrt(r_i) + |g_i| / r_i) (1 - e_i)^(-3/2) (|c_i| <= 1); inf
+    where e_i >= 1."""
+    if off == 0:
+        return 0.0
+    dots, sq = np.asarray(dots, np.float64), np.asarray(sq, np.float64)
+    rest = k * k * gbar_sq - 2 * k * dots + sq
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        shift = 2 * k * np.sqrt(sq) * off / rest
+        a = k * off * (1 / np.sqrt(rest) + np.sqrt(sq) / rest) * (1 - shift) ** -1.5
+    a[~((rest > 0) & (shift < 1))] = math.inf
+    a[~(sq > 0)] = 0.0  # a gradient of 0: its cosines are NaN whatever its dot
+    mean = off / math.sqrt(gbar_sq) if gbar_sq > 0 else math.inf
+    return max(mean, float(np.max(a, initial=0.0)))
 
 
 def _along(mean) -> tuple[float, dict]:

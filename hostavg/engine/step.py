@@ -289,9 +289,11 @@ class Engine:
         loss, gradient norm and cosines with the mean gradient and with the others' mean, or
         the error its compute raised. Changes nothing.
 
-        Computed ``chunk_size`` samples at a time in two passes, per chunk one call each
-        where the backend is :class:`~hostavg.engine.protocols.Vectorized`, else one per
-        sample (:mod:`hostavg.engine.samples`): host memory for the mean gradient alone. The
+        Computed ``chunk_size`` samples at a time, per chunk one call where the backend is
+        :class:`~hostavg.engine.protocols.Vectorized` (after one compute of the whole batch;
+        two where its mean gradient is too far from the samples' to stand for it), else one
+        per sample and pass (:mod:`hostavg.engine.samples`): host memory for the mean
+        gradient alone. The
         mean of the samples' gradients is the batch's mean gradient (for a loss that is a
         mean over samples; ``check`` says whether it is); samples whose loss or gradient is
         not finite, or whose compute failed, are left out of it. No apply runs, and the
@@ -300,7 +302,7 @@ class Engine:
         chunks = split(data, positive_int("chunk_size", chunk_size))
         n = sum(sample_count(c, "per_sample") for c in chunks)
         rows = None if rows is None else _distinct(row_indices(rows, n, "per_sample"))
-        return samples.per_sample(self, backend, chunks, rows)
+        return samples.per_sample(self, backend, data, chunks, rows)
 
     @in_one_blas_thread
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,

@@ -37,7 +37,7 @@ from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectori
 from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import ApplyOutputs, CompiledModel, model_errors, traced_message
-from hostavg.keras.layer_taps import LayerTaps
+from hostavg.keras.layer_taps import LayerTaps, per_sample_dots
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
@@ -216,16 +216,21 @@ class KerasJaxBackend(CompiledModel):
 
     # --- Per sample (hostavg.engine.protocols.Vectorized) --------------------------------------
 
-    def sample_sums(self, feed) -> SampleSums:
+    def sample_sums(self, feed, along: Mapping | None = None) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.vmap`` of one sample's loss
-        and gradient (its squared norm reduced there) and the gradient of the sum of the
-        vmapped losses, in one jitted call. A squared norm that overflows the wide dtype (or
-        meets a NaN) is reduced again from the gradient divided by its largest magnitude a, and
-        multiplied by a^2 here, in float64."""
-        losses, sq, tops, sums = self._per_sample_call(feed, "sums")
+        and gradient (its squared norm reduced there, and with ``along`` its dot with that)
+        and the sum of the gradients vmap forms, in one jitted call. A squared norm that
+        overflows the wide dtype (or meets a NaN) is reduced again from the gradient divided
+        by its largest magnitude a, and multiplied by a^2 here, in float64."""
+        if along is None:
+            (losses, sq, tops, sums), dots = self._per_sample_call(feed, "sums"), None
+        else:
+            losses, sq, tops, sums, dots = self._per_sample_call(
+                feed, "both", [np.asarray(along[name], s.dtype) for name, s in self.spec.items()])
+            dots = np.asarray(dots, np.float64)
         return SampleSums(np.asarray(losses, np.float64),
                           np.asarray(sq, np.float64) * np.square(np.asarray(tops, np.float64)),
-                          {name: np.asarray(s) for name, s in zip(self.spec, sums)})
+                          {name: np.asarray(s) for name, s in zip(self.spec, sums)}, dots)
 
     def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.jvp`` of the vmapped losses
@@ -248,7 +253,7 @@ class KerasJaxBackend(CompiledModel):
             function = self._samples.get((signature, kind))
             if function is not None:
                 return jax.block_until_ready(function(*arguments))
-            taps = self._layer_taps(loss, leaves) if kind == "sums" else None
+            taps = self._layer_taps(loss, leaves) if kind != "dots" else None
             function = self._sample_function(loss, kind, taps)
             try:
                 out = jax.block_until_ready(function(*arguments))
@@ -326,7 +331,7 @@ class KerasJaxBackend(CompiledModel):
 
         trained = [self.model.trainable_variables[i] for i in kept]
 
-        def sums(trainable, untrained, metric_values, slots, flat):
+        def sums(trainable, untrained, metric_values, slots, flat, mean=None):
             kept_values, grad = [trainable[i] for i in kept], jax.grad(one, has_aux=True)
 
             def sample(leaves, divided):
@@ -339,24 +344,25 @@ class KerasJaxBackend(CompiledModel):
                     g = [x / top.astype(x.dtype) for x in g]
                 return value, jnp.sum(_squares(g)), top, g
             if taps:
-                values, sq, tops, total = _tapped_sums(
+                values, sq, tops, total, dots = _tapped_sums(
                     taps, trained, one, lambda g: unscaled(g, slots), kept_values,
-                    (trainable, untrained, metric_values, slots), flat)
+                    (trainable, untrained, metric_values, slots), flat, mean)
             else:
                 # the sum of the gradients vmap forms anyway, not the gradient of the losses'
                 # sum: XLA's batched convolution gradient rounds that to 3e-6 of the mean
                 # where the samples' gradients mostly cancel (20 times the sum's)
                 values, sq, tops, g = jax.vmap(lambda leaves: sample(leaves, False))(flat)
                 total = [jnp.sum(x, 0) for x in g]
+                dots = None if mean is None else _formed_dots(g, mean)
             sq, tops = jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: (sq, tops),
                                     lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:3])
-            return values, sq, tops, total
+            return (values, sq, tops, total) if mean is None else (values, sq, tops, total, dots)
 
         def dots(trainable, untrained, metric_values, slots, flat, mean):
             return jax.jvp(lambda kv: each(kv, trainable, untrained, metric_values, slots,
                                            flat)[1], ([trainable[i] for i in kept],), (mean,))[1]
 
-        return jax.jit(sums if kind == "sums" else dots)
+        return jax.jit(dots if kind == "dots" else sums)
 
     # --- Evaluation and building -------------------------------------------------------------
 
@@ -693,9 +699,9 @@ class _Stateless(NamedTuple):
 
 
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
-                 arguments: tuple, flat) -> tuple:
-    """(losses, squared norms, ones, the sum of the samples' gradients) of every sample of
-    ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
+                 arguments: tuple, flat, mean: list | None = None) -> tuple:
+    """(losses, squared norms, ones, the sum of the samples' gradients, their dots with
+    ``mean`` or None) of every sample of ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
     (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
     and biases of ``taps``' layers (indices into ``trained``, whose values are
     ``kept_values``) are not differentiated: their squared norms and sums come from each
@@ -718,9 +724,19 @@ def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: lis
         return value, sum((_sum_squares(x) for x in g), jnp.zeros((), _WIDE)), g, inputs, deltas
 
     values, sq, g, inputs, deltas = jax.vmap(sample)(flat)
-    tapped, total = taps.sums([jnp.sum(x, 0) for x in g], inputs, deltas, _WIDE)
+    tapped, total, dots = taps.sums([jnp.sum(x, 0) for x in g], inputs, deltas, _WIDE, mean)
     sq = sq + tapped
-    return values, sq, jnp.ones_like(sq), total
+    if mean is not None:
+        formed = _formed_dots(g, [mean[p] for p in rest])
+        dots = formed if dots is None else dots if formed is None else formed + dots
+    return values, sq, jnp.ones_like(sq), total, dots
+
+
+def _formed_dots(grads: list, mean: list):
+    """(n,) each sample's formed gradients ``grads`` (each (n, *shape)) dotted with ``mean``
+    (one array per gradient), in their dtype; None where there are none."""
+    dots = [per_sample_dots(g, m) for g, m in zip(grads, mean)]
+    return sum(dots[1:], dots[0]) if dots else None
 
 
 def _with_kept(trainable: list, kept: list, kept_values: list) -> list:

@@ -31,7 +31,7 @@ from keras import ops
 
 from hostavg.core.convolution import kernel_gradients, same_padding
 
-__all__ = ["LayerTaps"]
+__all__ = ["LayerTaps", "per_sample_dots"]
 
 #: Held while a thread's taps are installed (:meth:`LayerTaps.tapped`).
 _TAPPING = threading.RLock()
@@ -85,12 +85,15 @@ class LayerTaps:
         return [layer for layer, k, b in zip(self.layers, self.kernels, self.biases)
                 if k in places or b in places]
 
-    def sums(self, others: list, inputs: list, deltas: list, wide) -> tuple:
+    def sums(self, others: list, inputs: list, deltas: list, wide, means: list | None = None
+             ) -> tuple:
         """(each sample's squared gradient norm at these layers' kernels and biases, (n,) in
-        ``wide``; each trained variable's gradient summed over the chunk, in order):
-        ``others`` for :meth:`untapped`'s (summed already), these layers' from ``inputs``
-        and ``deltas`` per layer, each of n samples (a sample's a and delta, stacked)."""
-        squares = []
+        ``wide``; each trained variable's gradient summed over the chunk, in order; with
+        ``means`` (one array per trained variable, in its dtype), each sample's gradient at
+        these layers dotted with them, (n,) in the layers' dtype, else None): ``others`` for
+        :meth:`untapped`'s (summed already), these layers' from ``inputs`` and ``deltas`` per
+        layer, each of n samples (a sample's a and delta, stacked)."""
+        squares, dots = [], []
         total = [None] * (len(others) + len(self.indices()))
         for p, summed in zip(self.untapped(len(total)), others):
             total[p] = summed
@@ -100,15 +103,23 @@ class LayerTaps:
                 biased, biased_sq = d, _squares(d, wide)
                 squares.append(_outer_squares(a, d, biased_sq, wide))
                 total[kernel] = ops.matmul(ops.transpose(a), d)
+                if means is not None:  # a^T delta . M = (a M) . delta
+                    dots.append(ops.sum(ops.matmul(a, means[kernel]) * d, axis=1))
             else:  # the bias's gradient: delta summed over the output positions
                 biased, biased_sq = ops.sum(d, axis=tuple(range(1, len(d.shape) - 1))), None
                 grads = _conv_grads(layer, a, d)
                 squares.append(_squares(grads, wide))
                 total[kernel] = ops.sum(grads, axis=0)
+                if means is not None:
+                    dots.append(per_sample_dots(grads, means[kernel]))
             if bias is not None:
                 squares.append(_squares(biased, wide) if biased_sq is None else biased_sq)
                 total[bias] = ops.sum(biased, axis=0)
-        return (ops.sum(ops.stack(squares), axis=0) if squares else None), total
+                if means is not None:
+                    dots.append(per_sample_dots(biased, means[bias]))
+        square = ops.sum(ops.stack(squares), axis=0) if squares else None
+        return square, total, (None if means is None or not dots
+                               else ops.sum(ops.stack(dots), axis=0))
 
     def without(self, layers) -> LayerTaps:
         """These taps less ``layers`` (by identity)."""
@@ -192,6 +203,12 @@ def _squares(x, wide):
     """Each sample's sum of squares of ``x`` (n, ...), in ``wide``."""
     x = ops.cast(x, wide)
     return ops.sum(ops.square(x), axis=tuple(range(1, len(x.shape))))
+
+
+def per_sample_dots(grads, mean):
+    """Each sample's gradient in ``grads`` (n, *shape) dotted with ``mean`` (of that shape),
+    (n,)."""
+    return ops.sum(grads * mean[None], axis=tuple(range(1, len(grads.shape))))
 
 
 def _weights(layer) -> list:

@@ -38,7 +38,7 @@ from hostavg.keras.batch import leaves as _leaves
 from hostavg.keras.batch import rebuild as _rebuild
 from hostavg.keras.common import (ApplyOutputs, CompiledModel, loss_function, model_errors,
                                   traced_message)
-from hostavg.keras.layer_taps import LayerTaps
+from hostavg.keras.layer_taps import LayerTaps, per_sample_dots
 from hostavg.keras.train_step import OwnStep, captured, flat_logs, loss_tracker, micro_loss, the_apply
 
 __all__ = ["KerasBackend", "KerasTrainStepBackend", "refuse_strategies"]
@@ -154,22 +154,27 @@ class KerasBackend(CompiledModel):
                             for p, v in zip(outer.gradient(dot, trained), vs))]
         return product
 
-    def sample_sums(self, feed) -> SampleSums:
+    def sample_sums(self, feed, along: Mapping | None = None) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``tf.vectorized_map`` of one
         sample's loss and gradient in a ``tf.function``, reduced there in the gradients' dtype
-        (as a batch's gradient sums its samples), then cast to float64."""
-        losses, sq, *sums = self._per_sample_call(feed, "sums", [])
+        (as a batch's gradient sums its samples), then cast to float64; with ``along``, each
+        gradient dotted with it there too."""
+        if along is None:
+            losses, sq, *sums = self._per_sample_call(feed, "sums", [])
+            dots = None
+        else:
+            losses, sq, *sums, dots = self._per_sample_call(feed, "both", _means(along, self.spec))
+            dots = np.asarray(dots, np.float64)
         return SampleSums(np.asarray(losses, np.float64), np.asarray(sq),
-                          {name: np.asarray(s) for name, s in zip(self.spec, sums)})
+                          {name: np.asarray(s) for name, s in zip(self.spec, sums)}, dots)
 
     def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
         """See :class:`~hostavg.engine.protocols.Vectorized`: g_i . ``mean`` as the derivative of
         each sample's loss along ``mean`` (in the variables' dtypes), forward mode
         (``tf.autodiff.ForwardAccumulator``) under ``tf.vectorized_map``: no sample's gradient
         is formed."""
-        return np.asarray(self._per_sample_call(
-            feed, "dots", [eager_tensor(mean[name], np.float64) for name in self.spec])[0],
-            np.float64)
+        return np.asarray(self._per_sample_call(feed, "dots", _means(mean, self.spec))[0],
+                          np.float64)
 
     def _per_sample_call(self, feed, kind: str, extra: list):
         """The compiled ``kind`` function of the feed's signature (:meth:`_sample_function`)
@@ -183,17 +188,17 @@ class KerasBackend(CompiledModel):
             return function(*map(eager_tensor, leaves), *extra)
 
     def _sample_trace(self, leaves, signature, kind: str):
-        """:meth:`_sample_function` of ``kind`` traced for the feed's ``leaves``; "sums" with
-        the eligible ``Dense`` and convolution layers tapped (:mod:`hostavg.keras.layer_taps`)
+        """:meth:`_sample_function` of ``kind`` traced for the feed's ``leaves``; "sums" and
+        "both" with the eligible ``Dense`` and convolution layers tapped (:mod:`hostavg.keras.layer_taps`)
         whose kernel and bias the loss reads nowhere else (traced again without those it does,
         or does not call)."""
         means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
-        taps = LayerTaps(self.model, self._trained) if kind == "sums" else None
+        taps = LayerTaps(self.model, self._trained) if kind != "dots" else None
         while True:
             read = []  # the taps' layers whose weights the loss reads elsewhere, while tracing
             try:
                 function = self._trace(self._sample_function(signature, kind, taps, read),
-                                       [*leaves, *(means if kind == "dots" else [])], "per_sample")
+                                       [*leaves, *(means if kind != "sums" else [])], "per_sample")
             except HostavgError as e:
                 if taps:  # the taps' doing (a Dense in a loop's body, say): untapped
                     taps = taps.without(taps.layers)
@@ -206,8 +211,9 @@ class KerasBackend(CompiledModel):
 
     def _sample_function(self, signature, kind: str, taps: LayerTaps | None = None,
                          read: list | None = None):
-        """``(*leaves) -> [losses, squared norms, *sums]`` ("sums") or ``(*leaves, *mean) ->
-        [g_i . mean]`` ("dots"): every sample computed alone (a batch of one) under
+        """``(*leaves) -> [losses, squared norms, *sums]`` ("sums"), ``(*leaves, *mean) ->
+        [g_i . mean]`` ("dots") or ``(*leaves, *mean) -> [losses, squared norms, *sums, g_i .
+        mean]`` ("both", each dot from the gradient the sums form): every sample computed alone (a batch of one) under
         ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing).
 
         A squared norm is summed in the gradient's dtype, and again in float64 where that
@@ -240,21 +246,31 @@ class KerasBackend(CompiledModel):
             return loss, [tf.reshape(g, [-1]) for g in unscaled(tape.gradient(optimized, trained))]
 
         def sums(*flat):
+            means = [tf.cast(m, v.dtype) for m, v in zip(flat[len(flat) - k:], trained)] \
+                if kind == "both" else None
+            flat = list(flat[:len(flat) - k] if kind == "both" else flat)
             if taps:
                 losses, grads, inputs, deltas = tf.vectorized_map(
                     lambda leaves: _tapped_one(taps, trained, forward, scaled, unscaled, read,
-                                                leaves),
-                    list(flat))
+                                                leaves), flat)
                 if read:  # traced again without those layers (_sample_trace)
                     return [losses]
             else:
-                (losses, grads), inputs, deltas = tf.vectorized_map(one, list(flat)), [], []
+                (losses, grads), inputs, deltas = tf.vectorized_map(one, flat), [], []
             total = [tf.reduce_sum(g, 0) for g in grads]
-            tapped, total = taps.sums(total, inputs, deltas, tf.float64) if taps else (None, total)
+            tapped, total, dots = taps.sums(total, inputs, deltas, tf.float64, means) if taps \
+                else (None, total, None)
             sq = sample_squares(tf.zeros_like(losses, tf.float64) if tapped is None else tapped,
                                 grads)
-            return [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
-                                  for g, v in zip(total, trained))]
+            out = [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
+                                 for g, v in zip(total, trained))]
+            if means is None:
+                return out
+            formed = [means[p] for p in (taps.untapped(k) if taps else range(k))]
+            parts = [tf.cast(d, tf.float64) for d in (dots,) if d is not None]
+            parts += [tf.cast(per_sample_dots(g, tf.reshape(m, [-1])), tf.float64)
+                      for g, m in zip(grads, formed)]
+            return [*out, tf.add_n(parts) if parts else tf.zeros_like(losses, tf.float64)]
 
         def dots(*flat):
             tangents = [tf.cast(m, v.dtype) for m, v in zip(flat[-k:], trained)]
@@ -265,7 +281,7 @@ class KerasBackend(CompiledModel):
                 return tf.cast(acc.jvp(loss, unconnected_gradients="zero"), tf.float64)
             return [tf.vectorized_map(along, list(flat[:-k]))]
 
-        return sums if kind == "sums" else dots
+        return dots if kind == "dots" else sums
 
     def apply_feed(self, feeds, what: str) -> dict:
         """Nothing: a Keras optimizer reads no input besides the gradients."""
@@ -720,6 +736,12 @@ def _tapped_one(taps: LayerTaps, trained: list, forward, scaled, unscaled, read:
                        for g, z in zip(grads[len(others) + len(tapped):], called)])
     return (loss, [tf.reshape(g, [-1]) for g in unscaled(grads[:len(others)])],
             [x[0] for x in inputs if x is not None], [d[0] for d in deltas])
+
+
+def _means(mean: Mapping, spec) -> list:
+    """``mean`` (name -> array) as float64 tensors in ``spec``'s order: a per-sample function's
+    direction."""
+    return [eager_tensor(mean[name], np.float64) for name in spec]
 
 
 def _scale(optimizer):

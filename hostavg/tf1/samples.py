@@ -7,8 +7,8 @@ that sample's row (a batch of one), every other fed tensor to itself and every v
 handle to the graph's own, so that the copy reads the same variables and the same feed.
 Its gradients, taken with respect to the copy's reads of each trained variable, are the
 sample's alone, as the trainer's compute of a batch of one gives them. One function per
-feed signature and kind (the first pass's sums, the second pass's dots with a fed mean) is
-built into the graph on its first call.
+feed signature and kind (the first pass's sums, with or without the dots with a fed mean,
+the second pass's dots alone) is built into the graph on its first call.
 
 Vectorizing refuses (:class:`~hostavg.engine.protocols.NotVectorized`, saying why: the
 engine then computes each sample in a call of its own) a loss that runs a stateful op
@@ -87,8 +87,9 @@ def refusal(optimizer, pairs: list) -> str | None:
 def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
     """(fetches, mean placeholders): for ``kind`` "sums" [losses (n,), squared norms (n,)
     float64, each trained variable's gradient summed over the samples], for "dots" [g_i . mean
-    (n,) float64], fed ``feed``'s keys (then, for "dots", a float64 placeholder per trained
-    variable, its mean). Built in the loss's graph; raises NotVectorized."""
+    (n,) float64], for "both" the two, fed ``feed``'s keys (then, but for "sums", a float64
+    placeholder per trained variable, its mean). Built in the loss's graph; raises
+    NotVectorized."""
     graph = loss.graph
     if graph.finalized:
         raise NotVectorized("the graph is finalized, and the vectorized samples are new ops")
@@ -101,7 +102,7 @@ def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
     taps = _candidates(nodes, reads)
     with graph.as_default(), tf.name_scope("hostavg_per_sample"):
         means = tuple(v1.placeholder(tf.float64, v.shape, name="mean") for v in trained) \
-            if kind == "dots" else ()
+            if kind != "sums" else ()
         shared = {t.name: t for t in feed if id(t) not in rowed}  # fed to the session call
         handles = {op.outputs[0].name: op.outputs[0] for op in nodes.values()
                    if op.type == "VarHandleOp"}  # the graph's own variables
@@ -215,18 +216,27 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
     """The fetches of :func:`build` from the vectorized samples: ``formed`` index -> the
     variable's (n, size) gradients, ``tapped`` index -> (A (n, d), Delta (n, units)) of a
     MatMul, for every trained variable."""
-    if kind == "dots":  # in the variables' dtype, as the other faces' forward mode
-        parts = [tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
-                 for i, g in formed.items()]
-        parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
-                  for i, (a, d) in tapped.items()]
-        return [tf.cast(tf.add_n(parts), tf.float64)]
+    if kind == "dots":
+        return [_dots(formed, tapped, means)]
+    if kind == "both":
+        return [*_reduced("sums", losses, formed, tapped, trained, ()),
+                _dots(formed, tapped, means)]
     sq = sample_squares(tf.add_n([tf.zeros_like(losses, tf.float64),
                                   *(_outer_squares(a, d) for a, d in tapped.values())]),
                         list(formed.values()))
     sums = {i: tf.reduce_sum(g, 0) for i, g in formed.items()}
     sums.update((i, tf.matmul(a, d, transpose_a=True)) for i, (a, d) in tapped.items())
     return [losses, sq, *(tf.reshape(sums[i], v.shape) for i, v in enumerate(trained))]
+
+
+def _dots(formed: dict, tapped: dict, means: tuple):
+    """(n,) float64 g_i . mean of each sample (of :func:`_reduced`'s ``formed`` and
+    ``tapped``), in the variables' dtype, as the other faces' forward mode."""
+    parts = [tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
+             for i, g in formed.items()]
+    parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
+              for i, (a, d) in tapped.items()]
+    return tf.cast(tf.add_n(parts), tf.float64)
 
 
 def _subgraph(loss, trained: list, fed: tuple) -> tuple[dict, list]:
