@@ -153,11 +153,11 @@ def per_sample_table(run: dict) -> str:
     lines = [caption(run), "",
              f"Each cell the median of {bench['repeats']} calls, interleaved, after one untimed "
              f"call of each:", "",
-             "| model, samples | face | parameters | compute | per_sample | ratio |",
-             "|---|---|--:|--:|--:|--:|"]
+             "| model, samples | face | parameters | chunk_size | compute | per_sample | ratio |",
+             "|---|---|--:|--:|--:|--:|--:|"]
     lines += [f"| {r['model']}, {r['samples']} | `{r['face']}` | {r['parameters']:,} | "
-              f"{_ms(r['compute_s'])} | {_ms(r['per_sample_s'])} | {r['ratio']:.1f}x |"
-              for r in bench["timing"]]
+              f"{r['chunk_size']:,} | {_ms(r['compute_s'])} | {_ms(r['per_sample_s'])} | "
+              f"{r['ratio']:.1f}x |" for r in bench["timing"]]
     if bench.get("memory"):
         first = bench["memory"][0]
         lines += ["", f"Peak extra resident memory of one per_sample of {first['model']}, "

@@ -7,7 +7,7 @@ import pytest
 
 from hostavg.cli import bench, bench_per_sample
 from hostavg.cli import main
-from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
+from hostavg.engine.samples import DEFAULT_CHUNK_BYTES
 
 #: Parameters of logreg: a 784 x 10 kernel and 10 biases.
 LOGREG_PARAMETERS = 784 * 10 + 10
@@ -19,8 +19,8 @@ def test_bench_per_sample_prints_a_row_per_face_with_its_ratio_and_writes_json(t
                  "--repeats", "3", "--no-memory", "--json", str(path)]) == 0
     faces = bench.faces(bench.keras_backend())
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["configuration", "face", "params", "compute", "per_sample",
-                                "ratio"]
+    assert lines[0].split() == ["configuration", "face", "params", "chunk", "compute",
+                                "per_sample", "ratio"]
     rows = [line.split() for line in lines[1:1 + len(faces)]]
     assert [row[:4] for row in rows] == [["logreg,", "8", "samples", face] for face in faces]
     result = json.loads(path.read_text())
@@ -30,12 +30,14 @@ def test_bench_per_sample_prints_a_row_per_face_with_its_ratio_and_writes_json(t
         assert set(timed) == {"model", "samples", "face", "chunk_size", "parameters",
                               "compute_s", "per_sample_s", "ratio"}
         assert (timed["model"], timed["samples"], timed["face"], timed["chunk_size"],
-                timed["parameters"]) == ("logreg", 8, face, DEFAULT_CHUNK_SIZE, LOGREG_PARAMETERS)
+                timed["parameters"]) == ("logreg", 8, face, DEFAULT_CHUNK_BYTES // (
+                    4 * LOGREG_PARAMETERS), LOGREG_PARAMETERS)
         assert timed["per_sample_s"] > timed["compute_s"] > 0  # 8 samples' gradients, then dots
         assert timed["ratio"] == timed["per_sample_s"] / timed["compute_s"]
-        assert row[4:] == [f"{LOGREG_PARAMETERS:,}", f"{timed['compute_s'] * 1e3:.2f}ms",
+        assert row[4:] == [f"{LOGREG_PARAMETERS:,}", f"{timed['chunk_size']:,}",
+                           f"{timed['compute_s'] * 1e3:.2f}ms",
                            f"{timed['per_sample_s'] * 1e3:.1f}ms", f"{timed['ratio']:.1f}x"]
-    assert f"chunk_size={DEFAULT_CHUNK_SIZE}" in lines[1 + len(faces)]
+    assert "chunk_size its default (64 MiB of gradients)" in lines[1 + len(faces)]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -54,12 +56,13 @@ def test_bench_per_sample_refuses_what_it_cannot_honour_in_one_line(argv, messag
 
 
 @pytest.mark.slow  # two fresh processes
-def test_per_sample_memory_at_the_default_chunk_is_a_fraction_of_the_whole_batch_as_one():
+def test_per_sample_memory_at_a_chunk_of_64_is_a_fraction_of_the_whole_batch_as_one():
     samples = 1024
     (face, *_) = bench.faces(bench.keras_backend())
     chunked, whole = bench_per_sample.memory(bench.Config("logreg", samples, 1), faces=(face,),
                                              out=lambda line: None, progress=False)
-    assert (chunked["chunk_size"], whole["chunk_size"]) == (DEFAULT_CHUNK_SIZE, samples)
+    assert (chunked["chunk_size"], whole["chunk_size"]) == (
+        bench_per_sample.MEMORY_CHUNK_SIZE, samples)
     gradients = LOGREG_PARAMETERS * 4 * samples  # 31 MiB of float32 per-sample gradients
     assert whole["gradients_bytes"] == gradients
     for row in (chunked, whole):
@@ -67,7 +70,8 @@ def test_per_sample_memory_at_the_default_chunk_is_a_fraction_of_the_whole_batch
         assert row["parameters"] == LOGREG_PARAMETERS
     # As one chunk, what a call holds per sample exists for every sample at once (the kernel's
     # gradient is not formed, a Dense or MatMul being tapped, but its input and the loss's
-    # gradient at its output are); at the default chunk, one chunk's (1/16 of it) and what a
-    # call needs besides: well under a quarter of the gradients, and of the whole batch's.
+    # gradient at its output are); at a chunk of 64, one chunk's (1/16 of it) and what a
+    # call needs besides (a compute of the batch, for its mean gradient): well under a
+    # quarter of the gradients, and of the whole batch's.
     assert chunked["peak_bytes"] < gradients / 4, chunked
     assert whole["peak_bytes"] > 3 * chunked["peak_bytes"], (whole, chunked)

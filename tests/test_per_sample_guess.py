@@ -130,3 +130,28 @@ def test_a_summed_loss_has_a_batch_mean_k_times_the_samples_and_takes_the_second
     alone = [trainer.compute(sess, {m.x: x[i:i + 1], m.y: y[i:i + 1]}) for i in range(len(x))]
     np.testing.assert_allclose(table[COLUMNS].to_numpy(float), table_of(alone, trainer.spec),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-13])
+@pytest.mark.parametrize("chunk_size", [16, 40])
+def test_tiny_gradients_keep_their_norms_and_cosines(scale, chunk_size, monkeypatch):
+    """A loss times 1e-20: each gradient about 1e-21, float32's normal, but its squares
+    (about 1e-44) are not, and XLA on a CPU flushes them to 0: each sample computes alone,
+    its norm from its gradient in float64. Times 1e-13, their squares and the products of a
+    dot with M_b (one chunk: with the samples' own sum) are normal: vectorized."""
+    def tiny(y, logits):
+        return scale * keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    trainer = hostavg.keras.Trainer(models.keras_mlp(12, [16], 3, seed=1), tiny,
+                                    keras.optimizers.SGD(0.1))
+    x, y, w = _batch()
+    alone, one = [], samples._PerSample._one
+    monkeypatch.setattr(samples._PerSample, "_one", lambda *a: alone.append(1) or one(*a))
+    table = trainer.per_sample(x, y, w, chunk_size=chunk_size)
+    # a call per pass, but one: a batch of one chunk keeps them for its dots
+    passes = 1 if chunk_size >= len(x) else 2
+    assert len(alone) == (passes * len(x) if scale == 1e-20 else 0)
+    want = brute_force(trainer, x, y, w)
+    assert 1e-3 * scale < want[:, 1].min() and want[:, 1].max() < 10 * scale
+    np.testing.assert_allclose(table["norm"], want[:, 1], rtol=1e-6)
+    np.testing.assert_allclose(table[COLUMNS[2:]].to_numpy(float), want[:, 2:], rtol=1e-6,
+                               atol=1e-6)

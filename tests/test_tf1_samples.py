@@ -91,9 +91,10 @@ def test_each_sample_as_alone_in_one_call_per_chunk_and_nothing_changed(kind, ch
 
 def _vectorized(trainer, sess, feed, chunk_size, monkeypatch, passes=(1, 2)):
     """trainer.per_sample of ``feed``, asserting that no sample computed alone (no warning;
-    one compute, of the whole batch: its mean gradient M_b) and that each chunk was one
-    session call per pass: the first dotting with M_b, and where M_b could not stand for the
-    samples' mean a second (``passes``: how many may run)."""
+    of several chunks one compute of each, for the batch's mean gradient M_b) and that each
+    chunk was one session call per pass: the first dotting with M_b (one chunk: with its own
+    sum), and where that could not stand for the samples' mean a second (``passes``: how many
+    may run)."""
     calls, computes = [], []
     samples, compute = Wiring.samples, SessionBackend.compute
     monkeypatch.setattr(Wiring, "samples", lambda self, s, f, kind, *a: calls.append(kind)
@@ -104,9 +105,10 @@ def _vectorized(trainer, sess, feed, chunk_size, monkeypatch, passes=(1, 2)):
         warnings.simplefilter("error", UserWarning)
         table = trainer.per_sample(sess, feed, chunk_size=chunk_size)
     chunks = -(-len(table) // chunk_size)
-    assert computes == [len(table)]
-    ran = 1 + ("dots" in calls)
-    assert sorted(calls) == ["both"] * chunks + ["dots"] * chunks * (ran - 1) and ran in passes
+    sizes = [min(chunk_size, len(table) - start) for start in range(0, len(table), chunk_size)]
+    assert computes == (sizes if chunks > 1 else [])
+    ran, first = 1 + ("dots" in calls), "both" if chunks > 1 else "own"
+    assert sorted(calls) == [first] * chunks + ["dots"] * chunks * (ran - 1) and ran in passes
     monkeypatch.undo()
     return table
 

@@ -3,19 +3,19 @@
 Per configuration (a model and a batch of ``micro_batch_size`` samples) and face (the
 TF1 ``hostavg`` and ``hostavg-keras``, or on JAX ``hostavg-keras`` alone): the median
 time of one ``trainer.compute`` of the whole batch, of one ``trainer.per_sample`` of the
-same batch (its default chunk size), and their ratio. Then per face the peak resident
-memory that one ``per_sample`` of a larger batch (:data:`MEMORY_CONFIG`) adds, at the
-default chunk size and with the whole batch as one chunk, each in a fresh process, beside
-the size of one chunk's float32 per-sample gradients: what the chunk size bounds.
+same batch (its default chunk size, printed), and their ratio. Then per face the peak
+resident memory that one ``per_sample`` of a larger batch (:data:`MEMORY_CONFIG`) adds, at
+:data:`MEMORY_CHUNK_SIZE` and with the whole batch as one chunk, each in a fresh process,
+beside the size of one chunk's float32 per-sample gradients: what the chunk size bounds.
 """
 
 from __future__ import annotations
 
 from hostavg.cli import bench
-from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
+from hostavg.engine.samples import default_chunk_size
 
-__all__ = ["FORMAT", "MEMORY_CONFIG", "MODELS", "SAMPLES", "measure_memory", "memory", "run",
-           "time_per_sample"]
+__all__ = ["FORMAT", "MEMORY_CHUNK_SIZE", "MEMORY_CONFIG", "MODELS", "SAMPLES", "measure_memory",
+           "memory", "run", "time_per_sample"]
 
 #: The models ``hostavg bench --per-sample`` times unless ``--models`` names others.
 MODELS = ("mlp-50k", "conv")
@@ -23,6 +23,9 @@ MODELS = ("mlp-50k", "conv")
 SAMPLES = (256,)
 #: The batch whose ``per_sample`` memory is measured: 1,000 samples of the conv model.
 MEMORY_CONFIG = bench.Config("conv", 1000, 1)
+#: The chunk size whose bound the memory probe shows beside the whole batch as one chunk
+#: (the default chunk of the conv model, 64 MiB of gradients, is 819 samples).
+MEMORY_CHUNK_SIZE = 64
 #: The version of the JSON that :func:`run` returns, for readers of older files.
 FORMAT = 1
 #: Bytes of one float32 parameter of a sample's gradient.
@@ -44,7 +47,8 @@ def _batch(config: bench.Config) -> tuple:
 def time_per_sample(config: bench.Config, face: str, repeats: int = 5) -> dict:
     """The median seconds of one ``compute`` and one ``per_sample`` (default chunk size) of
     ``config``'s batch on ``face``, interleaved (:func:`bench.median_s`) after one untimed
-    call of each (tracing, compiling), their ratio and the model's parameters."""
+    call of each (tracing, compiling), their ratio, the model's parameters and the chunk
+    size."""
     impl = bench._make(face, config)
     trainer, arguments = impl.trainer, bench.batch_arguments(impl, *_batch(config))
     calls = {"compute": lambda: trainer.compute(*arguments),
@@ -53,7 +57,8 @@ def time_per_sample(config: bench.Config, face: str, repeats: int = 5) -> dict:
         call()
     seconds = bench.median_s(calls, repeats)
     impl.close()
-    return {"parameters": impl.parameters, "compute_s": seconds["compute"],
+    return {"parameters": impl.parameters, "chunk_size": default_chunk_size(trainer.spec),
+            "compute_s": seconds["compute"],
             "per_sample_s": seconds["per_sample"],
             "ratio": seconds["per_sample"] / seconds["compute"]}
 
@@ -69,20 +74,20 @@ def run(configs, backend: str, repeats: int = 5, memory_config: bench.Config | N
     and ``per_sample_s`` in seconds, ``ratio`` = per_sample_s / compute_s), and
     ``memory``: :func:`memory`'s rows, where measured.
     """
-    out(f"{'configuration':<26}{'face':<15}{'params':>9}{'compute':>11}{'per_sample':>12}"
-        f"{'ratio':>8}")
+    out(f"{'configuration':<26}{'face':<15}{'params':>9}{'chunk':>7}{'compute':>11}"
+        f"{'per_sample':>12}{'ratio':>8}")
     timing = []
     for config in configs:
         for face in bench.faces(backend):
             r = {"model": config.model, "samples": config.micro_batch_size, "face": face,
-                 "chunk_size": DEFAULT_CHUNK_SIZE, **time_per_sample(config, face, repeats)}
+                 **time_per_sample(config, face, repeats)}
             timing.append(r)
-            out(f"{_label(config):<26}{face:<15}{r['parameters']:>9,}"
+            out(f"{_label(config):<26}{face:<15}{r['parameters']:>9,}{r['chunk_size']:>7,}"
                 f"{r['compute_s'] * 1e3:>9.2f}ms{r['per_sample_s'] * 1e3:>10.1f}ms"
                 f"{r['ratio']:>7.1f}x")
     out(f"(compute: one call on the whole batch; per_sample: one call on the same batch, "
-        f"chunk_size={DEFAULT_CHUNK_SIZE}; medians of {repeats}, interleaved, after one "
-        f"untimed call of each; ratio: per_sample / compute)")
+        f"chunk_size its default (64 MiB of gradients); medians of {repeats}, interleaved, "
+        f"after one untimed call of each; ratio: per_sample / compute)")
     results = {"format": FORMAT, "machine": bench._machine(), "keras_backend": backend,
                "repeats": repeats, "timing": timing}
     if memory_config is not None:
@@ -93,15 +98,15 @@ def run(configs, backend: str, repeats: int = 5, memory_config: bench.Config | N
 def memory(config: bench.Config = MEMORY_CONFIG, faces=("hostavg",),
            chunk_sizes: tuple | None = None, out=print, progress=None) -> list:
     """The peak extra resident memory of one ``per_sample`` of ``config``'s batch per face of
-    ``faces`` and chunk size of ``chunk_sizes`` (default: the default chunk size and the whole
-    batch), each in a fresh process (:func:`measure_memory`); prints them and returns the rows:
+    ``faces`` and chunk size of ``chunk_sizes`` (default: :data:`MEMORY_CHUNK_SIZE` and the
+    whole batch), each in a fresh process (:func:`measure_memory`); prints them and returns the rows:
     ``model``, ``samples``, ``face``, ``chunk_size``, ``parameters``, ``gradients_bytes`` (one
     chunk's float32 per-sample gradients) and ``peak_bytes``. ``progress``: a stream for a
     line per probe as it starts (default standard error; False for none).
     """
     say = bench._progress(progress)
     n = config.micro_batch_size
-    chunk_sizes = chunk_sizes or sorted({min(DEFAULT_CHUNK_SIZE, n), n})
+    chunk_sizes = chunk_sizes or sorted({min(MEMORY_CHUNK_SIZE, n), n})
     mib = 2 ** 20
     out(f"\npeak extra resident memory of one per_sample of {_label(config)}, each in a fresh "
         f"process:")
@@ -145,10 +150,11 @@ def _memory_probe(config: bench.Config, face: str, chunk_size: int) -> list[int]
 
 def _warmup_size(samples: int, chunk_size: int) -> int:
     """The samples of the warm-up before a measured ``per_sample`` of ``samples`` samples: one
-    chunk and the last, shorter one, so that both chunk shapes are traced; where the batch is
+    chunk and the last, shorter one (or a second whole one), so that both chunk shapes and
+    the functions of a batch of several chunks are traced; where the batch is
     one chunk, :data:`WARMUP_SAMPLES` alone (its one shape is then traced in the measured
     call), since a warm-up as large as the batch would leave the measured call the memory
     that it freed (glibc keeps the freed blocks smaller than its mmap threshold)."""
     if chunk_size >= samples:
         return min(WARMUP_SAMPLES, samples)
-    return chunk_size + samples % chunk_size
+    return chunk_size + (samples % chunk_size or chunk_size)

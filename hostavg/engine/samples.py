@@ -1,21 +1,20 @@
 """Each sample of a batch computed alone, chunk by chunk (:meth:`Engine.per_sample`).
 
-A compute of the whole batch gives its mean gradient M_b. Then one pass over chunks of at
-most ``chunk_size`` samples computes each sample's loss, squared gradient norm |g_i|^2 and
-g_i . M_b, and adds the gradients of the K finite samples (loss and gradient) to a float64
-sum, whose mean M is their mean gradient. The cosine with M, g_i . M / (|g_i| |M|), and
-with the others' mean, (K M - g_i) / (K - 1), follow from those numbers
-(:func:`~hostavg.core.stats.cosines_from_dots`), so no sample's gradient outlives its
-chunk. g_i . M_b stands for g_i . M where the host's bound on what M - M_b moves a cosine
-(:func:`_guess_error`) is within :data:`TOLERANCE`; else (a loss that is no mean over its
-samples, dropout, a non-finite sample, gradients that mostly cancel) a second pass computes
-g_i . M. A :class:`~hostavg.engine.protocols.Vectorized` backend computes a chunk in one
-call per pass; elsewhere (or where vectorizing fails: a warning says why) each sample
-alone, in each pass, after no batch compute. Every pass starts from the same state, so a
-chunk meets the same random draws in each. A vectorized chunk rounds in the variables'
-dtype; where a cosine to the rest would magnify that past 1e-6 (one sample's gradient
-dominating the others'), the batch is computed again, each sample alone, its squared norm
-and dot in float64 (:data:`ROUNDING`).
+One pass over chunks (of ``chunk_size`` samples, or as many as :data:`DEFAULT_CHUNK_BYTES`
+of gradients hold) computes each sample's loss, squared gradient norm |g_i|^2 and g_i . M_b,
+and adds the K finite samples' gradients to a float64 sum whose mean M is their mean
+gradient. M_b is the batch's one chunk's own sum / K (no more calls), or else the mean of a
+compute of each chunk. The cosines with M and with the others' mean, (K M - g_i) / (K - 1),
+follow (:func:`~hostavg.core.stats.cosines_from_dots`): no sample's gradient outlives its
+chunk. Where the host's bound on what M - M_b, rounding and flushed products move a cosine
+(:meth:`_PerSample._guess_holds`) passes :data:`TOLERANCE` (a loss that is no mean over its
+samples, dropout, a non-finite sample, gradients that cancel), a second pass forms g_i . M.
+A :class:`~hostavg.engine.protocols.Vectorized` backend computes a chunk in one call per
+pass; elsewhere (or where vectorizing fails: a warning says why), and for a sample whose
+squared norm is too small to trust (:attr:`_PerSample.floor`), each sample alone, its norm
+and dot in float64. Every pass starts from the same state: a chunk meets the same random
+draws in each. Where a cosine to the rest would magnify the vectorized rounding past 1e-6
+(one sample dominating), the batch is computed again, each sample alone (:data:`ROUNDING`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from hostavg.core.stats import cosines_from_dots
 from hostavg.engine.batches import prepare_one
 from hostavg.engine.protocols import NotVectorized, SampleStats
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "per_sample"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "default_chunk_size", "per_sample"]
 
 #: A backend's vectorized sums, squared norms and dots round (in the variables' dtype): a
 #: cosine to the rest is off by about ROUNDING epsilons of that dtype times
@@ -43,9 +42,10 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "per_sample"]
 #: is computed again from each sample alone, its squared norm and dot in float64 on the host.
 ROUNDING, TOLERANCE = 1 / 6, 1e-6
 
-#: Samples per chunk unless told: per-sample gradients of at most this many samples exist at
-#: a time (in the framework's memory, within one call).
-DEFAULT_CHUNK_SIZE = 64
+#: Bytes of per-sample gradients one chunk may hold unless ``chunk_size`` says how many
+#: samples: as many samples as fit (at least one), each one's gradient counted whole in its
+#: variables' dtypes (what a call forms at most: a tapped layer's is never formed).
+DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 
 
 class _Part(NamedTuple):
@@ -66,6 +66,14 @@ class _Part(NamedTuple):
     dotted: bool = False
 
 
+def default_chunk_size(spec) -> int:
+    """Samples per chunk unless told: as many as :data:`DEFAULT_CHUNK_BYTES` holds of
+    gradients of ``spec`` (name -> shape and dtype), at least one. 64 MiB: 330 samples of a
+    50,000-parameter float32 model, 8 of a 2-million-parameter one."""
+    size = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in spec.values())
+    return max(1, DEFAULT_CHUNK_BYTES // max(size, 1))
+
+
 def per_sample(engine, backend, data, chunks: list, rows) -> SampleStats:
     """The samples of the batch ``data``, cut into ``chunks`` (consecutive pieces, of data
     ``rows``: a read-only int64 array, or None), computed alone; see the module docstring.
@@ -80,11 +88,16 @@ class _PerSample:
         self.engine, self.backend, self.data = engine, backend, data
         self.chunks, self.rows = chunks, rows
         self.along = None  # _along of the batch compute's mean M_b, while a pass dots with it
+        self.own = False  # whether M_b is the one chunk's own sum / K
         # a backend without sample_sums computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
         # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
         self.rounding = ROUNDING * max(float(ml_dtypes.finfo(s.dtype).eps)
                                        for s in engine.spec.values())
+        # what a sum of products or squares over a sample's gradient may lose, at most, where
+        # they fall below the dtype's smallest normal (flushed to 0 by XLA on a CPU)
+        self.floor = sum(math.prod(s.shape) for s in engine.spec.values()) * max(
+            float(ml_dtypes.finfo(s.dtype).smallest_normal) for s in engine.spec.values())
         self._columns()
 
     def _columns(self) -> None:
@@ -118,7 +131,9 @@ class _PerSample:
         """Every pass over every chunk, from ``snapshot``'s state: (the finite samples,
         |mean|^2, whether any chunk computed together: its values rounded in the variables'
         dtype, also where vectorizing stopped after it)."""
-        self.along = self._guess(snapshot)
+        # one chunk: its call dots with its own sum; else with the batch compute's mean
+        self.own, self.along = False, self._guess(snapshot) if len(self.chunks) > 1 else (
+            "sum" if self.vectorizing and len(self.losses) > 1 else None)
         parts, start = [], 0
         for chunk in self.chunks:
             parts += self._first(chunk, start)
@@ -140,20 +155,23 @@ class _PerSample:
         return finite, gbar_sq, rounded
 
     def _guess(self, snapshot) -> tuple | None:
-        """:func:`_along` of M_b, the mean gradient of one compute of the whole batch, for the
-        first pass to dot with; None where the backend does not vectorize, the batch is one
-        sample, that compute fails (the chunks then say which sample) or M_b is not finite.
-        Leaves ``snapshot``'s state."""
-        if not self.vectorizing or len(self.losses) < 2:
+        """:func:`_along` of M_b, the mean gradient of a compute of each chunk (no more at a
+        time than a chunk's call holds), for the first pass to dot with; None where the
+        backend does not vectorize, a compute fails (the chunks then say which sample) or M_b
+        is not finite. Leaves ``snapshot``'s state."""
+        if not self.vectorizing:
             return None
+        total = Accumulator(self.engine.spec, accumulate="sum", accum_dtype=np.float64)
         try:
-            feed, n = prepare_one(self.backend, self.data, None, "per_sample")
-            grads = self.engine._compute(self.backend, feed, n, "per_sample")[0]
+            for chunk in self.chunks:
+                feed, n = prepare_one(self.backend, chunk, None, "per_sample")
+                total.add_checked(self.engine._compute(self.backend, feed, n, "per_sample")[0],
+                                  float(n), None, 0.0)
         except HostavgError:
             return None
         finally:
             self.backend.restore(snapshot)
-        top, direction = _along(grads)
+        top, direction = _along(total.mean())
         return (top, direction) if all(np.isfinite(v).all() for v in direction.values()) \
             else None
 
@@ -165,12 +183,19 @@ class _PerSample:
         dotted = [i for part in parts if part.dotted for i in part.samples]
         if not dotted or k < 2:
             return True  # nothing guessed, or one sample: its cosine is 1 whatever its dot
-        top, direction = self.along
-        off = math.sqrt(math.fsum(float(np.sum(np.square(_dense(m) - top * direction[n])))
-                                  for n, m in mean.items()))
         dots, sq = self.dots[dotted], self.sq[dotted]
-        return (_guess_error(dots, sq, gbar_sq, k, off)
-                + self.rounding * _amplification(dots, sq, gbar_sq, k)) <= TOLERANCE
+        if not np.isfinite(dots).all():  # overflowed where the dot with M / |M|_max would not
+            return False
+        top, direction = self.along
+        off = 0.0 if self.own else math.sqrt(math.fsum(  # own: M is M_b, to float64's rounding
+            _squares64(_dense(m) - top * direction[n]) for n, m in mean.items()))
+        # products g_ij D_j below the dtype's normals lose at most floor: relatively, at most
+        # floor / (|g_i| |D|), D the direction dotted
+        size = math.sqrt(math.fsum(map(_squares64, direction.values())))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            under = np.where(sq > 0, self.floor / (np.sqrt(sq) * size), 0.0)
+        return (_guess_error(dots, sq, gbar_sq, k, off) + (self.rounding + float(np.max(under)))
+                * _amplification(dots, sq, gbar_sq, k)) <= TOLERANCE
 
     def _stop(self, why: str) -> None:
         """Computes each sample alone from now on, and warns once why."""
@@ -187,11 +212,13 @@ class _PerSample:
         parts = []
         if together is not None:
             feed, places = together
-            part = self._together(chunk, start, feed, places)
+            part, low = self._together(chunk, start, feed, places)
             if part is None:
                 alone = sorted(alone + places)
-            elif part.samples:
-                parts.append(part)
+            else:
+                alone = sorted(alone + low)
+                if part.samples:
+                    parts.append(part)
         if alone:
             parts.append(self._alone(chunk, start, alone, keep=len(self.chunks) == 1))
         return parts
@@ -213,38 +240,48 @@ class _PerSample:
             together, alone = self._prepared(chunk, start, rest)
             return together, sorted(alone + list(refused))
 
-    def _together(self, chunk, start: int, feed, places: list) -> _Part | None:
+    def _together(self, chunk, start: int, feed, places: list) -> tuple:
         """The samples at ``places`` of ``chunk`` computed in one call (``feed``, prepared):
-        the :class:`_Part` of the finite ones; None where the call failed (then each computes
-        alone: a sample's compute error is its row's)."""
+        (the :class:`_Part` of the finite ones, the places of those to compute alone: a
+        squared norm so small that what its squares lost flushing below the dtype's normals
+        could show, at most :attr:`floor`); (None, []) where the call failed (then each
+        computes alone: a sample's compute error is its row's)."""
         out = self._sums(feed)
         if out is None:
-            return None
+            return None, []
         samples = [start + p for p in places]
         self.losses[samples], self.sq[samples] = out.losses, out.sq_norms
-        dotted = out.dots is not None
-        if dotted:
-            self.dots[samples] = self.along[0] * np.asarray(out.dots, np.float64)
         finite = np.isfinite(out.losses) & np.isfinite(out.sq_norms)
-        places = [p for p, ok in zip(places, finite) if ok]
-        if places and not finite.all():  # the sum again, of the finite ones alone
+        low = finite & ~(np.asarray(out.sq_norms) * self.rounding >= self.floor)
+        low, places = ([p for p, keep in zip(places, mask) if keep]
+                       for mask in (low, finite & ~low))
+        if places and len(places) < len(samples):  # the sum again, of the rest alone
             feed = prepare_one(self.backend, take(chunk, np.asarray(places)), None,
                                "per_sample", start)[0]
             out = self._sums(feed)
             if out is None:
-                return None
-        if places:
-            self.acc.add_checked({n: s / len(places) for n, s in out.sums.items()},
-                                 float(len(places)), None, 0.0)
-        return _Part(feed, [start + p for p in places], (chunk, places), None, dotted)
+                return None, []
+        if not places:
+            return _Part(feed, [], (chunk, []), None), low
+        sums = {n: np.asarray(s, np.float64) for n, s in out.sums.items()}
+        self.acc.add_checked({n: s / len(places) for n, s in sums.items()},
+                             float(len(places)), None, 0.0)
+        if self.along == "sum":  # dotted with their sum: M_b = that sum / K, which M is
+            self.along, self.own = (1 / len(places), sums), True
+        dotted = out.dots is not None
+        if dotted:
+            self.dots[[start + p for p in places]] = self.along[0] * np.asarray(out.dots,
+                                                                                 np.float64)
+        return _Part(feed, [start + p for p in places], (chunk, places), None, dotted), low
 
     def _sums(self, feed):
         """``backend.sample_sums(feed)``, along M_b where the pass dots with it (see
-        :meth:`_guess`), or None where it failed (see :meth:`_together`)."""
+        :meth:`_guess`; "sum": the samples' own), or None where it failed (see
+        :meth:`_together`)."""
         try:
-            if self.along is not None:
-                return self.backend.sample_sums(feed, self.along[1])
-            return self.backend.sample_sums(feed)
+            if self.along is None:
+                return self.backend.sample_sums(feed)
+            return self.backend.sample_sums(feed, "sum" if self.along == "sum" else self.along[1])
         except NotVectorized as e:
             self._stop(str(e))
         except HostavgError:

@@ -284,12 +284,14 @@ class Engine:
 
     @in_one_blas_thread
     def per_sample(self, backend: Backend, data, rows=None,
-                   chunk_size: int = samples.DEFAULT_CHUNK_SIZE) -> SampleStats:
+                   chunk_size: int | None = None) -> SampleStats:
         """Each sample of the batch ``data`` (of data ``rows``, or None) computed alone: its
         loss, gradient norm and cosines with the mean gradient and with the others' mean, or
         the error its compute raised. Changes nothing.
 
-        Computed ``chunk_size`` samples at a time, per chunk one call where the backend is
+        Computed ``chunk_size`` samples at a time (None: as many as
+        :data:`~hostavg.engine.samples.DEFAULT_CHUNK_BYTES` of their gradients hold), per
+        chunk one call where the backend is
         :class:`~hostavg.engine.protocols.Vectorized` (after one compute of the whole batch;
         two where its mean gradient is too far from the samples' to stand for it), else one
         per sample and pass (:mod:`hostavg.engine.samples`): host memory for the mean
@@ -299,7 +301,9 @@ class Engine:
         not finite, or whose compute failed, are left out of it. No apply runs, and the
         rollback variables (moving statistics) are restored afterwards.
         """
-        chunks = split(data, positive_int("chunk_size", chunk_size))
+        chunk_size = samples.default_chunk_size(self.spec) if chunk_size is None \
+            else positive_int("chunk_size", chunk_size)
+        chunks = split(data, chunk_size)
         n = sum(sample_count(c, "per_sample") for c in chunks)
         rows = None if rows is None else _distinct(row_indices(rows, n, "per_sample"))
         return samples.per_sample(self, backend, data, chunks, rows)

@@ -225,8 +225,9 @@ class KerasJaxBackend(CompiledModel):
         if along is None:
             (losses, sq, tops, sums), dots = self._per_sample_call(feed, "sums"), None
         else:
-            losses, sq, tops, sums, dots = self._per_sample_call(
-                feed, "both", [np.asarray(along[name], s.dtype) for name, s in self.spec.items()])
+            losses, sq, tops, sums, dots = self._per_sample_call(feed, "own") if along == "sum" \
+                else self._per_sample_call(feed, "both", [np.asarray(along[name], s.dtype)
+                                                          for name, s in self.spec.items()])
             dots = np.asarray(dots, np.float64)
         return SampleSums(np.asarray(losses, np.float64),
                           np.asarray(sq, np.float64) * np.square(np.asarray(tops, np.float64)),
@@ -353,7 +354,8 @@ class KerasJaxBackend(CompiledModel):
                 # where the samples' gradients mostly cancel (20 times the sum's)
                 values, sq, tops, g = jax.vmap(lambda leaves: sample(leaves, False))(flat)
                 total = [jnp.sum(x, 0) for x in g]
-                dots = None if mean is None else _formed_dots(g, mean)
+                dots = None if mean is None else _formed_dots(
+                    g, total if isinstance(mean, str) else mean)
             sq, tops = jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: (sq, tops),
                                     lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:3])
             return (values, sq, tops, total) if mean is None else (values, sq, tops, total, dots)
@@ -362,6 +364,8 @@ class KerasJaxBackend(CompiledModel):
             return jax.jvp(lambda kv: each(kv, trainable, untrained, metric_values, slots,
                                            flat)[1], ([trainable[i] for i in kept],), (mean,))[1]
 
+        if kind == "own":
+            return jax.jit(lambda *arguments: sums(*arguments, mean="sum"))
         return jax.jit(dots if kind == "dots" else sums)
 
     # --- Evaluation and building -------------------------------------------------------------
@@ -701,7 +705,7 @@ class _Stateless(NamedTuple):
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
                  arguments: tuple, flat, mean: list | None = None) -> tuple:
     """(losses, squared norms, ones, the sum of the samples' gradients, their dots with
-    ``mean`` or None) of every sample of ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
+    ``mean``, or with that sum where it is "sum", or None) of every sample of ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
     (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
     and biases of ``taps``' layers (indices into ``trained``, whose values are
     ``kept_values``) are not differentiated: their squared norms and sums come from each
@@ -727,7 +731,7 @@ def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: lis
     tapped, total, dots = taps.sums([jnp.sum(x, 0) for x in g], inputs, deltas, _WIDE, mean)
     sq = sq + tapped
     if mean is not None:
-        formed = _formed_dots(g, [mean[p] for p in rest])
+        formed = _formed_dots(g, [(total if isinstance(mean, str) else mean)[p] for p in rest])
         dots = formed if dots is None else dots if formed is None else formed + dots
     return values, sq, jnp.ones_like(sq), total, dots
 

@@ -89,14 +89,17 @@ class LayerTaps:
              ) -> tuple:
         """(each sample's squared gradient norm at these layers' kernels and biases, (n,) in
         ``wide``; each trained variable's gradient summed over the chunk, in order; with
-        ``means`` (one array per trained variable, in its dtype), each sample's gradient at
-        these layers dotted with them, (n,) in the layers' dtype, else None): ``others`` for
-        :meth:`untapped`'s (summed already), these layers' from ``inputs`` and ``deltas`` per
-        layer, each of n samples (a sample's a and delta, stacked)."""
+        ``means`` (one array per trained variable, in its dtype, or "sum": those sums), each
+        sample's gradient at these layers dotted with them, (n,) in the layers' dtype, else
+        None): ``others`` for :meth:`untapped`'s (summed already), these layers' from
+        ``inputs`` and ``deltas`` per layer, each of n samples (a sample's a and delta,
+        stacked)."""
         squares, dots = [], []
         total = [None] * (len(others) + len(self.indices()))
         for p, summed in zip(self.untapped(len(total)), others):
             total[p] = summed
+        if isinstance(means, str):
+            means = total  # filled below before each is read
         for layer, a, d, kernel, bias in zip(self.layers, inputs, deltas, self.kernels,
                                              self.biases):
             if isinstance(layer, keras.layers.Dense):  # the bias's gradient: delta itself

@@ -163,7 +163,8 @@ class KerasBackend(CompiledModel):
             losses, sq, *sums = self._per_sample_call(feed, "sums", [])
             dots = None
         else:
-            losses, sq, *sums, dots = self._per_sample_call(feed, "both", _means(along, self.spec))
+            losses, sq, *sums, dots = self._per_sample_call(
+                feed, *(("own", []) if along == "sum" else ("both", _means(along, self.spec))))
             dots = np.asarray(dots, np.float64)
         return SampleSums(np.asarray(losses, np.float64), np.asarray(sq),
                           {name: np.asarray(s) for name, s in zip(self.spec, sums)}, dots)
@@ -198,7 +199,8 @@ class KerasBackend(CompiledModel):
             read = []  # the taps' layers whose weights the loss reads elsewhere, while tracing
             try:
                 function = self._trace(self._sample_function(signature, kind, taps, read),
-                                       [*leaves, *(means if kind != "sums" else [])], "per_sample")
+                                       [*leaves, *(means if kind in ("dots", "both") else [])],
+                                       "per_sample")
             except HostavgError as e:
                 if taps:  # the taps' doing (a Dense in a loop's body, say): untapped
                     taps = taps.without(taps.layers)
@@ -213,7 +215,8 @@ class KerasBackend(CompiledModel):
                          read: list | None = None):
         """``(*leaves) -> [losses, squared norms, *sums]`` ("sums"), ``(*leaves, *mean) ->
         [g_i . mean]`` ("dots") or ``(*leaves, *mean) -> [losses, squared norms, *sums, g_i .
-        mean]`` ("both", each dot from the gradient the sums form): every sample computed alone (a batch of one) under
+        mean]`` ("both", each dot from the gradient the sums form; "own": with their sum, not
+        fed): every sample computed alone (a batch of one) under
         ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing).
 
         A squared norm is summed in the gradient's dtype, and again in float64 where that
@@ -247,7 +250,7 @@ class KerasBackend(CompiledModel):
 
         def sums(*flat):
             means = [tf.cast(m, v.dtype) for m, v in zip(flat[len(flat) - k:], trained)] \
-                if kind == "both" else None
+                if kind == "both" else "sum" if kind == "own" else None
             flat = list(flat[:len(flat) - k] if kind == "both" else flat)
             if taps:
                 losses, grads, inputs, deltas = tf.vectorized_map(
@@ -266,7 +269,8 @@ class KerasBackend(CompiledModel):
                                  for g, v in zip(total, trained))]
             if means is None:
                 return out
-            formed = [means[p] for p in (taps.untapped(k) if taps else range(k))]
+            formed = [total[p] if means == "sum" else means[p]
+                      for p in (taps.untapped(k) if taps else range(k))]
             parts = [tf.cast(d, tf.float64) for d in (dots,) if d is not None]
             parts += [tf.cast(per_sample_dots(g, tf.reshape(m, [-1])), tf.float64)
                       for g, m in zip(grads, formed)]

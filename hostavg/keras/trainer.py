@@ -21,7 +21,6 @@ from hostavg.core.gradients import Gradients
 from hostavg.core.results import StepResult
 from hostavg.core.split import Cut, take
 from hostavg.engine.step import step_together as engine_step_together
-from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.keras import data as keras_data
 from hostavg.keras.callbacks import KerasCallbacks, split_callbacks
 from hostavg.keras.batch import as_batch, structured
@@ -171,7 +170,7 @@ class Trainer(BaseTrainer):
                            micro_batch_size)
 
     def per_sample(self, x, y=None, sample_weight=None, *, rows=None,
-                   chunk_size=DEFAULT_CHUNK_SIZE):
+                   chunk_size=None):
         return self._per_sample(self._backend, self._batch(x, y, sample_weight, "per_sample"),
                                 rows, chunk_size)
 

@@ -87,9 +87,9 @@ def refusal(optimizer, pairs: list) -> str | None:
 def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
     """(fetches, mean placeholders): for ``kind`` "sums" [losses (n,), squared norms (n,)
     float64, each trained variable's gradient summed over the samples], for "dots" [g_i . mean
-    (n,) float64], for "both" the two, fed ``feed``'s keys (then, but for "sums", a float64
-    placeholder per trained variable, its mean). Built in the loss's graph; raises
-    NotVectorized."""
+    (n,) float64], for "both" the two, for "own" the two with the samples' own sum for the mean,
+    fed ``feed``'s keys (then, for "dots" and "both", a float64 placeholder per trained
+    variable, its mean). Built in the loss's graph; raises NotVectorized."""
     graph = loss.graph
     if graph.finalized:
         raise NotVectorized("the graph is finalized, and the vectorized samples are new ops")
@@ -102,7 +102,7 @@ def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
     taps = _candidates(nodes, reads)
     with graph.as_default(), tf.name_scope("hostavg_per_sample"):
         means = tuple(v1.placeholder(tf.float64, v.shape, name="mean") for v in trained) \
-            if kind != "sums" else ()
+            if kind in ("dots", "both") else ()
         shared = {t.name: t for t in feed if id(t) not in rowed}  # fed to the session call
         handles = {op.outputs[0].name: op.outputs[0] for op in nodes.values()
                    if op.type == "VarHandleOp"}  # the graph's own variables
@@ -218,9 +218,9 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
     MatMul, for every trained variable."""
     if kind == "dots":
         return [_dots(formed, tapped, means)]
-    if kind == "both":
-        return [*_reduced("sums", losses, formed, tapped, trained, ()),
-                _dots(formed, tapped, means)]
+    if kind in ("both", "own"):
+        out = _reduced("sums", losses, formed, tapped, trained, ())
+        return [*out, _dots(formed, tapped, means if kind == "both" else out[2:])]
     sq = sample_squares(tf.add_n([tf.zeros_like(losses, tf.float64),
                                   *(_outer_squares(a, d) for a, d in tapped.values())]),
                         list(formed.values()))

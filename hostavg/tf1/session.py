@@ -140,13 +140,14 @@ class SessionBackend:
         sample under ``tf.vectorized_map`` (:mod:`hostavg.tf1.samples`), one session call;
         squared norms in float64, sums in the gradients' dtype; with ``along``, its dots
         with each sample's gradient in that call."""
-        means = () if along is None else _means(along, self.spec)
+        kind = "sums" if along is None else "own" if along == "sum" else "both"
+        means = _means(along, self.spec) if kind == "both" else ()
         with _session_errors("per_sample"):
-            out = self.wiring.samples(self.session, feed, "both" if means else "sums", means)
+            out = self.wiring.samples(self.session, feed, kind, means)
         losses, sq, *sums = out[:2 + len(self.spec)]
         return SampleSums(np.asarray(losses, np.float64), np.asarray(sq, np.float64),
                           dict(zip(self.spec, sums)),
-                          np.asarray(out[-1], np.float64) if means else None)
+                          None if along is None else np.asarray(out[-1], np.float64))
 
     def sample_dots(self, feed: dict, mean) -> np.ndarray:
         """See :class:`~hostavg.engine.protocols.Vectorized`: g_i . ``mean``, in float64, each

@@ -19,7 +19,6 @@ from hostavg.core.results import Drop, MicroBatch, StepResult
 from hostavg.core.split import feed_size, split
 from hostavg.engine import step as engine
 from hostavg.engine.protocols import AVERAGE_MODES
-from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.tf1.average import GraphAverage
 from hostavg.tf1.feeds import resolve_feed
 from hostavg.tf1.saver import refuse_saver_checkpoint
@@ -198,7 +197,7 @@ class Trainer(BaseTrainer):
         feed = resolve_feed(self.graph, feed_dict, "check")
         return self._check(self._bind(sess), feed, micro_batch_size, self._blocks(blocks))
 
-    def per_sample(self, sess, feed_dict: Mapping, *, rows=None, chunk_size=DEFAULT_CHUNK_SIZE):
+    def per_sample(self, sess, feed_dict: Mapping, *, rows=None, chunk_size=None):
         return self._per_sample(self._bind(sess), feed_dict, rows, chunk_size)
 
     def hvp(self, sess, feed_dict: Mapping, *, vectors: Mapping,

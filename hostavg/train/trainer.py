@@ -32,7 +32,6 @@ from hostavg.core.schema import UserStatistics
 from hostavg.core.split import Cut, cut, pieces, sample_count, split, take
 from hostavg.engine.hooks import normalize_hooks
 from hostavg.engine.protocols import Backend, HostAverage
-from hostavg.engine.samples import DEFAULT_CHUNK_SIZE
 from hostavg.engine.step import Engine
 from hostavg.train import checkpoint
 from hostavg.train.history import History
@@ -263,7 +262,7 @@ class BaseTrainer:
         """
         raise NotImplementedError
 
-    def per_sample(self, batch, *, rows=None, chunk_size=DEFAULT_CHUNK_SIZE):
+    def per_sample(self, batch, *, rows=None, chunk_size=None):
         """One row per sample of a batch: its loss, gradient norm, cosines, or why it failed.
 
         Each sample is computed alone (in training mode: batch norm normalises
@@ -271,18 +270,21 @@ class BaseTrainer:
         vectorizes the per-sample gradient (JAX: ``jax.vmap``; TensorFlow:
         ``tf.vectorized_map``, on TF1 of the loss's subgraph imported per sample;
         samples of one call meet the same dropout draws), else one sample per
-        call (a warning says why), in two passes (the mean
-        gradient, then each sample's dot with it), and changes nothing: what the
-        computes assigned is restored. The mean is over the samples whose loss
-        and gradient are finite. Cost and memory: docs/guides/inspecting.md,
-        "Per sample".
+        call (a warning says why), in one pass (each sample's dot with the mean
+        gradient taken from the chunk's own sum, or a compute of each chunk),
+        two where the host cannot bound that mean's error within 1e-6 of a
+        cosine, and changes nothing: what the computes assigned is restored. The
+        mean is over the samples whose loss and gradient are finite. Cost and
+        memory: docs/guides/inspecting.md, "Per sample".
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
           rows: each sample's row in your data set (one distinct integer per
             sample), to index the table by; None: by position in the batch.
           chunk_size: how many samples' gradients exist at a time (within one
-            call), >= 1.
+            call), >= 1; None: as many as 64 MiB of them hold
+            (``hostavg.engine.samples.DEFAULT_CHUNK_BYTES``), 330 samples of a
+            50,000-parameter float32 model.
 
         Returns:
           a pandas DataFrame indexed by ``row`` (with ``rows``) or ``sample``
