@@ -40,7 +40,24 @@ def test_bench_per_sample_prints_a_row_per_face_with_its_ratio_and_writes_json(t
     assert "chunk_size its default (64 MiB of gradients)" in lines[1 + len(faces)]
 
 
+def test_bench_per_sample_times_the_chunk_size_it_is_given(tmp_path, capsys):
+    path = tmp_path / "per_sample.json"
+    assert main(["bench", "--per-sample", "--models", "logreg", "--micro-batch-sizes", "8",
+                 "--repeats", "1", "--no-memory", "--chunk-size", "3", "--json", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert {row["chunk_size"] for row in json.loads(path.read_text())["timing"]} == {3}
+    assert lines[1].split()[5] == "3" and "chunk_size 3;" in lines[-1]
+
+
+def test_bench_chunk_size_is_per_samples_alone(capsys):
+    assert main(["bench", "--models", "logreg", "--chunk-size", "3"]) == 2
+    assert capsys.readouterr().err == ("hostavg bench: error: --chunk-size is per_sample's chunk "
+                                       "size, >= 1, with --per-sample (got 3 without it)\n")
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--chunk-size", "0"], "--chunk-size is per_sample's chunk size, >= 1, with --per-sample "
+                            "(got 0)"),
     (["--k", "2"], "--per-sample times one batch of --micro-batch-sizes samples; it takes no "
                    "--k (got 2)"),
     (["--curvature"], "--curvature and --per-sample are different benches; choose one"),

@@ -44,29 +44,32 @@ def _batch(config: bench.Config) -> tuple:
     return bench._batches(config.model, config, 1)[0][0]
 
 
-def time_per_sample(config: bench.Config, face: str, repeats: int = 5) -> dict:
-    """The median seconds of one ``compute`` and one ``per_sample`` (default chunk size) of
-    ``config``'s batch on ``face``, interleaved (:func:`bench.median_s`) after one untimed
-    call of each (tracing, compiling), their ratio, the model's parameters and the chunk
-    size."""
+def time_per_sample(config: bench.Config, face: str, repeats: int = 5,
+                    chunk_size: int | None = None) -> dict:
+    """The median seconds of one ``compute`` and one ``per_sample`` (of ``chunk_size``, or its
+    default) of ``config``'s batch on ``face``, interleaved (:func:`bench.median_s`) after one
+    untimed call of each (tracing, compiling), their ratio, the model's parameters and the
+    chunk size."""
     impl = bench._make(face, config)
     trainer, arguments = impl.trainer, bench.batch_arguments(impl, *_batch(config))
     calls = {"compute": lambda: trainer.compute(*arguments),
-             "per_sample": lambda: trainer.per_sample(*arguments)}
+             "per_sample": lambda: trainer.per_sample(*arguments, chunk_size=chunk_size)}
     for call in calls.values():
         call()
     seconds = bench.median_s(calls, repeats)
     impl.close()
-    return {"parameters": impl.parameters, "chunk_size": default_chunk_size(trainer.spec),
+    return {"parameters": impl.parameters,
+            "chunk_size": chunk_size or default_chunk_size(trainer.spec),
             "compute_s": seconds["compute"],
             "per_sample_s": seconds["per_sample"],
             "ratio": seconds["per_sample"] / seconds["compute"]}
 
 
 def run(configs, backend: str, repeats: int = 5, memory_config: bench.Config | None = MEMORY_CONFIG,
-        out=print) -> dict:
-    """Times every configuration on every face of ``backend`` and prints a table; then, unless
-    ``memory_config`` is None, measures :func:`memory` on it.
+        out=print, chunk_size: int | None = None) -> dict:
+    """Times every configuration on every face of ``backend`` (per_sample of ``chunk_size``, or
+    its default) and prints a table; then, unless ``memory_config`` is None, measures
+    :func:`memory` on it.
 
     Returns what ``--json`` writes: ``format`` (:data:`FORMAT`), ``machine``,
     ``keras_backend``, ``repeats``, ``timing``: a row per configuration and face
@@ -80,13 +83,14 @@ def run(configs, backend: str, repeats: int = 5, memory_config: bench.Config | N
     for config in configs:
         for face in bench.faces(backend):
             r = {"model": config.model, "samples": config.micro_batch_size, "face": face,
-                 **time_per_sample(config, face, repeats)}
+                 **time_per_sample(config, face, repeats, chunk_size)}
             timing.append(r)
             out(f"{_label(config):<26}{face:<15}{r['parameters']:>9,}{r['chunk_size']:>7,}"
                 f"{r['compute_s'] * 1e3:>9.2f}ms{r['per_sample_s'] * 1e3:>10.1f}ms"
                 f"{r['ratio']:>7.1f}x")
     out(f"(compute: one call on the whole batch; per_sample: one call on the same batch, "
-        f"chunk_size its default (64 MiB of gradients); medians of {repeats}, interleaved, "
+        f"chunk_size {'its default (64 MiB of gradients)' if chunk_size is None else chunk_size}"
+        f"; medians of {repeats}, interleaved, "
         f"after one untimed call of each; ratio: per_sample / compute)")
     results = {"format": FORMAT, "machine": bench._machine(), "keras_backend": backend,
                "repeats": repeats, "timing": timing}

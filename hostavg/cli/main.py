@@ -249,8 +249,11 @@ def _bench_selection_options(group) -> None:
                        help="instead, time one per_sample against one compute of the same batch "
                             "per face (--models, default mlp-50k and conv; --micro-batch-sizes: "
                             "the batch's samples, default 256), then measure the peak memory of "
-                            "one per_sample of 1,000 conv samples at the default chunk size and "
-                            "as one chunk (each in a fresh process; --no-memory skips it)")
+                            "one per_sample of 1,000 conv samples in chunks of 64 and as one "
+                            "chunk (each in a fresh process; --no-memory skips it)")
+    group.add_argument("--chunk-size", type=int, default=None, metavar="N",
+                       help="with --per-sample: the timed per_sample's chunk_size (default its "
+                            "own: as many samples as 64 MiB of their gradients hold)")
     group.add_argument("--programs", type=_names, nargs="?", const=(), default=None,
                        metavar="NAMES",
                        help="instead, time hostavg.keras.Trainer.fit against model.fit with "
@@ -293,6 +296,9 @@ def _bench(args) -> int:
             raise ArgumentError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
     if args.repeats < 1:
         raise ArgumentError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.chunk_size is not None and (not args.per_sample or args.chunk_size < 1):
+        raise ArgumentError(f"--chunk-size is per_sample's chunk size, >= 1, with --per-sample "
+                            f"(got {args.chunk_size}{'' if args.per_sample else ' without it'})")
     backend = bench.keras_backend()
     if args.per_sample:
         return _bench_per_sample(args, backend)
@@ -350,7 +356,7 @@ def _bench_per_sample(args, backend: str) -> int:
                for samples in args.micro_batch_sizes or bench_per_sample.SAMPLES]
     memory = None if args.no_memory else bench_per_sample.MEMORY_CONFIG
     results = bench_per_sample.run(configs, backend, repeats=min(args.repeats, 5),
-                                   memory_config=memory)
+                                   memory_config=memory, chunk_size=args.chunk_size)
     return _write_json(args, results) if args.json else 0
 
 

@@ -161,7 +161,8 @@ class SampleSums(NamedTuple):
       sq_norms: (n,) float64, |g_i|^2 of each sample's gradient g_i (NaN or Inf where
         non-finite).
       sums: name -> sum_i g_i over the n samples, dense, of each trained variable's shape.
-      dots: (n,) float64, g_i . ``along`` where the call was given a direction, else None.
+      dots: (n,) float64, g_i . S with S the sum of the n gradients (``sums``), where the
+        call was asked for them, else None.
     """
 
     losses: Any
@@ -183,10 +184,10 @@ class Vectorized(Protocol):
     (what the forward pass would assign is not assigned), nothing per sample kept after
     the call. Samples then meet the same random draws (dropout) within a call."""
 
-    def sample_sums(self, feed, along: Mapping | None = None) -> SampleSums:
-        """Each sample's loss and squared gradient norm, and the sum of their gradients; with
-        ``along`` (name -> float64 array of each trained variable's shape), also g_i . along
-        (:attr:`SampleSums.dots`, in the variables' dtype), from the gradient the call forms."""
+    def sample_sums(self, feed, dotted: bool = False) -> SampleSums:
+        """Each sample's loss and squared gradient norm, and the sum S of their gradients; with
+        ``dotted``, also each g_i . S (:attr:`SampleSums.dots`, in the variables' dtype), from
+        the gradients the call forms."""
 
     def sample_dots(self, feed, mean: Mapping) -> Any:
         """(n,) float64: g_i . ``mean`` for each sample (``mean``: name -> float64 array of

@@ -1,18 +1,17 @@
 """Each sample of a batch computed alone, chunk by chunk (:meth:`Engine.per_sample`).
 
-One pass over chunks (of ``chunk_size`` samples, or as many as :data:`DEFAULT_CHUNK_BYTES`
-of gradients hold) computes each sample's loss, squared gradient norm |g_i|^2 and g_i . M_b,
-and adds the K finite samples' gradients to a float64 sum whose mean M is their mean
-gradient. M_b is the batch's one chunk's own sum / K (no more calls), or else the mean of a
-compute of each chunk. The cosines with M and with the others' mean, (K M - g_i) / (K - 1),
-follow (:func:`~hostavg.core.stats.cosines_from_dots`): no sample's gradient outlives its
-chunk. Where the host's bound on what M - M_b, rounding and flushed products move a cosine
-(:meth:`_PerSample._guess_holds`) passes :data:`TOLERANCE` (a loss that is no mean over its
-samples, dropout, a non-finite sample, gradients that cancel), a second pass forms g_i . M.
+The first pass over chunks (of ``chunk_size`` samples, or as many as :data:`DEFAULT_CHUNK_BYTES`
+of gradients hold) computes each sample's loss and squared gradient norm |g_i|^2 and adds the
+K finite samples' gradients to a float64 sum, whose mean M is their mean gradient; the
+second computes g_i . M. The cosines with M and with the others' mean, (K M - g_i) / (K -
+1), follow (:func:`~hostavg.core.stats.cosines_from_dots`): no sample's gradient outlives
+its chunk. A batch of one chunk needs no second pass: its call also dots each gradient with
+their sum S = K M, where the host's bound on what rounding and products flushed below the
+dtype's normals move a cosine (:meth:`_PerSample._own_holds`) is within :data:`TOLERANCE`.
 A :class:`~hostavg.engine.protocols.Vectorized` backend computes a chunk in one call per
 pass; elsewhere (or where vectorizing fails: a warning says why), and for a sample whose
 squared norm is too small to trust (:attr:`_PerSample.floor`), each sample alone, its norm
-and dot in float64. Every pass starts from the same state: a chunk meets the same random
+and dot in float64. Both passes start from the same state: a chunk meets the same random
 draws in each. Where a cosine to the rest would magnify the vectorized rounding past 1e-6
 (one sample dominating), the batch is computed again, each sample alone (:data:`ROUNDING`).
 """
@@ -56,7 +55,7 @@ class _Part(NamedTuple):
       samples: their places in the batch, in the feed's order.
       given: their chunk as given and each one's place in it (for computing alone).
       grads: their gradients where kept (a batch of one chunk, computed alone), else None.
-      dotted: whether their g_i . M_b came with the first pass.
+      dotted: whether their g_i . M came with the first pass (with their sum).
     """
 
     feed: Any
@@ -74,21 +73,19 @@ def default_chunk_size(spec) -> int:
     return max(1, DEFAULT_CHUNK_BYTES // max(size, 1))
 
 
-def per_sample(engine, backend, data, chunks: list, rows) -> SampleStats:
-    """The samples of the batch ``data``, cut into ``chunks`` (consecutive pieces, of data
-    ``rows``: a read-only int64 array, or None), computed alone; see the module docstring.
-    Changes nothing."""
-    return _PerSample(engine, backend, data, chunks, rows).stats()
+def per_sample(engine, backend, chunks: list, rows) -> SampleStats:
+    """The samples of ``chunks`` (consecutive pieces of a batch, of data ``rows``: a read-only
+    int64 array, or None) computed alone; see the module docstring. Changes nothing."""
+    return _PerSample(engine, backend, chunks, rows).stats()
 
 
 class _PerSample:
     """One call of :func:`per_sample`: its columns, filled chunk by chunk."""
 
-    def __init__(self, engine, backend, data, chunks: list, rows):
-        self.engine, self.backend, self.data = engine, backend, data
-        self.chunks, self.rows = chunks, rows
-        self.along = None  # _along of the batch compute's mean M_b, while a pass dots with it
-        self.own = False  # whether M_b is the one chunk's own sum / K
+    def __init__(self, engine, backend, chunks: list, rows):
+        self.engine, self.backend, self.chunks, self.rows = engine, backend, chunks, rows
+        self.own = False  # whether the first pass dots with its one chunk's own sum
+        self.summed = None  # that sum, where it did
         # a backend without sample_sums computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
         # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
@@ -131,9 +128,8 @@ class _PerSample:
         """Every pass over every chunk, from ``snapshot``'s state: (the finite samples,
         |mean|^2, whether any chunk computed together: its values rounded in the variables'
         dtype, also where vectorizing stopped after it)."""
-        # one chunk: its call dots with its own sum; else with the batch compute's mean
-        self.own, self.along = False, self._guess(snapshot) if len(self.chunks) > 1 else (
-            "sum" if self.vectorizing and len(self.losses) > 1 else None)
+        # a batch of one chunk: its call dots with its own sum (else the second pass, with M)
+        self.own = self.vectorizing and len(self.chunks) == 1 and len(self.losses) > 1
         parts, start = [], 0
         for chunk in self.chunks:
             parts += self._first(chunk, start)
@@ -144,7 +140,7 @@ class _PerSample:
             return finite, math.nan, rounded
         mean = self.acc.mean()
         gbar_sq = math.fsum(squared_norm(v) for v in mean.values())
-        if not self._guess_holds(parts, mean, gbar_sq, len(finite)):
+        if not self._own_holds(parts, gbar_sq, len(finite)):
             parts = [part._replace(dotted=False) for part in parts]
         later = [part for part in parts if not part.dotted]
         if later:
@@ -154,48 +150,23 @@ class _PerSample:
                 self._second(part, mean, along)
         return finite, gbar_sq, rounded
 
-    def _guess(self, snapshot) -> tuple | None:
-        """:func:`_along` of M_b, the mean gradient of a compute of each chunk (no more at a
-        time than a chunk's call holds), for the first pass to dot with; None where the
-        backend does not vectorize, a compute fails (the chunks then say which sample) or M_b
-        is not finite. Leaves ``snapshot``'s state."""
-        if not self.vectorizing:
-            return None
-        total = Accumulator(self.engine.spec, accumulate="sum", accum_dtype=np.float64)
-        try:
-            for chunk in self.chunks:
-                feed, n = prepare_one(self.backend, chunk, None, "per_sample")
-                total.add_checked(self.engine._compute(self.backend, feed, n, "per_sample")[0],
-                                  float(n), None, 0.0)
-        except HostavgError:
-            return None
-        finally:
-            self.backend.restore(snapshot)
-        top, direction = _along(total.mean())
-        return (top, direction) if all(np.isfinite(v).all() for v in direction.values()) \
-            else None
-
-    def _guess_holds(self, parts: list, mean, gbar_sq: float, k: int) -> bool:
-        """Whether the first pass's g_i . M_b may stand for g_i . ``mean`` (M, of ``k`` finite
-        samples, |M|^2 ``gbar_sq``) in every cosine of its dotted ``parts``: the bound on what
-        |g_i . (M - M_b)| <= |g_i| |M - M_b| moves one (:func:`_guess_error`), plus the
-        vectorized values' rounding (:func:`_amplification`), within :data:`TOLERANCE`."""
+    def _own_holds(self, parts: list, gbar_sq: float, k: int) -> bool:
+        """Whether the dots the first pass took with its one chunk's own sum S (of the ``k``
+        finite samples, M = S / k, |M|^2 ``gbar_sq``) may stand in every cosine: finite, and
+        their rounding (:func:`_amplification`) with what products g_ij S_j below the dtype's
+        normals lose (at most :attr:`floor`, relatively floor / (|g_i| |S|)) within
+        :data:`TOLERANCE`."""
         dotted = [i for part in parts if part.dotted for i in part.samples]
         if not dotted or k < 2:
-            return True  # nothing guessed, or one sample: its cosine is 1 whatever its dot
+            return True  # nothing dotted, or one sample: its cosine is 1 whatever its dot
         dots, sq = self.dots[dotted], self.sq[dotted]
         if not np.isfinite(dots).all():  # overflowed where the dot with M / |M|_max would not
             return False
-        top, direction = self.along
-        off = 0.0 if self.own else math.sqrt(math.fsum(  # own: M is M_b, to float64's rounding
-            _squares64(_dense(m) - top * direction[n]) for n, m in mean.items()))
-        # products g_ij D_j below the dtype's normals lose at most floor: relatively, at most
-        # floor / (|g_i| |D|), D the direction dotted
-        size = math.sqrt(math.fsum(map(_squares64, direction.values())))
+        size = math.sqrt(math.fsum(map(_squares64, self.summed.values())))
         with np.errstate(divide="ignore", invalid="ignore"):
             under = np.where(sq > 0, self.floor / (np.sqrt(sq) * size), 0.0)
-        return (_guess_error(dots, sq, gbar_sq, k, off) + (self.rounding + float(np.max(under)))
-                * _amplification(dots, sq, gbar_sq, k)) <= TOLERANCE
+        return (self.rounding + float(np.max(under))) * _amplification(dots, sq, gbar_sq, k) \
+            <= TOLERANCE
 
     def _stop(self, why: str) -> None:
         """Computes each sample alone from now on, and warns once why."""
@@ -266,22 +237,18 @@ class _PerSample:
         sums = {n: np.asarray(s, np.float64) for n, s in out.sums.items()}
         self.acc.add_checked({n: s / len(places) for n, s in sums.items()},
                              float(len(places)), None, 0.0)
-        if self.along == "sum":  # dotted with their sum: M_b = that sum / K, which M is
-            self.along, self.own = (1 / len(places), sums), True
         dotted = out.dots is not None
-        if dotted:
-            self.dots[[start + p for p in places]] = self.along[0] * np.asarray(out.dots,
-                                                                                 np.float64)
+        if dotted:  # g_i . S / K = g_i . M
+            self.summed = sums
+            self.dots[[start + p for p in places]] = np.asarray(out.dots, np.float64) / len(places)
         return _Part(feed, [start + p for p in places], (chunk, places), None, dotted), low
 
     def _sums(self, feed):
-        """``backend.sample_sums(feed)``, along M_b where the pass dots with it (see
-        :meth:`_guess`; "sum": the samples' own), or None where it failed (see
-        :meth:`_together`)."""
+        """``backend.sample_sums(feed)`` (dotted with their own sum where the batch is this one
+        chunk), or None where it failed (see :meth:`_together`)."""
         try:
-            if self.along is None:
-                return self.backend.sample_sums(feed)
-            return self.backend.sample_sums(feed, "sum" if self.along == "sum" else self.along[1])
+            return self.backend.sample_sums(feed, True) if self.own \
+                else self.backend.sample_sums(feed)
         except NotVectorized as e:
             self._stop(str(e))
         except HostavgError:
@@ -361,27 +328,6 @@ def _amplification(dots, sq, gbar_sq: float, k: int | None = None) -> float:
     a[~(rest > 0)] = math.inf
     a[~(sq > 0)] = 0.0  # a gradient of 0: its cosines are NaN whatever the rounding
     return float(np.max(a))
-
-
-def _guess_error(dots, sq, gbar_sq: float, k: int, off: float) -> float:
-    """How far at most a cosine moves where each g_i . M in ``dots`` is off by up to d =
-    |g_i| ``off`` (``sq``: |g_i|^2, ``gbar_sq``: |M|^2, ``k`` finite samples). The cosine
-    with M, g_i . M / (|g_i| |M|), by off / |M|. The one to the rest, c_i = (k g_i . M -
-    |g_i|^2) / (|g_i| sqrt(r_i)) with r_i = k^2 |M|^2 - 2 k g_i . M + |g_i|^2: its numerator
-    moves by k d, and sqrt(r_i) by a factor within (1 -+ e_i)^(1/2), e_i = 2 k d / r_i, so
-    c_i by at most k off (1 / sqrt(r_i) + |g_i| / r_i) (1 - e_i)^(-3/2) (|c_i| <= 1); inf
-    where e_i >= 1."""
-    if off == 0:
-        return 0.0
-    dots, sq = np.asarray(dots, np.float64), np.asarray(sq, np.float64)
-    rest = k * k * gbar_sq - 2 * k * dots + sq
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        shift = 2 * k * np.sqrt(sq) * off / rest
-        a = k * off * (1 / np.sqrt(rest) + np.sqrt(sq) / rest) * (1 - shift) ** -1.5
-    a[~((rest > 0) & (shift < 1))] = math.inf
-    a[~(sq > 0)] = 0.0  # a gradient of 0: its cosines are NaN whatever its dot
-    mean = off / math.sqrt(gbar_sq) if gbar_sq > 0 else math.inf
-    return max(mean, float(np.max(a, initial=0.0)))
 
 
 def _along(mean) -> tuple[float, dict]:

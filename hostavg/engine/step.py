@@ -291,10 +291,9 @@ class Engine:
 
         Computed ``chunk_size`` samples at a time (None: as many as
         :data:`~hostavg.engine.samples.DEFAULT_CHUNK_BYTES` of their gradients hold), per
-        chunk one call where the backend is
-        :class:`~hostavg.engine.protocols.Vectorized` (after one compute of the whole batch;
-        two where its mean gradient is too far from the samples' to stand for it), else one
-        per sample and pass (:mod:`hostavg.engine.samples`): host memory for the mean
+        chunk one call per pass where the backend is
+        :class:`~hostavg.engine.protocols.Vectorized` (a batch of one chunk: one call), else
+        one per sample and pass (:mod:`hostavg.engine.samples`): host memory for the mean
         gradient alone. The
         mean of the samples' gradients is the batch's mean gradient (for a loss that is a
         mean over samples; ``check`` says whether it is); samples whose loss or gradient is
@@ -306,7 +305,7 @@ class Engine:
         chunks = split(data, chunk_size)
         n = sum(sample_count(c, "per_sample") for c in chunks)
         rows = None if rows is None else _distinct(row_indices(rows, n, "per_sample"))
-        return samples.per_sample(self, backend, data, chunks, rows)
+        return samples.per_sample(self, backend, chunks, rows)
 
     @in_one_blas_thread
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,

@@ -91,7 +91,7 @@ class KerasJaxBackend(CompiledModel):
         self._schedule = self._next_rate = None  # whether the rate is a schedule; its next value
         self._losses = {}  # input signature -> the loss function its compute differentiates
         self._products = {}  # input signature -> jitted Hessian-vector product
-        self._samples = {}  # (input signature, "sums" or "dots") -> jitted per-sample function
+        self._samples = {}  # (input signature, "sums", "own" or "dots") -> jitted function
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -216,22 +216,17 @@ class KerasJaxBackend(CompiledModel):
 
     # --- Per sample (hostavg.engine.protocols.Vectorized) --------------------------------------
 
-    def sample_sums(self, feed, along: Mapping | None = None) -> SampleSums:
+    def sample_sums(self, feed, dotted: bool = False) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.vmap`` of one sample's loss
-        and gradient (its squared norm reduced there, and with ``along`` its dot with that)
-        and the sum of the gradients vmap forms, in one jitted call. A squared norm that
-        overflows the wide dtype (or meets a NaN) is reduced again from the gradient divided
-        by its largest magnitude a, and multiplied by a^2 here, in float64."""
-        if along is None:
-            (losses, sq, tops, sums), dots = self._per_sample_call(feed, "sums"), None
-        else:
-            losses, sq, tops, sums, dots = self._per_sample_call(feed, "own") if along == "sum" \
-                else self._per_sample_call(feed, "both", [np.asarray(along[name], s.dtype)
-                                                          for name, s in self.spec.items()])
-            dots = np.asarray(dots, np.float64)
+        and gradient (its squared norm reduced there, and with ``dotted`` its dot with the
+        gradients' sum) and the sum of the gradients vmap forms, in one jitted call. A squared
+        norm that overflows the wide dtype (or meets a NaN) is reduced again from the gradient
+        divided by its largest magnitude a, and multiplied by a^2 here, in float64."""
+        losses, sq, tops, sums, dots = self._per_sample_call(feed, "own" if dotted else "sums")
         return SampleSums(np.asarray(losses, np.float64),
                           np.asarray(sq, np.float64) * np.square(np.asarray(tops, np.float64)),
-                          {name: np.asarray(s) for name, s in zip(self.spec, sums)}, dots)
+                          {name: np.asarray(s) for name, s in zip(self.spec, sums)},
+                          np.asarray(dots, np.float64) if dotted else None)
 
     def sample_dots(self, feed, mean: Mapping) -> np.ndarray:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``jax.jvp`` of the vmapped losses
@@ -308,8 +303,9 @@ class KerasJaxBackend(CompiledModel):
 
     def _sample_function(self, loss, kind: str, taps: LayerTaps | None = None):
         """``kind`` "sums": ``(trainable, untrained, metric values, optimizer values, leaves) ->
-        (losses, squared norms, the sum of their gradients)``; "dots": ``(..., leaves, mean) ->
-        g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
+        (losses, squared norms, the divisors of those reduced again, the sum of their
+        gradients, None)``; "own": the same with each g_i . that sum last; "dots": ``(...,
+        leaves, mean) -> g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
         from the same values; the new values of what the forward pass assigns are dropped.
         The squared norms of ``taps``' layers come from a and delta
         (:mod:`hostavg.keras.layer_taps`), where every norm is finite."""
@@ -332,7 +328,7 @@ class KerasJaxBackend(CompiledModel):
 
         trained = [self.model.trainable_variables[i] for i in kept]
 
-        def sums(trainable, untrained, metric_values, slots, flat, mean=None):
+        def sums(trainable, untrained, metric_values, slots, flat, dotted=False):
             kept_values, grad = [trainable[i] for i in kept], jax.grad(one, has_aux=True)
 
             def sample(leaves, divided):
@@ -347,25 +343,24 @@ class KerasJaxBackend(CompiledModel):
             if taps:
                 values, sq, tops, total, dots = _tapped_sums(
                     taps, trained, one, lambda g: unscaled(g, slots), kept_values,
-                    (trainable, untrained, metric_values, slots), flat, mean)
+                    (trainable, untrained, metric_values, slots), flat, dotted)
             else:
                 # the sum of the gradients vmap forms anyway, not the gradient of the losses'
                 # sum: XLA's batched convolution gradient rounds that to 3e-6 of the mean
                 # where the samples' gradients mostly cancel (20 times the sum's)
                 values, sq, tops, g = jax.vmap(lambda leaves: sample(leaves, False))(flat)
                 total = [jnp.sum(x, 0) for x in g]
-                dots = None if mean is None else _formed_dots(
-                    g, total if isinstance(mean, str) else mean)
+                dots = _formed_dots(g, total) if dotted else None
             sq, tops = jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: (sq, tops),
                                     lambda: jax.vmap(lambda leaves: sample(leaves, True))(flat)[1:3])
-            return (values, sq, tops, total) if mean is None else (values, sq, tops, total, dots)
+            return values, sq, tops, total, dots
 
         def dots(trainable, untrained, metric_values, slots, flat, mean):
             return jax.jvp(lambda kv: each(kv, trainable, untrained, metric_values, slots,
                                            flat)[1], ([trainable[i] for i in kept],), (mean,))[1]
 
         if kind == "own":
-            return jax.jit(lambda *arguments: sums(*arguments, mean="sum"))
+            return jax.jit(lambda *arguments: sums(*arguments, dotted=True))
         return jax.jit(dots if kind == "dots" else sums)
 
     # --- Evaluation and building -------------------------------------------------------------
@@ -703,9 +698,9 @@ class _Stateless(NamedTuple):
 
 
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
-                 arguments: tuple, flat, mean: list | None = None) -> tuple:
-    """(losses, squared norms, ones, the sum of the samples' gradients, their dots with
-    ``mean``, or with that sum where it is "sum", or None) of every sample of ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
+                 arguments: tuple, flat, dotted: bool = False) -> tuple:
+    """(losses, squared norms, ones, the sum of the samples' gradients, with ``dotted`` each
+    gradient's dot with that sum, else None) of every sample of ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
     (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
     and biases of ``taps``' layers (indices into ``trained``, whose values are
     ``kept_values``) are not differentiated: their squared norms and sums come from each
@@ -728,18 +723,18 @@ def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: lis
         return value, sum((_sum_squares(x) for x in g), jnp.zeros((), _WIDE)), g, inputs, deltas
 
     values, sq, g, inputs, deltas = jax.vmap(sample)(flat)
-    tapped, total, dots = taps.sums([jnp.sum(x, 0) for x in g], inputs, deltas, _WIDE, mean)
+    tapped, total, dots = taps.sums([jnp.sum(x, 0) for x in g], inputs, deltas, _WIDE, dotted)
     sq = sq + tapped
-    if mean is not None:
-        formed = _formed_dots(g, [(total if isinstance(mean, str) else mean)[p] for p in rest])
+    if dotted:
+        formed = _formed_dots(g, [total[p] for p in rest])
         dots = formed if dots is None else dots if formed is None else formed + dots
     return values, sq, jnp.ones_like(sq), total, dots
 
 
-def _formed_dots(grads: list, mean: list):
-    """(n,) each sample's formed gradients ``grads`` (each (n, *shape)) dotted with ``mean``
+def _formed_dots(grads: list, sums: list):
+    """(n,) each sample's formed gradients ``grads`` (each (n, *shape)) dotted with ``sums``
     (one array per gradient), in their dtype; None where there are none."""
-    dots = [per_sample_dots(g, m) for g, m in zip(grads, mean)]
+    dots = [per_sample_dots(g, m) for g, m in zip(grads, sums)]
     return sum(dots[1:], dots[0]) if dots else None
 
 

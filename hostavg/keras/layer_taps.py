@@ -85,44 +85,40 @@ class LayerTaps:
         return [layer for layer, k, b in zip(self.layers, self.kernels, self.biases)
                 if k in places or b in places]
 
-    def sums(self, others: list, inputs: list, deltas: list, wide, means: list | None = None
+    def sums(self, others: list, inputs: list, deltas: list, wide, dotted: bool = False
              ) -> tuple:
         """(each sample's squared gradient norm at these layers' kernels and biases, (n,) in
         ``wide``; each trained variable's gradient summed over the chunk, in order; with
-        ``means`` (one array per trained variable, in its dtype, or "sum": those sums), each
-        sample's gradient at these layers dotted with them, (n,) in the layers' dtype, else
-        None): ``others`` for :meth:`untapped`'s (summed already), these layers' from
-        ``inputs`` and ``deltas`` per layer, each of n samples (a sample's a and delta,
-        stacked)."""
+        ``dotted``, each sample's gradient at these layers dotted with those sums, (n,) in the
+        layers' dtype, else None): ``others`` for :meth:`untapped`'s (summed already), these
+        layers' from ``inputs`` and ``deltas`` per layer, each of n samples (a sample's a and
+        delta, stacked)."""
         squares, dots = [], []
         total = [None] * (len(others) + len(self.indices()))
         for p, summed in zip(self.untapped(len(total)), others):
             total[p] = summed
-        if isinstance(means, str):
-            means = total  # filled below before each is read
         for layer, a, d, kernel, bias in zip(self.layers, inputs, deltas, self.kernels,
                                              self.biases):
             if isinstance(layer, keras.layers.Dense):  # the bias's gradient: delta itself
                 biased, biased_sq = d, _squares(d, wide)
                 squares.append(_outer_squares(a, d, biased_sq, wide))
                 total[kernel] = ops.matmul(ops.transpose(a), d)
-                if means is not None:  # a^T delta . M = (a M) . delta
-                    dots.append(ops.sum(ops.matmul(a, means[kernel]) * d, axis=1))
+                if dotted:  # a^T delta . S = (a S) . delta
+                    dots.append(ops.sum(ops.matmul(a, total[kernel]) * d, axis=1))
             else:  # the bias's gradient: delta summed over the output positions
                 biased, biased_sq = ops.sum(d, axis=tuple(range(1, len(d.shape) - 1))), None
                 grads = _conv_grads(layer, a, d)
                 squares.append(_squares(grads, wide))
                 total[kernel] = ops.sum(grads, axis=0)
-                if means is not None:
-                    dots.append(per_sample_dots(grads, means[kernel]))
+                if dotted:
+                    dots.append(per_sample_dots(grads, total[kernel]))
             if bias is not None:
                 squares.append(_squares(biased, wide) if biased_sq is None else biased_sq)
                 total[bias] = ops.sum(biased, axis=0)
-                if means is not None:
-                    dots.append(per_sample_dots(biased, means[bias]))
+                if dotted:
+                    dots.append(per_sample_dots(biased, total[bias]))
         square = ops.sum(ops.stack(squares), axis=0) if squares else None
-        return square, total, (None if means is None or not dots
-                               else ops.sum(ops.stack(dots), axis=0))
+        return square, total, ops.sum(ops.stack(dots), axis=0) if dots else None
 
     def without(self, layers) -> LayerTaps:
         """These taps less ``layers`` (by identity)."""

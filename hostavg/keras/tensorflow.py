@@ -81,7 +81,7 @@ class KerasBackend(CompiledModel):
         self._trained = None  # the variables of spec, in order
         self._evaluates = {}  # input signature -> compiled function
         self._products = {}  # input signature -> compiled Hessian-vector product
-        self._samples = {}  # (input signature, "sums" or "dots") -> compiled per-sample function
+        self._samples = {}  # (input signature, "sums", "own" or "dots") -> compiled function
         # ApplyRequest -> the compiled apply; whether its XLA compile was tried yet
         self._applies, self._jit_tried, self._apply_jit = {}, {}, False
         self._rows = None  # what an apply keeps of each variable it holds (_rows_written)
@@ -154,18 +154,13 @@ class KerasBackend(CompiledModel):
                             for p, v in zip(outer.gradient(dot, trained), vs))]
         return product
 
-    def sample_sums(self, feed, along: Mapping | None = None) -> SampleSums:
+    def sample_sums(self, feed, dotted: bool = False) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: ``tf.vectorized_map`` of one
         sample's loss and gradient in a ``tf.function``, reduced there in the gradients' dtype
-        (as a batch's gradient sums its samples), then cast to float64; with ``along``, each
-        gradient dotted with it there too."""
-        if along is None:
-            losses, sq, *sums = self._per_sample_call(feed, "sums", [])
-            dots = None
-        else:
-            losses, sq, *sums, dots = self._per_sample_call(
-                feed, *(("own", []) if along == "sum" else ("both", _means(along, self.spec))))
-            dots = np.asarray(dots, np.float64)
+        (as a batch's gradient sums its samples), then cast to float64; with ``dotted``, each
+        gradient dotted with their sum there too."""
+        losses, sq, *sums = self._per_sample_call(feed, "own" if dotted else "sums", [])
+        dots = np.asarray(sums.pop(), np.float64) if dotted else None
         return SampleSums(np.asarray(losses, np.float64), np.asarray(sq),
                           {name: np.asarray(s) for name, s in zip(self.spec, sums)}, dots)
 
@@ -174,8 +169,9 @@ class KerasBackend(CompiledModel):
         each sample's loss along ``mean`` (in the variables' dtypes), forward mode
         (``tf.autodiff.ForwardAccumulator``) under ``tf.vectorized_map``: no sample's gradient
         is formed."""
-        return np.asarray(self._per_sample_call(feed, "dots", _means(mean, self.spec))[0],
-                          np.float64)
+        return np.asarray(self._per_sample_call(
+            feed, "dots", [eager_tensor(mean[name], np.float64) for name in self.spec])[0],
+            np.float64)
 
     def _per_sample_call(self, feed, kind: str, extra: list):
         """The compiled ``kind`` function of the feed's signature (:meth:`_sample_function`)
@@ -190,7 +186,7 @@ class KerasBackend(CompiledModel):
 
     def _sample_trace(self, leaves, signature, kind: str):
         """:meth:`_sample_function` of ``kind`` traced for the feed's ``leaves``; "sums" and
-        "both" with the eligible ``Dense`` and convolution layers tapped (:mod:`hostavg.keras.layer_taps`)
+        "own" with the eligible ``Dense`` and convolution layers tapped (:mod:`hostavg.keras.layer_taps`)
         whose kernel and bias the loss reads nowhere else (traced again without those it does,
         or does not call)."""
         means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
@@ -199,8 +195,7 @@ class KerasBackend(CompiledModel):
             read = []  # the taps' layers whose weights the loss reads elsewhere, while tracing
             try:
                 function = self._trace(self._sample_function(signature, kind, taps, read),
-                                       [*leaves, *(means if kind in ("dots", "both") else [])],
-                                       "per_sample")
+                                       [*leaves, *(means if kind == "dots" else [])], "per_sample")
             except HostavgError as e:
                 if taps:  # the taps' doing (a Dense in a loop's body, say): untapped
                     taps = taps.without(taps.layers)
@@ -213,10 +208,9 @@ class KerasBackend(CompiledModel):
 
     def _sample_function(self, signature, kind: str, taps: LayerTaps | None = None,
                          read: list | None = None):
-        """``(*leaves) -> [losses, squared norms, *sums]`` ("sums"), ``(*leaves, *mean) ->
-        [g_i . mean]`` ("dots") or ``(*leaves, *mean) -> [losses, squared norms, *sums, g_i .
-        mean]`` ("both", each dot from the gradient the sums form; "own": with their sum, not
-        fed): every sample computed alone (a batch of one) under
+        """``(*leaves) -> [losses, squared norms, *sums]`` ("sums"; "own": and each g_i . their
+        sum, from the gradients the sums form) or ``(*leaves, *mean) -> [g_i . mean]``
+        ("dots"): every sample computed alone (a batch of one) under
         ``tf.vectorized_map``, in a ``keras.StatelessScope`` (it assigns nothing).
 
         A squared norm is summed in the gradient's dtype, and again in float64 where that
@@ -249,9 +243,7 @@ class KerasBackend(CompiledModel):
             return loss, [tf.reshape(g, [-1]) for g in unscaled(tape.gradient(optimized, trained))]
 
         def sums(*flat):
-            means = [tf.cast(m, v.dtype) for m, v in zip(flat[len(flat) - k:], trained)] \
-                if kind == "both" else "sum" if kind == "own" else None
-            flat = list(flat[:len(flat) - k] if kind == "both" else flat)
+            flat, own = list(flat), kind == "own"
             if taps:
                 losses, grads, inputs, deltas = tf.vectorized_map(
                     lambda leaves: _tapped_one(taps, trained, forward, scaled, unscaled, read,
@@ -261,20 +253,18 @@ class KerasBackend(CompiledModel):
             else:
                 (losses, grads), inputs, deltas = tf.vectorized_map(one, flat), [], []
             total = [tf.reduce_sum(g, 0) for g in grads]
-            tapped, total, dots = taps.sums(total, inputs, deltas, tf.float64, means) if taps \
+            tapped, total, dots = taps.sums(total, inputs, deltas, tf.float64, own) if taps \
                 else (None, total, None)
             sq = sample_squares(tf.zeros_like(losses, tf.float64) if tapped is None else tapped,
                                 grads)
             out = [losses, sq, *(tf.cast(tf.reshape(g, v.shape), tf.float64)
                                  for g, v in zip(total, trained))]
-            if means is None:
+            if not own:
                 return out
-            formed = [total[p] if means == "sum" else means[p]
-                      for p in (taps.untapped(k) if taps else range(k))]
             parts = [tf.cast(d, tf.float64) for d in (dots,) if d is not None]
-            parts += [tf.cast(per_sample_dots(g, tf.reshape(m, [-1])), tf.float64)
-                      for g, m in zip(grads, formed)]
-            return [*out, tf.add_n(parts) if parts else tf.zeros_like(losses, tf.float64)]
+            parts += [tf.cast(per_sample_dots(g, tf.reshape(total[p], [-1])), tf.float64)
+                      for g, p in zip(grads, taps.untapped(k) if taps else range(k))]
+            return [*out, tf.add_n(parts)]
 
         def dots(*flat):
             tangents = [tf.cast(m, v.dtype) for m, v in zip(flat[-k:], trained)]
@@ -740,12 +730,6 @@ def _tapped_one(taps: LayerTaps, trained: list, forward, scaled, unscaled, read:
                        for g, z in zip(grads[len(others) + len(tapped):], called)])
     return (loss, [tf.reshape(g, [-1]) for g in unscaled(grads[:len(others)])],
             [x[0] for x in inputs if x is not None], [d[0] for d in deltas])
-
-
-def _means(mean: Mapping, spec) -> list:
-    """``mean`` (name -> array) as float64 tensors in ``spec``'s order: a per-sample function's
-    direction."""
-    return [eager_tensor(mean[name], np.float64) for name in spec]
 
 
 def _scale(optimizer):

@@ -7,8 +7,8 @@ that sample's row (a batch of one), every other fed tensor to itself and every v
 handle to the graph's own, so that the copy reads the same variables and the same feed.
 Its gradients, taken with respect to the copy's reads of each trained variable, are the
 sample's alone, as the trainer's compute of a batch of one gives them. One function per
-feed signature and kind (the first pass's sums, with or without the dots with a fed mean,
-the second pass's dots alone) is built into the graph on its first call.
+feed signature and kind (the first pass's sums, with or without each sample's dot with
+their sum; the second pass's dots with a fed mean) is built into the graph on its first call.
 
 Vectorizing refuses (:class:`~hostavg.engine.protocols.NotVectorized`, saying why: the
 engine then computes each sample in a call of its own) a loss that runs a stateful op
@@ -87,9 +87,9 @@ def refusal(optimizer, pairs: list) -> str | None:
 def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
     """(fetches, mean placeholders): for ``kind`` "sums" [losses (n,), squared norms (n,)
     float64, each trained variable's gradient summed over the samples], for "dots" [g_i . mean
-    (n,) float64], for "both" the two, for "own" the two with the samples' own sum for the mean,
-    fed ``feed``'s keys (then, for "dots" and "both", a float64 placeholder per trained
-    variable, its mean). Built in the loss's graph; raises NotVectorized."""
+    (n,) float64], for "own" the sums' and g_i . their sum, fed ``feed``'s keys (then, for
+    "dots", a float64 placeholder per trained variable, its mean). Built in the loss's graph;
+    raises NotVectorized."""
     graph = loss.graph
     if graph.finalized:
         raise NotVectorized("the graph is finalized, and the vectorized samples are new ops")
@@ -102,7 +102,7 @@ def build(loss, trained: list, feed: dict, kind: str) -> tuple[list, tuple]:
     taps = _candidates(nodes, reads)
     with graph.as_default(), tf.name_scope("hostavg_per_sample"):
         means = tuple(v1.placeholder(tf.float64, v.shape, name="mean") for v in trained) \
-            if kind in ("dots", "both") else ()
+            if kind == "dots" else ()
         shared = {t.name: t for t in feed if id(t) not in rowed}  # fed to the session call
         handles = {op.outputs[0].name: op.outputs[0] for op in nodes.values()
                    if op.type == "VarHandleOp"}  # the graph's own variables
@@ -218,9 +218,9 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
     MatMul, for every trained variable."""
     if kind == "dots":
         return [_dots(formed, tapped, means)]
-    if kind in ("both", "own"):
+    if kind == "own":
         out = _reduced("sums", losses, formed, tapped, trained, ())
-        return [*out, _dots(formed, tapped, means if kind == "both" else out[2:])]
+        return [*out, _dots(formed, tapped, out[2:])]
     sq = sample_squares(tf.add_n([tf.zeros_like(losses, tf.float64),
                                   *(_outer_squares(a, d) for a, d in tapped.values())]),
                         list(formed.values()))
@@ -231,7 +231,8 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
 
 def _dots(formed: dict, tapped: dict, means: tuple):
     """(n,) float64 g_i . mean of each sample (of :func:`_reduced`'s ``formed`` and
-    ``tapped``), in the variables' dtype, as the other faces' forward mode."""
+    ``tapped``; ``means``: per trained variable, a fed float64 mean or the samples' sum), in
+    the variables' dtype, as the other faces' forward mode."""
     parts = [tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
              for i, g in formed.items()]
     parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)

@@ -135,26 +135,24 @@ class SessionBackend:
         (:class:`~hostavg.engine.protocols.Fused`)."""
         return self.wiring.compute_apply(self.session, feed, allowance)
 
-    def sample_sums(self, feed: dict, along=None) -> SampleSums:
+    def sample_sums(self, feed: dict, dotted: bool = False) -> SampleSums:
         """See :class:`~hostavg.engine.protocols.Vectorized`: the loss's subgraph imported per
         sample under ``tf.vectorized_map`` (:mod:`hostavg.tf1.samples`), one session call;
-        squared norms in float64, sums in the gradients' dtype; with ``along``, its dots
-        with each sample's gradient in that call."""
-        kind = "sums" if along is None else "own" if along == "sum" else "both"
-        means = _means(along, self.spec) if kind == "both" else ()
+        squared norms in float64, sums in the gradients' dtype; with ``dotted``, each
+        gradient's dot with their sum in that call."""
         with _session_errors("per_sample"):
-            out = self.wiring.samples(self.session, feed, kind, means)
+            out = self.wiring.samples(self.session, feed, "own" if dotted else "sums")
         losses, sq, *sums = out[:2 + len(self.spec)]
         return SampleSums(np.asarray(losses, np.float64), np.asarray(sq, np.float64),
                           dict(zip(self.spec, sums)),
-                          None if along is None else np.asarray(out[-1], np.float64))
+                          np.asarray(out[-1], np.float64) if dotted else None)
 
     def sample_dots(self, feed: dict, mean) -> np.ndarray:
         """See :class:`~hostavg.engine.protocols.Vectorized`: g_i . ``mean``, in float64, each
         sample's gradient formed in the call and dotted there."""
         with _session_errors("per_sample"):
-            return np.asarray(self.wiring.samples(self.session, feed, "dots",
-                                                  _means(mean, self.spec))[0],
+            means = tuple(np.asarray(mean[name], np.float64) for name in self.spec)
+            return np.asarray(self.wiring.samples(self.session, feed, "dots", means)[0],
                               np.float64)
 
     def hvp(self, feed: dict, vector) -> tuple:
@@ -327,7 +325,3 @@ def _compile(sess, fetches, feed_keys, threads: str):
         return run(*arrays) if flushing is None else flushing(run, *arrays)
     return call
 
-
-def _means(mean, spec) -> tuple:
-    """``mean`` (name -> array) as float64 arrays in ``spec``'s order, to feed its placeholders."""
-    return tuple(np.asarray(mean[name], np.float64) for name in spec)

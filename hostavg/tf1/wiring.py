@@ -213,8 +213,7 @@ class Wiring:
 
     def samples(self, sess, feed: dict, kind: str, means: tuple = ()) -> list:
         """The vectorized samples of ``feed`` (:mod:`hostavg.tf1.samples`), ``kind`` "sums",
-        "dots" or "both" (the last two fed ``means``, in :attr:`names`' order), in one session
-        call. Raises
+        "own" or "dots" (fed ``means``, in :attr:`names`' order), in one session call. Raises
         NotVectorized."""
         fetches, placeholders = self._vectorized.fetches(feed, kind)
         return self._callables.get(sess, fetches, tuple(feed) + placeholders)(*feed.values(),
