@@ -24,7 +24,7 @@ SAMPLES = (256,)
 #: The batch whose ``per_sample`` memory is measured: 1,000 samples of the conv model.
 MEMORY_CONFIG = bench.Config("conv", 1000, 1)
 #: The chunk size whose bound the memory probe shows beside the whole batch as one chunk
-#: (the default chunk of the conv model, 64 MiB of gradients, is 819 samples).
+#: (the default chunk of the conv model, 64 MiB of gradients, is 818 samples).
 MEMORY_CHUNK_SIZE = 64
 #: The version of the JSON that :func:`run` returns, for readers of older files.
 FORMAT = 1
