@@ -15,6 +15,11 @@ from hostavg.engine import samples
 from test_per_sample import COLUMNS, brute_force, table_of
 
 
+def _trainer():
+    return hostavg.keras.Trainer(models.keras_mlp(12, [16], 3, seed=1), models.keras_loss(),
+                                 keras.optimizers.SGD(0.1))
+
+
 def _batch():
     rng = np.random.default_rng(5)
     return (rng.normal(size=(40, 12)).astype(np.float32),
@@ -71,15 +76,50 @@ def test_tiny_gradients_keep_their_norms_and_cosines(scale, chunk_size, monkeypa
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("size, holds", [(1.0, True), (1e-20, False)])
-def test_own_dots_whose_products_may_flush_below_the_normals_are_not_used(size, holds):
-    """Gradients of norm 1e-13 (squares normal) dotted with a sum S of norm ``size``: where
-    S's entries times theirs fall below float32's normals (1e-20: the samples' gradients
-    cancel), what flushing may lose (the floor, 2.9e-36 for 243 parameters) is 1e-3 of a dot,
-    and the second pass must run."""
-    rows = object.__new__(samples._PerSample)
-    rows.rounding, rows.floor = 2e-8, 243 * 1.18e-38
-    rows.sq, rows.dots = np.full(4, 1e-26), np.full(4, 1e-13 * size * 0.3)
-    rows.summed = {"w": np.full(243, size / np.sqrt(243))}
-    part = samples._Part(None, [0, 1, 2, 3], (None, []), None, True)
-    assert rows._own_holds([part], (size / 4) ** 2, 4) == holds
+@pytest.mark.parametrize("chunk_size", [16, 40])
+def test_a_sample_with_a_zero_gradient_counts_in_the_mean(chunk_size):
+    """Weighted 0, sample 5's gradient is 0: it computes alone (its squared norm too small to
+    trust) and is one of the K samples of the mean, so one chunk's dots with the others' sum
+    S are not g_i . S / K: the second pass runs (an outside review found cosines off by
+    K / (K - 1))."""
+    trainer = _trainer()
+    x, y, w = _batch()
+    w[5] = 0.0
+    table = trainer.per_sample(x, y, w, chunk_size=chunk_size)
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), brute_force(trainer, x, y, w),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_tapped_layer_dots_with_the_sum_divided_by_its_largest_entry():
+    """A bias-free Dense fed inputs of 3e-25, its loss times 1e10: each gradient a^T delta is
+    about 1e-15, but (a S) delta would form a_k S_kj of 1e-39, below float32's normals, and
+    flush them (cosines of 0 where alone they are 0.74); S / max|S| keeps them normal."""
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, use_bias=False)])
+
+    def loss(y, p):
+        return 1e10 * keras.ops.mean(keras.ops.square(p - y), axis=-1)
+    trainer = hostavg.keras.Trainer(model, loss, keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(0)
+    x = (3e-25 * rng.normal(size=(4, 6))).astype(np.float32)
+    y, w = rng.normal(size=(4, 3)).astype(np.float32), np.ones(4, np.float32)
+    np.testing.assert_allclose(trainer.per_sample(x, y, w)[COLUMNS].to_numpy(float),
+                               brute_force(trainer, x, y, w), rtol=1e-6, atol=1e-6)
+
+
+def test_tf1_a_tapped_matmul_dots_with_the_sum_divided_by_its_largest_entry():
+    """The TF1 twin of the case above: a MatMul tapped as a Dense is."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    graph, rng = tf.Graph(), np.random.default_rng(0)
+    with graph.as_default():
+        x, y = v1.placeholder(tf.float32, [None, 6]), v1.placeholder(tf.float32, [None, 3])
+        w = tf.Variable(rng.normal(size=(6, 3)).astype(np.float32))
+        loss = 1e10 * tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+        trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1))
+        sess = v1.Session(graph=graph)
+        sess.run(v1.global_variables_initializer())
+    feed = {x: (3e-25 * rng.normal(size=(4, 6))).astype(np.float32),
+            y: rng.normal(size=(4, 3)).astype(np.float32)}
+    alone = [trainer.compute(sess, {k: v[i:i + 1] for k, v in feed.items()}) for i in range(4)]
+    np.testing.assert_allclose(trainer.per_sample(sess, feed)[COLUMNS].to_numpy(float),
+                               table_of(alone, trainer.spec), rtol=1e-6, atol=1e-6)

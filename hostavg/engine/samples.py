@@ -43,7 +43,8 @@ ROUNDING, TOLERANCE = 1 / 6, 1e-6
 
 #: Bytes of per-sample gradients one chunk may hold unless ``chunk_size`` says how many
 #: samples: as many samples as fit (at least one), each one's gradient counted whole in its
-#: variables' dtypes (what a call forms at most: a tapped layer's is never formed).
+#: variables' dtypes (a tapped layer's is never formed). Activations are not counted: a
+#: chunk is at most the batch, and holds about what a compute of it would.
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 
 
@@ -85,7 +86,6 @@ class _PerSample:
     def __init__(self, engine, backend, chunks: list, rows):
         self.engine, self.backend, self.chunks, self.rows = engine, backend, chunks, rows
         self.own = False  # whether the first pass dots with its one chunk's own sum
-        self.summed = None  # that sum, where it did
         # a backend without sample_sums computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
         # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
@@ -151,22 +151,18 @@ class _PerSample:
         return finite, gbar_sq, rounded
 
     def _own_holds(self, parts: list, gbar_sq: float, k: int) -> bool:
-        """Whether the dots the first pass took with its one chunk's own sum S (of the ``k``
-        finite samples, M = S / k, |M|^2 ``gbar_sq``) may stand in every cosine: finite, and
-        their rounding (:func:`_amplification`) with what products g_ij S_j below the dtype's
-        normals lose (at most :attr:`floor`, relatively floor / (|g_i| |S|)) within
-        :data:`TOLERANCE`."""
+        """Whether the dots the first pass took with its one chunk's own sum S may stand in
+        every cosine: taken for all ``k`` finite samples (a sample computed alone leaves S
+        short of it, and K with it), finite, and their rounding (:func:`_amplification`,
+        |M|^2 ``gbar_sq``) within :data:`TOLERANCE`. The call dots with S divided by its
+        largest entry, per variable, so no product falls below the dtype's normals for want
+        of S's scale."""
         dotted = [i for part in parts if part.dotted for i in part.samples]
         if not dotted or k < 2:
             return True  # nothing dotted, or one sample: its cosine is 1 whatever its dot
         dots, sq = self.dots[dotted], self.sq[dotted]
-        if not np.isfinite(dots).all():  # overflowed where the dot with M / |M|_max would not
-            return False
-        size = math.sqrt(math.fsum(map(_squares64, self.summed.values())))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            under = np.where(sq > 0, self.floor / (np.sqrt(sq) * size), 0.0)
-        return (self.rounding + float(np.max(under))) * _amplification(dots, sq, gbar_sq, k) \
-            <= TOLERANCE
+        return len(dotted) == k and bool(np.isfinite(dots).all()) and \
+            self.rounding * _amplification(dots, sq, gbar_sq) <= TOLERANCE
 
     def _stop(self, why: str) -> None:
         """Computes each sample alone from now on, and warns once why."""
@@ -239,7 +235,6 @@ class _PerSample:
                              float(len(places)), None, 0.0)
         dotted = out.dots is not None
         if dotted:  # g_i . S / K = g_i . M
-            self.summed = sums
             self.dots[[start + p for p in places]] = np.asarray(out.dots, np.float64) / len(places)
         return _Part(feed, [start + p for p in places], (chunk, places), None, dotted), low
 
@@ -311,16 +306,15 @@ def _size(chunk) -> int:
     return sample_count(chunk, "per_sample")
 
 
-def _amplification(dots, sq, gbar_sq: float, k: int | None = None) -> float:
+def _amplification(dots, sq, gbar_sq: float) -> float:
     """How many times its inputs' relative rounding a cosine to the rest can be off, at most
     over the samples: with K samples, S = K mean and r_i = |S - g_i|^2 = K^2 |mean|^2
     - 2 K g_i . mean + |g_i|^2, the numerator K g_i . mean - |g_i|^2 is off by up to
     (K |g_i . mean| + |g_i|^2) rounding, over |g_i| sqrt(r_i), and the denominator's r_i by
     up to (K^2 |mean|^2 + |g_i|^2) (whose share of r_i a cosine of 1 at most carries); inf
     where an r_i is not above 0. 1.5 on 256 samples of the bench's MLP, 12 on 8 of a small
-    one; 3,000 where one of those 8 has inputs 10 times the others'. ``k``: the finite
-    samples, where ``dots`` and ``sq`` are some of them (default: all)."""
-    k = len(dots) if k is None else k
+    one; 3,000 where one of those 8 has inputs 10 times the others'."""
+    k = len(dots)
     whole = k * k * gbar_sq
     rest = whole - 2 * k * dots + sq
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -292,7 +292,8 @@ class Engine:
         Computed ``chunk_size`` samples at a time (None: as many as
         :data:`~hostavg.engine.samples.DEFAULT_CHUNK_BYTES` of their gradients hold), per
         chunk one call per pass where the backend is
-        :class:`~hostavg.engine.protocols.Vectorized` (a batch of one chunk: one call), else
+        :class:`~hostavg.engine.protocols.Vectorized` (a batch of one chunk: one call, unless
+        a sample is not finite, computes alone, or its dot could not be trusted), else
         one per sample and pass (:mod:`hostavg.engine.samples`): host memory for the mean
         gradient alone. The
         mean of the samples' gradients is the batch's mean gradient (for a loss that is a

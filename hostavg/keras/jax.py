@@ -733,8 +733,9 @@ def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: lis
 
 def _formed_dots(grads: list, sums: list):
     """(n,) each sample's formed gradients ``grads`` (each (n, *shape)) dotted with ``sums``
-    (one array per gradient), in their dtype; None where there are none."""
-    dots = [per_sample_dots(g, m) for g, m in zip(grads, sums)]
+    (one array per gradient, :func:`~hostavg.keras.layer_taps.per_sample_dots`), in the wide
+    dtype; None where there are none."""
+    dots = [per_sample_dots(g, m, _WIDE) for g, m in zip(grads, sums)]
     return sum(dots[1:], dots[0]) if dots else None
 
 

@@ -89,8 +89,8 @@ class LayerTaps:
              ) -> tuple:
         """(each sample's squared gradient norm at these layers' kernels and biases, (n,) in
         ``wide``; each trained variable's gradient summed over the chunk, in order; with
-        ``dotted``, each sample's gradient at these layers dotted with those sums, (n,) in the
-        layers' dtype, else None): ``others`` for :meth:`untapped`'s (summed already), these
+        ``dotted``, each sample's gradient at these layers dotted with those sums, (n,) in
+        ``wide`` (:func:`per_sample_dots`), else None): ``others`` for :meth:`untapped`'s (summed already), these
         layers' from ``inputs`` and ``deltas`` per layer, each of n samples (a sample's a and
         delta, stacked)."""
         squares, dots = [], []
@@ -103,20 +103,22 @@ class LayerTaps:
                 biased, biased_sq = d, _squares(d, wide)
                 squares.append(_outer_squares(a, d, biased_sq, wide))
                 total[kernel] = ops.matmul(ops.transpose(a), d)
-                if dotted:  # a^T delta . S = (a S) . delta
-                    dots.append(ops.sum(ops.matmul(a, total[kernel]) * d, axis=1))
+                if dotted:  # a^T delta . S = (a S) . delta, S divided by its largest entry
+                    top = _largest(total[kernel])
+                    dots.append(ops.cast(ops.sum(ops.matmul(a, total[kernel] / top) * d, axis=1),
+                                         wide) * ops.cast(top, wide))
             else:  # the bias's gradient: delta summed over the output positions
                 biased, biased_sq = ops.sum(d, axis=tuple(range(1, len(d.shape) - 1))), None
                 grads = _conv_grads(layer, a, d)
                 squares.append(_squares(grads, wide))
                 total[kernel] = ops.sum(grads, axis=0)
                 if dotted:
-                    dots.append(per_sample_dots(grads, total[kernel]))
+                    dots.append(per_sample_dots(grads, total[kernel], wide))
             if bias is not None:
                 squares.append(_squares(biased, wide) if biased_sq is None else biased_sq)
                 total[bias] = ops.sum(biased, axis=0)
                 if dotted:
-                    dots.append(per_sample_dots(biased, total[bias]))
+                    dots.append(per_sample_dots(biased, total[bias], wide))
         square = ops.sum(ops.stack(squares), axis=0) if squares else None
         return square, total, ops.sum(ops.stack(dots), axis=0) if dots else None
 
@@ -204,10 +206,20 @@ def _squares(x, wide):
     return ops.sum(ops.square(x), axis=tuple(range(1, len(x.shape))))
 
 
-def per_sample_dots(grads, mean):
-    """Each sample's gradient in ``grads`` (n, *shape) dotted with ``mean`` (of that shape),
-    (n,)."""
-    return ops.sum(grads * mean[None], axis=tuple(range(1, len(grads.shape))))
+def per_sample_dots(grads, total, wide):
+    """Each sample's gradient in ``grads`` (n, *shape) dotted with ``total`` (of that shape),
+    (n,) in ``wide``: with ``total`` divided by its largest magnitude a in the gradients'
+    dtype, then times a in ``wide``, so that no product falls below the dtype's normals for
+    want of the total's scale (an Inf or NaN total gives NaN dots)."""
+    top = _largest(total)
+    dots = ops.sum(grads * (total / top)[None], axis=tuple(range(1, len(grads.shape))))
+    return ops.cast(dots, wide) * ops.cast(top, wide)
+
+
+def _largest(x):
+    """The largest magnitude of ``x``, or 1 where that is 0."""
+    top = ops.max(ops.abs(x))
+    return ops.where(top > 0, top, ops.ones_like(top))
 
 
 def _weights(layer) -> list:

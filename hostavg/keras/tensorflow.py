@@ -261,8 +261,8 @@ class KerasBackend(CompiledModel):
                                  for g, v in zip(total, trained))]
             if not own:
                 return out
-            parts = [tf.cast(d, tf.float64) for d in (dots,) if d is not None]
-            parts += [tf.cast(per_sample_dots(g, tf.reshape(total[p], [-1])), tf.float64)
+            parts = [d for d in (dots,) if d is not None]
+            parts += [per_sample_dots(g, tf.reshape(total[p], [-1]), tf.float64)
                       for g, p in zip(grads, taps.untapped(k) if taps else range(k))]
             return [*out, tf.add_n(parts)]
 

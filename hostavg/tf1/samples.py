@@ -218,9 +218,12 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
     MatMul, for every trained variable."""
     if kind == "dots":
         return [_dots(formed, tapped, means)]
-    if kind == "own":
+    if kind == "own":  # each sum divided by its largest magnitude, times it after
         out = _reduced("sums", losses, formed, tapped, trained, ())
-        return [*out, _dots(formed, tapped, out[2:])]
+        tops = [tf.where(t > 0, t, tf.ones_like(t)) for t in
+                (tf.reduce_max(tf.abs(s)) for s in out[2:])]
+        return [*out, _dots(formed, tapped, [s / t for s, t in zip(out[2:], tops)],
+                            [tf.cast(t, tf.float64) for t in tops])]
     sq = sample_squares(tf.add_n([tf.zeros_like(losses, tf.float64),
                                   *(_outer_squares(a, d) for a, d in tapped.values())]),
                         list(formed.values()))
@@ -229,15 +232,17 @@ def _reduced(kind: str, losses, formed: dict, tapped: dict, trained: list, means
     return [losses, sq, *(tf.reshape(sums[i], v.shape) for i, v in enumerate(trained))]
 
 
-def _dots(formed: dict, tapped: dict, means: tuple):
+def _dots(formed: dict, tapped: dict, means, scales=None):
     """(n,) float64 g_i . mean of each sample (of :func:`_reduced`'s ``formed`` and
-    ``tapped``; ``means``: per trained variable, a fed float64 mean or the samples' sum), in
-    the variables' dtype, as the other faces' forward mode."""
-    parts = [tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
-             for i, g in formed.items()]
-    parts += [tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1)
-              for i, (a, d) in tapped.items()]
-    return tf.cast(tf.add_n(parts), tf.float64)
+    ``tapped``; ``means``: per trained variable, a fed float64 mean or the samples' sum, each
+    times its float64 ``scales`` where given), in the variables' dtype, as the other faces'
+    forward mode."""
+    parts = {i: tf.reduce_sum(g * tf.cast(tf.reshape(means[i], [1, -1]), g.dtype), 1)
+             for i, g in formed.items()}
+    parts.update((i, tf.reduce_sum(tf.matmul(a, tf.cast(means[i], a.dtype)) * d, 1))
+                 for i, (a, d) in tapped.items())
+    return tf.add_n([tf.cast(p, tf.float64) * (1.0 if scales is None else scales[i])
+                     for i, p in parts.items()])
 
 
 def _subgraph(loss, trained: list, fed: tuple) -> tuple[dict, list]:

@@ -324,4 +324,3 @@ def _compile(sess, fetches, feed_keys, threads: str):
         arrays = [np.asarray(v, d) for v, d in zip(values, dtypes)]
         return run(*arrays) if flushing is None else flushing(run, *arrays)
     return call
-
