@@ -6,8 +6,8 @@ K finite samples' gradients to a float64 sum, whose mean M is their mean gradien
 second computes g_i . M. The cosines with M and with the others' mean, (K M - g_i) / (K -
 1), follow (:func:`~hostavg.core.stats.cosines_from_dots`): no sample's gradient outlives
 its chunk. A batch of one chunk needs no second pass: its call also dots each gradient with
-their sum S = K M, where the host's bound on what rounding and products flushed below the
-dtype's normals move a cosine (:meth:`_PerSample._own_holds`) is within :data:`TOLERANCE`.
+their sum S = K M (divided by its largest entry), where those dots cover every finite
+sample and the host's bound on their rounding (:meth:`_PerSample._own_holds`) allows.
 A :class:`~hostavg.engine.protocols.Vectorized` backend computes a chunk in one call per
 pass; elsewhere (or where vectorizing fails: a warning says why), and for a sample whose
 squared norm is too small to trust (:attr:`_PerSample.floor`), each sample alone, its norm

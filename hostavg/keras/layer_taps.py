@@ -90,9 +90,9 @@ class LayerTaps:
         """(each sample's squared gradient norm at these layers' kernels and biases, (n,) in
         ``wide``; each trained variable's gradient summed over the chunk, in order; with
         ``dotted``, each sample's gradient at these layers dotted with those sums, (n,) in
-        ``wide`` (:func:`per_sample_dots`), else None): ``others`` for :meth:`untapped`'s (summed already), these
-        layers' from ``inputs`` and ``deltas`` per layer, each of n samples (a sample's a and
-        delta, stacked)."""
+        ``wide`` (:func:`per_sample_dots`), else None): ``others`` for :meth:`untapped`'s
+        (summed already), these layers' from ``inputs`` and ``deltas`` per layer, each of n
+        samples (a sample's a and delta, stacked)."""
         squares, dots = [], []
         total = [None] * (len(others) + len(self.indices()))
         for p, summed in zip(self.untapped(len(total)), others):
