@@ -305,9 +305,9 @@ class KerasJaxBackend(CompiledModel):
         """``kind`` "sums": ``(trainable, untrained, metric values, optimizer values, leaves) ->
         (losses, squared norms, the divisors of those reduced again, the sum of their
         gradients, None)``; "own": the same with each g_i . that sum last; "dots": ``(...,
-        leaves, mean) -> g_i . mean``; jitted, every sample computed alone (a batch of one) under ``jax.vmap``,
-        from the same values; the new values of what the forward pass assigns are dropped.
-        The squared norms of ``taps``' layers come from a and delta
+        leaves, mean) -> g_i . mean``; jitted, every sample computed alone (a batch of one)
+        under ``jax.vmap``, from the same values; the new values of what the forward pass
+        assigns are dropped. The squared norms of ``taps``' layers come from a and delta
         (:mod:`hostavg.keras.layer_taps`), where every norm is finite."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
@@ -700,8 +700,9 @@ class _Stateless(NamedTuple):
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
                  arguments: tuple, flat, dotted: bool = False) -> tuple:
     """(losses, squared norms, ones, the sum of the samples' gradients, with ``dotted`` each
-    gradient's dot with that sum, else None) of every sample of ``flat`` computed alone under ``jax.vmap``: ``one(kept values, *arguments, leaves) ->
-    (scaled loss, loss)``, ``unscaled`` its gradients divided by the loss scale. The kernels
+    gradient's dot with that sum, else None) of every sample of ``flat`` computed alone
+    under ``jax.vmap``: ``one(kept values, *arguments, leaves) -> (scaled loss, loss)``,
+    ``unscaled`` its gradients divided by the loss scale. The kernels
     and biases of ``taps``' layers (indices into ``trained``, whose values are
     ``kept_values``) are not differentiated: their squared norms and sums come from each
     layer's input a and delta (:mod:`hostavg.keras.layer_taps`); the other variables'

@@ -186,9 +186,9 @@ class KerasBackend(CompiledModel):
 
     def _sample_trace(self, leaves, signature, kind: str):
         """:meth:`_sample_function` of ``kind`` traced for the feed's ``leaves``; "sums" and
-        "own" with the eligible ``Dense`` and convolution layers tapped (:mod:`hostavg.keras.layer_taps`)
-        whose kernel and bias the loss reads nowhere else (traced again without those it does,
-        or does not call)."""
+        "own" with the eligible ``Dense`` and convolution layers tapped
+        (:mod:`hostavg.keras.layer_taps`) whose kernel and bias the loss reads nowhere else
+        (traced again without those it does, or does not call)."""
         means = [tf.TensorSpec(s.shape, tf.float64) for s in self.spec.values()]
         taps = LayerTaps(self.model, self._trained) if kind != "dots" else None
         while True:
