@@ -1,8 +1,9 @@
 """per_sample of a batch of one chunk in one call (hostavg.engine.samples): each gradient is
-dotted with the samples' own sum in the call that forms it, so no second pass runs where the
-host can bound what rounding and flushed products move a cosine; a loss that is no mean over
-its samples changes nothing of it, and tiny gradients (whose squares XLA flushes to 0 on a
-CPU) compute alone, to the brute force's values either way."""
+dotted with the samples' own sum (divided by its largest entry) in the call that forms it,
+so no second pass runs where those dots cover every finite sample and the host can bound
+their rounding; a loss that is no mean over its samples changes nothing of it, and tiny
+gradients (whose squares XLA flushes to 0 on a CPU) compute alone, to the brute force's
+values either way."""
 
 import keras
 import numpy as np
