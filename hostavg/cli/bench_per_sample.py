@@ -90,8 +90,8 @@ def run(configs, backend: str, repeats: int = 5, memory_config: bench.Config | N
                 f"{r['ratio']:>7.1f}x")
     out(f"(compute: one call on the whole batch; per_sample: one call on the same batch, "
         f"chunk_size {'its default (64 MiB of gradients)' if chunk_size is None else chunk_size}"
-        f"; medians of {repeats}, interleaved, "
-        f"after one untimed call of each; ratio: per_sample / compute)")
+        f"; medians of {repeats}, interleaved, after one untimed call of each; ratio: "
+        f"per_sample / compute)")
     results = {"format": FORMAT, "machine": bench._machine(), "keras_backend": backend,
                "repeats": repeats, "timing": timing}
     if memory_config is not None:
@@ -103,9 +103,9 @@ def memory(config: bench.Config = MEMORY_CONFIG, faces=("hostavg",),
            chunk_sizes: tuple | None = None, out=print, progress=None) -> list:
     """The peak extra resident memory of one ``per_sample`` of ``config``'s batch per face of
     ``faces`` and chunk size of ``chunk_sizes`` (default: :data:`MEMORY_CHUNK_SIZE` and the
-    whole batch), each in a fresh process (:func:`measure_memory`); prints them and returns the rows:
-    ``model``, ``samples``, ``face``, ``chunk_size``, ``parameters``, ``gradients_bytes`` (one
-    chunk's float32 per-sample gradients) and ``peak_bytes``. ``progress``: a stream for a
+    whole batch), each in a fresh process (:func:`measure_memory`); prints them and returns
+    the rows: ``model``, ``samples``, ``face``, ``chunk_size``, ``parameters``,
+    ``gradients_bytes`` (one chunk's float32 per-sample gradients) and ``peak_bytes``. ``progress``: a stream for a
     line per probe as it starts (default standard error; False for none).
     """
     say = bench._progress(progress)

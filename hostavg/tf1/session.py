@@ -150,8 +150,8 @@ class SessionBackend:
     def sample_dots(self, feed: dict, mean) -> np.ndarray:
         """See :class:`~hostavg.engine.protocols.Vectorized`: g_i . ``mean``, in float64, each
         sample's gradient formed in the call and dotted there."""
+        means = tuple(np.asarray(mean[name], np.float64) for name in self.spec)
         with _session_errors("per_sample"):
-            means = tuple(np.asarray(mean[name], np.float64) for name in self.spec)
             return np.asarray(self.wiring.samples(self.session, feed, "dots", means)[0],
                               np.float64)
 

@@ -270,12 +270,13 @@ class BaseTrainer:
         vectorizes the per-sample gradient (JAX: ``jax.vmap``; TensorFlow:
         ``tf.vectorized_map``, on TF1 of the loss's subgraph imported per sample;
         samples of one call meet the same dropout draws), else one sample per
-        call (a warning says why), in one pass (each sample's dot with the mean
-        gradient taken from the chunk's own sum, or a compute of each chunk),
-        two where the host cannot bound that mean's error within 1e-6 of a
-        cosine, and changes nothing: what the computes assigned is restored. The
-        mean is over the samples whose loss and gradient are finite. Cost and
-        memory: docs/guides/inspecting.md, "Per sample".
+        call (a warning says why), in two passes (the mean gradient, then each
+        sample's dot with it; a batch of one chunk in one, each sample's
+        gradient dotted with the samples' sum as it is formed, where the host's
+        bound on that dot's rounding allows), and changes nothing: what the
+        computes assigned is restored. The mean is over the samples whose loss
+        and gradient are finite. Cost and memory: docs/guides/inspecting.md,
+        "Per sample".
 
         Args:
           batch: one batch, as :meth:`compute` takes one.
