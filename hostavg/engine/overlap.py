@@ -1,12 +1,15 @@
-"""A step's computations one ahead: micro-batch i + 1 computes in a worker thread while the host
-takes micro-batch i (``overlap=True``), or each in turn in the caller's thread."""
+"""How a step's computations are taken: one ahead, micro-batch i + 1 computing in a worker thread
+while the host takes micro-batch i (``overlap=True``), or each in turn in the caller's thread,
+several of them in one call where the backend can (:class:`Together`)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
-__all__ = ["Ahead", "worker"]
+from hostavg.core.errors import HostavgError
+
+__all__ = ["Ahead", "Together", "worker"]
 
 
 def worker() -> ThreadPoolExecutor:
@@ -55,6 +58,42 @@ class Ahead:
             # The worker runs what it is given in order: once this no-op has run, nothing
             # submitted before it is running (whatever an interrupt left unassigned).
             _wait(self.pool.submit(_nothing))
+
+
+class Together:
+    """Micro-batches computed several in one call (:class:`~hostavg.engine.protocols.Many`):
+    ``take(i)`` gives computation ``i``, from the call that computed it, which it makes
+    where none has; None where it is to be computed alone.
+
+    A call computes from micro-batch i on as many in a row as the backend takes (none left
+    out). Where one fails, the step's remaining micro-batches are computed alone: nothing
+    was assigned, and one at a time the failure is named by its micro-batch.
+    """
+
+    def __init__(self, compute_many, feeds: list, shares: list):
+        self._many, self._feeds, self._shares = compute_many, feeds, shares
+        self._done = {}  # index -> its computation, not yet taken
+        self._off = False
+
+    def take(self, i: int):
+        if i in self._done:
+            return self._done.pop(i)
+        if self._off:
+            return None
+        end = i
+        while end < len(self._feeds) and self._feeds[end] is not None:
+            end += 1
+        if end - i < 2:
+            return None
+        try:
+            outs = self._many(self._feeds[i:end], self._shares[i:end])
+        except HostavgError:
+            outs = ()
+        if not outs:
+            self._off = True
+            return None
+        self._done.update(zip(range(i + 1, i + len(outs)), outs[1:]))
+        return outs[0]
 
 
 def _nothing() -> None:

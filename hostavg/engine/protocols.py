@@ -14,7 +14,7 @@ from hostavg.core.gradients import VariableSpec
 from hostavg.core.stats import update_ratio
 
 __all__ = ["AVERAGE_MODES", "NONFINITE_MODES", "ApplyRequest", "Applied", "Average", "Backend",
-           "Bounded", "Computed", "Fused", "HostAverage", "NotVectorized", "SampleStats",
+           "Bounded", "Computed", "Fused", "HostAverage", "Many", "NotVectorized", "SampleStats",
            "SampleSums", "Tally", "Vectorized"]
 
 
@@ -229,6 +229,24 @@ class Fused(Protocol):
         the compute gave, what the apply reported). None where the apply did not run (refused,
         or the call failed before it): what the compute assigns may have moved; the engine
         restores it and computes again apart. Asked only where :attr:`fuses`."""
+
+
+class Many(Protocol):
+    """What a backend may add so that several micro-batches of a step cost one call: their
+    computes in turn in one compiled call, each from the state the one before it left (moving
+    statistics, random seeds, metrics), as one compute after another would leave it. The
+    engine asks where no hook may drop a micro-batch (each then needs its own snapshot) and
+    the step's computes are not overlapped; it shows them to the hooks, checks them and adds
+    them one by one, as it does computes made one at a time."""
+
+    def compute_many(self, feeds: Sequence, shares: Sequence[float]) -> list[Computed]:
+        """:meth:`Backend.compute` of the first m of ``feeds`` (their ``shares``) in one call,
+        in order, m >= 0 as the backend chooses (feeds of one input signature, their
+        gradients within the memory it allows such a call): equal, bit for bit where the
+        framework compiles the same arithmetic, to m computes one after another, and leaving
+        what they assign as the last of them would. Raises what :meth:`Backend.compute`
+        raises; then nothing is assigned, and the engine computes them one at a time, which
+        names the micro-batch that failed."""
 
 
 class Backend(Protocol):

@@ -50,7 +50,7 @@ from hostavg.engine import culprits, frozen, samples
 from hostavg.engine.batches import Prepared, prepare, prepare_one, row_indices
 from hostavg.engine.hooks import call, methods, name_of, normalize_hooks
 from hostavg.engine.overflow import overflowed, undone
-from hostavg.engine.overlap import Ahead, worker
+from hostavg.engine.overlap import Ahead, Together, worker
 from hostavg.engine.proof import Proof
 from hostavg.engine.products import Operator, StepBatch, measured
 from hostavg.engine.protocols import ApplyRequest, Average, Backend, HostAverage, SampleStats, Tally
@@ -502,11 +502,15 @@ class Engine:
         """
         keep = self._may_drop or bool(log.searched)
         whole = sum(batch.size for batch in batches)
+        pool, together = self._takers(backend, batches, whole, keep, log)
 
         def run(i):
             batch = batches[i]
             if batch.feed is None:  # every sample left out: nothing to compute
                 return None, None
+            out = None if together is None else together.take(i)
+            if out is not None:
+                return None, self._checked_out(backend, out, batch.size, f"step, {batch.where}")
             try:
                 before = backend.snapshot() if keep else None
             except HostavgError as e:
@@ -514,11 +518,6 @@ class Engine:
             return before, self._compute(backend, batch.feed, batch.size, f"step, {batch.where}",
                                          whole, log.fused)
 
-        pool = None
-        if self.overlap and len(batches) > 1:
-            if self._worker is None:
-                self._worker = worker()
-            pool = self._worker
         global_step = None
         try:
             with contextlib.closing(Ahead(pool, run, len(batches))) as ahead:
@@ -561,6 +560,25 @@ class Engine:
             for i, hook, asked in log.asked:
                 self._searched(backend, batches[i], log, i, hook, asked)
         return global_step
+
+    def _takers(self, backend, batches: list[Prepared], whole: int, keep: bool,
+                log: _StepLog) -> tuple:
+        """How the step's computes are taken: (the worker that computes one ahead, with
+        ``overlap``, or None; a :class:`Together` where ``backend`` computes several in one
+        call (:class:`~hostavg.engine.protocols.Many`), or None). Several in one call only
+        where no micro-batch needs a snapshot of its own (``keep``: a hook may drop it),
+        none is computed ahead, and the step is not one compute-and-apply call."""
+        pool = None
+        if self.overlap and len(batches) > 1:
+            if self._worker is None:
+                self._worker = worker()
+            pool = self._worker
+        compute_many = getattr(backend, "compute_many", None)
+        if compute_many is None or keep or pool is not None or log.fused is not None \
+                or len(batches) < 2 or not whole:
+            return pool, None
+        return pool, Together(compute_many, [b.feed for b in batches],
+                              [b.size / whole for b in batches])
 
     def _left_out(self, i: int, batch: Prepared, backend, log: _StepLog,
                   global_step: int | None) -> int:
@@ -722,6 +740,11 @@ class Engine:
                 error.fixed_batch = True  # no one sample is to blame: not traced to rows
                 raise error from e.__cause__
             raise type(e)(said) from e.__cause__
+        return self._checked_out(backend, out, n, where)
+
+    def _checked_out(self, backend, out, n: int, where: str) -> tuple[Gradients, int, tuple]:
+        """:meth:`_gradients` of ``out``, micro-batch ``where``'s computation, its loss
+        refused unless a scalar."""
         if np.ndim(out.loss) != 0:
             raise StepError(f"{where}: the loss has shape {np.shape(out.loss)}, not a scalar; "
                             f"reduce it with {backend.advice['mean_op']}")

@@ -19,6 +19,7 @@ numerics.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections.abc import Mapping
@@ -47,6 +48,11 @@ _WIDE = jax.dtypes.canonicalize_dtype(jnp.float64)
 #: How many computes' output buffers are kept to be donated: the one before the last is
 #: free again once the engine has added it (with ``overlap``, the one in flight is the last).
 _RING = 2
+#: The most bytes of gradients one call of several micro-batches returns (their computes in
+#: turn, :meth:`KerasJaxBackend.compute_many`): a step's several calls cost a dispatch each,
+#: which on a small model is most of a micro-batch's time; a large gradient's own cost
+#: dwarfs its dispatch, and its computes stay one a call, their buffers reused.
+TOGETHER_BYTES = 16 * 2 ** 20
 
 
 class KerasJaxBackend(CompiledModel):
@@ -92,6 +98,8 @@ class KerasJaxBackend(CompiledModel):
         self._losses = {}  # input signature -> the loss function its compute differentiates
         self._products = {}  # input signature -> jitted Hessian-vector product
         self._samples = {}  # (input signature, "sums", "own" or "dots") -> jitted function
+        self._bodies = {}  # jitted compute -> (its function, indices of what it assigns)
+        self._together = {}  # (jitted compute, count) -> its computes in turn, or None
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -119,6 +127,75 @@ class KerasJaxBackend(CompiledModel):
                 self._ring.append(grads)
         return Computed(float(loss), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
                         self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
+
+    def compute_many(self, feeds, shares) -> list[Computed]:
+        """See :class:`~hostavg.engine.protocols.Many`: the first of ``feeds`` and those after
+        it of the same input signature, as many as :data:`TOGETHER_BYTES` of gradients hold,
+        computed by one jitted ``jax.lax.scan`` of the compute, each from the moving values the
+        one before left; none where fewer than two, or where the scan cannot be traced."""
+        (function, assigns, names), _, _ = feeds[0]
+        most = TOGETHER_BYTES // max(1, sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                                             for s in self.spec.values()))
+        shapes = _shapes(feeds[0])
+        count = 1
+        while count < min(len(feeds), most) and _shapes(feeds[count]) == shapes:
+            count += 1
+        if count < 2 or self._together.get((function, count), True) is None:
+            return []
+        model = self.model
+        arguments = ([v.value for v in model.trainable_variables],
+                     [v.value for v in model.non_trainable_variables],
+                     [v.value for v in model.metrics_variables], self._slots(),
+                     np.asarray(shares[:count], np.float32),
+                     [_stacked([f[1][j] for f in feeds[:count]]) for j in range(len(feeds[0][1]))])
+        together = self._together.get((function, count))
+        if together is None:
+            together = self._traced_together(function, count, arguments)
+            if together is None:
+                return []
+        with _jax_errors("compute"):
+            losses, sq_norms, grads, assigned, logs = together(*arguments)
+            jax.block_until_ready(grads)
+        for v, value in zip(assigns, assigned):
+            v.assign(value)
+        losses, sq_norms, step = np.asarray(losses), np.asarray(sq_norms), self.global_step()
+        grads, logs = [_host(g) for g in grads], [np.asarray(v) for v in logs]
+        computed = []
+        for i in range(count):
+            self._took(names, [v[i] for v in logs])
+            computed.append(Computed(
+                float(losses[i]), {name: freeze(g[i]) for name, g in zip(self.spec, grads)}, step,
+                dict(zip(self.spec, sq_norms[i].tolist()))))
+        return computed
+
+    def _traced_together(self, function, count: int, arguments):
+        """The jitted scan of ``count`` computes of ``function`` (:meth:`compute_many`), compiled
+        on ``arguments``; None, noted, where it does not trace (the computes then run one a
+        call, which raise the model's own errors)."""
+        body, assigned, metrics = self._bodies[function]
+
+        def together(trainable, untrained, metric_values, slots, shares, stacked):
+            def one(carry, xs):
+                untrained, metric_values = list(carry[0]), list(carry[1])
+                loss, sq, grads, new, logs = body(trainable, untrained, metric_values, slots,
+                                                  xs[0], (), xs[1])
+                for values, at, changed in ((untrained, assigned, new[:len(assigned)]),
+                                            (metric_values, metrics, new[len(assigned):])):
+                    for i, value in zip(at, changed):
+                        values[i] = jax.lax.convert_element_type(value, values[i].dtype)
+                return (untrained, metric_values), (loss, sq, grads, logs)
+            (untrained, metric_values), (losses, sq, grads, logs) = jax.lax.scan(
+                one, (untrained, metric_values), (shares, stacked))
+            return losses, sq, grads, \
+                [untrained[i] for i in assigned] + [metric_values[i] for i in metrics], logs
+
+        jitted = jax.jit(together, out_shardings=(None, None, self._outputs, None, None))
+        try:
+            jitted.lower(*arguments).compile()
+        except Exception:  # noqa: BLE001 - computed one a call instead, as before
+            jitted = None
+        self._together[(function, count)] = jitted
+        return jitted
 
     def random_ops(self) -> tuple:
         return ()  # the check names Keras's random layers in its advice
@@ -450,7 +527,8 @@ class KerasJaxBackend(CompiledModel):
                     f"or train without mixed_float16's loss scaling")
             self.spec, self._kept = spec, kept
         self._losses[signature] = loss
-        return self._compiled_compute(loss), self._adopt(seen["assigned"], seen["metrics"]), ()
+        return self._jitted(self._compiled_compute(loss), seen), \
+            self._adopt(seen["assigned"], seen["metrics"]), ()
 
     def _built(self, leaves, signature, what: str) -> list:
         """The model's trainable variables, the model, its optimizer and its metrics built on
@@ -496,8 +574,8 @@ class KerasJaxBackend(CompiledModel):
     def _compiled_compute(self, loss):
         """``(trainable, untrained, metric values, optimizer values, share, donated, leaves) ->
         (loss, squared norms, gradients, the new values of the variables the forward pass and
-        the metrics assign, no logs)``, jitted; ``donated`` (gradient-shaped buffers) is donated. The
-        gradients are of the loss as the optimizer scales it, divided by its scale."""
+        the metrics assign, no logs)`` (:meth:`_jitted` jits it). The gradients are of the loss
+        as the optimizer scales it, divided by its scale."""
         kept, optimizer, scales = self._kept, self.optimizer, self._scales
 
         def of_kept(kept_values, trainable, untrained, metric_values, slots, share, flat):
@@ -516,8 +594,16 @@ class KerasJaxBackend(CompiledModel):
                 grads = [g / scale.astype(g.dtype) for g in grads]
             return value, _squares(grads), grads, [*new, *metrics], []
 
-        return jax.jit(compute, donate_argnums=5, keep_unused=True,
-                       out_shardings=(None, None, self._outputs, None, None))
+        return compute
+
+    def _jitted(self, compute, seen: Mapping):
+        """``compute`` jitted, ``donated`` (gradient-shaped buffers, its sixth argument)
+        donated; kept with the indices of the non-trainable and metric variables it assigns
+        (``seen``'s "assigned" and "metrics") for :meth:`compute_many`."""
+        function = jax.jit(compute, donate_argnums=5, keep_unused=True,
+                           out_shardings=(None, None, self._outputs, None, None))
+        self._bodies[function] = (compute, list(seen["assigned"]), list(seen["metrics"]))
+        return function
 
     def _donated_gradient_buffers(self):
         """What a compute donates for its gradients: the buffers of the compute two before (or
@@ -637,9 +723,8 @@ class KerasJaxTrainStepBackend(OwnStep, KerasJaxBackend):
                                                    flat, {})
             return loss, _squares(grads), grads, [*new, *metrics], logs
 
-        function = jax.jit(compute, donate_argnums=5, keep_unused=True,
-                           out_shardings=(None, None, self._outputs, None, None))
-        return function, self._adopt(seen["assigned"], seen["metrics"]), seen["names"]
+        return self._jitted(compute, seen), self._adopt(seen["assigned"], seen["metrics"]), \
+            seen["names"]
 
     def _stepping(self, signature, what: str):
         """``(trainable, untrained, metric values, optimizer values, leaves, seen) -> (loss,
@@ -785,6 +870,20 @@ def _host_outputs() -> tuple:
     except Exception:  # noqa: BLE001 - whatever fails, the gradients stay in device memory
         pass
     return "device", None, False
+
+
+def _shapes(feed) -> tuple:
+    """A prepared feed's compute and its inputs' shapes and dtypes: feeds alike in these
+    compute in one call (:meth:`KerasJaxBackend.compute_many`)."""
+    return feed[0][0], feed[2], tuple((np.shape(leaf), np.result_type(leaf)) for leaf in feed[1])
+
+
+def _stacked(leaves: list):
+    """The micro-batches' ``leaves`` of one input stacked on a new first axis: by NumPy on the
+    host, by JAX where they are on a device already."""
+    if all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return np.stack(leaves)
+    return jnp.stack(leaves)
 
 
 def _host(array) -> np.ndarray:

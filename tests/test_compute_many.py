@@ -1,0 +1,213 @@
+"""Several micro-batches of a step computed in one call (``hostavg.engine.protocols.Many``).
+
+The engine's side (:class:`hostavg.engine.overlap.Together`) is tested here on plain
+functions. Keras's JAX backend computes a step's micro-batches by one ``jax.lax.scan`` of
+its compute (:meth:`KerasJaxBackend.compute_many`); those tests run in CI's
+``KERAS_BACKEND=jax`` step (see .ci/run) and hold it, bit for bit, to the same step
+computed one micro-batch a call: the weights, the optimizer's state, the moving statistics,
+the dropout seed's state, the metrics, each micro-batch's gradients.
+"""
+
+import keras
+import numpy as np
+import pytest
+from models import BATCH, batches, keras_model
+
+import hostavg
+import hostavg.keras
+from hostavg.core.gradients import is_frozen
+from hostavg.engine.overlap import Together
+
+ON_JAX = keras.backend.backend() == "jax"
+jax_only = pytest.mark.skipif(not ON_JAX, reason="Keras runs on TensorFlow in this process; "
+                                                 "CI's KERAS_BACKEND=jax step runs these")
+SIZES = [10, 10, 10, 10]
+
+
+# --- The engine's side, framework-free ------------------------------------------------------
+
+class Calls:
+    """A ``compute_many`` that takes at most ``most`` feeds a call and notes each call; raises
+    a HostavgError where ``fails``."""
+
+    def __init__(self, most: int = 10, fails: bool = False):
+        self.most, self.fails, self.calls = most, fails, []
+
+    def __call__(self, feeds, shares):
+        self.calls.append((list(feeds), list(shares)))
+        if self.fails:
+            raise hostavg.StepError("the framework refused")
+        return [("computed", f, s) for f, s in zip(feeds[:self.most], shares)]
+
+
+def test_together_computes_from_the_first_asked_as_many_as_the_backend_takes():
+    many = Calls(most=2)
+    together = Together(many, ["a", "b", "c", "d", "e"], [0.1, 0.2, 0.3, 0.2, 0.2])
+    got = [together.take(i) for i in range(5)]
+    assert got[:4] == [("computed", f, s) for f, s in zip("abcd", [0.1, 0.2, 0.3, 0.2])]
+    assert got[4] is None  # one left: computed alone
+    assert [c[0] for c in many.calls] == [list("abcde"), list("cde")]
+
+
+def test_together_stops_at_a_micro_batch_left_out():
+    many = Calls()
+    together = Together(many, ["a", "b", None, "c", "d", None, "e"], [0.2] * 7)
+    assert [together.take(i) is not None for i in (0, 1, 3, 4, 6)] == [True] * 4 + [False]
+    assert [c[0] for c in many.calls] == [["a", "b"], ["c", "d"]]
+
+
+def test_after_a_failed_call_every_micro_batch_left_computes_alone():
+    """A call that fails assigned nothing: one at a time, the failure is named by its
+    micro-batch; the step does not try the call again."""
+    many = Calls(fails=True)
+    together = Together(many, ["a", "b", "c"], [1 / 3] * 3)
+    assert [together.take(i) for i in range(3)] == [None] * 3
+    assert len(many.calls) == 1
+
+
+def test_a_backend_that_takes_none_leaves_each_to_compute_alone():
+    many = Calls(most=0)
+    together = Together(many, ["a", "b", "c"], [1 / 3] * 3)
+    assert [together.take(i) for i in range(3)] == [None] * 3
+    assert len(many.calls) == 1
+
+
+# --- Keras on JAX --------------------------------------------------------------------------
+
+def trainer_of(accumulate="stack", **kw):
+    model = keras_model(seed=0, batch_norm=True, dropout=True)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return hostavg.keras.Trainer(model, accumulate=accumulate, **kw)
+
+
+class Spy:
+    """Counts the backend's computes: one micro-batch a call, several a call."""
+
+    def __init__(self, trainer, monkeypatch):
+        backend, self.one, self.many = trainer._backend, [], []
+        compute, compute_many = backend.compute, backend.compute_many
+
+        def one(feed, share=1.0):
+            self.one.append(share)
+            return compute(feed, share)
+
+        def many(feeds, shares):
+            out = compute_many(feeds, shares)
+            self.many.append(len(out))
+            return out
+        monkeypatch.setattr(backend, "compute", one)
+        monkeypatch.setattr(backend, "compute_many", many)
+
+
+def state(trainer) -> dict:
+    """Every variable's value by its position and its path less the numbers Keras appends to
+    a name it has seen (two models have their own seed generators)."""
+    model = trainer.model
+    return {f"{i} {where}/{v.path.split('/')[-1]}": np.asarray(v)
+            for where, variables in (("model", model.variables),
+                                     ("optimizer", model.optimizer.variables),
+                                     ("metric", model.metrics_variables))
+            for i, v in enumerate(variables)}
+
+
+def stepped(monkeypatch, one_a_call: bool, data) -> tuple:
+    if one_a_call:
+        monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
+    trainer = trainer_of()
+    spy = Spy(trainer, monkeypatch)
+    results = [trainer.step(hostavg.split((d["x"], d["y"]), 10)) for d in data]
+    monkeypatch.undo()
+    return trainer, spy, results
+
+
+@jax_only
+def test_a_step_computed_in_one_call_is_the_step_one_call_a_micro_batch_bit_for_bit(
+        monkeypatch):
+    data = batches(0, 3, BATCH)
+    together, spy, results = stepped(monkeypatch, False, data)
+    assert spy.one == [] and spy.many == [4, 4, 4]
+    apart, spy_apart, results_apart = stepped(monkeypatch, True, data)
+    assert len(spy_apart.one) == 12 and spy_apart.many == [0, 0, 0]
+    a, b = state(together), state(apart)
+    assert a.keys() == b.keys() and any("seed_generator" in k for k in a)
+    assert any("moving_mean" in k for k in a) and any(" metric/" in k for k in a)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for got, want in zip(results, results_apart):
+        assert got.loss == want.loss
+        assert [m.loss for m in got.micro] == [m.loss for m in want.micro]
+        for m, n in zip(got.micro, want.micro):
+            for name in m.grads:
+                np.testing.assert_array_equal(m.grads[name], n.grads[name], err_msg=name)
+
+
+@jax_only
+def test_micro_batches_of_another_shape_compute_apart(monkeypatch):
+    """The last micro-batch of 30 samples cut by 12 has 6: the first two compute in one call,
+    it in one of its own."""
+    (data,) = batches(1, 1, 30)
+    trainer = trainer_of()
+    spy = Spy(trainer, monkeypatch)
+    result = trainer.step(hostavg.split((data["x"], data["y"]), 12))
+    assert spy.many == [2] and spy.one == [pytest.approx(6 / 30)]
+    assert [m.size for m in result.micro] == [12, 12, 6]
+
+
+@jax_only
+def test_large_gradients_compute_one_a_call(monkeypatch):
+    gradient = sum(np.asarray(v).nbytes for v in trainer_of().model.trainable_variables)
+    monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 2 * gradient - 1)
+    trainer = trainer_of()
+    spy = Spy(trainer, monkeypatch)
+    (data,) = batches(2, 1, BATCH)
+    trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    assert spy.many == [0] and len(spy.one) == 4
+
+
+@jax_only
+def test_gradients_handed_out_are_read_only_rows_of_no_one_elses_buffer():
+    trainer = trainer_of()
+    (data,) = batches(3, 1, BATCH)
+    result = trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    for m in result.micro:
+        for name, g in m.grads.items():
+            assert is_frozen(g), name
+            with pytest.raises(ValueError):
+                g[...] = 0
+
+
+@jax_only
+def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeypatch):
+    trainer = trainer_of(accumulate="sum")
+    (warm,) = batches(4, 1, BATCH)
+    trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
+    before = state(trainer)
+    (data,) = batches(5, 1, BATCH)
+    data["x"][23, 1] = np.nan
+    spy = Spy(trainer, monkeypatch)
+    with pytest.raises(hostavg.StepError) as caught:
+        trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    assert caught.value.micro_batch == 2 and "sample 23 of the step" in str(caught.value)
+    assert spy.many[:1] == [4]
+    after = state(trainer)
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+
+
+@jax_only
+def test_a_scan_that_does_not_trace_leaves_the_computes_one_a_call(monkeypatch):
+    """Tried once per compute and count: the trainer then computes one micro-batch a call, as
+    before, and does not try again."""
+    import jax
+    tried = []
+
+    def refused(*args, **kwargs):
+        tried.append(1)
+        raise NotImplementedError("no scan here")
+    trainer = trainer_of()
+    monkeypatch.setattr(jax.lax, "scan", refused)
+    spy = Spy(trainer, monkeypatch)
+    for data in batches(6, 2, BATCH):
+        trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    assert tried == [1] and spy.many == [0, 0] and len(spy.one) == 8
