@@ -38,7 +38,8 @@ PYTHON_APIS = {"get_handler": "_signal.getsignal", "set_handler": "_signal.signa
 KERAS_APIS = {"compile_arguments": "keras.Model._compile_config",
               "initial_epoch": "keras.Model._initial_epoch",
               "unbuilt": "keras.Model._symbolic_build",
-              "owners": "keras.optimizers.Optimizer._trainable_variables"}
+              "owners": "keras.optimizers.Optimizer._trainable_variables",
+              "assign": "keras.Variable._direct_assign"}
 JAX_APIS = {"used_inputs": "jax.extend.core.Jaxpr (walked back from the loss)"}
 
 
@@ -369,6 +370,24 @@ def test_a_models_compile_arguments_are_read_alike():
     assert b["metrics"][0].get_config() == accuracy.get_config()
     assert a["loss"] == b["loss"] and a["loss_weights"] == b["loss_weights"]
     assert b["optimizer"].get_config() == a["optimizer"].get_config()
+
+
+@pytest.mark.parametrize("value", [np.arange(3, dtype=np.float32), np.arange(3),
+                                   np.arange(3, dtype=np.float64), [1, 2, 3]])
+def test_values_are_assigned_alike(value):
+    """The same variables' values either way: the private form writes a value of the
+    variable's dtype and shape as it is, converts any other as ``assign`` does."""
+    import keras
+    private, public = forms("keras.Variable._direct_assign")
+    a, b = (keras.Variable(np.zeros(3, np.float32)) for _ in range(2))
+    value = keras.ops.convert_to_tensor(value) if not isinstance(value, list) else value
+    private([a], [value])
+    public([b], [value])
+    assert a.dtype == b.dtype == "float32"
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(a.value),
+                                  keras.ops.convert_to_numpy(b.value))
+    with pytest.raises(ValueError):
+        private([a], [np.zeros(4, np.float32)])
 
 
 def test_where_backup_and_restore_resumes_is_read_by_the_private_form_only(tmp_path):

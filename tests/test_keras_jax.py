@@ -19,7 +19,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from models import ENV, VOCAB, batches, keras_model
+from models import BATCH, ENV, VOCAB, batches, keras_model
 
 import hostavg
 import hostavg.keras
@@ -170,3 +170,27 @@ def test_a_keras_backend_without_a_hostavg_backend_is_refused_by_name(monkeypatc
                                                    r"jax backend, got 'torch'; set KERAS_BACKEND "
                                                    r"to one of them before importing keras$"):
         trainer(model)
+
+
+def metric_trainer(*metrics):
+    model = keras_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=list(metrics),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return hostavg.keras.Trainer(model)
+
+
+@jax_only
+def test_training_metrics_computed_in_one_call_are_keras_own_results():
+    """The results of every compiled metric in one jitted call equal each metric's own
+    ``result()``, bit for bit."""
+    from hostavg.keras.common import CompiledModel
+    t = metric_trainer("accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2),
+                       keras.metrics.SparseCategoricalCrossentropy(from_logits=True))
+    d = batches(0, 1, BATCH)[0]
+    t.step(hostavg.split((d["x"], d["y"]), 10))
+    backend = t._backend
+    got, want = backend.training_results(), CompiledModel.training_results(backend)
+    assert got.keys() == want.keys() and len(got) == 3
+    for name in got:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+

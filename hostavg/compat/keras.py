@@ -6,18 +6,16 @@ exists (Keras's own code still reads or writes it), else its public fallback;
 reads Keras's code objects only: it makes no variable, so it initialises no device. Each,
 private API; fallback:
 
-* :func:`compile_arguments`: ``Model._compile_config``, the arguments ``compile`` was given, as
-  given (the very metric objects); the public ``Model.get_compile_config()``, deserialized:
-  equal objects, made anew (a metric object the caller holds is then not the one the model
-  updates; a custom object must be registered with Keras to be deserialized).
-* :func:`initial_epoch`: ``Model._initial_epoch``, the epoch at which Keras's
-  ``BackupAndRestore`` callback says training resumes (Keras's own fit reads
-  it after ``on_train_begin``); the fallback says None: the backup's weights
-  are restored, but training starts at fit's ``initial_epoch``.
-* :func:`unbuilt`: ``Model._symbolic_build``'s test (a layer, the compiled
-  loss or metrics not built); the fallback sees no unbuilt compiled loss.
-* :func:`owners`: each slot's variable, by lists aligned with ``Optimizer._trainable_variables``;
-  the fallback by ``add_variable_from_reference``'s names (Adafactor's moments lack them).
+* :func:`compile_arguments`: ``Model._compile_config``, ``compile``'s very arguments; the
+  public ``get_compile_config()`` deserialized gives equal objects, made anew.
+* :func:`initial_epoch`: ``Model._initial_epoch``, where ``BackupAndRestore`` says training
+  resumes; the fallback says None (training starts at fit's ``initial_epoch``).
+* :func:`unbuilt`: ``Model._symbolic_build``'s test (a layer, the compiled loss or metrics
+  not built); the fallback sees no unbuilt compiled loss.
+* :func:`owners`: each slot's variable, by ``Optimizer._trainable_variables``; the fallback
+  by ``add_variable_from_reference``'s names (Adafactor's moments lack them).
+* :func:`assign`: compiled outputs written by ``Variable._direct_assign``; the fallback
+  ``Variable.assign``, which converts and checks each (about 10 us a variable on JAX).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import keras
 
 from hostavg.compat import choose
 
-__all__ = ["compile_arguments", "initial_epoch", "owners", "unbuilt"]
+__all__ = ["assign", "compile_arguments", "initial_epoch", "owners", "unbuilt"]
 
 
 def _names(function) -> tuple:
@@ -56,6 +54,34 @@ def _compile_arguments_works() -> bool:
 
 compile_arguments = choose("keras.Model._compile_config", _compile_arguments_private,
                            _compile_arguments_public, _compile_arguments_works)
+
+
+# --- Values a compiled function made, written into their variables --------------------------
+
+
+def _assign_private(variables, values) -> None:
+    """Each of ``values`` into its variable of ``variables``: by ``Variable._direct_assign``, what
+    ``assign`` ends with, where the value has the variable's shape and dtype already (not
+    JAX's weak type, which ``assign`` makes strong); else by ``assign``, which converts it."""
+    for v, value in zip(variables, values):
+        if getattr(value, "dtype", None) == v.dtype and tuple(value.shape) == tuple(v.shape) \
+                and not getattr(value, "weak_type", False):
+            v._direct_assign(value)  # pylint: disable=protected-access
+        else:
+            v.assign(value)
+
+
+def _assign_public(variables, values) -> None:
+    """Each of ``values`` into its variable of ``variables`` by ``Variable.assign``."""
+    for v, value in zip(variables, values):
+        v.assign(value)
+
+
+def _assign_works() -> bool:
+    return "_direct_assign" in _names(keras.Variable.assign)
+
+
+assign = choose("keras.Variable._direct_assign", _assign_private, _assign_public, _assign_works)
 
 
 # --- Where BackupAndRestore says training resumes ---------------------------------------------

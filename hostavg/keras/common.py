@@ -36,7 +36,7 @@ from hostavg.keras.bounds import update_bound
 from hostavg.keras.train_step import log_value, overrides_train_step
 
 __all__ = ["BATCH_NORM_MODES", "MEAN_REDUCTIONS", "ApplyOutputs", "CompiledModel", "ModelVariables",
-           "checked_optimizer", "compiled", "loss_function", "metric_results",
+           "checked_optimizer", "compiled", "loss_function", "metric_results", "named_results",
            "model_errors", "traced_message"]
 
 #: Keras loss reductions that give the micro-batch MEAN, sum_j w_j l_j / n_samples.
@@ -149,11 +149,14 @@ def metric_results(model, updated, skip=()) -> dict:
     dict (the compiled metrics) gives each of its entries, as
     ``model.get_metrics_result()`` does.
     """
+    metrics = [metric for metric in model.metrics if id(metric) in updated]
+    return named_results(metrics, [metric.result() for metric in metrics], skip)
+
+
+def named_results(metrics: list, results: list, skip=()) -> dict:
+    """:func:`metric_results` of ``metrics``, whose ``result()`` gave ``results``."""
     out = {}
-    for metric in model.metrics:
-        if id(metric) not in updated:
-            continue
-        result = metric.result()
+    for metric, result in zip(metrics, results):
         named = result.items() if isinstance(result, dict) else [(metric.name, result)]
         out.update({name: log_value(value) for name, value in named if name not in skip})
     return out
