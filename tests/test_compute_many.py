@@ -3,9 +3,11 @@
 The engine's side (:class:`hostavg.engine.overlap.Together`) is tested here on plain
 functions. Keras's JAX backend computes a step's micro-batches by one ``jax.lax.scan`` of
 its compute (:meth:`KerasJaxBackend.compute_many`); those tests run in CI's
-``KERAS_BACKEND=jax`` step (see .ci/run) and hold it, bit for bit, to the same step
-computed one micro-batch a call: the weights, the optimizer's state, the moving statistics,
-the dropout seed's state, the metrics, each micro-batch's gradients.
+``KERAS_BACKEND=jax`` step (see .ci/run) and hold it to the same step computed one
+micro-batch a call: the weights, the optimizer's state, the moving statistics, the dropout
+seed's state, the metrics, each micro-batch's gradients; bit for bit on a dense model, to
+float32 rounding where XLA compiles the scan's body otherwise (a convolution, a weight
+regularizer: a few ulps), and the error of a failed step, its culprits, what a hook sees.
 """
 
 import keras
@@ -37,7 +39,8 @@ class Calls:
         self.calls.append((list(feeds), list(shares)))
         if self.fails:
             raise hostavg.StepError("the framework refused")
-        return [("computed", f, s) for f, s in zip(feeds[:self.most], shares)]
+        return [(("computed", f, s), lambda f=f: ("after", f))
+                for f, s in zip(feeds[:self.most], shares)]
 
 
 def test_together_computes_from_the_first_asked_as_many_as_the_backend_takes():
@@ -47,6 +50,7 @@ def test_together_computes_from_the_first_asked_as_many_as_the_backend_takes():
     assert got[:4] == [("computed", f, s) for f, s in zip("abcd", [0.1, 0.2, 0.3, 0.2])]
     assert got[4] is None  # one left: computed alone
     assert [c[0] for c in many.calls] == [list("abcde"), list("cde")]
+    assert [together.state_after(i) for i in range(5)] == [("after", f) for f in "abcd"] + [None]
 
 
 def test_together_stops_at_a_micro_batch_left_out():
@@ -143,6 +147,43 @@ def test_a_step_computed_in_one_call_is_the_step_one_call_a_micro_batch_bit_for_
 
 
 @jax_only
+def test_a_convnet_step_in_one_call_is_the_step_one_call_a_micro_batch_to_rounding(monkeypatch):
+    """XLA may fuse a convolution's arithmetic otherwise within the scan than alone: a few
+    ulps apart (4e-7 on gradients of 0.5 here), never more."""
+    layers = keras.layers
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(0, 1, (32, 12, 12, 3)).astype(np.float32), rng.integers(0, 3, 32)
+
+    def stepped_conv(one_a_call: bool):
+        if one_a_call:
+            monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12, 12, 3))
+        h = layers.Conv2D(8, 3, activation="relu", name="conv")(inputs)
+        h = layers.Flatten()(layers.BatchNormalization(name="bn")(h))
+        model = keras.Model(inputs, layers.Dense(3, name="out")(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        trainer = hostavg.keras.Trainer(model, accumulate="stack")
+        spy = Spy(trainer, monkeypatch)
+        results = [trainer.step(hostavg.split((x, y), 8)) for _ in range(3)]
+        monkeypatch.undo()
+        return trainer, spy.many, results
+
+    (together, many, results), (apart, _, results_apart) = stepped_conv(False), stepped_conv(True)
+    assert many == [4, 4, 4]
+    a, b = state(together), state(apart)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for got, want in zip(results, results_apart):
+        for m, n in zip(got.micro, want.micro):
+            assert m.loss == pytest.approx(n.loss, rel=1e-6)
+            for name in m.grads:
+                np.testing.assert_allclose(m.grads[name], n.grads[name], rtol=1e-5, atol=1e-6,
+                                           err_msg=name)
+
+
+@jax_only
 def test_micro_batches_of_another_shape_compute_apart(monkeypatch):
     """The last micro-batch of 30 samples cut by 12 has 6: the first two compute in one call,
     it in one of its own."""
@@ -211,3 +252,111 @@ def test_a_scan_that_does_not_trace_leaves_the_computes_one_a_call(monkeypatch):
     for data in batches(6, 2, BATCH):
         trainer.step(hostavg.split((data["x"], data["y"]), 10))
     assert tried == [1] and spy.many == [0, 0] and len(spy.one) == 8
+
+
+@jax_only
+def test_the_samples_of_a_failed_micro_batch_are_searched_from_the_state_its_compute_left(
+        monkeypatch):
+    """A finite input that overflows behind a dropout: whether a sample is non-finite alone
+    depends on the masks the search draws, so it must draw them from the seed state that
+    micro-batch's compute left, not the state after the call's last micro-batch."""
+    rng = np.random.default_rng(2)
+    data = [(rng.normal(0, 1, (40, 6)).astype(np.float32), rng.integers(0, 3, 40).astype(np.int32))
+            for _ in range(3)]
+    data[2][0][25, 1] = 3e38
+    layers = keras.layers
+
+    def failed(one_a_call: bool):
+        if one_a_call:
+            monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        h = layers.Dense(16, activation="tanh", name="hidden")(layers.Dropout(0.5)(inputs))
+        h = layers.Dropout(0.3)(layers.BatchNormalization(name="bn")(h))
+        model = keras.Model(inputs, layers.Dense(3, name="out")(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        trainer = hostavg.keras.Trainer(model)
+        for d in data[:2]:
+            trainer.step(hostavg.split(d, 10))
+        with pytest.raises(hostavg.StepError) as caught:
+            trainer.step(hostavg.split(data[2], 10))
+        monkeypatch.undo()
+        return caught.value, state(trainer)
+
+    (error, after), (alone, after_alone) = failed(False), failed(True)
+    assert error.micro_batch == alone.micro_batch == 2
+    assert str(error) == str(alone) and error.culprits == alone.culprits
+    for name in after:
+        np.testing.assert_array_equal(after[name], after_alone[name], err_msg=name)
+
+
+class Seen:
+    """An ``on_micro_batch`` hook that reads the model's non-trainable values (the dropout
+    seed's state): unless it says otherwise, it must see them as its micro-batch left them."""
+
+    drops = False
+
+    def __init__(self, model, reads_model=None):
+        self.model, self.seen = model, []
+        if reads_model is not None:
+            self.reads_model = reads_model
+
+    def on_micro_batch(self, micro):
+        self.seen.append([np.asarray(v).copy() for v in self.model.non_trainable_variables])
+
+
+@jax_only
+@pytest.mark.parametrize("reads_model", [None, False])
+def test_a_hook_that_may_read_the_model_sees_it_as_its_micro_batch_left_it(monkeypatch,
+                                                                          reads_model):
+    (data,) = batches(7, 1, BATCH)
+
+    def seen(one_a_call: bool):
+        if one_a_call:
+            monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
+        trainer = trainer_of()
+        hook = Seen(trainer.model, reads_model)
+        trainer = hostavg.keras.Trainer(trainer.model, hooks=[hook])
+        spy = Spy(trainer, monkeypatch)
+        trainer.step(hostavg.split((data["x"], data["y"]), 10))
+        monkeypatch.undo()
+        return hook.seen, spy.many
+
+    (together, many), (apart, _) = seen(False), seen(True)
+    if reads_model is None:  # it may read the model: one compute a call
+        assert many == []
+        for a, b in zip(together, apart):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+    else:  # it said it reads only the record: one call, and the model as the last left it
+        assert many == [4]
+        assert all(np.array_equal(x, y) for x, y in zip(together[0], apart[-1]))
+
+
+@jax_only
+def test_a_model_that_refuses_a_new_micro_batch_size_is_refused_by_name():
+    """The scan is traced per shape: a model that traces at 10 samples and refuses 12 gets the
+    ArgumentError of a compute one a call, naming the micro-batch."""
+    layers = keras.layers
+
+    class AtMostTen(layers.Layer):
+        def call(self, x):
+            if isinstance(x.shape[0], int) and x.shape[0] > 10:
+                raise ValueError(f"batches of at most 10, got {x.shape[0]}")
+            return x
+
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, layers.Dense(3)(AtMostTen()(layers.Dense(8)(inputs))))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    trainer = hostavg.keras.Trainer(model)
+    (data,) = batches(8, 1, 48)
+    trainer.step(hostavg.split((data["x"][:40], data["y"][:40]), 10))
+    before = state(trainer)
+    with pytest.raises(hostavg.ArgumentError, match=r"^step, micro-batch 0 of 4 \(samples 0:12\): "
+                                                     r"the model cannot run on this micro-batch "
+                                                     r"\(ValueError: batches of at most 10"):
+        trainer.step(hostavg.split((data["x"], data["y"]), 12))
+    after = state(trainer)
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)

@@ -331,17 +331,17 @@ class Hook(Protocol):
     the object is registered.
 
     Per step (by the trainer, inside every step, fit's or yours): ``on_micro_batch(micro)``
-    before each micro-batch is accumulated (returns None, replacement gradients, a
-    :class:`Drop` or a :class:`Search`; a hook that never drops may say ``drops = False``: no
-    snapshot before each compute for it), ``on_step(mean, result)`` before the apply (None or
-    a replacement mean),
-    ``on_step_batch(batch, result)`` after them, with the step's micro-batches at its
-    weights (:class:`~hostavg.engine.products.StepBatch`), returning None or a mapping for
-    ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
+    before each micro-batch is accumulated (returns None, replacement gradients, a :class:`Drop`
+    or a :class:`Search`; ``drops = False`` on a hook that never drops spares a snapshot before
+    each compute; ``reads_model = False`` on one that reads only ``micro`` lets the
+    micro-batches compute in one call first), ``on_step(mean, result)`` before the apply (None
+    or a replacement mean), ``on_step_batch(batch, result)`` after them, with the step's
+    micro-batches at its weights (:class:`~hostavg.engine.products.StepBatch`), returning None
+    or a mapping for ``result.info``; ``wants_update_ratios(step)``: True has that apply measure
     ``update_ratios`` and ``weight_norms``; ``frozen(step, names)``: those of the trained
     ``names`` that apply leaves as they were, with their optimizer slots (both get the global
-    step after the apply); ``skip_samples(found)`` where samples ``found``
-    (:class:`Culprit`) fail the step: those it returns are left out, the step computed again
+    step after the apply); ``skip_samples(found)`` where samples ``found`` (:class:`Culprit`)
+    fail the step: those it returns are left out, the step computed again
     (:class:`~hostavg.hooks.SkipBadSamples`); once the apply succeeded (never for a step that
     failed or was skipped) ``on_applied_batch(batch, result)`` of the hooks whose
     ``on_step_batch`` returned a mapping, then ``on_applied(result)``.

@@ -67,13 +67,22 @@ class Together:
 
     A call computes from micro-batch i on as many in a row as the backend takes (none left
     out). Where one fails, the step's remaining micro-batches are computed alone: nothing
-    was assigned, and one at a time the failure is named by its micro-batch.
+    was assigned, and one at a time the failure is named by its micro-batch. A call that
+    computed micro-batch i computed those after it too: :meth:`state_after` gives the state
+    as i's compute left it.
     """
 
     def __init__(self, compute_many, feeds: list, shares: list):
         self._many, self._feeds, self._shares = compute_many, feeds, shares
         self._done = {}  # index -> its computation, not yet taken
+        self._states = {}  # index -> the function that gives the state its compute left
         self._off = False
+
+    def state_after(self, i: int):
+        """The rollback snapshot as computation ``i`` left it, where a call of several made it
+        (one made alone left it in the model); else None."""
+        state = self._states.get(i)
+        return None if state is None else state()
 
     def take(self, i: int):
         if i in self._done:
@@ -92,8 +101,9 @@ class Together:
         if not outs:
             self._off = True
             return None
-        self._done.update(zip(range(i + 1, i + len(outs)), outs[1:]))
-        return outs[0]
+        for j, (computed, state) in enumerate(outs, start=i):
+            self._done[j], self._states[j] = computed, state
+        return self._done.pop(i)
 
 
 def _nothing() -> None:

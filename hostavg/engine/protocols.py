@@ -237,16 +237,20 @@ class Many(Protocol):
     statistics, random seeds, metrics), as one compute after another would leave it. The
     engine asks where no hook may drop a micro-batch (each then needs its own snapshot) and
     the step's computes are not overlapped; it shows them to the hooks, checks them and adds
-    them one by one, as it does computes made one at a time."""
+    them one by one, as it does computes made one at a time. Where one fails the step, the
+    state it left is restored before its samples are searched, so that the search draws the
+    random numbers it would have drawn after that compute alone."""
 
-    def compute_many(self, feeds: Sequence, shares: Sequence[float]) -> list[Computed]:
+    def compute_many(self, feeds: Sequence, shares: Sequence[float]) -> list[tuple]:
         """:meth:`Backend.compute` of the first m of ``feeds`` (their ``shares``) in one call,
         in order, m >= 0 as the backend chooses (feeds of one input signature, their
-        gradients within the memory it allows such a call): equal, bit for bit where the
-        framework compiles the same arithmetic, to m computes one after another, and leaving
-        what they assign as the last of them would. Raises what :meth:`Backend.compute`
-        raises; then nothing is assigned, and the engine computes them one at a time, which
-        names the micro-batch that failed."""
+        gradients within the memory it allows such a call): for each, (its
+        :class:`Computed`, a function that gives the rollback snapshot as that compute left
+        it, which :meth:`Backend.restore` takes). Equal to m computes one after another, to
+        the rounding of the framework's compiler (which may fuse the same arithmetic
+        otherwise in one larger program), and leaving what they assign as the last of them
+        would. Raises what :meth:`Backend.compute` raises; then nothing is assigned, and the
+        engine computes them one at a time, which names the micro-batch that failed."""
 
 
 class Backend(Protocol):

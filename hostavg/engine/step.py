@@ -149,6 +149,11 @@ class Engine:
         self._micro_hooks = methods(hooks, "on_micro_batch")
         # A hook that says it never drops (``drops = False``) needs no snapshot before each compute.
         self._may_drop = any(getattr(hook, "drops", True) for hook, _ in self._micro_hooks)
+        # One that says it reads only the record (``reads_model = False``) lets the step's
+        # micro-batches compute in one call (:class:`~hostavg.engine.protocols.Many`) before
+        # it sees the first: the model's moving state is then the last one's.
+        self._reads_model = any(getattr(hook, "reads_model", True)
+                                for hook, _ in self._micro_hooks)
         self._step_hooks = methods(hooks, "on_step")
         self._applied_hooks = methods(hooks, "on_applied")
         self._ratio_hooks = methods(hooks, "wants_update_ratios")
@@ -543,10 +548,7 @@ class Engine:
                                 e.rows = batch.rows  # every data row of the micro-batch that failed
                         raise
         except HostavgError as e:
-            if log.failed is not None:
-                self._search(backend).name(e, batches[log.failed])
-            elif log.raised is not None:
-                self._search(backend).name(e, batches[log.raised], culprits.Failing(HostavgError))
+            self._name_culprits(e, backend, batches, log, together)
             raise
         for i in log.search:
             try:
@@ -561,21 +563,36 @@ class Engine:
                 self._searched(backend, batches[i], log, i, hook, asked)
         return global_step
 
+    def _name_culprits(self, error: HostavgError, backend, batches: list[Prepared],
+                       log: _StepLog, together: Together | None) -> None:
+        """Names in ``error`` the samples of the micro-batch that failed the step (its own
+        non-finite values, or the framework's error), searched from the state its compute left
+        (restored where a call computed it with those after it)."""
+        if log.failed is not None:
+            state = None if together is None else together.state_after(log.failed)
+            if state is not None:
+                backend.restore(state)
+            self._search(backend).name(error, batches[log.failed])
+        elif log.raised is not None:
+            self._search(backend).name(error, batches[log.raised], culprits.Failing(HostavgError))
+
     def _takers(self, backend, batches: list[Prepared], whole: int, keep: bool,
                 log: _StepLog) -> tuple:
         """How the step's computes are taken: (the worker that computes one ahead, with
         ``overlap``, or None; a :class:`Together` where ``backend`` computes several in one
         call (:class:`~hostavg.engine.protocols.Many`), or None). Several in one call only
-        where no micro-batch needs a snapshot of its own (``keep``: a hook may drop it),
-        none is computed ahead, and the step is not one compute-and-apply call."""
+        where no micro-batch needs a snapshot of its own (``keep``: a hook may drop it), no
+        ``on_micro_batch`` hook may read the model (it would see the state the call's last
+        compute left), none is computed ahead, and the step is not one compute-and-apply
+        call."""
         pool = None
         if self.overlap and len(batches) > 1:
             if self._worker is None:
                 self._worker = worker()
             pool = self._worker
         compute_many = getattr(backend, "compute_many", None)
-        if compute_many is None or keep or pool is not None or log.fused is not None \
-                or len(batches) < 2 or not whole:
+        if compute_many is None or keep or self._reads_model or pool is not None \
+                or log.fused is not None or len(batches) < 2 or not whole:
             return pool, None
         return pool, Together(compute_many, [b.feed for b in batches],
                               [b.size / whole for b in batches])

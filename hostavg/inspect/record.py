@@ -412,6 +412,8 @@ class Record:
       overwrite: delete another run's steps instead of refusing the folder.
     """
 
+    reads_model = False  # it writes the record's gradients alone
+
     def __init__(self, path, every: int = 1, micro: bool = True, overwrite: bool = False):
         positive_int("every", every)
         self.micro, self.overwrite = flag("micro", micro), flag("overwrite", overwrite)

@@ -101,7 +101,8 @@ class KerasJaxBackend(CompiledModel):
         self._products = {}  # input signature -> jitted Hessian-vector product
         self._samples = {}  # (input signature, "sums", "own" or "dots") -> jitted function
         self._bodies = {}  # jitted compute -> (its function, indices of what it assigns)
-        self._together = {}  # (jitted compute, count) -> its computes in turn, or None
+        self._scans = {}  # jitted compute -> its computes in turn (compute_many)
+        self._together = {}  # (feed shapes, count) -> whether their scan ran (compute_many)
         self._results = {}  # ids of metrics, of their variables -> (jitted results, the metrics)
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
@@ -130,11 +131,12 @@ class KerasJaxBackend(CompiledModel):
         return Computed(float(loss), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
                         self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
-    def compute_many(self, feeds, shares) -> list[Computed]:
+    def compute_many(self, feeds, shares) -> list[tuple[Computed, Any]]:
         """See :class:`~hostavg.engine.protocols.Many`: the first of ``feeds`` and those after
         it of the same input signature, as many as :data:`TOGETHER_BYTES` of gradients hold,
         computed by one jitted ``jax.lax.scan`` of the compute, each from the moving values the
-        one before left; none where fewer than two, or where the scan cannot be traced."""
+        one before left (which the scan also returns, for the state after each); none where
+        fewer than two, or where the scan cannot be traced."""
         (function, assigns, names), _, _ = feeds[0]
         most = TOGETHER_BYTES // max(1, sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                              for s in self.spec.values()))
@@ -142,7 +144,8 @@ class KerasJaxBackend(CompiledModel):
         count = 1
         while count < min(len(feeds), most) and _shapes(feeds[count]) == shapes:
             count += 1
-        if count < 2 or self._together.get((function, count), True) is None:
+        works = self._together.get((shapes, count))
+        if count < 2 or works is False:
             return []
         model = self.model
         arguments = ([v.value for v in model.trainable_variables],
@@ -150,29 +153,42 @@ class KerasJaxBackend(CompiledModel):
                      [v.value for v in model.metrics_variables], self._slots(),
                      np.asarray(shares[:count], np.float32),
                      [_stacked([f[1][j] for f in feeds[:count]]) for j in range(len(feeds[0][1]))])
-        together = self._together.get((function, count))
+        together = self._scans.get(function)
         if together is None:
-            together = self._traced_together(function, count, arguments)
-            if together is None:
-                return []
-        with _jax_errors("compute"):
-            losses, sq_norms, grads, assigned, logs = together(*arguments)
-            jax.block_until_ready(grads)
+            together = self._scans[function] = self._scan(function)
+        try:
+            with _jax_errors("compute"):
+                losses, sq_norms, grads, assigned, each, logs = together(*arguments)
+                jax.block_until_ready(grads)
+        except Exception:  # noqa: BLE001 - a first call of these shapes may fail to trace
+            if works:
+                raise
+            # the scan of these shapes does not trace (or compile): one compute a call, as
+            # before, which raises the model's own errors
+            self._together[(shapes, count)] = False
+            return []
+        self._together[(shapes, count)] = True
         assign(assigns, assigned)
         losses, sq_norms, step = np.asarray(losses), np.asarray(sq_norms), self.global_step()
         grads, logs = [_host(g) for g in grads], [np.asarray(v) for v in logs]
         computed = []
         for i in range(count):
             self._took(names, [v[i] for v in logs])
-            computed.append(Computed(
+            computed.append((Computed(
                 float(losses[i]), {name: freeze(g[i]) for name, g in zip(self.spec, grads)}, step,
-                dict(zip(self.spec, sq_norms[i].tolist()))))
+                dict(zip(self.spec, sq_norms[i].tolist()))),
+                lambda i=i, logs=[v[i] for v in logs]: self._state(
+                    {id(v): values[i] for v, values in zip(assigns, each)},
+                    dict(zip(names, logs)))))
         return computed
 
-    def _traced_together(self, function, count: int, arguments):
-        """The jitted scan of ``count`` computes of ``function`` (:meth:`compute_many`), compiled
-        on ``arguments``; None, noted, where it does not trace (the computes then run one a
-        call, which raise the model's own errors)."""
+    def _state(self, values: dict, logs: dict):
+        """The rollback snapshot (:meth:`snapshot`'s form) of ``values``, by the assigned
+        variables' ids, after a compute that returned ``logs``."""
+        return values
+
+    def _scan(self, function):
+        """``function``'s computes in turn (:meth:`compute_many`), a jitted ``jax.lax.scan``."""
         body, assigned, metrics = self._bodies[function]
 
         def together(trainable, untrained, metric_values, slots, shares, stacked):
@@ -184,19 +200,14 @@ class KerasJaxBackend(CompiledModel):
                                             (metric_values, metrics, new[len(assigned):])):
                     for i, value in zip(at, changed):
                         values[i] = jax.lax.convert_element_type(value, values[i].dtype)
-                return (untrained, metric_values), (loss, sq, grads, logs)
-            (untrained, metric_values), (losses, sq, grads, logs) = jax.lax.scan(
+                new = [untrained[i] for i in assigned] + [metric_values[i] for i in metrics]
+                return (untrained, metric_values), (loss, sq, grads, new, logs)
+            (untrained, metric_values), (losses, sq, grads, each, logs) = jax.lax.scan(
                 one, (untrained, metric_values), (shares, stacked))
             return losses, sq, grads, \
-                [untrained[i] for i in assigned] + [metric_values[i] for i in metrics], logs
+                [untrained[i] for i in assigned] + [metric_values[i] for i in metrics], each, logs
 
-        jitted = jax.jit(together, out_shardings=(None, None, self._outputs, None, None))
-        try:
-            jitted.lower(*arguments).compile()
-        except Exception:  # noqa: BLE001 - computed one a call instead, as before
-            jitted = None
-        self._together[(function, count)] = jitted
-        return jitted
+        return jax.jit(together, out_shardings=(None, None, self._outputs, None, None, None))
 
     def random_ops(self) -> tuple:
         return ()  # the check names Keras's random layers in its advice
@@ -712,6 +723,9 @@ class KerasJaxTrainStepBackend(OwnStep, KerasJaxBackend):
     new non-trainable and metric values are assigned to the model, as
     :class:`KerasJaxBackend` assigns them. Takes its arguments.
     """
+
+    def _state(self, values: dict, logs: dict):
+        return values, logs
 
     def _slots(self) -> list:
         """Every optimizer variable's value: a train_step's state holds them."""

@@ -49,6 +49,8 @@ class SkipNonFinite:
     5 steps in a row (``hostavg.train.loop.EMPTY_STEPS``) was dropped.
     """
 
+    reads_model = False  # it judges the record alone
+
     def on_micro_batch(self, record):
         if record.overflows is not None:
             return Drop(f"its contribution made the apply non-finite: {record.overflows}")
@@ -108,6 +110,8 @@ class ClipMicroBatchNorm:
     (``micro_table``) and :func:`hostavg.plot.micro_norms` show them beside
     the clipped norms.
     """
+
+    reads_model = False  # it scales the record's gradients alone
 
     def __init__(self, max_norm: float):
         self.max_norm = positive_number("max_norm", max_norm)
@@ -185,6 +189,7 @@ class WatchOutliers:
     """
 
     drops = False  # it drops through its searches (the step computed again), never at once
+    reads_model = False  # it judges the record alone
 
     def __init__(self, factor: float = FACTOR, window: int = 20, action: str = "warn"):
         self.factor = positive_number("factor", factor)
