@@ -6,8 +6,9 @@ its compute (:meth:`KerasJaxBackend.compute_many`); those tests run in CI's
 ``KERAS_BACKEND=jax`` step (see .ci/run) and hold it to the same step computed one
 micro-batch a call: the weights, the optimizer's state, the moving statistics, the dropout
 seed's state, the metrics, each micro-batch's gradients; bit for bit on a dense model, to
-float32 rounding where XLA compiles the scan's body otherwise (a convolution, a weight
-regularizer: a few ulps), and the error of a failed step, its culprits, what a hook sees.
+float32 rounding where XLA compiles the scan's body otherwise (a weight regularizer: an
+ulp), and the error of a failed step, its culprits, what a hook sees. Only small computes
+without a convolution compute several a call.
 """
 
 import keras
@@ -147,30 +148,31 @@ def test_a_step_computed_in_one_call_is_the_step_one_call_a_micro_batch_bit_for_
 
 
 @jax_only
-def test_a_convnet_step_in_one_call_is_the_step_one_call_a_micro_batch_to_rounding(monkeypatch):
-    """XLA may fuse a convolution's arithmetic otherwise within the scan than alone: a few
-    ulps apart (4e-7 on gradients of 0.5 here), never more."""
+def test_a_regularized_step_in_one_call_is_the_step_one_call_a_micro_batch_to_rounding(
+        monkeypatch):
+    """XLA may compile a weight regularizer's sum otherwise within the scan than alone: a
+    ulp or so apart, never more."""
     layers = keras.layers
-    rng = np.random.default_rng(6)
-    x, y = rng.normal(0, 1, (32, 12, 12, 3)).astype(np.float32), rng.integers(0, 3, 32)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(0, 1, (40, 6)).astype(np.float32), rng.integers(0, 3, 40)
 
-    def stepped_conv(one_a_call: bool):
+    def stepped_l2(one_a_call: bool):
         if one_a_call:
             monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((12, 12, 3))
-        h = layers.Conv2D(8, 3, activation="relu", name="conv")(inputs)
-        h = layers.Flatten()(layers.BatchNormalization(name="bn")(h))
+        inputs = keras.Input((6,))
+        h = layers.Dense(16, activation="tanh", name="hidden")(inputs)
+        h = layers.Dense(8, kernel_regularizer="l2", name="regularized")(h)
         model = keras.Model(inputs, layers.Dense(3, name="out")(h))
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         trainer = hostavg.keras.Trainer(model, accumulate="stack")
         spy = Spy(trainer, monkeypatch)
-        results = [trainer.step(hostavg.split((x, y), 8)) for _ in range(3)]
+        results = [trainer.step(hostavg.split((x, y), 10)) for _ in range(3)]
         monkeypatch.undo()
         return trainer, spy.many, results
 
-    (together, many, results), (apart, _, results_apart) = stepped_conv(False), stepped_conv(True)
+    (together, many, results), (apart, _, results_apart) = stepped_l2(False), stepped_l2(True)
     assert many == [4, 4, 4]
     a, b = state(together), state(apart)
     for name in a:
@@ -181,6 +183,28 @@ def test_a_convnet_step_in_one_call_is_the_step_one_call_a_micro_batch_to_roundi
             for name in m.grads:
                 np.testing.assert_allclose(m.grads[name], n.grads[name], rtol=1e-5, atol=1e-6,
                                            err_msg=name)
+
+
+@jax_only
+@pytest.mark.parametrize("large", ["convolution", "flops"])
+def test_a_large_or_convolving_compute_stays_one_a_call(monkeypatch, large):
+    """XLA's CPU runs a convolution inside the scan's loop several times slower, and a large
+    compute gains nothing from a dispatch saved: each computes one micro-batch a call."""
+    layers = keras.layers
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(0, 1, (32, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, 32)
+    inputs = keras.Input((6, 6, 1))
+    if large == "convolution":  # a tiny one: a few thousand operations
+        h = layers.Flatten()(layers.Conv2D(2, 3)(inputs))
+    else:
+        monkeypatch.setattr("hostavg.keras.jax.TOGETHER_FLOPS", 1000)
+        h = layers.Dense(8)(layers.Flatten()(inputs))
+    model = keras.Model(inputs, layers.Dense(3)(h))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    trainer = hostavg.keras.Trainer(model)
+    spy = Spy(trainer, monkeypatch)
+    trainer.step(hostavg.split((x, y), 8))
+    assert spy.many == [0] and len(spy.one) == 4
 
 
 @jax_only

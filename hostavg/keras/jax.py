@@ -55,6 +55,12 @@ _RING = 2
 #: which on a small model is most of a micro-batch's time; a large gradient's own cost
 #: dwarfs its dispatch, and its computes stay one a call, their buffers reused.
 TOGETHER_BYTES = 16 * 2 ** 20
+#: The most floating-point operations (XLA's estimate) of one micro-batch's compute that
+#: computes several in one call: about a millisecond of a CPU core, where a dispatch is a
+#: fair part of it. A compute with a convolution never does: XLA's CPU runs a convolution
+#: inside the scan's loop several times slower (Keras's MNIST convnet example took 7 times
+#: as long), and unrolled still a third slower.
+TOGETHER_FLOPS = 1e7
 
 
 class KerasJaxBackend(CompiledModel):
@@ -103,6 +109,7 @@ class KerasJaxBackend(CompiledModel):
         self._bodies = {}  # jitted compute -> (its function, indices of what it assigns)
         self._scans = {}  # jitted compute -> its computes in turn (compute_many)
         self._together = {}  # (feed shapes, count) -> whether their scan ran (compute_many)
+        self._smalls = {}  # feed shapes -> whether their compute is small (compute_many)
         self._results = {}  # ids of metrics, of their variables -> (jitted results, the metrics)
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
@@ -145,7 +152,7 @@ class KerasJaxBackend(CompiledModel):
         while count < min(len(feeds), most) and _shapes(feeds[count]) == shapes:
             count += 1
         works = self._together.get((shapes, count))
-        if count < 2 or works is False:
+        if count < 2 or works is False or not self._small(shapes, feeds[0]):
             return []
         model = self.model
         arguments = ([v.value for v in model.trainable_variables],
@@ -181,6 +188,29 @@ class KerasJaxBackend(CompiledModel):
                     {id(v): values[i] for v, values in zip(assigns, each)},
                     dict(zip(names, logs)))))
         return computed
+
+    def _small(self, shapes: tuple, feed) -> bool:
+        """Whether ``feed``'s compute is small enough to compute several a call (at most
+        :data:`TOGETHER_FLOPS`, no convolution), by XLA's cost estimate of its lowering (tens
+        of milliseconds, once per input shapes)."""
+        small = self._smalls.get(shapes)
+        if small is None:
+            (function, _, _), leaves, _ = feed
+            model = self.model
+            donated = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.spec.values()] \
+                if self.reuses_buffers else ()
+            try:
+                lowered = function.lower(
+                    [v.value for v in model.trainable_variables],
+                    [v.value for v in model.non_trainable_variables],
+                    [v.value for v in model.metrics_variables], self._slots(), np.float32(1.0),
+                    donated, leaves)
+                flops = (lowered.cost_analysis() or {}).get("flops", math.inf)
+                small = flops <= TOGETHER_FLOPS and "convolution" not in lowered.as_text()
+            except Exception:  # noqa: BLE001 - no estimate: one compute a call, as before
+                small = False
+            self._smalls[shapes] = small
+        return small
 
     def _state(self, values: dict, logs: dict):
         """The rollback snapshot (:meth:`snapshot`'s form) of ``values``, by the assigned
