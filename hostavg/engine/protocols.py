@@ -235,8 +235,9 @@ class Many(Protocol):
     """What a backend may add so that several micro-batches of a step cost one call: their
     computes in turn in one compiled call, each from the state the one before it left (moving
     statistics, random seeds, metrics), as one compute after another would leave it. The
-    engine asks where no hook may drop a micro-batch (each then needs its own snapshot) and
-    the step's computes are not overlapped; it shows them to the hooks, checks them and adds
+    engine asks where no hook may drop a micro-batch (each then needs its own snapshot) or
+    read the model (it would see the state the call's last compute left), and the step's
+    computes are not overlapped; it shows them to the hooks, checks them and adds
     them one by one, as it does computes made one at a time. Where one fails the step, the
     state it left is restored before its samples are searched, so that the search draws the
     random numbers it would have drawn after that compute alone."""

@@ -143,7 +143,8 @@ class KerasJaxBackend(CompiledModel):
         it of the same input signature, as many as :data:`TOGETHER_BYTES` of gradients hold,
         computed by one jitted ``jax.lax.scan`` of the compute, each from the moving values the
         one before left (which the scan also returns, for the state after each); none where
-        fewer than two, or where the scan cannot be traced."""
+        fewer than two, where the compute is not :meth:`_small`, or where the scan of these
+        shapes cannot be traced."""
         (function, assigns, names), _, _ = feeds[0]
         most = TOGETHER_BYTES // max(1, sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                              for s in self.spec.values()))
