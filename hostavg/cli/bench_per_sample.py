@@ -105,8 +105,9 @@ def memory(config: bench.Config = MEMORY_CONFIG, faces=("hostavg",),
     ``faces`` and chunk size of ``chunk_sizes`` (default: :data:`MEMORY_CHUNK_SIZE` and the
     whole batch), each in a fresh process (:func:`measure_memory`); prints them and returns
     the rows: ``model``, ``samples``, ``face``, ``chunk_size``, ``parameters``,
-    ``gradients_bytes`` (one chunk's float32 per-sample gradients) and ``peak_bytes``. ``progress``: a stream for a
-    line per probe as it starts (default standard error; False for none).
+    ``gradients_bytes`` (one chunk's float32 per-sample gradients) and ``peak_bytes``.
+    ``progress``: a stream for a line per probe as it starts (default standard error; False
+    for none).
     """
     say = bench._progress(progress)
     n = config.micro_batch_size

@@ -120,15 +120,10 @@ class KerasJaxBackend(CompiledModel):
 
     def compute(self, feed, share: float = 1.0) -> Computed:
         (function, assigns, names), leaves, _ = feed
-        model = self.model
-        trainable = [v.value for v in model.trainable_variables]
-        untrained = [v.value for v in model.non_trainable_variables]
-        metric_values = [v.value for v in model.metrics_variables]
         donated = self._donated_gradient_buffers()
         with _jax_errors("compute"), _traced_errors():
             loss, sq_norms, grads, assigned, logs = function(
-                trainable, untrained, metric_values, self._slots(), np.float32(share), donated,
-                leaves)
+                *self._values(), np.float32(share), donated, leaves)
             jax.block_until_ready(grads)
         assign(assigns, assigned)
         self._took(names, [np.asarray(v) for v in logs])  # a train_step's logs
@@ -155,11 +150,7 @@ class KerasJaxBackend(CompiledModel):
         works = self._together.get((shapes, count))
         if count < 2 or works is False or not self._small(shapes, feeds[0]):
             return []
-        model = self.model
-        arguments = ([v.value for v in model.trainable_variables],
-                     [v.value for v in model.non_trainable_variables],
-                     [v.value for v in model.metrics_variables], self._slots(),
-                     np.asarray(shares[:count], np.float32),
+        arguments = (*self._values(), np.asarray(shares[:count], np.float32),
                      [_stacked([f[1][j] for f in feeds[:count]]) for j in range(len(feeds[0][1]))])
         together = self._scans.get(function)
         if together is None:
@@ -181,13 +172,14 @@ class KerasJaxBackend(CompiledModel):
         grads, logs = [_host(g) for g in grads], [np.asarray(v) for v in logs]
         computed = []
         for i in range(count):
-            self._took(names, [v[i] for v in logs])
+            took = [v[i] for v in logs]
+            self._took(names, took)
             computed.append((Computed(
                 float(losses[i]), {name: freeze(g[i]) for name, g in zip(self.spec, grads)}, step,
                 dict(zip(self.spec, sq_norms[i].tolist()))),
-                lambda i=i, logs=[v[i] for v in logs]: self._state(
+                lambda i=i, took=took: self._state(
                     {id(v): values[i] for v, values in zip(assigns, each)},
-                    dict(zip(names, logs)))))
+                    dict(zip(names, took)))))
         return computed
 
     def _small(self, shapes: tuple, feed) -> bool:
@@ -197,15 +189,10 @@ class KerasJaxBackend(CompiledModel):
         small = self._smalls.get(shapes)
         if small is None:
             (function, _, _), leaves, _ = feed
-            model = self.model
             donated = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.spec.values()] \
                 if self.reuses_buffers else ()
             try:
-                lowered = function.lower(
-                    [v.value for v in model.trainable_variables],
-                    [v.value for v in model.non_trainable_variables],
-                    [v.value for v in model.metrics_variables], self._slots(), np.float32(1.0),
-                    donated, leaves)
+                lowered = function.lower(*self._values(), np.float32(1.0), donated, leaves)
                 flops = (lowered.cost_analysis() or {}).get("flops", math.inf)
                 small = flops <= TOGETHER_FLOPS and "convolution" not in lowered.as_text()
             except Exception:  # noqa: BLE001 - no estimate: one compute a call, as before
@@ -269,12 +256,9 @@ class KerasJaxBackend(CompiledModel):
         function = self._products.get(signature)
         if function is None:
             function = self._products[signature] = self._hvp_function(self._losses[signature])
-        model = self.model
         with _jax_errors("hvp"), _traced_errors():
             loss, products = function(
-                [v.value for v in model.trainable_variables],
-                [v.value for v in model.non_trainable_variables],
-                [v.value for v in model.metrics_variables], self._slots(), leaves,
+                *self._values(), leaves,
                 [np.asarray(vector[name], s.dtype) for name, s in self.spec.items()])
         return float(loss), {name: np.asarray(p) for name, p in zip(self.spec, products)}
 
@@ -377,10 +361,7 @@ class KerasJaxBackend(CompiledModel):
         _, leaves, signature = feed
         self.vectorizable()
         loss = self._losses[signature]
-        model = self.model
-        arguments = ([v.value for v in model.trainable_variables],
-                     [v.value for v in model.non_trainable_variables],
-                     [v.value for v in model.metrics_variables], self._slots(), leaves, *extra)
+        arguments = (*self._values(), leaves, *extra)
         with _jax_errors("per_sample"), _vectorizing():
             function = self._samples.get((signature, kind))
             if function is not None:
@@ -529,6 +510,14 @@ class KerasJaxBackend(CompiledModel):
                 f"(keras.distribution.set_distribution(None)); for several devices or workers, "
                 f"run one process per device and pass comm= (an mpi4py communicator such as "
                 f"MPI.COMM_WORLD): every step averages over all ranks' micro-batches")
+
+    def _values(self) -> tuple:
+        """What every compiled function of a micro-batch reads first, the values now of: the
+        model's trainable, non-trainable and metric variables, and :meth:`_slots`."""
+        model = self.model
+        return ([v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                [v.value for v in model.metrics_variables], self._slots())
 
     def _slots(self) -> list:
         """The optimizer's variables' values, for the loss scale (a LossScaleOptimizer's)."""
