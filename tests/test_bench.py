@@ -108,18 +108,18 @@ def test_bench_overhead_prints_ratios_to_the_programs_own_train_op(tmp_path, cap
     assert main(["bench", "--grid", "overhead", "--models", "logreg", "--repeats", "2",
                  "--json", str(out)]) == 0
     printed = capsys.readouterr()
-    assert "bench: timing logreg micro=32 k=1 (1 of 1): 2 samples of each of 4 implementations, " \
+    assert "bench: timing logreg micro=32 k=1 (1 of 1): 2 samples of each of 5 implementations, " \
            "a sample being as many steps as the slowest takes 0.1 s for\n" in printed.err
     header, row, footer, steps, memory = printed.out.splitlines()
-    assert header.split() == ["configuration", "params", "hostavg", "hostavg-caller", "full-batch",
-                              "in-graph"]
+    assert header.split() == ["configuration", "params", "hostavg", "hostavg-pool",
+                              "hostavg-caller", "full-batch", "in-graph"]
     (config,) = json.loads(out.read_text())["configs"]
     assert (config["model"], config["k"], config["optimizer"]) == ("logreg", 1, "adam")
     assert config["baseline"] == "full-batch" and config["ratio_to_baseline"]["full-batch"] == 1.0
     cells = row.split()[4:]
-    assert row.startswith("logreg micro=32 k=1") and len(cells) == 12, row
-    assert cells[2::3] == [f"{config['ratio_to_baseline'][n]:.2f}"
-                           for n in ("hostavg", "hostavg-caller", "full-batch", "in-graph")]
+    assert row.startswith("logreg micro=32 k=1") and len(cells) == 15, row
+    assert cells[2::3] == [f"{config['ratio_to_baseline'][n]:.2f}" for n in (
+        "hostavg", "hostavg-pool", "hostavg-caller", "full-batch", "in-graph")]
     assert footer.endswith("interquartile range in parentheses, and its ratio to full-batch, "
                            "the program's own train op on the same feed)")
     assert steps == (f"(times per step; each sample timed {config['steps_per_sample']} consecutive "
@@ -155,3 +155,15 @@ def test_bench_curvature_times_a_product_against_a_compute_and_the_hooks_share(c
         every_1, every_10 = (float(cell.rstrip("%")) for cell in row[8:10])
         assert 0 < every_10 < every_1 < 100  # measuring 10x as often costs more
     assert "hooks.Curvature(every=N)" in out[3]
+
+
+def test_tf1_rows_are_timed_after_their_session_calls_chose_where_to_run():
+    """The default session_threads="auto" runs each session call both ways on its first calls
+    (hostavg.tf1.faster): the warm-up outlasts that for the apply, one call a step."""
+    from hostavg.tf1.faster import Faster
+    assert bench.AUTO_WARMUP == 2 * (Faster.WARM + Faster.TIMED)
+    assert bench.warmup_steps(["hostavg", "in-graph"]) == 14
+    assert bench.warmup_steps(["hostavg-graph"]) == 14
+    assert bench.warmup_steps(["hostavg-pool", "hostavg-caller", "in-graph"]) == 1
+    assert bench.warmup_steps(["hostavg-keras", "keras-accum"]) == 1
+    assert bench.warmup_steps(["hostavg-watched", "hostavg"]) == bench.WATCHED_WARMUP

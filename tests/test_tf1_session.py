@@ -25,14 +25,16 @@ from hostavg.tf1.session import SESSION_THREADS
 ], ids=["dense", "embedding", "update_ops-graph", "embedding-update_ops-graph"])
 def test_caller_and_pool_give_bit_identical_weights_equal_to_the_full_batch_step(model_kw, average):
     data = batches(5, 4, BATCH, sparse=model_kw.get("sparse", False))
-    caller, pool = (train("adam", data, UNEQUAL, model_kw=model_kw, average=average,
+    weights = {}
+    for threads in SESSION_THREADS:  # "auto" runs calls both ways while it times them
+        model, sess = train("adam", data, UNEQUAL, model_kw=model_kw, average=average,
                             session_threads=threads)[:2]
-                    for threads in SESSION_THREADS)
-    caller, pool = (model.values(sess) for model, sess in (caller, pool))
-    assert_bitwise(caller, pool)
+        weights[threads] = model.values(sess)
+    assert_bitwise(weights["caller"], weights["pool"])
+    assert_bitwise(weights["auto"], weights["pool"])
     # The oracle runs the UPDATE_OPS once per micro-batch too, then minimize on the whole batch.
-    assert_same_weights(caller, full_batch("adam", data, update_sizes=UNEQUAL, **model_kw),
-                        atol=2e-6)
+    assert_same_weights(weights["pool"], full_batch("adam", data, update_sizes=UNEQUAL,
+                                                    **model_kw), atol=2e-6)
 
 
 def denormal_graph():
@@ -56,6 +58,7 @@ def test_caller_threads_flush_denormals_as_the_pool_and_sess_run_do():
     import numpy as np
     from hostavg.compat.tensorflow import session_call
     from hostavg.tf1.denormals import like_the_pool
+    from hostavg.tf1.faster import Faster
     from hostavg.tf1.session import Callables
     if like_the_pool() is None:
         pytest.skip("no MXCSR to set on this platform: the documented difference stays")
@@ -69,8 +72,9 @@ def test_caller_threads_flush_denormals_as_the_pool_and_sess_run_do():
     raw = session_call(sess, [tiny, loss], [], (x,), v1.RunOptions(inter_op_thread_pool=-1))(feed)
     assert raw[0].all() and raw[1] > 0  # kept: TensorFlow's own caller-thread run differs
     for threads in SESSION_THREADS:
-        got = Callables(threads).get(sess, [tiny, loss], (x,))(feed)
-        assert_bitwise(dict(enumerate(got)), dict(enumerate(want)))
+        call = Callables(threads).get(sess, [tiny, loss], (x,))
+        for _ in range(2 * (Faster.WARM + Faster.TIMED) + 1):  # "auto": both ways, then one
+            assert_bitwise(dict(enumerate(call(feed))), dict(enumerate(want)))
     with pytest.raises(ZeroDivisionError):  # a call that raises puts the state back too
         like_the_pool()(lambda: 1 / 0)
     assert np.float32(1e-40) * np.float32(1.0) == kept  # this thread's own state again
@@ -97,7 +101,7 @@ def test_a_caller_trainer_steps_through_denormal_gradients_as_the_pool_one():
             init = v1.global_variables_initializer()
         sess = v1.Session(graph=graph)
         sess.run(init)
-        for k in (1, 2):
+        for k in (1, 2) * 4:  # ("auto" runs the calls both ways while it times them)
             if threads == "own":
                 sess.run(train_op, {x: feed})
             else:
@@ -118,8 +122,8 @@ class PoolSpy(v1.Session):
         return super()._make_callable_from_options(options)
 
 
-@pytest.mark.parametrize("threads,pool", [("caller", -1), ("pool", 0)])
-def test_session_threads_decides_which_thread_runs_the_ops(threads, pool):
+@pytest.mark.parametrize("threads,pools", [("caller", {-1}), ("pool", {0}), ("auto", {0, -1})])
+def test_session_threads_decides_which_thread_runs_the_ops(threads, pools):
     model = build(update_op=True)
     with model.graph.as_default():
         loss, ran_in = probed(model.loss)
@@ -132,10 +136,12 @@ def test_session_threads_decides_which_thread_runs_the_ops(threads, pool):
     res = trainer.step(sess, feeds)
     trainer.apply(sess, res.grads)
     # compute, the graph average's reduce, and both applies (measured or not: apply measures not)
-    assert len(sess.pools) >= 3 and set(sess.pools) == {pool}
+    assert len(sess.pools) >= 3 and set(sess.pools) == pools
     assert len(ran_in) == len(feeds)
     me = threading.get_ident()
-    assert all(t == me for t in ran_in) if threads == "caller" else all(t != me for t in ran_in)
+    # ("auto" alternates the two while it times them: the pool's first)
+    assert [t == me for t in ran_in] == [-1 in pools and (0 not in pools or i % 2 == 1)
+                                         for i in range(len(feeds))]
 
 
 STAGING = """
@@ -152,7 +158,7 @@ with graph.as_default():
     w = tf.Variable(tf.ones([3]))
     loss = tf.reduce_mean(tf.linalg.matvec(got, w) ** 2)
     trainer = hostavg.Trainer(loss, v1.train.GradientDescentOptimizer(0.1), update_ops=[put],
-                              session_threads="caller")
+                              session_threads=THREADS)
     sess = v1.Session(graph=graph)
     sess.run(v1.global_variables_initializer())
 for _ in range(3):
@@ -161,15 +167,15 @@ print("stepped", res.step)
 """
 
 
-@pytest.mark.slow  # a fresh TensorFlow process
-def test_a_call_that_reaches_a_blocking_kernel_runs_in_the_pool_even_when_caller_is_asked():
+@pytest.mark.slow  # a fresh TensorFlow process each
+@pytest.mark.parametrize("threads", ["caller", "auto"])
+def test_a_call_that_reaches_a_blocking_kernel_runs_in_the_pool_even_when_caller_is_asked(
+        threads):
     """In the calling thread a StagingArea's get, run before its put in the same call, would
-    block the only thread that could run the put: forever, deaf to Ctrl-C."""
-    import subprocess
-    import sys
-    from models import ENV
-    out = subprocess.run([sys.executable, "-c", STAGING], capture_output=True, text=True,
-                         env=ENV, timeout=120)
+    block the only thread that could run the put: forever, deaf to Ctrl-C. ("auto" would try
+    the calling thread on its second call.)"""
+    out = subprocess.run([sys.executable, "-c", STAGING.replace("THREADS", repr(threads))],
+                         capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "stepped 3", out.stderr[-2000:]
 
 
@@ -177,7 +183,7 @@ def test_a_call_that_reaches_a_blocking_kernel_runs_in_the_pool_even_when_caller
 def test_an_unknown_session_threads_is_refused_naming_the_choices(value):
     model = build()
     with model.graph.as_default(), pytest.raises(hostavg.HostavgError, match="^" + re.escape(
-            f"session_threads must be one of ('pool', 'caller'), got {value!r}") + "$"):
+            f"session_threads must be one of ('auto', 'pool', 'caller'), got {value!r}") + "$"):
         hostavg.Trainer(model.loss, v1.train.AdamOptimizer(0.01), session_threads=value)
 
 

@@ -33,13 +33,14 @@ from hostavg.train.diagnose import MEASURED_FIRST
 __all__ = ["CONFIG_MODELS", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "KERAS_IMPLEMENTATIONS",
            "OPTIMIZERS", "PROBE_ENV", "Config", "baseline", "batch_arguments", "defaults", "faces",
            "grid", "in_fresh_process", "keras_backend", "measure_memory", "median_s", "peak_bytes",
-           "run", "status_kb", "time_config"]
+           "run", "status_kb", "time_config", "warmup_steps"]
 
 #: What ``hostavg bench`` runs unless told otherwise (``--stats`` adds hostavg-stack+stats).
 DEFAULT_IMPLEMENTATIONS = ("hostavg", "hostavg-stack", "hostavg-graph", "in-graph", "plain-host",
                            "full-batch", "hostavg-keras", "keras-accum")
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ("hostavg-stack+stats", "hostavg-overlap",
-                                             "hostavg-caller", "hostavg-unchecked",
+                                             "hostavg-caller", "hostavg-pool",
+                                             "hostavg-unchecked",
                                              "hostavg-watched", "hostavg-keras-overlap",
                                              "hostavg-keras-unchecked", "hostavg-keras-watched")
 #: The implementations that run on any Keras backend (the others are TF1 graphs).
@@ -50,7 +51,8 @@ KERAS_DEFAULT_IMPLEMENTATIONS = ("hostavg-keras", "keras-accum")
 #: What ``hostavg bench --grid gpu`` runs unless told otherwise.
 GPU_IMPLEMENTATIONS = ("hostavg-keras", "hostavg-keras-overlap", "keras-accum")
 #: What ``hostavg bench --grid overhead`` runs unless told otherwise.
-OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-caller", "full-batch", "in-graph")
+OVERHEAD_IMPLEMENTATIONS = ("hostavg", "hostavg-pool", "hostavg-caller", "full-batch",
+                            "in-graph")
 #: What every hostavg implementation is made with but the "-watched" ones, which time the
 #: default watches: the bench steps each round's micro-batches many times, so a model that
 #: learns them by heart meets the next round's as a spike, which
@@ -65,6 +67,11 @@ WATCHED = {"watch_outliers": True, "diagnose": True}
 #: applies where Diagnose measures update ratios every step, so that the rows time the steps
 #: of most of a run, where it measures one in 10 (the median step then measures none).
 WATCHED_WARMUP = MEASURED_FIRST + 1
+#: The warm-up steps of a configuration that times a TF1 trainer with its default
+#: ``session_threads="auto"``: past the first calls it runs both ways to time them
+#: (:class:`hostavg.tf1.faster.Faster`: 2 * (2 + 5) calls of each session call, the apply's
+#: being one a step), so that its rows time what the rest of a run takes.
+AUTO_WARMUP = 14
 #: The optimizers a configuration can name (see :func:`_optimizer`).
 OPTIMIZERS = ("adam", "sgd")
 #: Most consecutive steps one timed sample may hold (see :func:`time_config`).
@@ -341,6 +348,8 @@ def _make(name: str, config: Config, session_config=None):
             "hostavg-overlap": lambda: _Hostavg(config, trainer_kw={"overlap": True}, **kw),
             "hostavg-caller": lambda: _Hostavg(config, trainer_kw={"session_threads": "caller"},
                                                **kw),
+            "hostavg-pool": lambda: _Hostavg(config, trainer_kw={"session_threads": "pool"},
+                                             **kw),
             "hostavg-unchecked": lambda: _Hostavg(config, trainer_kw={"check_applied": False},
                                                   **kw),
             "hostavg-watched": lambda: _Hostavg(config, trainer_kw=WATCHED, **kw),
@@ -352,6 +361,16 @@ def _make(name: str, config: Config, session_config=None):
             "hostavg-keras-unchecked": lambda: _HostavgKeras(config, check_applied=False),
             "hostavg-keras-watched": lambda: _HostavgKeras(config, **WATCHED),
             "keras-accum": lambda: _KerasAccumulation(config)}[name]()
+
+
+def warmup_steps(implementations) -> int:
+    """The warm-up steps before timing ``implementations``: see :data:`WATCHED_WARMUP` and
+    :data:`AUTO_WARMUP`."""
+    if any(n.endswith("-watched") for n in implementations):
+        return max(WATCHED_WARMUP, AUTO_WARMUP)
+    auto = ("hostavg", "hostavg-stack", "hostavg-stack+stats", "hostavg-graph",
+            "hostavg-overlap", "hostavg-unchecked")
+    return AUTO_WARMUP if any(n in auto for n in implementations) else 1
 
 
 def faces(backend: str) -> tuple:
@@ -577,9 +596,8 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
                f"{repeats} steps of each of {len(implementations)} implementations")
     for i, config in enumerate(configs):
         say(f"timing {config} ({i + 1} of {len(configs)}): {samples}")
-        watched = any(n.endswith("-watched") for n in implementations)
         r = time_config(config, implementations, repeats, min_sample_s=min_sample_s,
-                        warmup=WATCHED_WARMUP if watched else 1)
+                        warmup=warmup_steps(implementations))
         t = r["median_s"]
         base_name = baseline(config, implementations)
         base = t.get(base_name)

@@ -17,6 +17,7 @@ from hostavg.core.errors import ArgumentError, HostavgError, StepError, positive
 from hostavg.core.split import blocks_of, feed_size
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed, SampleSums
 from hostavg.tf1.denormals import like_the_pool
+from hostavg.tf1.faster import Faster
 from hostavg.tf1.feeds import brief, resolve_feed
 from hostavg.tf1.variables import load_variables
 from hostavg.tf1.walk import reaches
@@ -25,18 +26,20 @@ __all__ = ["BLOCKING_OPS", "SESSION_THREADS", "Callables", "SessionBackend"]
 
 v1 = tf.compat.v1
 
-#: Where a trainer's session calls run their ops. "pool" (the default): the session's
-#: inter-op thread pool, as ``sess.run`` does. "caller": the thread that calls
-#: (TensorFlow's ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back,
-#: which can cost as much as a small model's whole compute (the performance page). The calling
-#: thread flushes denormal floats to zero and rounds to nearest during the call, as
-#: TensorFlow's pool threads do (:mod:`hostavg.tf1.denormals`; on x86-64 Linux, elsewhere
-#: values below ~1.2e-38 in float32 can differ from ``sess.run``'s in kernels small enough
-#: to run inline). A kernel that blocks its thread until another op of the same call runs (a
-#: StagingArea's get before its put) would wait forever, so calls that reach one of
-#: :data:`BLOCKING_OPS` use the pool anyway. A graph placed on several devices (CPU and
-#: GPU) uses the pool either way.
-SESSION_THREADS = ("pool", "caller")
+#: Where a trainer's session calls run their ops. "pool": the session's inter-op thread
+#: pool, as ``sess.run`` does. "caller": the thread that calls (TensorFlow's
+#: ``RunOptions.inter_op_thread_pool = -1``): no hand-off to the pool and back, which can cost
+#: as much as a small model's whole compute, but the ops of a call then run one after the
+#: other. "auto" (the default): each session call is timed both ways on its first uses and
+#: the faster kept (:class:`~hostavg.tf1.faster.Faster`). The calling thread flushes denormal
+#: floats to zero and rounds to nearest during the call, as TensorFlow's pool threads do
+#: (:mod:`hostavg.tf1.denormals`), so the values are the same either way; where that cannot
+#: be done (not x86-64 Linux), "auto" keeps the pool and "caller"'s values below ~1.2e-38 in
+#: float32 can differ from ``sess.run``'s in kernels small enough to run inline. A kernel that
+#: blocks its thread until another op of the same call runs (a StagingArea's get before its
+#: put) would wait forever, so calls that reach one of :data:`BLOCKING_OPS` use the pool
+#: anyway. A graph placed on several devices (CPU and GPU) uses the pool either way.
+SESSION_THREADS = ("auto", "pool", "caller")
 
 #: Op types whose kernels block their thread until another op runs (StagingArea and
 #: MapStagingArea gets, peeks and full puts): a call reaching one runs in the pool.
@@ -288,10 +291,11 @@ class Callables:
     ``threads`` (one of :data:`SESSION_THREADS`): "pool" hands each call's ops to
     the session's inter-op thread pool, as ``sess.run`` does; "caller" runs them
     in the calling thread (``RunOptions.inter_op_thread_pool = -1``), except in
-    calls that reach one of :data:`BLOCKING_OPS`.
+    calls that reach one of :data:`BLOCKING_OPS`; "auto" compiles both and keeps
+    the faster (:class:`~hostavg.tf1.faster.Faster`).
     """
 
-    def __init__(self, threads: str = "pool"):
+    def __init__(self, threads: str = "auto"):
         self._by_session = weakref.WeakKeyDictionary()
         self.threads = threads
 
@@ -313,14 +317,33 @@ class Callables:
 def _compile(sess, fetches, feed_keys, threads: str):
     tensors = [f for f in fetches if isinstance(f, tf.Tensor)]
     targets = [f for f in fetches if isinstance(f, tf.Operation)]
-    options = flushing = None
-    if threads == "caller" and not reaches(fetches, feed_keys, BLOCKING_OPS):
-        options = v1.RunOptions(inter_op_thread_pool=-1)
-        flushing = like_the_pool()  # its ops then round as the pool's would
-    run = session_call(sess, tensors, targets, feed_keys, options)
     dtypes = [k.dtype.base_dtype.as_numpy_dtype for k in feed_keys]
+    flushing = None
+    if threads != "pool" and not reaches(fetches, feed_keys, BLOCKING_OPS):
+        # the caller thread's ops then round as the pool's would; where that cannot be done,
+        # "caller" runs them as they are (as documented) and "auto" keeps the pool
+        flushing = like_the_pool() or (_as_it_is if threads == "caller" else None)
+    if flushing is None:
+        return _call(sess, tensors, targets, feed_keys, dtypes, None)
+    caller = _call(sess, tensors, targets, feed_keys, dtypes, flushing)
+    return caller if threads == "caller" else \
+        Faster(_call(sess, tensors, targets, feed_keys, dtypes, None), caller)
 
-    def call(*values):
-        arrays = [np.asarray(v, d) for v, d in zip(values, dtypes)]
-        return run(*arrays) if flushing is None else flushing(run, *arrays)
+
+def _as_it_is(run, *arrays):
+    """``run(*arrays)`` in the calling thread's own floating-point state."""
+    return run(*arrays)
+
+
+def _call(sess, tensors, targets, feed_keys, dtypes, flushing):
+    """The compiled call in the pool (``flushing`` None), or in the calling thread run
+    through ``flushing`` (:func:`~hostavg.tf1.denormals.like_the_pool`)."""
+    options = None if flushing is None else v1.RunOptions(inter_op_thread_pool=-1)
+    run = session_call(sess, tensors, targets, feed_keys, options)
+    if flushing is None:
+        def call(*values):
+            return run(*[np.asarray(v, d) for v, d in zip(values, dtypes)])
+    else:
+        def call(*values):
+            return flushing(run, *[np.asarray(v, d) for v, d in zip(values, dtypes)])
     return call

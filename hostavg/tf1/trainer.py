@@ -74,7 +74,7 @@ class Trainer(BaseTrainer):
                  micro_batches: int | None = None, accumulate: str = "sum", average: str = "host",
                  accum_dtype=None, global_step=None, increment_global_step: bool = True,
                  update_ops=None, hooks=(), comm=None, update_ratios_every: int | None = None,
-                 session_threads: str = "pool", overlap: bool = False,
+                 session_threads: str = "auto", overlap: bool = False,
                  distributions_every: int | None = None, check_applied: bool = True,
                  statistics=None, watch_outliers: bool = True, diagnose: bool = True):
         """Wires the graph: gradient tensors, the fed train op, the host's fetches.
@@ -97,11 +97,12 @@ class Trainer(BaseTrainer):
             None: the graph's UPDATE_OPS that the loss's feeds can run; a
             list: exactly those; ``[]``: none.
           session_threads: one of :data:`~hostavg.tf1.session.SESSION_THREADS`:
-            "pool" (default) runs the trainer's session calls in the
-            session's inter-op pool, as ``sess.run``; "caller" in the calling
-            thread (faster for small models; it flushes denormal floats to
-            zero during the call as the pool does, on x86-64 Linux). See the
-            performance page.
+            "pool" runs the trainer's session calls in the session's
+            inter-op pool, as ``sess.run``; "caller" in the calling thread
+            (faster for small models; it flushes denormal floats to zero
+            during the call as the pool does, on x86-64 Linux); "auto"
+            (default) times each call both ways on its first uses and keeps
+            the faster, the same values either way. See the performance page.
 
         Attributes:
           graph: the loss's graph; sessions passed in must run it.

@@ -61,7 +61,7 @@ class Wiring:
 
     def __init__(self, loss, optimizer, var_list, global_step, *, accumulate: str,
                  average: str, accum_dtype, update_ops=None, increment_global_step=True,
-                 session_threads: str = "pool", check_applied: bool = True):
+                 session_threads: str = "auto", check_applied: bool = True):
         self.graph, self.loss, self.checks = loss.graph, loss, check_applied
         with self.graph.as_default():
             self.global_step = find_global_step(self.graph, global_step)
