@@ -51,6 +51,48 @@ def test_mean_is_a_copy_and_reset_reuses_the_buffers():
     np.testing.assert_array_equal(acc.mean()["emb"].indices, [2])
 
 
+@pytest.mark.parametrize("accumulate", ["sum", "stack"])
+def test_one_frozen_micro_batch_is_its_own_mean_and_anything_else_is_reduced_anew(accumulate):
+    """A session's outputs come frozen: one micro-batch's are then the mean as they are (the
+    step of one micro-batch pays no copy); the same values as the reduction gives otherwise."""
+    from hostavg.core.accumulator import numpy_reduce
+    from hostavg.core.gradients import freeze
+
+    def frozen(rows, dtype=np.float32):
+        return {"w": freeze(np.array([1, 2], dtype)),
+                "emb": SparseGradient(freeze(np.array(rows)),
+                                      freeze(np.arange(2 * len(rows), dtype=dtype).reshape(-1, 2)),
+                                      (5, 2))}
+
+    acc = Accumulator(SPEC, accumulate=accumulate)
+    lone = frozen([1, 3])
+    acc.add(Gradients(lone, loss=0.5), weight=3)
+    mean = acc.mean()
+    assert np.shares_memory(mean["w"], lone["w"])  # no copy
+    assert np.shares_memory(mean["emb"].values, lone["emb"].values)
+    assert mean.loss == 0.5 and mean.size == 3
+    reduced = numpy_reduce(acc.reduction())  # what the reduction would have given
+    np.testing.assert_array_equal(reduced["w"], mean["w"])
+    np.testing.assert_array_equal(reduced["emb"][1], mean["emb"].values)
+    with pytest.raises(ValueError, match="read-only"):
+        mean["w"][0] = 9
+    for case, given in [("rows unsorted", frozen([3, 1])), ("rows repeated", frozen([1, 1])),
+                        ("not frozen", grads([1, 2], [1, 3], [[0, 1], [2, 3]])),
+                        ("float64", frozen([1, 3], np.float64))]:
+        acc.reset()
+        acc.add(given, weight=3)
+        mean = acc.mean()
+        assert not np.shares_memory(mean["emb"].values, given["emb"].values), case
+        assert mean["w"].dtype == F32 and list(mean["emb"].indices) == sorted(
+            set(given["emb"].indices)), case
+    acc.reset()
+    acc.add(lone, weight=1)
+    acc.add(frozen([1, 3]), weight=1)
+    mean = acc.mean()  # two: their mean, new
+    assert not np.shares_memory(mean["w"], lone["w"])
+    np.testing.assert_array_equal(mean["emb"].values, lone["emb"].values)
+
+
 def test_accum_dtype_float64_keeps_what_float32_loses():
     spec = {"w": VariableSpec((1,), F32, False)}
     tiny = {"w": np.array([1e-8], np.float32)}

@@ -257,6 +257,7 @@ class Accumulator:
         self._stacks = {n: [] for n, s in self.spec.items() if not s.sparse} \
             if self.accumulate == "stack" else {}
         self._rows = {n: [] for n, s in self.spec.items() if s.sparse}
+        self._first = None
 
     def add(self, grads: Mapping, weight: float | None = None) -> None:
         """Adds one micro-batch's gradients with weight ``weight``.
@@ -294,6 +295,8 @@ class Accumulator:
         """Adds ``values`` that :func:`~hostavg.core.gradients.conform` and
         :func:`~hostavg.core.gradients.check_finite` passed (the engine's path: :meth:`add`
         checks, then calls this), with their squared norm ``sq_norm``; nothing is copied."""
+        if self.count == 0:
+            self._first = values
         for name, value in values.items():
             if name in self._rows:
                 self._rows[name].append((value.indices, value.values, weight))
@@ -311,7 +314,11 @@ class Accumulator:
         self.count += 1
 
     def mean(self, reducer: Reducer | None = None) -> Gradients:
-        """The weighted mean of what was added, as new read-only arrays (later adds do not change it).
+        """The weighted mean of what was added, as read-only arrays that later adds do not change.
+
+        With one micro-batch added that hostavg froze (a session's or compiled
+        call's output) in the accumulation dtype, its arrays are the mean as
+        they are; otherwise new arrays.
 
         Args:
           reducer: for this call only, instead of the accumulator's own (an
@@ -329,13 +336,28 @@ class Accumulator:
         """
         if self.count == 0 and reducer is None:
             raise ArgumentError("the accumulator is empty: add() at least one micro-batch before mean()")
+        loss = self._loss_sum / self.total_weight if self._losses_known and self.count else None
+        if reducer is None and self._reduce is numpy_reduce and self._lone_mean():
+            return Gradients(self._first, loss=loss, size=self.total_weight)
         reduced = (reducer or self._reduce)(self.reduction())
         out = {}
         for name, s in self.spec.items():
             value = reduced[name]
             out[name] = SparseGradient(*map(freeze, value), s.shape) if s.sparse else freeze(value)
-        loss = self._loss_sum / self.total_weight if self._losses_known and self.count else None
         return Gradients(out, loss=loss, size=self.total_weight)
+
+    def _lone_mean(self) -> bool:
+        """Whether the one micro-batch added is its own mean as it is (:func:`numpy_reduce` would
+        give the same values): frozen, in the accumulation dtypes, its rows sorted and unique."""
+        if self.count != 1:
+            return False
+        for name, value in self._first.items():
+            if value.dtype != self._dtypes[name] or not is_frozen(value):
+                return False
+            if isinstance(value, SparseGradient) and len(value.indices) > 1 \
+                    and not bool(np.all(value.indices[1:] > value.indices[:-1])):
+                return False
+        return True
 
     @property
     def loss_sum(self) -> float | None:
