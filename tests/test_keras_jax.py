@@ -194,3 +194,28 @@ def test_training_metrics_computed_in_one_call_are_keras_own_results():
     for name in got:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
+
+
+def test_the_step_counts_from_optimizer_iterations_as_the_program_set_it():
+    """The global step is read from ``optimizer.iterations`` where its value changed (on JAX
+    only then: a JAX array never changes) and reported from the apply's own outputs."""
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    optimizer = keras.optimizers.SGD(0.1)
+    trainer = hostavg.keras.Trainer(model, keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), optimizer, update_ratios_every=1)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6)).astype(np.float32), rng.integers(0, 3, 16).astype(np.int32)
+    steps = []
+    for _ in range(3):
+        before = [np.array(v) for v in model.trainable_variables]
+        steps.append(trainer.step(hostavg.split((x, y), 8)))
+        for v, w in zip(model.trainable_variables, before):  # |update| / |weights|, by hand
+            with np.errstate(divide="ignore"):  # (the bias starts at 0: an infinite ratio)
+                moved = np.linalg.norm(np.array(v) - w) / np.linalg.norm(w)
+            assert steps[-1].update_ratios[v.path] == pytest.approx(moved, rel=1e-5)
+    assert [r.step for r in steps] == [1, 2, 3]
+    assert all(r.learning_rate == pytest.approx(0.1) for r in steps)
+    optimizer.iterations.assign(41)  # as a restored checkpoint or the program itself would
+    assert trainer.step(hostavg.split((x, y), 8)).step == 42
+    assert int(optimizer.iterations.value) == 42

@@ -47,6 +47,7 @@ __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
 
 #: The dtype squared norms are reduced in on the device: float64 if JAX allows it, else float32.
 _WIDE = jax.dtypes.canonicalize_dtype(jnp.float64)
+_COUNT = jax.dtypes.canonicalize_dtype(jnp.int64)  # (int32 unless JAX's x64 is on)
 #: How many computes' output buffers are kept to be donated: the one before the last is
 #: free again once the engine has added it (with ``overlap``, the one in flight is the last).
 _RING = 2
@@ -103,6 +104,7 @@ class KerasJaxBackend(CompiledModel):
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
         self._applies = {}  # ApplyRequest -> jitted apply
         self._schedule = self._next_rate = None  # whether the rate is a schedule; its next value
+        self._iterations = (None, 0)  # optimizer.iterations's last value read, and it as an int
         self._losses = {}  # input signature -> the loss function its compute differentiates
         self._products = {}  # input signature -> jitted Hessian-vector product
         self._samples = {}  # (input signature, "sums", "own" or "dots") -> jitted function
@@ -295,21 +297,23 @@ class KerasJaxBackend(CompiledModel):
             function = self._applies[traced] = self._application(traced)
         trained = _trained(self.model, self._kept)
         grads = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]  # jit puts them
-        before = self.global_step()
         with _jax_errors("apply"):
             out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
                            grads)
-        # (Unknown where the update was undone: the iteration stays, so the next apply's rate is
-        # this one's, which the next checked apply measures again.)
-        self._next_rate = float(out.next_rate) if np.asarray(out.finite).all() else None
         # Copied to the host before the next apply donates the new values' buffers.
         weights = [np.array(w) for w in out.new] if request.values else []
         assign(trained, out.new)  # the old values, where the update was undone
         assign(self.optimizer.variables, out.slots)
+        # two reads from the device, not one a number
+        found = _Report.read(out.reals, out.counts, 2 * len(trained) if traced.ratios else 0)
+        # (Unknown where the update was undone: the iteration stays, so the next apply's rate is
+        # this one's, which the next checked apply measures again.)
+        self._next_rate = found.next_rate if found.finite.all() else None
+        self._iterations = (self.optimizer.iterations.value, found.after)
         return self._report(ApplyOutputs(
-            before, self.global_step(), float(out.learning_rate), np.asarray(out.squares),
-            tuple(np.asarray(out.scales).tolist()), weights, [np.asarray(u) for u in out.updates],
-            np.asarray(out.finite), np.asarray(out.magnitudes)), request, trained)
+            found.before, found.after, found.learning_rate, found.squares, found.scales, weights,
+            [np.asarray(u) for u in out.updates], found.finite, found.magnitudes), request,
+            trained)
 
     def _rate_bound(self, feed) -> float | None:
         """The learning rate the next apply uses: a variable's, read on the host (about 8 us);
@@ -322,7 +326,12 @@ class KerasJaxBackend(CompiledModel):
         return super()._rate_bound(feed)
 
     def global_step(self) -> int:
-        return int(self.optimizer.iterations.value)
+        """``optimizer.iterations``, read from the device only where its value changed since the
+        last read or apply (a JAX array never changes: another value is another array)."""
+        value = self.optimizer.iterations.value
+        if value is not self._iterations[0]:
+            self._iterations = (value, int(value))
+        return self._iterations[1]
 
     def snapshot(self) -> dict:
         """The values of :attr:`assigned` (JAX arrays, which never change); a function traced
@@ -678,6 +687,7 @@ class KerasJaxBackend(CompiledModel):
         position = {id(v): i for i, v in enumerate(trained + list(optimizer.variables))}
         measured = [position[id(v)] for v in self._bounded()[1]] \
             if any(checks) else []  # (every checked apply measures)
+        iteration = position[id(optimizer.iterations)] - len(trained)
 
         def apply(values, slots, grads):
             mapping = list(zip(trained, values)) + list(zip(optimizer.variables, slots))
@@ -711,8 +721,9 @@ class KerasJaxBackend(CompiledModel):
             both = [*new, *new_slots]
             magnitudes = jnp.stack([jnp.max(jnp.abs(both[i]), initial=0).astype(_WIDE)
                                     for i in measured]) if measured else jnp.zeros(0, _WIDE)
-            return _Stateless(new, new_slots, lr, squares, jnp.stack([scale, after]), updates,
-                              finite[:sum(checks)], magnitudes, next_rate)
+            return _Stateless(new, new_slots, updates, *_Report.packed(
+                lr, next_rate, jnp.stack([scale, after]), squares, magnitudes,
+                slots[iteration], new_slots[iteration], finite[:sum(checks)]))
 
         return jax.jit(apply, donate_argnums=(0, 1))
 
@@ -813,24 +824,59 @@ class _Stateless(NamedTuple):
     Attributes:
       new, slots: the trained variables' and the optimizer variables' new values (the old
         ones where the update was undone).
-      learning_rate: the learning rate the apply used.
-      squares: the updates' squared norms, then the weights' before (or empty).
-      scales: the loss scale before and after.
       updates: each trained variable's update (or empty).
-      finite: whether each checked variable is finite after the update.
-      magnitudes: the largest magnitude of each variable measured (or empty).
-      next_rate: the learning rate at the next iteration, as the optimizer stands after it.
+      reals, counts: the numbers of a :class:`_Report`, packed in two arrays, so that the
+        host reads them in two transfers from the device rather than one a number.
     """
 
     new: list
     slots: list
-    learning_rate: Any
-    squares: Any
-    scales: Any
     updates: list
-    finite: Any
-    magnitudes: Any
-    next_rate: Any
+    reals: Any
+    counts: Any
+
+
+class _Report(NamedTuple):
+    """The numbers an apply reports (:class:`_Stateless`'s ``reals`` and ``counts``), read.
+
+    Attributes:
+      learning_rate: the learning rate the apply used.
+      next_rate: the learning rate at the next iteration, as the optimizer stands after it.
+      scales: the loss scale before and after.
+      squares: the updates' squared norms, then the weights' before (or empty).
+      magnitudes: the largest magnitude of each variable measured (or empty).
+      before, after: ``optimizer.iterations`` before and after.
+      finite: whether each checked variable is finite after the update.
+    """
+
+    learning_rate: float
+    next_rate: float
+    scales: tuple
+    squares: np.ndarray
+    magnitudes: np.ndarray
+    before: int
+    after: int
+    finite: np.ndarray
+
+    @staticmethod
+    def packed(learning_rate, next_rate, scales, squares, magnitudes, before, after, finite):
+        """(reals, counts) on the device: the real numbers in the wide float dtype, in the
+        order of the fields, then the iterations and the finite flags as integers."""
+        reals = jnp.concatenate([jnp.stack([learning_rate, next_rate]).astype(_WIDE),
+                                 scales.astype(_WIDE), squares.astype(_WIDE),
+                                 magnitudes.astype(_WIDE)])
+        counts = jnp.concatenate([jnp.stack([before, after]).astype(_COUNT),
+                                  finite.astype(_COUNT)])
+        return reals, counts
+
+    @classmethod
+    def read(cls, reals, counts, squares: int) -> "_Report":
+        """The report of :meth:`packed`'s arrays, on the host, ``squares`` of the reals being
+        squared norms (the magnitudes the rest)."""
+        reals, counts = np.asarray(reals), np.asarray(counts)
+        return cls(float(reals[0]), float(reals[1]), (float(reals[2]), float(reals[3])),
+                   reals[4:4 + squares], reals[4 + squares:], int(counts[0]), int(counts[1]),
+                   counts[2:].astype(bool))
 
 
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,
