@@ -359,6 +359,22 @@ def test_a_hook_that_may_read_the_model_sees_it_as_its_micro_batch_left_it(monke
 
 
 @jax_only
+def test_hostavgs_hooks_that_never_drop_nor_read_the_model_leave_the_step_one_call(
+        monkeypatch, tmp_path):
+    """Record and ClipMicroBatchNorm say so (``drops = False``, ``reads_model = False``): a
+    hook that may drop needs a snapshot before each compute, which one call cannot give."""
+    (data,) = batches(7, 1, BATCH)
+    trainer = trainer_of()
+    hooks = [hostavg.hooks.Record(tmp_path / "run"), hostavg.hooks.ClipMicroBatchNorm(1e6)]
+    trainer = hostavg.keras.Trainer(trainer.model, hooks=hooks)
+    spy = Spy(trainer, monkeypatch)
+    trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    assert spy.many == [4] and spy.one == []
+    assert [h.drops for h in hooks] == [False, False]
+    assert getattr(hostavg.hooks.SkipNonFinite(), "drops", True)  # which drops
+
+
+@jax_only
 def test_a_model_that_refuses_a_new_micro_batch_size_is_refused_by_name():
     """The scan is traced per shape: a model that traces at 10 samples and refuses 12 gets the
     ArgumentError of a compute one a call, naming the micro-batch."""

@@ -132,11 +132,30 @@ def test_where_it_cannot_vectorize_it_says_why_and_computes_each_alone(kind, why
                                    _alone(trainer, sess, feed), rtol=1e-6, atol=1e-6)
 
 
+def _dilated_gradients_run() -> bool:
+    """Whether this machine's TensorFlow computes a dilated Conv2D's input gradient on the
+    CPU: its oneDNN kernels do; without them (TensorFlow leaves oneDNN off on CPUs without
+    AVX-512, an AMD EPYC among them) the Eigen kernel refuses dilation rates over 1."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.ones([1, 6, 6, 1])
+        grad = tf.gradients(tf.nn.conv2d(x, tf.ones([2, 2, 1, 1]), 1, "VALID", dilations=2),
+                            x)[0]
+    try:
+        v1.Session(graph=graph).run(grad)
+        return True
+    except tf.errors.InvalidArgumentError:
+        return False
+
+
 def test_a_convnet_with_strided_same_and_dilated_valid_convolutions_is_each_sample_alone(
         monkeypatch):
     """Its Conv2D kernels' gradients formed per kernel offset (hostavg.core.convolution):
     "SAME" with a stride on 8x8 (one more row and column after), "VALID" dilated, and a
     kernel read by two convolutions (formed by the vectorized gradient instead)."""
+    if not _dilated_gradients_run():
+        pytest.skip("this machine's TensorFlow has no CPU kernel for a dilated convolution's "
+                    "gradient (no oneDNN): the model cannot train here at all")
     rng = np.random.default_rng(1)
     graph = tf.Graph()
     with graph.as_default():
@@ -183,6 +202,32 @@ def _vectorized_as_alone(loss, feed: dict, monkeypatch) -> None:
         sess = v1.Session(graph=loss.graph)
         sess.run(v1.global_variables_initializer())
     table = _vectorized(trainer, sess, feed, 4, monkeypatch)
+    np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_call_of_several_samples_that_fails_where_each_alone_runs_stops_vectorizing_once(
+        monkeypatch):
+    """Where the framework refuses the vectorized call though every sample computes alone (a
+    kernel it lacks for the vectorized form), per_sample says why once and computes the rest
+    alone rather than failing the same call again on every chunk: values as alone."""
+    from hostavg.core.errors import StepError
+    trainer, sess, feed, _ = _build()
+    tried = []
+
+    def refused(self, feed, dotted=False):
+        tried.append(dotted)
+        raise StepError("the session refused the per_sample (InvalidArgumentError: No "
+                        "OpKernel was registered to support Op 'Made-up' used by a pfor)")
+
+    monkeypatch.setattr(SessionBackend, "sample_sums", refused)
+    with pytest.warns(UserWarning, match=r"per_sample computes each sample alone, one call "
+                      r"each: the call of several samples failed where each alone computes "
+                      r"\(the session refused the per_sample \(InvalidArgumentError: No "
+                      r"OpKernel") as said:
+        table = trainer.per_sample(sess, feed, chunk_size=4)
+    assert len(said) == 1 and tried == [False]  # 3 chunks: the first one's call alone
+    assert table["error"].isna().all()
     np.testing.assert_allclose(table[COLUMNS].to_numpy(float), _alone(trainer, sess, feed),
                                rtol=1e-6, atol=1e-6)
 

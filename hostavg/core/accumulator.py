@@ -295,8 +295,8 @@ class Accumulator:
         """Adds ``values`` that :func:`~hostavg.core.gradients.conform` and
         :func:`~hostavg.core.gradients.check_finite` passed (the engine's path: :meth:`add`
         checks, then calls this), with their squared norm ``sq_norm``; nothing is copied."""
-        if self.count == 0:
-            self._first = values
+        # the first micro-batch, its own mean if no other comes (not held past a second add)
+        self._first = values if self.count == 0 else None
         for name, value in values.items():
             if name in self._rows:
                 self._rows[name].append((value.indices, value.values, weight))

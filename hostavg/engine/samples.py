@@ -88,6 +88,7 @@ class _PerSample:
         self.own = False  # whether the first pass dots with its one chunk's own sum
         # a backend without sample_sums computes one sample per call by design: no warning
         self.vectorizing = hasattr(backend, "sample_sums")
+        self._refusal = ""  # what the framework said when it last refused a call of several
         # a vectorized value's rounding, relatively, as it shows in a cosine to the rest
         self.rounding = ROUNDING * max(float(ml_dtypes.finfo(s.dtype).eps)
                                        for s in engine.spec.values())
@@ -177,17 +178,23 @@ class _PerSample:
         n = _size(chunk)
         together, alone = self._prepared(chunk, start, list(range(n)))
         parts = []
+        refused = None
         if together is not None:
             feed, places = together
             part, low = self._together(chunk, start, feed, places)
             if part is None:
-                alone = sorted(alone + places)
+                alone, refused = sorted(alone + places), places
             else:
                 alone = sorted(alone + low)
                 if part.samples:
                     parts.append(part)
         if alone:
             parts.append(self._alone(chunk, start, alone, keep=len(self.chunks) == 1))
+        if refused and self.vectorizing and all(self.errors[start + p] is None for p in refused):
+            # no sample was to blame: the vectorized form itself does not run here (a kernel
+            # this machine's framework lacks), and would fail again on every chunk
+            self._stop(f"the call of several samples failed where each alone computes "
+                       f"({self._refusal})")
         return parts
 
     def _prepared(self, chunk, start: int, places: list) -> tuple:
@@ -246,8 +253,8 @@ class _PerSample:
                 else self.backend.sample_sums(feed)
         except NotVectorized as e:
             self._stop(str(e))
-        except HostavgError:
-            pass
+        except HostavgError as e:
+            self._refusal = _cause(e)
         return None
 
     def _alone(self, chunk, start: int, places: list, keep: bool) -> _Part:
@@ -300,6 +307,12 @@ class _PerSample:
             g = g if g is not None else self._one(chunk, i - p, p)
             if g is not None:
                 self.dots[i] = math.fsum(_dot(g[n], m) for n, m in mean.items())
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of what the framework said under ``error`` (or of ``error`` itself)."""
+    said = str(error.__cause__ or error).strip()
+    return said.splitlines()[0] if said else type(error).__name__
 
 
 def _size(chunk) -> int:

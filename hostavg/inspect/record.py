@@ -413,6 +413,7 @@ class Record:
     """
 
     reads_model = False  # it writes the record's gradients alone
+    drops = False  # nor does it drop a micro-batch: no snapshot before each compute
 
     def __init__(self, path, every: int = 1, micro: bool = True, overwrite: bool = False):
         positive_int("every", every)

@@ -112,6 +112,7 @@ class ClipMicroBatchNorm:
     """
 
     reads_model = False  # it scales the record's gradients alone
+    drops = False  # and replaces them, never drops them: no snapshot before each compute
 
     def __init__(self, max_norm: float):
         self.max_norm = positive_number("max_norm", max_norm)
