@@ -23,8 +23,8 @@ class Faster:
     Calls alternate between the two: :attr:`WARM` calls of each untimed (the
     first calls of a session call build its executor), then :attr:`TIMED` of
     each timed; from then on every call goes to the one whose median time was
-    lower, ``first`` on a tie. Where one can be slower only, say so by putting
-    the safer one ``first``. A call that raises counts towards no median.
+    lower, ``first`` on a tie (the usual way goes first: the pool). A call that
+    raises counts towards no median.
     Safe to call from several threads; their calls then time each other's too.
 
     Attributes:
