@@ -215,16 +215,18 @@ def test_a_call_of_several_samples_that_fails_where_each_alone_runs_stops_vector
     trainer, sess, feed, _ = _build()
     tried = []
 
-    def refused(self, feed, dotted=False):
+    def refused(self, feed, dotted=False):  # as the session's refusal comes: its error under
         tried.append(dotted)
-        raise StepError("the session refused the per_sample (InvalidArgumentError: No "
-                        "OpKernel was registered to support Op 'Made-up' used by a pfor)")
+        said = "No OpKernel was registered to support Op 'Made-up' used by a pfor"
+        raise StepError(f"the session refused the per_sample (InvalidArgumentError: {said}); "
+                        f"check that micro-batch's feed") \
+            from tf.errors.InvalidArgumentError(None, None, said)
 
     monkeypatch.setattr(SessionBackend, "sample_sums", refused)
-    with pytest.warns(UserWarning, match=r"per_sample computes each sample alone, one call "
+    with pytest.warns(UserWarning, match=r"^per_sample computes each sample alone, one call "
                       r"each: the call of several samples failed where each alone computes "
-                      r"\(the session refused the per_sample \(InvalidArgumentError: No "
-                      r"OpKernel") as said:
+                      r"\(InvalidArgumentError: No OpKernel was registered to support Op "
+                      r"'Made-up' used by a pfor\)$") as said:
         table = trainer.per_sample(sess, feed, chunk_size=4)
     assert len(said) == 1 and tried == [False]  # 3 chunks: the first one's call alone
     assert table["error"].isna().all()

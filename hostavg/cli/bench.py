@@ -368,9 +368,9 @@ def warmup_steps(implementations) -> int:
     :data:`AUTO_WARMUP`."""
     if any(n.endswith("-watched") for n in implementations):
         return max(WATCHED_WARMUP, AUTO_WARMUP)
-    auto = ("hostavg", "hostavg-stack", "hostavg-stack+stats", "hostavg-graph",
-            "hostavg-overlap", "hostavg-unchecked")
-    return AUTO_WARMUP if any(n in auto for n in implementations) else 1
+    auto = [n for n in implementations if n.startswith("hostavg") and n not in
+            KERAS_IMPLEMENTATIONS and n not in ("hostavg-pool", "hostavg-caller")]
+    return AUTO_WARMUP if auto else 1
 
 
 def faces(backend: str) -> tuple:

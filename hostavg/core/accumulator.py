@@ -28,7 +28,7 @@ import numpy as np
 from hostavg.core.dtypes import accumulation_dtype, arithmetic
 from hostavg.core.errors import ArgumentError, positive_number
 from hostavg.core.gradients import (Gradients, SparseGradient, VariableSpec, check_finite, coalesce_rows,
-                               conform, freeze, is_frozen)
+                               conform, freeze, is_frozen, sorted_unique)
 
 __all__ = ["ACCUMULATE_MODES", "Accumulator", "Reduction", "RunningSum", "aligned_empty",
            "as_accum_dtype", "numpy_reduce", "stack_sum", "weighted_rows"]
@@ -354,8 +354,7 @@ class Accumulator:
         for name, value in self._first.items():
             if value.dtype != self._dtypes[name] or not is_frozen(value):
                 return False
-            if isinstance(value, SparseGradient) and len(value.indices) > 1 \
-                    and not bool(np.all(value.indices[1:] > value.indices[:-1])):
+            if isinstance(value, SparseGradient) and not sorted_unique(value.indices):
                 return False
         return True
 

@@ -34,8 +34,8 @@ from hostavg.core.dtypes import can_cast
 from hostavg.core.errors import ArgumentError, StepError
 
 __all__ = ["VariableSpec", "SparseGradient", "Gradients", "check_finite", "coalesce_rows", "conform",
-           "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "squared_norm",
-           "squared_norms"]
+           "freeze", "global_norm", "is_frozen", "nonfinite_entries", "own", "sorted_unique",
+           "squared_norm", "squared_norms"]
 
 #: Every array :func:`freeze` made: its id -> a weak reference to it, which takes the entry
 #: with it when the array goes: what the caches may trust. (A plain dict of C-level
@@ -157,6 +157,11 @@ class SparseGradient:
                                  f"{self.dtype})")
 
 
+def sorted_unique(indices: np.ndarray) -> bool:
+    """Whether ``indices`` are sorted and unique: rows in the form :func:`coalesce_rows` gives."""
+    return len(indices) < 2 or bool(np.all(indices[1:] > indices[:-1]))
+
+
 def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique ``indices`` and, for each, the sum of its rows of ``values``.
 
@@ -170,9 +175,9 @@ def coalesce_rows(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, 
     the sequential sum; its cost grows with the number of runs of equal indices,
     not with their length). Either way the result depends only on the input.
     """
-    n = len(indices)
-    if n < 2 or bool(np.all(indices[1:] > indices[:-1])):
+    if sorted_unique(indices):
         return indices, values
+    n = len(indices)
     order = _stable_order(indices)
     ordered = indices[order]
     first = np.empty(n, bool)

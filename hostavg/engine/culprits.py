@@ -26,7 +26,8 @@ from hostavg.core.split import arrays, take
 
 __all__ = ["EXTREME", "NONE_FAILING", "Contribution", "CulpritSearch", "Extreme", "Failing",
            "NonFinite", "block_counts", "describe",
-           "failing", "find", "in_inputs", "key_name", "rows_of", "sample_arrays", "short"]
+           "failing", "find", "in_inputs", "key_name", "refusal", "rows_of", "sample_arrays",
+           "short"]
 
 #: The names of a batch tuple's parts, by position.
 PARTS = ("x", "y", "sample_weight")
@@ -267,12 +268,12 @@ def failing(feed, n: int, start: int, rows, compute: Callable, refused: type) ->
         try:
             compute(take(feed, [j], n, blocks), 1)
         except refused as e:
-            found.append(_culprit(j, start, rows, f"fails alone: {_refusal(e)}"))
+            found.append(_culprit(j, start, rows, f"fails alone: {refusal(e)}"))
     how = f"computing each of its {n} samples alone"
     return tuple(found), how + ("" if found else ", none fails")
 
 
-def _refusal(error: BaseException) -> str:
+def refusal(error: BaseException) -> str:
     """What the framework said refusing one sample: the first line of its own error (the
     cause of ``error``) with its type, shortened."""
     said = error.__cause__ or error

@@ -30,6 +30,7 @@ from hostavg.core.gradients import SparseGradient, squared_norm
 from hostavg.core.split import sample_count, take
 from hostavg.core.stats import cosines_from_dots
 from hostavg.engine.batches import prepare_one
+from hostavg.engine.culprits import refusal
 from hostavg.engine.protocols import NotVectorized, SampleStats
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "default_chunk_size", "per_sample"]
@@ -254,7 +255,7 @@ class _PerSample:
         except NotVectorized as e:
             self._stop(str(e))
         except HostavgError as e:
-            self._refusal = _cause(e)
+            self._refusal = refusal(e)
         return None
 
     def _alone(self, chunk, start: int, places: list, keep: bool) -> _Part:
@@ -307,12 +308,6 @@ class _PerSample:
             g = g if g is not None else self._one(chunk, i - p, p)
             if g is not None:
                 self.dots[i] = math.fsum(_dot(g[n], m) for n, m in mean.items())
-
-
-def _cause(error: BaseException) -> str:
-    """The first line of what the framework said under ``error`` (or of ``error`` itself)."""
-    said = str(error.__cause__ or error).strip()
-    return said.splitlines()[0] if said else type(error).__name__
 
 
 def _size(chunk) -> int:

@@ -305,15 +305,14 @@ class KerasJaxBackend(CompiledModel):
         assign(trained, out.new)  # the old values, where the update was undone
         assign(self.optimizer.variables, out.slots)
         # two reads from the device, not one a number
-        found = _Report.read(out.reals, out.counts, 2 * len(trained) if traced.ratios else 0)
+        found, next_rate = _unpacked(out.reals, out.counts,
+                                     2 * len(trained) if traced.ratios else 0,
+                                     weights, [np.asarray(u) for u in out.updates])
         # (Unknown where the update was undone: the iteration stays, so the next apply's rate is
         # this one's, which the next checked apply measures again.)
-        self._next_rate = found.next_rate if found.finite.all() else None
+        self._next_rate = next_rate if found.finite.all() else None
         self._iterations = (self.optimizer.iterations.value, found.after)
-        return self._report(ApplyOutputs(
-            found.before, found.after, found.learning_rate, found.squares, found.scales, weights,
-            [np.asarray(u) for u in out.updates], found.finite, found.magnitudes), request,
-            trained)
+        return self._report(found, request, trained)
 
     def _rate_bound(self, feed) -> float | None:
         """The learning rate the next apply uses: a variable's, read on the host (about 8 us);
@@ -721,7 +720,7 @@ class KerasJaxBackend(CompiledModel):
             both = [*new, *new_slots]
             magnitudes = jnp.stack([jnp.max(jnp.abs(both[i]), initial=0).astype(_WIDE)
                                     for i in measured]) if measured else jnp.zeros(0, _WIDE)
-            return _Stateless(new, new_slots, updates, *_Report.packed(
+            return _Stateless(new, new_slots, updates, *_packed(
                 lr, next_rate, jnp.stack([scale, after]), squares, magnitudes,
                 slots[iteration], new_slots[iteration], finite[:sum(checks)]))
 
@@ -825,8 +824,8 @@ class _Stateless(NamedTuple):
       new, slots: the trained variables' and the optimizer variables' new values (the old
         ones where the update was undone).
       updates: each trained variable's update (or empty).
-      reals, counts: the numbers of a :class:`_Report`, packed in two arrays, so that the
-        host reads them in two transfers from the device rather than one a number.
+      reals, counts: the apply's numbers (:func:`_packed`), in two arrays, so that the host
+        reads them in two transfers from the device rather than one a number.
     """
 
     new: list
@@ -836,47 +835,25 @@ class _Stateless(NamedTuple):
     counts: Any
 
 
-class _Report(NamedTuple):
-    """The numbers an apply reports (:class:`_Stateless`'s ``reals`` and ``counts``), read.
+def _packed(learning_rate, next_rate, scales, squares, magnitudes, before, after, finite):
+    """(reals, counts) on the device: the learning rates this iteration and the next, the loss
+    scale before and after, the updates' squared norms then the weights' before (or none) and
+    the magnitudes measured (or none), in the wide float dtype; ``optimizer.iterations``
+    before and after and whether each checked variable is finite, as integers."""
+    reals = jnp.concatenate([jnp.stack([learning_rate, next_rate]).astype(_WIDE),
+                             scales.astype(_WIDE), squares.astype(_WIDE), magnitudes.astype(_WIDE)])
+    counts = jnp.concatenate([jnp.stack([before, after]).astype(_COUNT), finite.astype(_COUNT)])
+    return reals, counts
 
-    Attributes:
-      learning_rate: the learning rate the apply used.
-      next_rate: the learning rate at the next iteration, as the optimizer stands after it.
-      scales: the loss scale before and after.
-      squares: the updates' squared norms, then the weights' before (or empty).
-      magnitudes: the largest magnitude of each variable measured (or empty).
-      before, after: ``optimizer.iterations`` before and after.
-      finite: whether each checked variable is finite after the update.
-    """
 
-    learning_rate: float
-    next_rate: float
-    scales: tuple
-    squares: np.ndarray
-    magnitudes: np.ndarray
-    before: int
-    after: int
-    finite: np.ndarray
-
-    @staticmethod
-    def packed(learning_rate, next_rate, scales, squares, magnitudes, before, after, finite):
-        """(reals, counts) on the device: the real numbers in the wide float dtype, in the
-        order of the fields, then the iterations and the finite flags as integers."""
-        reals = jnp.concatenate([jnp.stack([learning_rate, next_rate]).astype(_WIDE),
-                                 scales.astype(_WIDE), squares.astype(_WIDE),
-                                 magnitudes.astype(_WIDE)])
-        counts = jnp.concatenate([jnp.stack([before, after]).astype(_COUNT),
-                                  finite.astype(_COUNT)])
-        return reals, counts
-
-    @classmethod
-    def read(cls, reals, counts, squares: int) -> "_Report":
-        """The report of :meth:`packed`'s arrays, on the host, ``squares`` of the reals being
-        squared norms (the magnitudes the rest)."""
-        reals, counts = np.asarray(reals), np.asarray(counts)
-        return cls(float(reals[0]), float(reals[1]), (float(reals[2]), float(reals[3])),
-                   reals[4:4 + squares], reals[4 + squares:], int(counts[0]), int(counts[1]),
-                   counts[2:].astype(bool))
+def _unpacked(reals, counts, squares: int, weights: list, updates: list) -> tuple:
+    """(the :class:`~hostavg.keras.common.ApplyOutputs` of :func:`_packed`'s arrays, read on the
+    host, with ``weights`` and ``updates``; the next iteration's learning rate), ``squares``
+    of the reals after the rates and scales being squared norms, the rest magnitudes."""
+    reals, counts = np.asarray(reals), np.asarray(counts)
+    return ApplyOutputs(int(counts[0]), int(counts[1]), float(reals[0]), reals[4:4 + squares],
+                        (float(reals[2]), float(reals[3])), weights, updates,
+                        counts[2:].astype(bool), reals[4 + squares:]), float(reals[1])
 
 
 def _tapped_sums(taps: LayerTaps, trained: list, one, unscaled, kept_values: list,

@@ -308,9 +308,7 @@ class KerasBackend(CompiledModel):
         for name, s in self.spec.items():
             value = mean[name]
             if s.sparse:  # Keras squares the rows it is given: they must be unique
-                indices, values = value.indices, value.values
-                if len(indices) > 1 and not np.all(indices[1:] > indices[:-1]):
-                    indices, values = coalesce_rows(indices, values)
+                indices, values = coalesce_rows(value.indices, value.values)
                 args += [eager_tensor(indices, np.int64), eager_tensor(values, s.dtype)]
             else:
                 args.append(eager_tensor(value, s.dtype))

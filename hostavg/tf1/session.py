@@ -331,7 +331,7 @@ def _compile(sess, fetches, feed_keys, threads: str):
 
 
 def _as_it_is(run, *arrays):
-    """``run(*arrays)`` in the calling thread's own floating-point state."""
+    """``run(*arrays)`` in the running thread's own floating-point state."""
     return run(*arrays)
 
 
@@ -339,11 +339,8 @@ def _call(sess, tensors, targets, feed_keys, dtypes, flushing):
     """The compiled call in the pool (``flushing`` None), or in the calling thread run
     through ``flushing`` (:func:`~hostavg.tf1.denormals.like_the_pool`)."""
     options = None if flushing is None else v1.RunOptions(inter_op_thread_pool=-1)
-    run = session_call(sess, tensors, targets, feed_keys, options)
-    if flushing is None:
-        def call(*values):
-            return run(*[np.asarray(v, d) for v, d in zip(values, dtypes)])
-    else:
-        def call(*values):
-            return flushing(run, *[np.asarray(v, d) for v, d in zip(values, dtypes)])
+    run, through = session_call(sess, tensors, targets, feed_keys, options), flushing or _as_it_is
+
+    def call(*values):
+        return through(run, *[np.asarray(v, d) for v, d in zip(values, dtypes)])
     return call
