@@ -400,3 +400,77 @@ def test_a_model_that_refuses_a_new_micro_batch_size_is_refused_by_name():
     after = state(trainer)
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+
+
+def jitted_results_calls(backend, monkeypatch) -> list:
+    """Notes each call of the backend's jitted metric results (a call apart from the scan)."""
+    calls, results_function = [], backend._results_function
+
+    def noted():
+        key, results, metrics = results_function()
+        jitted, plain, _ = backend._results[key]
+        if not getattr(jitted, "noted", False):
+            def call(values):
+                calls.append(len(values))
+                return jitted(values)
+            call.noted = True
+            backend._results[key] = (call, plain, metrics)
+        return key, results, metrics
+    monkeypatch.setattr(backend, "_results_function", noted)
+    return calls
+
+
+def keras_own_results(trainer) -> dict:
+    from hostavg.keras.common import CompiledModel
+    return CompiledModel.training_results(trainer._backend)
+
+
+@jax_only
+def test_a_steps_metric_results_come_from_its_scan_and_are_keras_own(monkeypatch):
+    """The scan returns the metrics' results on the values it leaves: read after the step, they
+    are each metric's own ``result()`` bit for bit, with no call of their own; where the
+    metric variables hold other values since (a reset, a rolled-back step), they are computed
+    anew from those."""
+    trainer = trainer_of()
+    backend = trainer._backend
+    calls = jitted_results_calls(backend, monkeypatch)
+    spy = Spy(trainer, monkeypatch)
+    data = batches(3, 3, BATCH)
+    trainer.step(hostavg.split((data[0]["x"], data[0]["y"]), 10))
+    got, want = backend.training_results(), keras_own_results(trainer)
+    assert spy.many == [4] and calls == [] and got == want and 0 < got["accuracy"] < 1
+    trainer.model.reset_metrics()
+    assert backend.training_results() == keras_own_results(trainer) == {"accuracy": 0.0}
+    assert len(calls) == 1
+
+    trainer.step(hostavg.split((data[1]["x"], data[1]["y"]), 10))
+    kept = backend.training_results()
+    bad = {k: v.copy() for k, v in data[2].items()}
+    bad["x"][25, 0] = np.nan  # micro-batch 2 of the scan fails: the step rolls back
+    with pytest.raises(hostavg.StepError):
+        trainer.step(hostavg.split((bad["x"], bad["y"]), 10))
+    assert backend.training_results() == keras_own_results(trainer) == kept
+    assert len(calls) == 2
+
+
+@jax_only
+def test_the_learning_rate_is_read_once_until_its_value_changes(monkeypatch):
+    """The proof's learning rate is the variable's: the apply reports it, and it is read on
+    the host only where the variable's value is not the array the last apply left (a callback
+    that sets it), to be seen at the next step."""
+    from hostavg.keras.common import CompiledModel
+    reads, read = [], CompiledModel._rate_bound
+    monkeypatch.setattr(CompiledModel, "_rate_bound",
+                        lambda self, feed: reads.append(read(self, feed)) or reads[-1])
+    trainer = trainer_of()
+    backend = trainer._backend
+    for d in batches(3, 3, BATCH):
+        trainer.step(hostavg.split((d["x"], d["y"]), 10))
+        assert backend._rate_bound(None) == np.float32(0.01)
+    assert reads == []
+    trainer.model.optimizer.learning_rate.assign(0.25)
+    assert backend._rate_bound(None) == 0.25 and reads == [0.25]
+    assert backend._rate_bound(None) == 0.25 and len(reads) == 1
+    (d,) = batches(6, 1, BATCH)
+    trainer.step(hostavg.split((d["x"], d["y"]), 10))
+    assert backend._rate_bound(None) == 0.25 and len(reads) == 1

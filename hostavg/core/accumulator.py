@@ -122,7 +122,7 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     apply: docs/explanation/performance.md, "Choices on the host".
     """
     dtype = np.dtype(dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
+    size = math.prod(shape) * dtype.itemsize
     raw = np.empty(size + align, np.uint8)
     offset = -raw.ctypes.data % align
     return raw[offset:offset + size].view(dtype).reshape(shape)

@@ -105,6 +105,7 @@ class KerasJaxBackend(CompiledModel):
         self._applies = {}  # ApplyRequest -> jitted apply
         self._schedule = self._next_rate = None  # whether the rate is a schedule; its next value
         self._iterations = (None, 0)  # optimizer.iterations's last value read, and it as an int
+        self._rate = (None, 0.0)  # the learning rate variable's last value read, as a float
         self._losses = {}  # input signature -> the loss function its compute differentiates
         self._products = {}  # input signature -> jitted Hessian-vector product
         self._samples = {}  # (input signature, "sums", "own" or "dots") -> jitted function
@@ -112,7 +113,11 @@ class KerasJaxBackend(CompiledModel):
         self._scans = {}  # jitted compute -> its computes in turn (compute_many)
         self._together = {}  # (feed shapes, count) -> whether their scan ran (compute_many)
         self._smalls = {}  # feed shapes -> whether their compute is small (compute_many)
-        self._results = {}  # ids of metrics, of their variables -> (jitted results, the metrics)
+        # ids of metrics, of their variables -> (results, jitted; unjitted; the metrics)
+        self._results = {}
+        self._scan_results = {}  # jitted compute -> the key in _results of its scan's results
+        # (the key, the metric variables' values after the last scan, their results from it)
+        self._latest_results = (None, [], [])
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
@@ -132,7 +137,7 @@ class KerasJaxBackend(CompiledModel):
         if self.reuses_buffers:
             with self._ring_lock:
                 self._ring.append(grads)
-        return Computed(float(loss), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
+        return Computed(float(np.asarray(loss)), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
                         self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
     def compute_many(self, feeds, shares) -> list[tuple[Computed, Any]]:
@@ -159,7 +164,7 @@ class KerasJaxBackend(CompiledModel):
             together = self._scans[function] = self._scan(function)
         try:
             with _jax_errors("compute"):
-                losses, sq_norms, grads, assigned, each, logs = together(*arguments)
+                losses, sq_norms, grads, assigned, each, logs, results = together(*arguments)
                 jax.block_until_ready(grads)
         except Exception:  # noqa: BLE001 - a first call of these shapes may fail to trace
             if works:
@@ -170,6 +175,8 @@ class KerasJaxBackend(CompiledModel):
             return []
         self._together[(shapes, count)] = True
         assign(assigns, assigned)
+        self._latest_results = (self._scan_results[function],
+                                [v.value for v in self.model.metrics_variables], results)
         losses, sq_norms, step = np.asarray(losses), np.asarray(sq_norms), self.global_step()
         grads, logs = [_host(g) for g in grads], [np.asarray(v) for v in logs]
         computed = []
@@ -210,6 +217,7 @@ class KerasJaxBackend(CompiledModel):
     def _scan(self, function):
         """``function``'s computes in turn (:meth:`compute_many`), a jitted ``jax.lax.scan``."""
         body, assigned, metrics = self._bodies[function]
+        self._scan_results[function], results, _ = self._results_function()
 
         def together(trainable, untrained, metric_values, slots, shares, stacked):
             def one(carry, xs):
@@ -225,19 +233,36 @@ class KerasJaxBackend(CompiledModel):
             (untrained, metric_values), (losses, sq, grads, each, logs) = jax.lax.scan(
                 one, (untrained, metric_values), (shares, stacked))
             return losses, sq, grads, \
-                [untrained[i] for i in assigned] + [metric_values[i] for i in metrics], each, logs
+                [untrained[i] for i in assigned] + [metric_values[i] for i in metrics], each, \
+                logs, results(metric_values)
 
-        return jax.jit(together, out_shardings=(None, None, self._outputs, None, None, None))
+        return jax.jit(together,
+                       out_shardings=(None, None, self._outputs, None, None, None, None))
 
     def random_ops(self) -> tuple:
         return ()  # the check names Keras's random layers in its advice
 
     def training_results(self) -> dict:
-        """See :meth:`CompiledModel.training_results`: every metric's ``result()`` in one jitted
-        call on the metric variables' values, as Keras's own JAX trainer computes them inside
-        its train step (eagerly, each result dispatches its few operations one by one: about
-        0.1 ms a step on a small model). Their results trace: the compute traced them
-        (``compute_metrics`` returns every metric's result)."""
+        """See :meth:`CompiledModel.training_results`: every metric's ``result()`` computed on
+        the device, as Keras's own JAX trainer computes them inside its train step (eagerly,
+        each result dispatches its few operations one by one: about 0.1 ms a step on a small
+        model). Those of the last scan (:meth:`compute_many`) where the metric variables
+        still hold the very arrays it left (a JAX array never changes), else one jitted call
+        on their values. Their results trace: the compute traced them (``compute_metrics``
+        returns every metric's result)."""
+        key, _, metrics = self._results_function()
+        values = [v.value for v in self.model.metrics_variables]
+        scanned, before, results = self._latest_results
+        if scanned != key or len(before) != len(values) or \
+                any(a is not b for a, b in zip(before, values)):
+            results = self._results[key][0](values)
+        return named_results(metrics, results, skip=("loss",))
+
+    def _results_function(self) -> tuple:
+        """(what keys them, ``metric variables' values -> results``, the metrics) for the
+        metrics trained now. :meth:`training_results` calls it jitted; a scan
+        (:meth:`_scan`) calls it on the values it leaves, so that a step's results come
+        from its compute's call."""
         variables = list(self.model.metrics_variables)
         key = (frozenset(self.trained_metrics), tuple(map(id, variables)))
         if key not in self._results:
@@ -246,9 +271,8 @@ class KerasJaxBackend(CompiledModel):
             def results(values):
                 with keras.StatelessScope(state_mapping=list(zip(variables, values))):
                     return [metric.result() for metric in metrics]
-            self._results[key] = (jax.jit(results), metrics)
-        function, metrics = self._results[key]
-        return named_results(metrics, function([v.value for v in variables]), skip=("loss",))
+            self._results[key] = (jax.jit(results), results, metrics)
+        return key, *self._results[key][1:]
 
     def _product(self, feed, vector: Mapping) -> tuple[float, dict]:
         """(the loss, name -> H v) of one micro-batch, from ``jax.jvp`` of its gradient,
@@ -311,25 +335,35 @@ class KerasJaxBackend(CompiledModel):
         # (Unknown where the update was undone: the iteration stays, so the next apply's rate is
         # this one's, which the next checked apply measures again.)
         self._next_rate = next_rate if found.finite.all() else None
+        if self._next_rate is not None and not self._is_schedule():
+            self._rate = (self.optimizer.learning_rate.value, next_rate)
         self._iterations = (self.optimizer.iterations.value, found.after)
         return self._report(found, request, trained)
 
     def _rate_bound(self, feed) -> float | None:
-        """The learning rate the next apply uses: a variable's, read on the host (about 8 us);
-        a schedule's, as the last apply computed it for the next iteration (evaluating it on
+        """The learning rate the next apply uses: a variable's, read on the host (about 8 us)
+        where its value is not the array the last finite apply left or the last read saw (a
+        JAX array never changes; a callback that sets the rate assigns another); a
+        schedule's, as the last apply computed it for the next iteration (evaluating it on
         the host costs about 2 ms; only an apply moves the iteration), None before one."""
+        if self._is_schedule():
+            return self._next_rate
+        value = self.optimizer.learning_rate.value
+        if value is not self._rate[0]:
+            self._rate = (value, super()._rate_bound(feed))
+        return self._rate[1]
+
+    def _is_schedule(self) -> bool:
         if self._schedule is None:
             self._schedule = not isinstance(self.optimizer.learning_rate, keras.Variable)
-        if self._schedule:
-            return self._next_rate
-        return super()._rate_bound(feed)
+        return self._schedule
 
     def global_step(self) -> int:
         """``optimizer.iterations``, read from the device only where its value changed since the
         last read or apply (a JAX array never changes: another value is another array)."""
         value = self.optimizer.iterations.value
         if value is not self._iterations[0]:
-            self._iterations = (value, int(value))
+            self._iterations = (value, int(np.asarray(value)))
         return self._iterations[1]
 
     def snapshot(self) -> dict:
