@@ -516,9 +516,12 @@ def _memory_probes(probes: list, steps: int) -> list[int]:
 def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     impl = _make(implementation, config)
     data = _batches(config.model, config, steps + 1)
-    # One step of a single micro-batch first: kernels, caches and one gradient's buffers
-    # are allocated then, and a step of k micro-batches cannot hide in memory it freed.
+    # Two steps of a single micro-batch first: kernels, caches and one gradient's buffers
+    # are allocated then, and a step of k micro-batches cannot hide in memory it freed. Two:
+    # a first apply is checked and a second may be proven, each its own compiled form on JAX,
+    # whose compile (about 24 MiB) is not a step's memory.
     impl.step(data[0][:1])
+    impl.step(data[0][1:2])
     peak = peak_bytes(lambda: [impl.step(micro) for micro in data[1:]])
     impl.close()
     return peak

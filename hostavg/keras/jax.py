@@ -137,7 +137,8 @@ class KerasJaxBackend(CompiledModel):
         if self.reuses_buffers:
             with self._ring_lock:
                 self._ring.append(grads)
-        return Computed(float(np.asarray(loss)), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
+        return Computed(float(np.asarray(loss)),
+                        {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
                         self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
 
     def compute_many(self, feeds, shares) -> list[tuple[Computed, Any]]:
