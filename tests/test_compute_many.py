@@ -474,3 +474,68 @@ def test_the_learning_rate_is_read_once_until_its_value_changes(monkeypatch):
     (d,) = batches(6, 1, BATCH)
     trainer.step(hostavg.split((d["x"], d["y"]), 10))
     assert backend._rate_bound(None) == 0.25 and len(reads) == 1
+
+
+@jax_only
+@pytest.mark.parametrize("check_applied", [True, False])
+def test_a_schedule_given_for_the_rate_after_steps_is_what_the_next_apply_uses(check_applied):
+    """``optimizer.learning_rate = schedule`` (Keras's setter) after steps of a variable rate:
+    the next step applies at the schedule's rate and reports it, checked or not."""
+    model = keras_model(seed=0)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer = hostavg.keras.Trainer(model, check_applied=check_applied)
+    data = batches(3, 4, BATCH)
+    for d in data[:3]:
+        trainer.step(hostavg.split((d["x"], d["y"]), 10))
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    model.optimizer.learning_rate = schedule
+    result = trainer.step(hostavg.split((data[3]["x"], data[3]["y"]), 10))
+    assert result.learning_rate == pytest.approx(float(schedule(3)))
+    assert int(model.optimizer.iterations) == 4
+
+
+class Untraced(keras.metrics.Mean):
+    """A metric whose ``result()`` reads its value on the host: it cannot trace."""
+
+    def result(self):
+        return float(np.asarray(super().result()))
+
+
+class OwnTrainStep(keras.Model):
+    """A model with its own stateless ``train_step``, which updates a metric of its own."""
+
+    def train_step(self, state, data):
+        import jax
+        trainable, non_trainable, optimizer_values, metric_values = state
+        x, y = data
+
+        def loss_of(values):
+            y_pred, new = self.stateless_call(values, non_trainable, x, training=True)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, y_pred, from_logits=True)), new
+        (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        trainable, optimizer_values = self.optimizer.stateless_apply(optimizer_values, grads,
+                                                                     trainable)
+        with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables,
+                                                         metric_values))) as scope:
+            self.tracker.update_state(loss)
+        metric_values = [scope.get_current_value(v) for v in self.metrics_variables]
+        return {"loss": loss}, (trainable, non_trainable, optimizer_values, metric_values)
+
+
+@jax_only
+@pytest.mark.filterwarnings("ignore:The structure of `inputs`:UserWarning")
+@pytest.mark.parametrize("metric", [keras.metrics.Mean, Untraced])
+def test_a_model_with_its_own_train_step_computes_a_step_in_one_call(monkeypatch, metric):
+    """Its logs are its train_step's own: the scan computes no metric results, so a metric
+    whose ``result()`` cannot trace leaves the step one call."""
+    base = keras_model(seed=0)
+    model = OwnTrainStep(base.inputs, base.outputs)
+    model.tracker = metric(name="tracker")
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    trainer = hostavg.keras.Trainer(model, accumulate="stack")
+    spy = Spy(trainer, monkeypatch)
+    for d in batches(3, 2, BATCH):
+        result = trainer.step(hostavg.split((d["x"], d["y"]), 10))
+    assert spy.many == [4, 4] and spy.one == [] and np.isfinite(result.loss)

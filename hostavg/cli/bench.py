@@ -520,8 +520,8 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     # are allocated then, and a step of k micro-batches cannot hide in memory it freed. Two:
     # a first apply is checked and a second may be proven, each its own compiled form on JAX,
     # whose compile (about 24 MiB) is not a step's memory.
-    impl.step(data[0][:1])
-    impl.step(data[0][1:2])
+    for _ in range(2):
+        impl.step(data[0][:1])
     peak = peak_bytes(lambda: [impl.step(micro) for micro in data[1:]])
     impl.close()
     return peak

@@ -122,6 +122,7 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     apply: docs/explanation/performance.md, "Choices on the host".
     """
     dtype = np.dtype(dtype)
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(map(int, shape))  # Python ints
     size = math.prod(shape) * dtype.itemsize
     raw = np.empty(size + align, np.uint8)
     offset = -raw.ctypes.data % align

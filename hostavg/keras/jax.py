@@ -218,7 +218,7 @@ class KerasJaxBackend(CompiledModel):
     def _scan(self, function):
         """``function``'s computes in turn (:meth:`compute_many`), a jitted ``jax.lax.scan``."""
         body, assigned, metrics = self._bodies[function]
-        self._scan_results[function], results, _ = self._results_function()
+        self._scan_results[function], results = self._scanned_results()
 
         def together(trainable, untrained, metric_values, slots, shares, stacked):
             def one(carry, xs):
@@ -258,6 +258,19 @@ class KerasJaxBackend(CompiledModel):
                 any(a is not b for a, b in zip(before, values)):
             results = self._results[key][0](values)
         return named_results(metrics, results, skip=("loss",))
+
+    def _scanned_results(self) -> tuple:
+        """(the key of the metrics' results a scan returns, ``metric values -> results``): none
+        (None, a function of nothing) where the logs are a train_step's own, which its compute
+        returns, or where the results do not trace, which is not to cost the scan."""
+        key, results, _ = self._results_function()
+        if not self.runs_train_step:
+            try:
+                jax.eval_shape(results, [v.value for v in self.model.metrics_variables])
+                return key, results
+            except Exception:  # noqa: BLE001 - a result() that reads a value on the host
+                pass
+        return None, lambda values: []
 
     def _results_function(self) -> tuple:
         """(what keys them, ``metric variables' values -> results``, the metrics) for the
@@ -337,7 +350,7 @@ class KerasJaxBackend(CompiledModel):
         # this one's, which the next checked apply measures again.)
         self._next_rate = next_rate if found.finite.all() else None
         if self._next_rate is not None and not self._is_schedule():
-            self._rate = (self.optimizer.learning_rate.value, next_rate)
+            self._rate = (_value_of(self.optimizer.learning_rate), next_rate)
         self._iterations = (self.optimizer.iterations.value, found.after)
         return self._report(found, request, trained)
 
@@ -349,8 +362,8 @@ class KerasJaxBackend(CompiledModel):
         the host costs about 2 ms; only an apply moves the iteration), None before one."""
         if self._is_schedule():
             return self._next_rate
-        value = self.optimizer.learning_rate.value
-        if value is not self._rate[0]:
+        value = _value_of(self.optimizer.learning_rate)
+        if value is None or value is not self._rate[0]:
             self._rate = (value, super()._rate_bound(feed))
         return self._rate[1]
 
@@ -932,6 +945,13 @@ def _formed_dots(grads: list, sums: list):
     dtype; None where there are none."""
     dots = [per_sample_dots(g, m, _WIDE) for g, m in zip(grads, sums)]
     return sum(dots[1:], dots[0]) if dots else None
+
+
+def _value_of(rate):
+    """A learning rate variable's value (a JAX array, which never changes); None for what is
+    no variable (a schedule set in its place since: ``optimizer.learning_rate`` then gives
+    the schedule's value now)."""
+    return rate.value if isinstance(rate, keras.Variable) else None
 
 
 def _trained(model, kept: list) -> list:
