@@ -518,8 +518,8 @@ def _memory_probe(config: Config, implementation: str, steps: int) -> int:
     data = _batches(config.model, config, steps + 1)
     # Two steps of a single micro-batch first: kernels, caches and one gradient's buffers
     # are allocated then, and a step of k micro-batches cannot hide in memory it freed. Two:
-    # a first apply is checked and a second may be proven, each its own compiled form on JAX,
-    # whose compile (about 24 MiB) is not a step's memory.
+    # the first apply is checked and the second proven, each its own compiled form on JAX,
+    # whose compile is not a step's memory.
     for _ in range(2):
         impl.step(data[0][:1])
     peak = peak_bytes(lambda: [impl.step(micro) for micro in data[1:]])

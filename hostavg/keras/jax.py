@@ -948,9 +948,9 @@ def _formed_dots(grads: list, sums: list):
 
 
 def _value_of(rate):
-    """A learning rate variable's value (a JAX array, which never changes); None for what is
-    no variable (a schedule set in its place since: ``optimizer.learning_rate`` then gives
-    the schedule's value now)."""
+    """A learning rate variable's value (a JAX array, which never changes); None where the
+    rate is no variable (a schedule set in its place after the first read:
+    ``optimizer.learning_rate`` then gives the schedule's value now)."""
     return rate.value if isinstance(rate, keras.Variable) else None
 
 
