@@ -406,8 +406,8 @@ def jitted_results_calls(backend, monkeypatch) -> list:
     """Notes each call of the backend's jitted metric results (a call apart from the scan)."""
     calls, results_function = [], backend._results_function
 
-    def noted():
-        key, results, metrics = results_function()
+    def noted(variables):
+        key, results, metrics = results_function(variables)
         jitted, plain, _ = backend._results[key]
         if not getattr(jitted, "noted", False):
             def call(values):

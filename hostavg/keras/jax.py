@@ -251,8 +251,9 @@ class KerasJaxBackend(CompiledModel):
         still hold the very arrays it left (a JAX array never changes), else one jitted call
         on their values. Their results trace: the compute traced them (``compute_metrics``
         returns every metric's result)."""
-        key, _, metrics = self._results_function()
-        values = [v.value for v in self.model.metrics_variables]
+        variables = list(self.model.metrics_variables)  # the property walks every layer
+        key, _, metrics = self._results_function(variables)
+        values = [v.value for v in variables]
         scanned, before, results = self._latest_results
         if scanned != key or len(before) != len(values) or \
                 any(a is not b for a, b in zip(before, values)):
@@ -263,21 +264,21 @@ class KerasJaxBackend(CompiledModel):
         """(the key of the metrics' results a scan returns, ``metric values -> results``): none
         (None, a function of nothing) where the logs are a train_step's own, which its compute
         returns, or where the results do not trace, which is not to cost the scan."""
-        key, results, _ = self._results_function()
+        variables = list(self.model.metrics_variables)
+        key, results, _ = self._results_function(variables)
         if not self.runs_train_step:
             try:
-                jax.eval_shape(results, [v.value for v in self.model.metrics_variables])
+                jax.eval_shape(results, [v.value for v in variables])
                 return key, results
             except Exception:  # noqa: BLE001 - a result() that reads a value on the host
                 pass
         return None, lambda values: []
 
-    def _results_function(self) -> tuple:
-        """(what keys them, ``metric variables' values -> results``, the metrics) for the
-        metrics trained now. :meth:`training_results` calls it jitted; a scan
-        (:meth:`_scan`) calls it on the values it leaves, so that a step's results come
-        from its compute's call."""
-        variables = list(self.model.metrics_variables)
+    def _results_function(self, variables: list) -> tuple:
+        """(what keys them, ``variables' values -> results``, the metrics) for the metrics
+        trained now, ``variables`` the model's metric variables. :meth:`training_results`
+        calls it jitted; a scan (:meth:`_scan`) calls it on the values it leaves, so that a
+        step's results come from its compute's call."""
         key = (frozenset(self.trained_metrics), tuple(map(id, variables)))
         if key not in self._results:
             metrics = [m for m in self.model.metrics if id(m) in self.trained_metrics]
