@@ -8,7 +8,8 @@ micro-batch a call: the weights, the optimizer's state, the moving statistics, t
 seed's state, the metrics, each micro-batch's gradients; bit for bit on a dense model, to
 float32 rounding where XLA compiles the scan's body otherwise (a weight regularizer: an
 ulp), and the error of a failed step, its culprits, what a hook sees. Only small computes
-without a convolution compute several a call.
+without a convolution compute several a call; any other's calls are dispatched in turn before
+the first is read (JAX's asynchronous dispatch), and held to the same.
 """
 
 import keras
@@ -70,6 +71,20 @@ def test_after_a_failed_call_every_micro_batch_left_computes_alone():
     assert len(many.calls) == 1
 
 
+def test_a_computation_given_as_a_function_is_read_as_it_is_taken():
+    """A backend may return before its computes are done: each is read as the engine takes it,
+    in order, so that those after it still compute while it is added."""
+    read = []
+
+    def many(feeds, shares):
+        return [(lambda f=f: read.append(f) or ("computed", f), lambda f=f: ("after", f))
+                for f in feeds]
+    together = Together(many, ["a", "b", "c"], [1 / 3] * 3)
+    assert together.take(0) == ("computed", "a") and read == ["a"]
+    assert together.take(1) == ("computed", "b") and read == ["a", "b"]
+    assert together.state_after(2) == ("after", "c") and read == ["a", "b"]
+
+
 def test_a_backend_that_takes_none_leaves_each_to_compute_alone():
     many = Calls(most=0)
     together = Together(many, ["a", "b", "c"], [1 / 3] * 3)
@@ -86,11 +101,21 @@ def trainer_of(accumulate="stack", **kw):
     return hostavg.keras.Trainer(model, accumulate=accumulate, **kw)
 
 
+#: How a step's micro-batches compute: what of hostavg.keras.jax is set for each.
+MODES = {"scan": {}, "in turn": {"TOGETHER_FLOPS": 0}, "one a call": {"TOGETHER_BYTES": 0}}
+
+
+def computing(monkeypatch, mode: str) -> None:
+    for name, value in MODES[mode].items():
+        monkeypatch.setattr(f"hostavg.keras.jax.{name}", value)
+
+
 class Spy:
-    """Counts the backend's computes: one micro-batch a call, several a call."""
+    """Counts the backend's computes: one micro-batch a call, several a call (and whether
+    those are read as they are taken: ``lazy``)."""
 
     def __init__(self, trainer, monkeypatch):
-        backend, self.one, self.many = trainer._backend, [], []
+        backend, self.one, self.many, self.lazy = trainer._backend, [], [], []
         compute, compute_many = backend.compute, backend.compute_many
 
         def one(feed, share=1.0):
@@ -100,6 +125,7 @@ class Spy:
         def many(feeds, shares):
             out = compute_many(feeds, shares)
             self.many.append(len(out))
+            self.lazy.append(all(callable(computed) for computed, _ in out) and bool(out))
             return out
         monkeypatch.setattr(backend, "compute", one)
         monkeypatch.setattr(backend, "compute_many", many)
@@ -116,9 +142,8 @@ def state(trainer) -> dict:
             for i, v in enumerate(variables)}
 
 
-def stepped(monkeypatch, one_a_call: bool, data) -> tuple:
-    if one_a_call:
-        monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
+def stepped(monkeypatch, mode: str, data) -> tuple:
+    computing(monkeypatch, mode)
     trainer = trainer_of()
     spy = Spy(trainer, monkeypatch)
     results = [trainer.step(hostavg.split((d["x"], d["y"]), 10)) for d in data]
@@ -127,12 +152,14 @@ def stepped(monkeypatch, one_a_call: bool, data) -> tuple:
 
 
 @jax_only
+@pytest.mark.parametrize("mode", ["scan", "in turn"])
 def test_a_step_computed_in_one_call_is_the_step_one_call_a_micro_batch_bit_for_bit(
-        monkeypatch):
+        monkeypatch, mode):
     data = batches(0, 3, BATCH)
-    together, spy, results = stepped(monkeypatch, False, data)
+    together, spy, results = stepped(monkeypatch, mode, data)
     assert spy.one == [] and spy.many == [4, 4, 4]
-    apart, spy_apart, results_apart = stepped(monkeypatch, True, data)
+    assert spy.lazy == [mode == "in turn"] * 3
+    apart, spy_apart, results_apart = stepped(monkeypatch, "one a call", data)
     assert len(spy_apart.one) == 12 and spy_apart.many == [0, 0, 0]
     a, b = state(together), state(apart)
     assert a.keys() == b.keys() and any("seed_generator" in k for k in a)
@@ -187,9 +214,10 @@ def test_a_regularized_step_in_one_call_is_the_step_one_call_a_micro_batch_to_ro
 
 @jax_only
 @pytest.mark.parametrize("large", ["convolution", "flops"])
-def test_a_large_or_convolving_compute_stays_one_a_call(monkeypatch, large):
+def test_a_large_or_convolving_compute_is_dispatched_in_turn(monkeypatch, large):
     """XLA's CPU runs a convolution inside the scan's loop several times slower, and a large
-    compute gains nothing from a dispatch saved: each computes one micro-batch a call."""
+    compute gains little from a dispatch saved: each micro-batch has a call of its own, all
+    made before the first is read."""
     layers = keras.layers
     rng = np.random.default_rng(6)
     x, y = rng.normal(0, 1, (32, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, 32)
@@ -204,7 +232,7 @@ def test_a_large_or_convolving_compute_stays_one_a_call(monkeypatch, large):
     trainer = hostavg.keras.Trainer(model)
     spy = Spy(trainer, monkeypatch)
     trainer.step(hostavg.split((x, y), 8))
-    assert spy.many == [0] and len(spy.one) == 4
+    assert spy.many == [4] and spy.lazy == [True] and spy.one == []
 
 
 @jax_only
@@ -231,19 +259,31 @@ def test_large_gradients_compute_one_a_call(monkeypatch):
 
 
 @jax_only
-def test_gradients_handed_out_are_read_only_rows_of_no_one_elses_buffer():
+@pytest.mark.parametrize("mode", ["scan", "in turn"])
+def test_gradients_handed_out_are_read_only_rows_of_no_one_elses_buffer(monkeypatch, mode):
+    """Nor are they written again by the steps after (whose computes donate earlier
+    gradient buffers to XLA)."""
+    computing(monkeypatch, mode)
     trainer = trainer_of()
-    (data,) = batches(3, 1, BATCH)
-    result = trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    data = batches(3, 3, BATCH)
+    result = trainer.step(hostavg.split((data[0]["x"], data[0]["y"]), 10))
+    kept = [{name: np.array(g) for name, g in m.grads.items()} for m in result.micro]
     for m in result.micro:
         for name, g in m.grads.items():
             assert is_frozen(g), name
             with pytest.raises(ValueError):
                 g[...] = 0
+    for d in data[1:]:
+        trainer.step(hostavg.split((d["x"], d["y"]), 10))
+    for m, k in zip(result.micro, kept):
+        for name, g in m.grads.items():
+            np.testing.assert_array_equal(g, k[name], err_msg=name)
 
 
 @jax_only
-def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeypatch):
+@pytest.mark.parametrize("mode", ["scan", "in turn"])
+def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeypatch, mode):
+    computing(monkeypatch, mode)
     trainer = trainer_of(accumulate="sum")
     (warm,) = batches(4, 1, BATCH)
     trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
@@ -261,9 +301,38 @@ def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeyp
 
 
 @jax_only
-def test_a_scan_that_does_not_trace_leaves_the_computes_one_a_call(monkeypatch):
-    """Tried once per compute and count: the trainer then computes one micro-batch a call, as
-    before, and does not try again."""
+def test_a_compute_dispatched_in_turn_that_fails_as_it_runs_is_named_and_nothing_moves(
+        monkeypatch):
+    """JAX raises a run-time failure where the result is waited for: after micro-batch 2's
+    call was made, and those after it; the step names micro-batch 2, and leaves no trace."""
+    import jax
+    computing(monkeypatch, "in turn")
+    trainer = trainer_of(accumulate="sum")
+    (warm, data) = batches(4, 2, BATCH)
+    trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
+    before, waits = state(trainer), []
+    wait = jax.block_until_ready
+
+    def failing(x):
+        waits.append(1)
+        if len(waits) == 3:
+            raise jax.errors.JaxRuntimeError("INTERNAL: the device failed")
+        return wait(x)
+    monkeypatch.setattr(jax, "block_until_ready", failing)
+    spy = Spy(trainer, monkeypatch)
+    with pytest.raises(hostavg.StepError, match="JAX failed in the compute .INTERNAL: the "
+                                                "device failed") as caught:
+        trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    assert caught.value.micro_batch == 2 and spy.many[:1] == [4]
+    after = state(trainer)
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+
+
+@jax_only
+def test_a_scan_that_does_not_trace_leaves_the_computes_dispatched_in_turn(monkeypatch):
+    """Tried once per compute and count: the trainer then dispatches each micro-batch's
+    compute in turn, and does not try the scan again."""
     import jax
     tried = []
 
@@ -275,12 +344,13 @@ def test_a_scan_that_does_not_trace_leaves_the_computes_one_a_call(monkeypatch):
     spy = Spy(trainer, monkeypatch)
     for data in batches(6, 2, BATCH):
         trainer.step(hostavg.split((data["x"], data["y"]), 10))
-    assert tried == [1] and spy.many == [0, 0] and len(spy.one) == 8
+    assert tried == [1] and spy.many == [4, 4] and spy.lazy == [True, True] and spy.one == []
 
 
 @jax_only
+@pytest.mark.parametrize("mode", ["scan", "in turn"])
 def test_the_samples_of_a_failed_micro_batch_are_searched_from_the_state_its_compute_left(
-        monkeypatch):
+        monkeypatch, mode):
     """A finite input that overflows behind a dropout: whether a sample is non-finite alone
     depends on the masks the search draws, so it must draw them from the seed state that
     micro-batch's compute left, not the state after the call's last micro-batch."""
@@ -290,9 +360,8 @@ def test_the_samples_of_a_failed_micro_batch_are_searched_from_the_state_its_com
     data[2][0][25, 1] = 3e38
     layers = keras.layers
 
-    def failed(one_a_call: bool):
-        if one_a_call:
-            monkeypatch.setattr("hostavg.keras.jax.TOGETHER_BYTES", 0)
+    def failed(mode: str):
+        computing(monkeypatch, mode)
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
         h = layers.Dense(16, activation="tanh", name="hidden")(layers.Dropout(0.5)(inputs))
@@ -308,7 +377,7 @@ def test_the_samples_of_a_failed_micro_batch_are_searched_from_the_state_its_com
         monkeypatch.undo()
         return caught.value, state(trainer)
 
-    (error, after), (alone, after_alone) = failed(False), failed(True)
+    (error, after), (alone, after_alone) = failed(mode), failed("one a call")
     assert error.micro_batch == alone.micro_batch == 2
     assert str(error) == str(alone) and error.culprits == alone.culprits
     for name in after:
@@ -539,3 +608,30 @@ def test_a_model_with_its_own_train_step_computes_a_step_in_one_call(monkeypatch
     for d in batches(3, 2, BATCH):
         result = trainer.step(hostavg.split((d["x"], d["y"]), 10))
     assert spy.many == [4, 4] and spy.one == [] and np.isfinite(result.loss)
+
+
+@jax_only
+@pytest.mark.filterwarnings("ignore:The structure of `inputs`:UserWarning")
+def test_a_model_with_its_own_train_step_dispatched_in_turn_is_its_step_one_a_call(monkeypatch):
+    """Its logs too: each read as the engine takes its micro-batch, the last one's kept."""
+    def stepped(mode: str):
+        computing(monkeypatch, mode)
+        base = keras_model(seed=0, dropout=True)
+        model = OwnTrainStep(base.inputs, base.outputs)
+        model.tracker = keras.metrics.Mean(name="tracker")
+        model.compile(optimizer=keras.optimizers.SGD(0.01))
+        trainer = hostavg.keras.Trainer(model, accumulate="stack")
+        spy = Spy(trainer, monkeypatch)
+        results = [trainer.step(hostavg.split((d["x"], d["y"]), 10)) for d in batches(3, 2, BATCH)]
+        logs = trainer._backend.training_results()
+        monkeypatch.undo()
+        return state(trainer), spy, results, logs
+
+    (a, spy, results, logs), (b, _, results_apart, logs_apart) = \
+        stepped("in turn"), stepped("one a call")
+    assert spy.many == [4, 4] and spy.lazy == [True, True] and spy.one == []
+    assert logs == logs_apart and set(logs) == {"loss"}
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for got, want in zip(results, results_apart):
+        assert [m.loss for m in got.micro] == [m.loss for m in want.micro]

@@ -86,7 +86,7 @@ class Together:
 
     def take(self, i: int):
         if i in self._done:
-            return self._done.pop(i)
+            return _read(self._done.pop(i))
         if self._off:
             return None
         end = i
@@ -103,7 +103,12 @@ class Together:
             return None
         for j, (computed, state) in enumerate(outs, start=i):
             self._done[j], self._states[j] = computed, state
-        return self._done.pop(i)
+        return _read(self._done.pop(i))
+
+
+def _read(computed):
+    """A computation a call of several gave: computed, or a function that reads it."""
+    return computed() if callable(computed) else computed
 
 
 def _nothing() -> None:

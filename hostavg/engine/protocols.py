@@ -246,12 +246,16 @@ class Many(Protocol):
         """:meth:`Backend.compute` of the first m of ``feeds`` (their ``shares``) in one call,
         in order, m >= 0 as the backend chooses (feeds of one input signature, their
         gradients within the memory it allows such a call): for each, (its
-        :class:`Computed`, a function that gives the rollback snapshot as that compute left
-        it, which :meth:`Backend.restore` takes). Equal to m computes one after another, to
-        the rounding of the framework's compiler (which may fuse the same arithmetic
-        otherwise in one larger program), and leaving what they assign as the last of them
-        would. Raises what :meth:`Backend.compute` raises; then nothing is assigned, and the
-        engine computes them one at a time, which names the micro-batch that failed."""
+        :class:`Computed`, or a function that gives it, called once as the engine takes it
+        in order, so that computes may still run while those before are added; a function
+        that gives the rollback snapshot as that compute left it, which
+        :meth:`Backend.restore` takes). Equal to m computes one after another, to the
+        rounding of the framework's compiler (which may fuse the same arithmetic otherwise in
+        one larger program), and leaving what they assign as the last of them would. Raises
+        what :meth:`Backend.compute` raises; then nothing is assigned, and the engine
+        computes them one at a time, which names the micro-batch that failed. A function
+        that gives a Computed raises what :meth:`Backend.compute` raises, the state then as
+        the computes before it left it."""
 
 
 class Backend(Protocol):

@@ -129,11 +129,16 @@ class KerasJaxBackend(CompiledModel):
         (function, assigns, names), leaves, _ = feed
         donated = self._donated_gradient_buffers()
         with _jax_errors("compute"), _traced_errors():
-            loss, sq_norms, grads, assigned, logs = function(
-                *self._values(), np.float32(share), donated, leaves)
-            jax.block_until_ready(grads)
-        assign(assigns, assigned)
-        self._took(names, [np.asarray(v) for v in logs])  # a train_step's logs
+            out = function(*self._values(), np.float32(share), donated, leaves)
+            jax.block_until_ready(out)
+        assign(assigns, out[3])
+        return self._read(out, names)
+
+    def _read(self, out, names: list) -> Computed:
+        """A compute's :class:`Computed` from its call's outputs ``out`` (done), and a
+        train_step's logs (``names``) noted; its gradient buffers go to the ring."""
+        loss, sq_norms, grads, _, logs = out
+        self._took(names, [np.asarray(v) for v in logs])
         if self.reuses_buffers:
             with self._ring_lock:
                 self._ring.append(grads)
@@ -143,23 +148,32 @@ class KerasJaxBackend(CompiledModel):
 
     def compute_many(self, feeds, shares) -> list[tuple[Computed, Any]]:
         """See :class:`~hostavg.engine.protocols.Many`: the first of ``feeds`` and those after
-        it of the same input signature, as many as :data:`TOGETHER_BYTES` of gradients hold,
-        computed by one jitted ``jax.lax.scan`` of the compute, each from the moving values the
-        one before left (which the scan also returns, for the state after each); none where
-        fewer than two, where the compute is not :meth:`_small`, or where the scan of these
-        shapes cannot be traced."""
-        (function, assigns, names), _, _ = feeds[0]
+        it of the same input signature, as many as :data:`TOGETHER_BYTES` of gradients hold
+        (none where fewer than two). A :meth:`_small` compute's by one jitted
+        ``jax.lax.scan`` (:meth:`_scanned`); any other's, or where the scan of these shapes
+        cannot be traced, dispatched in turn (:meth:`_in_turn`)."""
         most = TOGETHER_BYTES // max(1, sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                                              for s in self.spec.values()))
         shapes = _shapes(feeds[0])
         count = 1
         while count < min(len(feeds), most) and _shapes(feeds[count]) == shapes:
             count += 1
-        works = self._together.get((shapes, count))
-        if count < 2 or works is False or not self._small(shapes, feeds[0]):
+        if count < 2:
             return []
-        arguments = (*self._values(), np.asarray(shares[:count], np.float32),
-                     [_stacked([f[1][j] for f in feeds[:count]]) for j in range(len(feeds[0][1]))])
+        feeds, shares = feeds[:count], shares[:count]
+        works = self._together.get((shapes, count))
+        scanned = [] if works is False or not self._small(shapes, feeds[0]) else \
+            self._scanned(feeds, shares, shapes, works)
+        return scanned or self._in_turn(feeds, shares)
+
+    def _scanned(self, feeds, shares, shapes: tuple, works: bool | None) -> list:
+        """:meth:`compute_many` by one jitted ``jax.lax.scan`` of the compute, each from the
+        moving values the one before left (which the scan also returns, for the state after
+        each); none where the scan of these shapes cannot be traced (or compiled)."""
+        (function, assigns, names), _, _ = feeds[0]
+        count = len(feeds)
+        arguments = (*self._values(), np.asarray(shares, np.float32),
+                     [_stacked([f[1][j] for f in feeds]) for j in range(len(feeds[0][1]))])
         together = self._scans.get(function)
         if together is None:
             together = self._scans[function] = self._scan(function)
@@ -191,6 +205,49 @@ class KerasJaxBackend(CompiledModel):
                     {id(v): values[i] for v, values in zip(assigns, each)},
                     dict(zip(names, took)))))
         return computed
+
+    def _in_turn(self, feeds, shares) -> list[tuple[Any, Any]]:
+        """:meth:`compute_many` by each compute's own call, made in turn before any is read:
+        each from the values the one before assigned (JAX arrays not yet computed), so that
+        while the engine reads and adds one, the device computes those after it (JAX's
+        asynchronous dispatch). Each :class:`Computed` is read as the engine takes it
+        (a function that gives it); one whose call fails as it runs restores what the
+        computes before it left, then raises as :meth:`compute` does. The first m that
+        dispatched: where a call fails to trace, the rest are computed one at a time, which
+        raises the model's own error.
+
+        Their gradient buffers are donated again by the next call's computes (those this
+        call's computes donated came from the computes before, all read by then)."""
+        (function, assigns, names), _, _ = feeds[0]
+        with self._ring_lock:
+            spare, self._ring = self._ring[:-1], self._ring[-1:]
+        outs = []
+        for feed, share in zip(feeds, shares):
+            before = [v.value for v in assigns]
+            donated = (spare.pop(0) if spare else self._new_gradient_buffers()) \
+                if self.reuses_buffers else ()
+            try:
+                with _jax_errors("compute"), _traced_errors():
+                    out = function(*self._values(), np.float32(share), donated, feed[1])
+            except Exception:  # noqa: BLE001 - the rest computed alone raise the model's error
+                break
+            assign(assigns, out[3])
+            values = {id(v): v.value for v in assigns}
+            outs.append((lambda out=out, before=before: self._waited(out, names, assigns, before),
+                         lambda out=out, values=values: self._state(
+                             values, dict(zip(names, [np.asarray(v) for v in out[4]])))))
+        return outs
+
+    def _waited(self, out, names: list, assigns: list, before: list) -> Computed:
+        """:meth:`_read` of a compute dispatched in turn (:meth:`_in_turn`), once it is done;
+        where it failed as it ran, ``assigns`` get ``before`` back."""
+        try:
+            with _jax_errors("compute"):
+                jax.block_until_ready(out)
+        except HostavgError:
+            assign(assigns, before)
+            raise
+        return self._read(out, names)
 
     def _small(self, shapes: tuple, feed) -> bool:
         """Whether ``feed``'s compute is small enough to compute several a call (at most
@@ -716,8 +773,13 @@ class KerasJaxBackend(CompiledModel):
         if not self.reuses_buffers:
             return ()
         with self._ring_lock:
+            del self._ring[:-_RING]  # (more where computes were dispatched in turn)
             if len(self._ring) >= _RING:
                 return self._ring.pop(0)
+        return self._new_gradient_buffers()
+
+    def _new_gradient_buffers(self) -> list:
+        """New gradient-shaped buffers, for a compute to donate."""
         return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._outputs)
                 for s in self.spec.values()]
 
