@@ -300,33 +300,109 @@ def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeyp
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
 
 
-@jax_only
-def test_a_compute_dispatched_in_turn_that_fails_as_it_runs_is_named_and_nothing_moves(
-        monkeypatch):
-    """JAX raises a run-time failure where the result is waited for: after micro-batch 2's
-    call was made, and those after it; the step names micro-batch 2, and leaves no trace."""
+def failing_at(monkeypatch, mode: str, nth: int):
+    """The StepError of a step whose ``nth`` wait for a JAX result fails (a run-time failure
+    JAX raises where the result is waited for), the state before and after it."""
     import jax
-    computing(monkeypatch, "in turn")
+    computing(monkeypatch, mode)
     trainer = trainer_of(accumulate="sum")
     (warm, data) = batches(4, 2, BATCH)
     trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
-    before, waits = state(trainer), []
-    wait = jax.block_until_ready
+    before, waits, wait = state(trainer), [], jax.block_until_ready
 
     def failing(x):
         waits.append(1)
-        if len(waits) == 3:
+        if len(waits) == nth:
             raise jax.errors.JaxRuntimeError("INTERNAL: the device failed")
         return wait(x)
     monkeypatch.setattr(jax, "block_until_ready", failing)
     spy = Spy(trainer, monkeypatch)
-    with pytest.raises(hostavg.StepError, match="JAX failed in the compute .INTERNAL: the "
-                                                "device failed") as caught:
+    with pytest.raises(hostavg.StepError) as caught:
         trainer.step(hostavg.split((data["x"], data["y"]), 10))
-    assert caught.value.micro_batch == 2 and spy.many[:1] == [4]
-    after = state(trainer)
+    monkeypatch.undo()
+    return caught.value, spy, before, state(trainer)
+
+
+@jax_only
+def test_a_compute_dispatched_in_turn_that_fails_as_it_runs_is_named_and_nothing_moves(
+        monkeypatch):
+    """Micro-batch 2's failure shows where its result is waited for, after its call and
+    those after it were made: the step raises what one call a micro-batch raises, and
+    leaves no trace."""
+    error, spy, before, after = failing_at(monkeypatch, "in turn", 3)
+    alone, _, _, _ = failing_at(monkeypatch, "one a call", 3)
+    assert spy.many[:1] == [4] and spy.lazy[:1] == [True]
+    assert error.micro_batch == alone.micro_batch == 2
+    assert str(error) == str(alone)
+    assert str(error).startswith("step, micro-batch 2 of 4 (samples 20:30): JAX failed in the "
+                                 "compute (INTERNAL: the device failed)")
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+
+
+class Tripwire(keras.layers.Layer):
+    """Raises on the host, where JAX's CPU runs a callback as the call is made, for a whole
+    micro-batch (10 samples, not a search's few) with an input over 1e3; notes each run."""
+
+    runs = []
+
+    def call(self, x):
+        import jax
+
+        def check(v):
+            if v.shape[0] == 10 and np.any(np.asarray(v) > 1e3):
+                Tripwire.runs.append(1)
+                raise RuntimeError("tripwire")
+        jax.debug.callback(check, x)
+        return x
+
+
+@jax_only
+def test_a_compute_that_fails_as_its_call_is_made_runs_once_and_is_named(monkeypatch):
+    def failed(mode: str):
+        computing(monkeypatch, mode)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(16, activation="tanh")(Tripwire()(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(3)(h))
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        trainer = hostavg.keras.Trainer(model, accumulate="sum")
+        (warm, data) = batches(4, 2, BATCH)
+        trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
+        before, x = state(trainer), data["x"].copy()
+        x[25, 0] = 1e4
+        Tripwire.runs.clear()
+        with pytest.raises(hostavg.StepError) as caught:
+            trainer.step(hostavg.split((x, data["y"]), 10))
+        monkeypatch.undo()
+        after = state(trainer)
+        for name in before:
+            np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+        return caught.value, len(Tripwire.runs)
+
+    (error, runs), (alone, runs_alone) = failed("in turn"), failed("one a call")
+    assert runs == runs_alone == 1
+    assert error.micro_batch == alone.micro_batch == 2 and str(error) == str(alone)
+    assert str(error).startswith("step, micro-batch 2 of 4 (samples 20:30): ")
+
+
+@jax_only
+def test_gradients_are_viewed_before_another_compute_may_donate_them(monkeypatch):
+    """A lone compute of another thread donates the ring's buffers: were a compute's arrays
+    there before NumPy viewed them, JAX could delete them first."""
+    import hostavg.keras.jax as on_jax
+    computing(monkeypatch, "in turn")
+    trainer = trainer_of()
+    backend, host, seen = trainer._backend, on_jax._host, []
+
+    def viewing(array):
+        seen.append(any(array is held for grads in backend._ring for held in grads))
+        return host(array)
+    monkeypatch.setattr(on_jax, "_host", viewing)
+    for d in batches(9, 2, BATCH):
+        trainer.step(hostavg.split((d["x"], d["y"]), 10))
+        trainer.compute(d["x"][:10], d["y"][:10])
+    assert len(seen) > 8 and not any(seen) and backend.reuses_buffers
 
 
 @jax_only

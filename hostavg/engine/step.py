@@ -513,7 +513,8 @@ class Engine:
             batch = batches[i]
             if batch.feed is None:  # every sample left out: nothing to compute
                 return None, None
-            out = None if together is None else together.take(i)
+            with _said_of(backend, batch.size, f"step, {batch.where}", whole):
+                out = None if together is None else together.take(i)
             if out is not None:
                 return None, self._checked_out(backend, out, batch.size, f"step, {batch.where}")
             try:
@@ -744,19 +745,8 @@ class Engine:
         call (:meth:`_fused_compute`)."""
         if fused is not None:
             return self._fused_compute(backend, feed, n, where, fused)
-        try:
+        with _said_of(backend, n, where, whole):
             out = backend.compute(feed, n / whole if whole else 1.0)
-        except HostavgError as e:
-            said = f"{where}: {e}"
-            if whole is not None and shows_fixed_batch(str(e), n, whole):
-                # the cause first; what the framework refused after, without its advice
-                # (refused's: "check that micro-batch's feed"), which the cause makes wrong
-                said = (f"{where}: {fixed_batch_hint(n, whole, backend.advice)} "
-                        f"{_capital(getattr(e, 'fact', str(e)))}.")
-                error = type(e)(said)
-                error.fixed_batch = True  # no one sample is to blame: not traced to rows
-                raise error from e.__cause__
-            raise type(e)(said) from e.__cause__
         return self._checked_out(backend, out, n, where)
 
     def _checked_out(self, backend, out, n: int, where: str) -> tuple[Gradients, int, tuple]:
@@ -1071,6 +1061,26 @@ def _proven_apply(engine: Engine, backend: Backend, mean: dict, sq_norms: dict |
     if proof is not None and not applied.nonfinite and applied.skipped is None:
         proof.applied(applied.magnitudes)
     return applied, proven and applied.magnitudes is None
+
+
+@contextlib.contextmanager
+def _said_of(backend: Backend, n: int, where: str, whole: int | None):
+    """What a compute of micro-batch ``where`` (``n`` of the batch's ``whole`` samples) raises,
+    said of it; where the error shows a shape built from the whole batch, that cause first
+    (``fixed_batch``: no one sample is to blame)."""
+    try:
+        yield
+    except HostavgError as e:
+        said = f"{where}: {e}"
+        if whole is not None and shows_fixed_batch(str(e), n, whole):
+            # the cause first; what the framework refused after, without its advice
+            # (refused's: "check that micro-batch's feed"), which the cause makes wrong
+            said = (f"{where}: {fixed_batch_hint(n, whole, backend.advice)} "
+                    f"{_capital(getattr(e, 'fact', str(e)))}.")
+            error = type(e)(said)
+            error.fixed_batch = True  # not traced to rows
+            raise error from e.__cause__
+        raise type(e)(said) from e.__cause__
 
 
 def _frozen(values: Mapping) -> Mapping:

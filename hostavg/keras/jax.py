@@ -11,7 +11,8 @@ compiled function that applies it with the optimizer once, statelessly.
 Gradients are dense (JAX has no sparse gradient: an ``Embedding``'s gradient
 is its whole table). They come to NumPy without a copy where they lie in
 host memory, and output buffers are donated so that two sets serve every
-micro-batch in "sum" mode.
+micro-batch computed one a call in "sum" mode (one more for each micro-batch
+in flight where a step's computes are dispatched in turn).
 
 See docs/guides/keras.md for host buffers, loss scaling, evaluation and
 numerics.
@@ -48,8 +49,9 @@ __all__ = ["KerasJaxBackend", "KerasJaxTrainStepBackend"]
 #: The dtype squared norms are reduced in on the device: float64 if JAX allows it, else float32.
 _WIDE = jax.dtypes.canonicalize_dtype(jnp.float64)
 _COUNT = jax.dtypes.canonicalize_dtype(jnp.int64)  # (int32 unless JAX's x64 is on)
-#: How many computes' output buffers are kept to be donated: the one before the last is
-#: free again once the engine has added it (with ``overlap``, the one in flight is the last).
+#: How many computes' output buffers a compute made alone keeps to be donated: the one
+#: before the last is free again once the engine has added it (with ``overlap``, the one in
+#: flight is the last). Computes dispatched in turn leave one set each, for the next.
 _RING = 2
 #: The most bytes of gradients one call of several micro-batches returns (their computes in
 #: turn, :meth:`KerasJaxBackend.compute_many`): a step's several calls cost a dispatch each,
@@ -136,15 +138,18 @@ class KerasJaxBackend(CompiledModel):
 
     def _read(self, out, names: list) -> Computed:
         """A compute's :class:`Computed` from its call's outputs ``out`` (done), and a
-        train_step's logs (``names``) noted; its gradient buffers go to the ring."""
+        train_step's logs (``names``) noted; its gradient buffers go to the ring once NumPy
+        views them (a compute of another thread may donate them at once: JAX then writes
+        elsewhere, where it would delete the arrays before they were viewed)."""
         loss, sq_norms, grads, _, logs = out
         self._took(names, [np.asarray(v) for v in logs])
+        computed = Computed(
+            float(np.asarray(loss)), {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
+            self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
         if self.reuses_buffers:
             with self._ring_lock:
                 self._ring.append(grads)
-        return Computed(float(np.asarray(loss)),
-                        {name: freeze(_host(g)) for name, g in zip(self.spec, grads)},
-                        self.global_step(), dict(zip(self.spec, np.asarray(sq_norms).tolist())))
+        return computed
 
     def compute_many(self, feeds, shares) -> list[tuple[Computed, Any]]:
         """See :class:`~hostavg.engine.protocols.Many`: the first of ``feeds`` and those after
@@ -212,12 +217,12 @@ class KerasJaxBackend(CompiledModel):
         while the engine reads and adds one, the device computes those after it (JAX's
         asynchronous dispatch). Each :class:`Computed` is read as the engine takes it
         (a function that gives it); one whose call fails as it runs restores what the
-        computes before it left, then raises as :meth:`compute` does. The first m that
-        dispatched: where a call fails to trace, the rest are computed one at a time, which
-        raises the model's own error.
+        computes before it left, then raises as :meth:`compute` does. A call that fails as
+        it is made (a new shape the model refuses; on the CPU, a run-time failure) assigned
+        nothing: the calls stop there, and taking that compute raises its error, once.
 
         Their gradient buffers are donated again by the next call's computes (those this
-        call's computes donated came from the computes before, all read by then)."""
+        call's computes donate are of computes already read)."""
         (function, assigns, names), _, _ = feeds[0]
         with self._ring_lock:
             spare, self._ring = self._ring[:-1], self._ring[-1:]
@@ -229,7 +234,8 @@ class KerasJaxBackend(CompiledModel):
             try:
                 with _jax_errors("compute"), _traced_errors():
                     out = function(*self._values(), np.float32(share), donated, feed[1])
-            except Exception:  # noqa: BLE001 - the rest computed alone raise the model's error
+            except HostavgError as error:  # nothing assigned: taken, it raises as compute does
+                outs.append((lambda error=error: _raised(error), lambda: None))
                 break
             assign(assigns, out[3])
             values = {id(v): v.value for v in assigns}
@@ -1153,3 +1159,8 @@ def _traced_errors():
 def _first_line(error) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _raised(error: BaseException):
+    """Raises ``error`` (a computation that failed as its call was made)."""
+    raise error
