@@ -138,9 +138,9 @@ class KerasJaxBackend(CompiledModel):
 
     def _read(self, out, names: list) -> Computed:
         """A compute's :class:`Computed` from its call's outputs ``out`` (done), and a
-        train_step's logs (``names``) noted; its gradient buffers go to the ring once NumPy
-        views them (a compute of another thread may donate them at once: JAX then writes
-        elsewhere, where it would delete the arrays before they were viewed)."""
+        train_step's logs (``names``) noted. Its gradient buffers go to the ring only once
+        NumPy views them: a compute of another thread may donate them at once, and a donated
+        JAX array is deleted (a view keeps the buffer, which JAX then leaves alone)."""
         loss, sq_norms, grads, _, logs = out
         self._took(names, [np.asarray(v) for v in logs])
         computed = Computed(
