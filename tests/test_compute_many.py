@@ -12,6 +12,8 @@ without a convolution compute several a call; any other's calls are dispatched i
 the first is read (JAX's asynchronous dispatch), and held to the same.
 """
 
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -711,3 +713,37 @@ def test_a_model_with_its_own_train_step_dispatched_in_turn_is_its_step_one_a_ca
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     for got, want in zip(results, results_apart):
         assert [m.loss for m in got.micro] == [m.loss for m in want.micro]
+
+
+@jax_only
+def test_a_compute_beside_an_apply_of_another_thread_reads_values_the_apply_left_alone():
+    """An apply donates the old weights' buffers (JAX deletes those arrays): a compute of
+    another thread that has read them makes its call before the apply may start."""
+    import threading
+    trainer = trainer_of(accumulate="sum")
+    backend = trainer._backend
+    (data,) = batches(10, 1, BATCH)
+    x, y = data["x"][:10], data["y"][:10]
+    trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    grads = {name: np.array(g) for name, g in trainer.compute(x, y).items()}
+    read, values, errors, computed = threading.Event(), backend._values, [], []
+
+    def reading():  # the compute's read of the values, then a pause before its call
+        out = values()
+        read.set()
+        time.sleep(0.5)  # an apply of the other thread now would donate what it read
+        return out
+
+    def compute():
+        try:
+            computed.append(trainer.compute(x, y))
+        except Exception as e:  # noqa: BLE001 - the assertion shows it
+            errors.append(e)
+    backend._values = reading
+    lone = threading.Thread(target=compute)
+    lone.start()
+    assert read.wait(timeout=30)
+    backend._values = values
+    trainer.apply(grads)
+    lone.join(timeout=30)
+    assert errors == [] and len(computed) == 1

@@ -123,6 +123,9 @@ class KerasJaxBackend(CompiledModel):
         self._snapshot = {}
         self._ring = []  # the last computes' gradient outputs, oldest first: donated in turn
         self._ring_lock = threading.Lock()  # a lone compute may run beside a step's
+        # held from reading the variables' values to a call that reads them being made, and by
+        # an apply until its new values are assigned: it donates the old ones, which JAX deletes
+        self._values_lock = threading.RLock()
         self.host_memory, self._outputs, self.reuses_buffers = _host_outputs()
 
     # --- The engine's protocol ------------------------------------------------------------
@@ -131,7 +134,8 @@ class KerasJaxBackend(CompiledModel):
         (function, assigns, names), leaves, _ = feed
         donated = self._donated_gradient_buffers()
         with _jax_errors("compute"), _traced_errors():
-            out = function(*self._values(), np.float32(share), donated, leaves)
+            with self._values_lock:
+                out = function(*self._values(), np.float32(share), donated, leaves)
             jax.block_until_ready(out)
         assign(assigns, out[3])
         return self._read(out, names)
@@ -177,14 +181,15 @@ class KerasJaxBackend(CompiledModel):
         each); none where the scan of these shapes cannot be traced (or compiled)."""
         (function, assigns, names), _, _ = feeds[0]
         count = len(feeds)
-        arguments = (*self._values(), np.asarray(shares, np.float32),
-                     [_stacked([f[1][j] for f in feeds]) for j in range(len(feeds[0][1]))])
+        stacked = [_stacked([f[1][j] for f in feeds]) for j in range(len(feeds[0][1]))]
         together = self._scans.get(function)
         if together is None:
             together = self._scans[function] = self._scan(function)
         try:
             with _jax_errors("compute"):
-                losses, sq_norms, grads, assigned, each, logs, results = together(*arguments)
+                with self._values_lock:
+                    losses, sq_norms, grads, assigned, each, logs, results = together(
+                        *self._values(), np.asarray(shares, np.float32), stacked)
                 jax.block_until_ready(grads)
         except Exception:  # noqa: BLE001 - a first call of these shapes may fail to trace
             if works:
@@ -232,7 +237,7 @@ class KerasJaxBackend(CompiledModel):
             donated = (spare.pop(0) if spare else self._new_gradient_buffers()) \
                 if self.reuses_buffers else ()
             try:
-                with _jax_errors("compute"), _traced_errors():
+                with _jax_errors("compute"), _traced_errors(), self._values_lock:
                     out = function(*self._values(), np.float32(share), donated, feed[1])
             except HostavgError as error:  # nothing assigned: taken, it raises as compute does
                 outs.append((lambda error=error: _raised(error), lambda: None))
@@ -399,13 +404,13 @@ class KerasJaxBackend(CompiledModel):
             function = self._applies[traced] = self._application(traced)
         trained = _trained(self.model, self._kept)
         grads = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]  # jit puts them
-        with _jax_errors("apply"):
+        with _jax_errors("apply"), self._values_lock:
             out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
                            grads)
-        # Copied to the host before the next apply donates the new values' buffers.
-        weights = [np.array(w) for w in out.new] if request.values else []
-        assign(trained, out.new)  # the old values, where the update was undone
-        assign(self.optimizer.variables, out.slots)
+            # Copied to the host before the next apply donates the new values' buffers.
+            weights = [np.array(w) for w in out.new] if request.values else []
+            assign(trained, out.new)  # the old values, where the update was undone
+            assign(self.optimizer.variables, out.slots)
         # two reads from the device, not one a number
         found, next_rate = _unpacked(out.reals, out.counts,
                                      2 * len(trained) if traced.ratios else 0,
