@@ -134,8 +134,7 @@ class KerasJaxBackend(CompiledModel):
         (function, assigns, names), leaves, _ = feed
         donated = self._donated_gradient_buffers()
         with _jax_errors("compute"), _traced_errors():
-            with self._values_lock:
-                out = function(*self._values(), np.float32(share), donated, leaves)
+            out = self._called(function, np.float32(share), donated, leaves)
             jax.block_until_ready(out)
         assign(assigns, out[3])
         return self._read(out, names)
@@ -187,9 +186,8 @@ class KerasJaxBackend(CompiledModel):
             together = self._scans[function] = self._scan(function)
         try:
             with _jax_errors("compute"):
-                with self._values_lock:
-                    losses, sq_norms, grads, assigned, each, logs, results = together(
-                        *self._values(), np.asarray(shares, np.float32), stacked)
+                losses, sq_norms, grads, assigned, each, logs, results = self._called(
+                    together, np.asarray(shares, np.float32), stacked)
                 jax.block_until_ready(grads)
         except Exception:  # noqa: BLE001 - a first call of these shapes may fail to trace
             if works:
@@ -237,8 +235,8 @@ class KerasJaxBackend(CompiledModel):
             donated = (spare.pop(0) if spare else self._new_gradient_buffers()) \
                 if self.reuses_buffers else ()
             try:
-                with _jax_errors("compute"), _traced_errors(), self._values_lock:
-                    out = function(*self._values(), np.float32(share), donated, feed[1])
+                with _jax_errors("compute"), _traced_errors():
+                    out = self._called(function, np.float32(share), donated, feed[1])
             except HostavgError as error:  # nothing assigned: taken, it raises as compute does
                 outs.append((lambda error=error: _raised(error), lambda: None))
                 break
@@ -260,6 +258,12 @@ class KerasJaxBackend(CompiledModel):
             raise
         return self._read(out, names)
 
+    def _called(self, function, *arguments):
+        """``function`` of the model's values now (:meth:`_values`), then ``arguments``: the
+        values read and the call made under the lock an apply holds while it donates them."""
+        with self._values_lock:
+            return function(*self._values(), *arguments)
+
     def _small(self, shapes: tuple, feed) -> bool:
         """Whether ``feed``'s compute is small enough to compute several a call (at most
         :data:`TOGETHER_FLOPS`, no convolution), by XLA's cost estimate of its lowering (tens
@@ -270,7 +274,7 @@ class KerasJaxBackend(CompiledModel):
             donated = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.spec.values()] \
                 if self.reuses_buffers else ()
             try:
-                lowered = function.lower(*self._values(), np.float32(1.0), donated, leaves)
+                lowered = self._called(function.lower, np.float32(1.0), donated, leaves)
                 flops = (lowered.cost_analysis() or {}).get("flops", math.inf)
                 small = flops <= TOGETHER_FLOPS and "convolution" not in lowered.as_text()
             except Exception:  # noqa: BLE001 - no estimate: one compute a call, as before
