@@ -302,6 +302,33 @@ def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeyp
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
 
 
+@jax_only
+def test_a_failed_step_held_by_its_error_keeps_none_of_the_computes_left_unread(monkeypatch):
+    """Micro-batch 0 fails after the calls of 1 to 3 were made: the error a user keeps (a
+    notebook keeps the last one) holds none of their gradients, through its traceback."""
+    import gc
+    import weakref
+    computing(monkeypatch, "in turn")
+    trainer = trainer_of(accumulate="sum")
+    (data,) = batches(5, 1, BATCH)
+    data["x"][3, 1] = np.nan
+    backend, given = trainer._backend, []
+    compute_many = backend.compute_many
+
+    def many(feeds, shares):
+        out = compute_many(feeds, shares)
+        given.extend(weakref.ref(computed) for computed, _ in out)
+        return out
+    monkeypatch.setattr(backend, "compute_many", many)
+    try:
+        trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    except hostavg.StepError as e:
+        error = e
+    gc.collect()
+    assert error.micro_batch == 0 and len(given) == 4
+    assert [ref() is None for ref in given[1:]] == [True, True, True]
+
+
 def failing_at(monkeypatch, mode: str, nth: int):
     """The StepError of a step whose ``nth`` wait for a JAX result fails (a run-time failure
     JAX raises where the result is waited for), the state before and after it."""

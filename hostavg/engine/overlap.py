@@ -105,6 +105,12 @@ class Together:
             self._done[j], self._states[j] = computed, state
         return _read(self._done.pop(i))
 
+    def close(self) -> None:
+        """Lets go of the computations not taken and their states: a failed step's error,
+        which a user may keep, then holds none of their gradients through its traceback."""
+        self._done.clear()
+        self._states.clear()
+
 
 def _read(computed):
     """A computation a call of several gave: computed, or a function that reads it."""

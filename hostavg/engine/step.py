@@ -551,6 +551,9 @@ class Engine:
         except HostavgError as e:
             self._name_culprits(e, backend, batches, log, together)
             raise
+        finally:
+            if together is not None:
+                together.close()
         for i in log.search:
             try:
                 found = self._search(backend).find(batches[i])[0]
