@@ -386,16 +386,21 @@ class Tripwire(keras.layers.Layer):
         return x
 
 
+def tripwired():
+    """A trainer (sums, SGD) of a small model whose Tripwire refuses an input over 1e3."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="tanh")(Tripwire()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    return hostavg.keras.Trainer(model, accumulate="sum")
+
+
 @jax_only
 def test_a_compute_that_fails_as_its_call_is_made_runs_once_and_is_named(monkeypatch):
     def failed(mode: str):
         computing(monkeypatch, mode)
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((6,))
-        h = keras.layers.Dense(16, activation="tanh")(Tripwire()(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(3)(h))
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
-        trainer = hostavg.keras.Trainer(model, accumulate="sum")
+        trainer = tripwired()
         (warm, data) = batches(4, 2, BATCH)
         trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
         before, x = state(trainer), data["x"].copy()
@@ -413,6 +418,32 @@ def test_a_compute_that_fails_as_its_call_is_made_runs_once_and_is_named(monkeyp
     assert runs == runs_alone == 1
     assert error.micro_batch == alone.micro_batch == 2 and str(error) == str(alone)
     assert str(error).startswith("step, micro-batch 2 of 4 (samples 20:30): ")
+
+
+@jax_only
+def test_a_scan_that_fails_as_it_runs_on_bad_data_is_tried_again_on_the_next_step(monkeypatch):
+    """A run-time failure of a step's first scan (a sample the model refuses) is the data's,
+    not the scan's: the step fails by name as computes dispatched in turn do, and the next
+    step of these shapes computes in one scan again; a second such failure of a scan that
+    never ran leaves them in turn for good (a failure only the scan meets costs no more)."""
+    trainer = tripwired()
+    spy = Spy(trainer, monkeypatch)
+    data = batches(4, 4, BATCH)
+    bad = [d["x"].copy() for d in data]
+    for x in bad:
+        x[25, 0] = 1e4
+    with pytest.raises(hostavg.StepError) as caught:
+        trainer.step(hostavg.split((bad[0], data[0]["y"]), 10))
+    assert caught.value.micro_batch == 2
+    trainer.step(hostavg.split((data[1]["x"], data[1]["y"]), 10))
+    assert spy.many == [3, 4] and spy.lazy == [True, False]  # in turn, then scanned
+    trainer = tripwired()
+    spy = Spy(trainer, monkeypatch)
+    for x, d in zip(bad[:2], data[:2]):
+        with pytest.raises(hostavg.StepError):
+            trainer.step(hostavg.split((x, d["y"]), 10))
+    trainer.step(hostavg.split((data[2]["x"], data[2]["y"]), 10))
+    assert spy.many == [3, 3, 4] and spy.lazy == [True, True, True]  # for good
 
 
 @jax_only

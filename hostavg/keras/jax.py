@@ -114,6 +114,7 @@ class KerasJaxBackend(CompiledModel):
         self._bodies = {}  # jitted compute -> (its function, indices of what it assigns)
         self._scans = {}  # jitted compute -> its computes in turn (compute_many)
         self._together = {}  # (feed shapes, count) -> whether their scan ran (compute_many)
+        self._ran_and_failed = set()  # (feed shapes, count) whose untried scan failed as it ran
         self._smalls = {}  # feed shapes -> whether their compute is small (compute_many)
         # ids of metrics, of their variables -> (results, jitted; unjitted; the metrics)
         self._results = {}
@@ -184,19 +185,28 @@ class KerasJaxBackend(CompiledModel):
         together = self._scans.get(function)
         if together is None:
             together = self._scans[function] = self._scan(function)
+        key, arguments = (shapes, count), (np.asarray(shares, np.float32), stacked)
+        if not works:  # compiled first: a failure to trace or compile is then told apart
+            try:
+                self._called(together.lower, *arguments).compile()
+            except Exception:  # noqa: BLE001 - the scan of these shapes does not trace
+                self._together[key] = False  # (or compile): computed in turn from now on
+                return []
         try:
             with _jax_errors("compute"):
                 losses, sq_norms, grads, assigned, each, logs, results = self._called(
-                    together, np.asarray(shares, np.float32), stacked)
+                    together, *arguments)
                 jax.block_until_ready(grads)
-        except Exception:  # noqa: BLE001 - a first call of these shapes may fail to trace
+        except Exception:  # noqa: BLE001 - failed as it ran
             if works:
                 raise
-            # the scan of these shapes does not trace (or compile): one compute a call, as
-            # before, which raises the model's own errors
-            self._together[(shapes, count)] = False
+            # The data's failure, most likely (a sample the model refuses), which the computes
+            # in turn then name: tried again on the next step, once.
+            if key in self._ran_and_failed:
+                self._together[key] = False
+            self._ran_and_failed.add(key)
             return []
-        self._together[(shapes, count)] = True
+        self._together[key] = True
         assign(assigns, assigned)
         self._latest_results = (self._scan_results[function],
                                 [v.value for v in self.model.metrics_variables], results)
