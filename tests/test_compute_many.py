@@ -303,30 +303,81 @@ def test_a_nan_in_the_third_micro_batch_is_named_there_and_nothing_moves(monkeyp
 
 
 @jax_only
-def test_a_failed_step_held_by_its_error_keeps_none_of_the_computes_left_unread(monkeypatch):
-    """Micro-batch 0 fails after the calls of 1 to 3 were made: the error a user keeps (a
-    notebook keeps the last one) holds none of their gradients, through its traceback."""
+@pytest.mark.parametrize("mode", ["scan", "in turn"])
+def test_a_nan_under_jax_debug_nans_is_named_by_its_micro_batch_and_sample(monkeypatch, mode):
+    """JAX raises a FloatingPointError where a compiled call's output is NaN: a failure as it
+    runs, named by its micro-batch and sample as a non-finite gradient is, also where the
+    scan of these shapes ran before; nothing moves."""
+    import jax
+    computing(monkeypatch, mode)
+    trainer = trainer_of(accumulate="sum")
+    (warm, data) = batches(4, 2, BATCH)
+    trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
+    before = state(trainer)
+    data["x"][23, 1] = np.nan
+    with jax.debug_nans(True), pytest.raises(hostavg.StepError) as caught:
+        trainer.step(hostavg.split((data["x"], data["y"]), 10))
+    assert caught.value.micro_batch == 2 and "sample 23 of the step" in str(caught.value)
+    assert "JAX failed in the compute (invalid value (nan) encountered in" in str(caught.value)
+    after = state(trainer)
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+
+
+#: How a step of computes dispatched in turn fails, and at which micro-batch of 4.
+FAILURES = {"its own NaN": 0, "a failure as it runs": 0, "a failure as its call is made": 2}
+
+
+@jax_only
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_failed_step_held_by_its_error_holds_no_other_computes_gradients(monkeypatch, failure):
+    """While the error a user keeps (a notebook keeps the last one) is held, with its
+    traceback, no gradients of the step's other computes live on: neither those dispatched
+    and not taken nor those taken before it (freed, or donated to the culprit search's)."""
     import gc
     import weakref
+
+    import jax
     computing(monkeypatch, "in turn")
-    trainer = trainer_of(accumulate="sum")
-    (data,) = batches(5, 1, BATCH)
-    data["x"][3, 1] = np.nan
-    backend, given = trainer._backend, []
-    compute_many = backend.compute_many
+    trainer = tripwired() if failure.endswith("made") else trainer_of(accumulate="sum")
+    (warm, data) = batches(5, 2, BATCH)
+    trainer.step(hostavg.split((warm["x"], warm["y"]), 10))
+    backend, outputs, x = trainer._backend, [], data["x"].copy()
+    called, compute_many, wait = backend._called, backend.compute_many, jax.block_until_ready
+
+    def calling(function, *arguments):  # within compute_many: the computes in turn
+        out = called(function, *arguments)
+        if len(out) == 5:  # their gradients third
+            outputs.append([weakref.ref(g) for g in out[2]])
+        return out
 
     def many(feeds, shares):
-        out = compute_many(feeds, shares)
-        given.extend(weakref.ref(computed) for computed, _ in out)
-        return out
+        monkeypatch.setattr(backend, "_called", calling)
+        try:
+            return compute_many(feeds, shares)
+        finally:
+            monkeypatch.setattr(backend, "_called", called)
+
+    def failing(out):
+        raise jax.errors.JaxRuntimeError("INTERNAL: the device failed")
     monkeypatch.setattr(backend, "compute_many", many)
-    try:
-        trainer.step(hostavg.split((data["x"], data["y"]), 10))
-    except hostavg.StepError as e:
-        error = e
-    gc.collect()
-    assert error.micro_batch == 0 and len(given) == 4
-    assert [ref() is None for ref in given[1:]] == [True, True, True]
+    if failure == "its own NaN":
+        x[3, 1] = np.nan
+    elif failure == "a failure as it runs":
+        monkeypatch.setattr(jax, "block_until_ready", failing)
+    else:
+        x[25, 0] = 1e4  # the Tripwire's
+    with pytest.raises(hostavg.StepError) as caught:
+        trainer.step(hostavg.split((x, data["y"]), 10))
+    monkeypatch.setattr(jax, "block_until_ready", wait)
+
+    def held() -> list:
+        gc.collect()
+        return [any(ref() is not None and not ref().is_deleted() for ref in refs)
+                for j, refs in enumerate(outputs) if j != FAILURES[failure]]
+    assert caught.value.micro_batch == FAILURES[failure] and len(outputs) in (4, 2)
+    others = held()
+    assert len(others) in (3, 2) and not any(others)
 
 
 def failing_at(monkeypatch, mode: str, nth: int):

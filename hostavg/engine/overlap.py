@@ -101,9 +101,13 @@ class Together:
         if not outs:
             self._off = True
             return None
+        self._keep(i, outs)
+        del outs  # a failure read below keeps this frame in its traceback, not the others
+        return _read(self._done.pop(i))
+
+    def _keep(self, i: int, outs) -> None:
         for j, (computed, state) in enumerate(outs, start=i):
             self._done[j], self._states[j] = computed, state
-        return _read(self._done.pop(i))
 
     def close(self) -> None:
         """Lets go of the computations not taken and their states: a failed step's error,

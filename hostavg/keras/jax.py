@@ -244,18 +244,28 @@ class KerasJaxBackend(CompiledModel):
             before = [v.value for v in assigns]
             donated = (spare.pop(0) if spare else self._new_gradient_buffers()) \
                 if self.reuses_buffers else ()
-            try:
-                with _jax_errors("compute"), _traced_errors():
-                    out = self._called(function, np.float32(share), donated, feed[1])
-            except HostavgError as error:  # nothing assigned: taken, it raises as compute does
-                outs.append((lambda error=error: _raised(error), lambda: None))
+            out = self._dispatched(function, share, donated, feed[1])
+            if isinstance(out, HostavgError):  # nothing assigned: taken, it raises as compute does
+                outs.append((lambda error=out: _raised(error), lambda: None))
                 break
             assign(assigns, out[3])
             values = {id(v): v.value for v in assigns}
             outs.append((lambda out=out, before=before: self._waited(out, names, assigns, before),
                          lambda out=out, values=values: self._state(
                              values, dict(zip(names, [np.asarray(v) for v in out[4]])))))
-        return outs
+        try:
+            return outs
+        finally:  # a call that failed as it was made keeps this frame alive (as the caller of
+            del outs  # a frame of its error's traceback): not the computes before it
+
+    def _dispatched(self, function, share: float, donated, leaves):
+        """One call of :meth:`_in_turn`: its outputs, or the HostavgError of a call that failed
+        as it was made, caught here so that its traceback holds no other compute's outputs."""
+        try:
+            with _jax_errors("compute"), _traced_errors():
+                return self._called(function, np.float32(share), donated, leaves)
+        except HostavgError as error:
+            return error
 
     def _waited(self, out, names: list, assigns: list, before: list) -> Computed:
         """:meth:`_read` of a compute dispatched in turn (:meth:`_in_turn`), once it is done;
@@ -1132,13 +1142,22 @@ def _sum_squares(x, minus=None):
     return jnp.sum(jnp.square(x))
 
 
+#: What a compiled call raises as it runs: JAX's run-time error (a failed device, a callback
+#: that raised), and under ``jax_debug_nans`` (or ``jax_debug_infs``) the FloatingPointError
+#: of a non-finite output.
+_RUN_TIME = (jax.errors.JaxRuntimeError, FloatingPointError)
+
+
 @contextmanager
 def _jax_errors(call: str):
-    """Turns what a compiled call raises at run time into a HostavgError saying where."""
+    """Turns what a compiled call raises as it runs (:data:`_RUN_TIME`) into a StepError saying
+    where."""
     try:
         yield
-    except jax.errors.JaxRuntimeError as error:
-        raise StepError(f"JAX failed in the {call} ({_first_line(error)})") from error
+    except _RUN_TIME as error:  # (a NaN's FloatingPointError in a Keras layer says which)
+        said = traced_message(error) if isinstance(error, FloatingPointError) else \
+            _first_line(error)
+        raise StepError(f"JAX failed in the {call} ({said})") from error
 
 
 def _model_errors(what: str):
@@ -1148,10 +1167,10 @@ def _model_errors(what: str):
 @contextmanager
 def _traced(made):
     """Turns what the model's code raises while JAX traces it (not a HostavgError, not a
-    run-time JAX error) into the exception ``made(error)``."""
+    failure as it runs: :data:`_RUN_TIME`) into the exception ``made(error)``."""
     try:
         yield
-    except (HostavgError, jax.errors.JaxRuntimeError):
+    except (HostavgError, *_RUN_TIME):
         raise
     except Exception as error:  # noqa: BLE001 - the model's own code, traced
         raise made(error) from error
