@@ -253,10 +253,12 @@ class KerasJaxBackend(CompiledModel):
             outs.append((lambda out=out, before=before: self._waited(out, names, assigns, before),
                          lambda out=out, values=values: self._state(
                              values, dict(zip(names, [np.asarray(v) for v in out[4]])))))
+        # A call that failed as it was made keeps this frame (the caller of a frame of its
+        # error's traceback), and so its locals: they hold none of the computes before it.
         try:
             return outs
-        finally:  # a call that failed as it was made keeps this frame alive (as the caller of
-            del outs  # a frame of its error's traceback): not the computes before it
+        finally:
+            del outs
 
     def _dispatched(self, function, share: float, donated, leaves):
         """One call of :meth:`_in_turn`: its outputs, or the HostavgError of a call that failed
@@ -1151,10 +1153,10 @@ _RUN_TIME = (jax.errors.JaxRuntimeError, FloatingPointError)
 @contextmanager
 def _jax_errors(call: str):
     """Turns what a compiled call raises as it runs (:data:`_RUN_TIME`) into a StepError saying
-    where."""
+    where, and what: a FloatingPointError that a Keras layer wrapped by the NaN's operation."""
     try:
         yield
-    except _RUN_TIME as error:  # (a NaN's FloatingPointError in a Keras layer says which)
+    except _RUN_TIME as error:
         said = traced_message(error) if isinstance(error, FloatingPointError) else \
             _first_line(error)
         raise StepError(f"JAX failed in the {call} ({said})") from error
