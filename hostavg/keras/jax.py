@@ -254,11 +254,11 @@ class KerasJaxBackend(CompiledModel):
                          lambda out=out, values=values: self._state(
                              values, dict(zip(names, [np.asarray(v) for v in out[4]])))))
         # A call that failed as it was made keeps this frame (the caller of a frame of its
-        # error's traceback), and so its locals: they hold none of the computes before it.
+        # error's traceback), and so its locals: they hold none of the other computes' outputs.
         try:
             return outs
         finally:
-            del outs
+            outs = spare = donated = None
 
     def _dispatched(self, function, share: float, donated, leaves):
         """One call of :meth:`_in_turn`: its outputs, or the HostavgError of a call that failed
@@ -267,6 +267,7 @@ class KerasJaxBackend(CompiledModel):
             with _jax_errors("compute"), _traced_errors():
                 return self._called(function, np.float32(share), donated, leaves)
         except HostavgError as error:
+            del donated  # (this frame is in the error's traceback: not another's buffers)
             return error
 
     def _waited(self, out, names: list, assigns: list, before: list) -> Computed:
@@ -1144,19 +1145,29 @@ def _sum_squares(x, minus=None):
     return jnp.sum(jnp.square(x))
 
 
-#: What a compiled call raises as it runs: JAX's run-time error (a failed device, a callback
-#: that raised), and under ``jax_debug_nans`` (or ``jax_debug_infs``) the FloatingPointError
-#: of a non-finite output.
-_RUN_TIME = (jax.errors.JaxRuntimeError, FloatingPointError)
+def _debugging() -> bool:
+    """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on (here, in this thread): JAX then
+    raises a FloatingPointError where a compiled call's output is not finite, after calling it
+    again op by op on the same inputs."""
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+
+
+def _run_time() -> tuple:
+    """What a compiled call raises as it runs: JAX's run-time error (a failed device, a
+    callback that raised), and where :func:`_debugging` the FloatingPointError of a
+    non-finite output (else a FloatingPointError is the model's, as JAX traces it: NumPy's
+    ``errstate``)."""
+    return (jax.errors.JaxRuntimeError, FloatingPointError) if _debugging() else \
+        (jax.errors.JaxRuntimeError,)
 
 
 @contextmanager
 def _jax_errors(call: str):
-    """Turns what a compiled call raises as it runs (:data:`_RUN_TIME`) into a StepError saying
+    """Turns what a compiled call raises as it runs (:func:`_run_time`) into a StepError saying
     where, and what: a FloatingPointError that a Keras layer wrapped by the NaN's operation."""
     try:
         yield
-    except _RUN_TIME as error:
+    except _run_time() as error:
         said = traced_message(error) if isinstance(error, FloatingPointError) else \
             _first_line(error)
         raise StepError(f"JAX failed in the {call} ({said})") from error
@@ -1169,10 +1180,10 @@ def _model_errors(what: str):
 @contextmanager
 def _traced(made):
     """Turns what the model's code raises while JAX traces it (not a HostavgError, not a
-    failure as it runs: :data:`_RUN_TIME`) into the exception ``made(error)``."""
+    failure as it runs: :func:`_run_time`) into the exception ``made(error)``."""
     try:
         yield
-    except (HostavgError, *_RUN_TIME):
+    except (HostavgError, *_run_time()):
         raise
     except Exception as error:  # noqa: BLE001 - the model's own code, traced
         raise made(error) from error
