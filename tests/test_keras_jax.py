@@ -221,15 +221,6 @@ def test_the_step_counts_from_optimizer_iterations_as_the_program_set_it():
     assert int(optimizer.iterations.value) == 42
 
 
-def small_trainer():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    model = keras.Model(inputs, keras.layers.Dense(1)(ShapeScale()(inputs)))
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    rng = np.random.default_rng(0)
-    data = (rng.normal(size=(20, 4)).astype("float32"), rng.normal(size=(20, 1)).astype("float32"))
-    return hostavg.keras.Trainer(model), data
-
 
 class ShapeScale(keras.layers.Layer):
     """Scales by 1 / (batch - 3), computed by NumPy as JAX traces it: raises for a batch of 3."""
@@ -241,20 +232,24 @@ class ShapeScale(keras.layers.Layer):
             return x * float(np.float32(1.0) / np.float32(x.shape[0] - 3))
 
 
-def values(trainer) -> list:
-    return [np.asarray(v) for v in trainer.model.variables + trainer.model.optimizer.variables]
-
-
 @jax_only
 def test_a_floating_point_error_of_the_model_as_it_is_traced_is_the_models():
     """NumPy's FloatingPointError in the model's code, as JAX traces a new micro-batch size,
     refuses the micro-batch as the model's (not a failure as the call runs: that is JAX's
     FloatingPointError under jax_debug_nans only)."""
-    trainer, (x, y) = small_trainer()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(ShapeScale()(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    trainer, rng = hostavg.keras.Trainer(model), np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype("float32"), rng.normal(size=(20, 1)).astype("float32")
     trainer.step(hostavg.split((x, y), 5))
-    before = values(trainer)
+
+    def values() -> list:  # the weights and the optimizer's state
+        return [np.asarray(v) for v in model.variables + model.optimizer.variables]
+    before = values()
     with pytest.raises(hostavg.ArgumentError, match="the model cannot run on this micro-batch "
                                                    r"\(FloatingPointError: divide by zero"):
         trainer.step(hostavg.split((x, y), 3))
-    for a, b in zip(before, values(trainer)):
+    for a, b in zip(before, values()):
         np.testing.assert_array_equal(a, b)

@@ -1145,20 +1145,14 @@ def _sum_squares(x, minus=None):
     return jnp.sum(jnp.square(x))
 
 
-def _debugging() -> bool:
-    """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on (here, in this thread): JAX then
-    raises a FloatingPointError where a compiled call's output is not finite, after calling it
-    again op by op on the same inputs."""
-    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
-
-
 def _run_time() -> tuple:
     """What a compiled call raises as it runs: JAX's run-time error (a failed device, a
-    callback that raised), and where :func:`_debugging` the FloatingPointError of a
-    non-finite output (else a FloatingPointError is the model's, as JAX traces it: NumPy's
-    ``errstate``)."""
-    return (jax.errors.JaxRuntimeError, FloatingPointError) if _debugging() else \
-        (jax.errors.JaxRuntimeError,)
+    callback that raised), and while ``jax_debug_nans`` or ``jax_debug_infs`` is on (read now:
+    ``with jax.debug_nans(True):`` counts) the FloatingPointError of a non-finite output; else
+    a FloatingPointError is the model's, as JAX traces it (NumPy's ``errstate``)."""
+    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        return jax.errors.JaxRuntimeError, FloatingPointError
+    return (jax.errors.JaxRuntimeError,)
 
 
 @contextmanager
