@@ -137,7 +137,7 @@ def state(trainer) -> dict:
     """Every variable's value by its position and its path less the numbers Keras appends to
     a name it has seen (two models have their own seed generators)."""
     model = trainer.model
-    return {f"{i} {where}/{v.path.split('/')[-1]}": np.asarray(v)
+    return {f"{i} {where}/{v.path.split('/')[-1]}": np.array(v.value)
             for where, variables in (("model", model.variables),
                                      ("optimizer", model.optimizer.variables),
                                      ("metric", model.metrics_variables))

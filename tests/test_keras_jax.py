@@ -232,24 +232,54 @@ class ShapeScale(keras.layers.Layer):
             return x * float(np.float32(1.0) / np.float32(x.shape[0] - 3))
 
 
+def small(layer=None):
+    """A trainer of a small regression model (``layer`` first, where given), 20 rows of data,
+    and a reader of its weights' and optimizer's values (copies: a NumPy view held of a
+    variable would keep JAX from donating its buffer, as a user's program does not)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8)(layer(inputs) if layer else inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype("float32"), rng.normal(size=(20, 1)).astype("float32")
+    return (hostavg.keras.Trainer(model), (x, y),
+            lambda: [np.array(v.value) for v in model.variables + model.optimizer.variables])
+
+
+def assert_unchanged(before: list, after: list):
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @jax_only
 def test_a_floating_point_error_of_the_model_as_it_is_traced_is_the_models():
     """NumPy's FloatingPointError in the model's code, as JAX traces a new micro-batch size,
     refuses the micro-batch as the model's (not a failure as the call runs: that is JAX's
     FloatingPointError under jax_debug_nans only)."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    model = keras.Model(inputs, keras.layers.Dense(1)(ShapeScale()(inputs)))
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    trainer, rng = hostavg.keras.Trainer(model), np.random.default_rng(0)
-    x, y = rng.normal(size=(20, 4)).astype("float32"), rng.normal(size=(20, 1)).astype("float32")
-    trainer.step(hostavg.split((x, y), 5))
-
-    def values() -> list:  # the weights and the optimizer's state
-        return [np.asarray(v) for v in model.variables + model.optimizer.variables]
+    trainer, data, values = small(ShapeScale())
+    trainer.step(hostavg.split(data, 5))
     before = values()
     with pytest.raises(hostavg.ArgumentError, match="the model cannot run on this micro-batch "
                                                    r"\(FloatingPointError: divide by zero"):
-        trainer.step(hostavg.split((x, y), 3))
-    for a, b in zip(before, values()):
-        np.testing.assert_array_equal(a, b)
+        trainer.step(hostavg.split(data, 3))
+    assert_unchanged(before, values())
+
+
+@jax_only
+@pytest.mark.parametrize("flag, rate", [("debug_nans", "nan"), ("debug_infs", "inf")])
+def test_an_apply_gone_non_finite_under_jaxs_debug_flag_leaves_the_state_as_it_was(flag, rate):
+    """Under jax_debug_nans (or _infs), JAX calls a compiled call with a non-finite output again
+    op by op, on the same inputs: a donating apply's are gone by then. The apply then donates
+    nothing; the step fails naming JAX's operation, the state is as before, the next step runs."""
+    import jax  # (under TensorFlow this file imports no JAX)
+    trainer, data, values = small()
+    trainer.step(hostavg.split(data, 2))  # its apply compiled without the flag
+    trainer.model.optimizer.learning_rate.assign(float(rate))
+    before = values()
+    with getattr(jax, flag)(True), pytest.raises(
+            hostavg.StepError, match=rf"JAX failed in the apply \(invalid value \({rate}\)"):
+        trainer.step(hostavg.split(data, 2))
+    assert_unchanged(before, values())
+    trainer.model.optimizer.learning_rate.assign(0.01)
+    assert trainer.step(hostavg.split(data, 2)).step == 2

@@ -104,7 +104,7 @@ class KerasJaxBackend(CompiledModel):
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
-        self._applies = {}  # ApplyRequest -> jitted apply
+        self._applies = {}  # (ApplyRequest, under JAX's debug flags) -> jitted apply
         self._schedule = self._next_rate = None  # whether the rate is a schedule; its next value
         self._iterations = (None, 0)  # optimizer.iterations's last value read, and it as an int
         self._rate = (None, 0.0)  # the learning rate variable's last value read, as a float
@@ -425,10 +425,11 @@ class KerasJaxBackend(CompiledModel):
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
         the apply used and what ``request`` asks for, all from that one compiled call
         (measuring the ratios reduces two norms per variable)."""
-        traced = self.traced(request)
-        function = self._applies.get(traced)
+        traced, debugging = self.traced(request), _debugging()
+        function = self._applies.get((traced, debugging))
         if function is None:
-            function = self._applies[traced] = self._application(traced)
+            function = self._applies[traced, debugging] = self._application(
+                traced, donates=not debugging)
         trained = _trained(self.model, self._kept)
         grads = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]  # jit puts them
         with _jax_errors("apply"), self._values_lock:
@@ -821,9 +822,11 @@ class KerasJaxBackend(CompiledModel):
         return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._outputs)
                 for s in self.spec.values()]
 
-    def _application(self, request: ApplyRequest):
+    def _application(self, request: ApplyRequest, donates: bool = True):
         """``(trained values, optimizer values, mean) ->`` :class:`_Stateless`, jitted, the old
-        values donated; the norms only with ``request.ratios``, the updates only with
+        values donated where ``donates``: not under JAX's debug flags (:func:`_debugging`),
+        where a non-finite output makes JAX call the apply again, op by op, on its inputs,
+        which donated ones no longer are; the norms only with ``request.ratios``, the updates only with
         ``request.values``; where a checked one is not finite (check_applied), the old values
         come back as the new ones."""
         trained = _trained(self.model, self._kept)
@@ -873,7 +876,7 @@ class KerasJaxBackend(CompiledModel):
                 lr, next_rate, jnp.stack([scale, after]), squares, magnitudes,
                 slots[iteration], new_slots[iteration], finite[:sum(checks)]))
 
-        return jax.jit(apply, donate_argnums=(0, 1))
+        return jax.jit(apply, donate_argnums=(0, 1) if donates else ())
 
     def _evaluation(self, signature) -> tuple:
         """(``(trainable, untrained, metric values, leaves) -> new metric values``, jitted: Keras's
@@ -1150,9 +1153,16 @@ def _run_time() -> tuple:
     callback that raised), and while ``jax_debug_nans`` or ``jax_debug_infs`` is on (read now:
     ``with jax.debug_nans(True):`` counts) the FloatingPointError of a non-finite output; else
     a FloatingPointError is the model's, as JAX traces it (NumPy's ``errstate``)."""
-    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+    if _debugging():
         return jax.errors.JaxRuntimeError, FloatingPointError
     return (jax.errors.JaxRuntimeError,)
+
+
+def _debugging() -> bool:
+    """Whether ``jax_debug_nans`` or ``jax_debug_infs`` is on now (``with jax.debug_nans(True):``
+    counts): JAX then checks each compiled call's outputs, and calls it again op by op where
+    one is not finite, to raise a FloatingPointError at the operation that made it."""
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
 
 
 @contextmanager
