@@ -266,9 +266,8 @@ class KerasJaxBackend(CompiledModel):
         try:
             with _jax_errors("compute"), _traced_errors():
                 return self._called(function, np.float32(share), donated, leaves)
-        except HostavgError as error:
-            del donated  # (this frame is in the error's traceback: not another's buffers)
-            return error
+        except HostavgError as error:  # (JAX deleted the buffers it was to reuse where it ran;
+            return error               # where it failed as it traced, JAX's frames hold them)
 
     def _waited(self, out, names: list, assigns: list, before: list) -> Computed:
         """:meth:`_read` of a compute dispatched in turn (:meth:`_in_turn`), once it is done;
