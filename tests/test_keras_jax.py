@@ -283,3 +283,37 @@ def test_an_apply_gone_non_finite_under_jaxs_debug_flag_leaves_the_state_as_it_w
     assert_unchanged(before, values())
     trainer.model.optimizer.learning_rate.assign(0.01)
     assert trainer.step(hostavg.split(data, 2)).step == 2
+
+
+@jax_only
+def test_a_schedule_set_in_the_rate_variables_place_is_followed_and_read_by_the_applies():
+    """A schedule set as ``optimizer.learning_rate`` mid-run (Keras allows it once built) is
+    followed as Keras's own fit follows it; after the step that finds it, the host no longer
+    evaluates it (about 2 ms each): the compiled apply gives its next value."""
+    def model():
+        trainer, data, _ = small()
+        return trainer.model, data
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
+    keras_own, data = model()
+    for i in range(5):
+        keras_own.fit(*data, batch_size=20, epochs=1, verbose=0, shuffle=False)
+        if i == 0:
+            keras_own.optimizer.learning_rate = schedule
+    mine, _ = model()
+    trainer = hostavg.keras.Trainer(mine)
+    calls = []
+
+    class Counted(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            calls.append(step)
+            return schedule(step)
+    for i in range(5):
+        trainer.step(hostavg.split(data, 10))
+        if i == 0:
+            mine.optimizer.learning_rate = Counted()
+        if i == 2:
+            calls.clear()
+    assert calls == []  # (the last two steps)
+    for a, b in zip(mine.variables + mine.optimizer.variables,
+                    keras_own.variables + keras_own.optimizer.variables, strict=True):
+        np.testing.assert_allclose(np.array(a.value), np.array(b.value), rtol=1e-6, atol=1e-7)

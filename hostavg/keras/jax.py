@@ -446,7 +446,7 @@ class KerasJaxBackend(CompiledModel):
         # this one's, which the next checked apply measures again.)
         self._next_rate = next_rate if found.finite.all() else None
         if self._next_rate is not None and not self._is_schedule():
-            self._rate = (_value_of(self.optimizer.learning_rate), next_rate)
+            self._rate = (self._variable_rate(), next_rate)
         self._iterations = (self.optimizer.iterations.value, found.after)
         return self._report(found, request, trained)
 
@@ -458,8 +458,10 @@ class KerasJaxBackend(CompiledModel):
         the host costs about 2 ms; only an apply moves the iteration), None before one."""
         if self._is_schedule():
             return self._next_rate
-        value = _value_of(self.optimizer.learning_rate)
-        if value is None or value is not self._rate[0]:
+        value = self._variable_rate()
+        if value is None:  # a schedule now: its next value is known after an apply
+            return None
+        if value is not self._rate[0]:
             self._rate = (value, super()._rate_bound(feed))
         return self._rate[1]
 
@@ -467,6 +469,16 @@ class KerasJaxBackend(CompiledModel):
         if self._schedule is None:
             self._schedule = not isinstance(self.optimizer.learning_rate, keras.Variable)
         return self._schedule
+
+    def _variable_rate(self):
+        """The learning rate variable's value (a JAX array, which never changes); None where a
+        schedule was set in the variable's place (Keras allows it once the optimizer is
+        built), which :meth:`_is_schedule` then says: its value read once, not each step."""
+        rate = self.optimizer.learning_rate
+        if isinstance(rate, keras.Variable):
+            return rate.value
+        self._schedule, self._next_rate = True, None
+        return None
 
     def global_step(self) -> int:
         """``optimizer.iterations``, read from the device only where its value changed since the
@@ -1048,13 +1060,6 @@ def _formed_dots(grads: list, sums: list):
     dtype; None where there are none."""
     dots = [per_sample_dots(g, m, _WIDE) for g, m in zip(grads, sums)]
     return sum(dots[1:], dots[0]) if dots else None
-
-
-def _value_of(rate):
-    """A learning rate variable's value (a JAX array, which never changes); None where the
-    rate is no variable (a schedule set in its place after the first read:
-    ``optimizer.learning_rate`` then gives the schedule's value now)."""
-    return rate.value if isinstance(rate, keras.Variable) else None
 
 
 def _trained(model, kept: list) -> list:
