@@ -837,9 +837,9 @@ class KerasJaxBackend(CompiledModel):
         """``(trained values, optimizer values, mean) ->`` :class:`_Stateless`, jitted, the old
         values donated where ``donates``: not under JAX's debug flags (:func:`_debugging`),
         where a non-finite output makes JAX call the apply again, op by op, on its inputs,
-        which donated ones no longer are; the norms only with ``request.ratios``, the updates only with
-        ``request.values``; where a checked one is not finite (check_applied), the old values
-        come back as the new ones."""
+        which donated ones no longer are; the norms only with ``request.ratios``, the updates
+        only with ``request.values``; where a checked one is not finite (check_applied), the
+        old values come back as the new ones."""
         trained = _trained(self.model, self._kept)
         optimizer, scales = self.optimizer, self._scales
         # Nothing checked where the host proved the apply finite (request.proven).
