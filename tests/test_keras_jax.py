@@ -232,15 +232,16 @@ class ShapeScale(keras.layers.Layer):
             return x * float(np.float32(1.0) / np.float32(x.shape[0] - 3))
 
 
-def small(layer=None):
-    """A trainer of a small regression model (``layer`` first, where given), 20 rows of data,
-    and a reader of its weights' and optimizer's values (copies: a NumPy view held of a
-    variable would keep JAX from donating its buffer, as a user's program does not)."""
+def small(layer=None, optimizer=None):
+    """A trainer of a small regression model (``layer`` first, where given; SGD(0.01) where no
+    ``optimizer``), 20 rows of data, and a reader of its weights' and optimizer's values
+    (copies: a NumPy view held of a variable would keep JAX from donating its buffer, as a
+    user's program does not)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(8)(layer(inputs) if layer else inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01), loss="mse")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(20, 4)).astype("float32"), rng.normal(size=(20, 1)).astype("float32")
     return (hostavg.keras.Trainer(model), (x, y),
@@ -286,12 +287,18 @@ def test_an_apply_gone_non_finite_under_jaxs_debug_flag_leaves_the_state_as_it_w
 
 
 @jax_only
-def test_a_schedule_set_in_the_rate_variables_place_is_followed_and_read_by_the_applies():
-    """A schedule set as ``optimizer.learning_rate`` mid-run (Keras allows it once built) is
-    followed as Keras's own fit follows it; after the step that finds it, the host no longer
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_a_schedule_set_in_the_rate_variables_place_is_followed_and_read_by_the_applies(
+        optimizer):
+    """A schedule set as ``optimizer.learning_rate`` mid-run (Keras allows it once built, and
+    untracks the rate variable: the optimizer's variables after it move up one) is followed
+    as Keras's own fit follows it, slots too; after the step that finds it, the host no longer
     evaluates it (about 2 ms each): the compiled apply gives its next value."""
     def model():
-        trainer, data, _ = small()
+        trainer, data, _ = small(optimizer={
+            "sgd": lambda: keras.optimizers.SGD(0.01),
+            "momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
+            "adam": lambda: keras.optimizers.Adam(0.01)}[optimizer]())
         return trainer.model, data
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
     keras_own, data = model()

@@ -104,7 +104,7 @@ class KerasJaxBackend(CompiledModel):
         self.assigned = {}
         self._kept = None  # indices in model.trainable_variables of the trained variables
         self._evaluates = {}  # input signature -> (jitted function, what it changes)
-        self._applies = {}  # (ApplyRequest, under JAX's debug flags) -> jitted apply
+        self._applies = {}  # (ApplyRequest, debug flags on, optimizer variables) -> apply
         self._schedule = self._next_rate = None  # whether the rate is a schedule; its next value
         self._iterations = (None, 0)  # optimizer.iterations's last value read, and it as an int
         self._rate = (None, 0.0)  # the learning rate variable's last value read, as a float
@@ -424,11 +424,14 @@ class KerasJaxBackend(CompiledModel):
         """Applies ``mean`` once; reports the new ``optimizer.iterations``, the learning rate
         the apply used and what ``request`` asks for, all from that one compiled call
         (measuring the ratios reduces two norms per variable)."""
+        # Keyed by the optimizer's variables too: the apply finds what it checks and measures
+        # by their positions, which move where a schedule set in the rate variable's place
+        # untracks that variable.
         traced, debugging = self.traced(request), _debugging()
-        function = self._applies.get((traced, debugging))
+        key = (traced, debugging, tuple(map(id, self.optimizer.variables)))
+        function = self._applies.get(key)
         if function is None:
-            function = self._applies[traced, debugging] = self._application(
-                traced, donates=not debugging)
+            function = self._applies[key] = self._application(traced, donates=not debugging)
         trained = _trained(self.model, self._kept)
         grads = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]  # jit puts them
         with _jax_errors("apply"), self._values_lock:
