@@ -427,20 +427,19 @@ class KerasJaxBackend(CompiledModel):
         # Keyed by the optimizer's variables too: the apply finds what it checks and measures
         # by their positions, which move where a schedule set in the rate variable's place
         # untracks that variable.
-        traced, debugging = self.traced(request), _debugging()
-        key = (traced, debugging, tuple(map(id, self.optimizer.variables)))
+        traced, debugging, slots = self.traced(request), _debugging(), self.optimizer.variables
+        key = (traced, debugging, tuple(map(id, slots)))
         function = self._applies.get(key)
         if function is None:
             function = self._applies[key] = self._application(traced, donates=not debugging)
         trained = _trained(self.model, self._kept)
         grads = [np.asarray(mean[name], s.dtype) for name, s in self.spec.items()]  # jit puts them
         with _jax_errors("apply"), self._values_lock:
-            out = function([v.value for v in trained], [v.value for v in self.optimizer.variables],
-                           grads)
+            out = function([v.value for v in trained], [v.value for v in slots], grads)
             # Copied to the host before the next apply donates the new values' buffers.
             weights = [np.array(w) for w in out.new] if request.values else []
             assign(trained, out.new)  # the old values, where the update was undone
-            assign(self.optimizer.variables, out.slots)
+            assign(slots, out.slots)
         # two reads from the device, not one a number
         found, next_rate = _unpacked(out.reals, out.counts,
                                      2 * len(trained) if traced.ratios else 0,
