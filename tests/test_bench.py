@@ -158,13 +158,30 @@ def test_bench_curvature_times_a_product_against_a_compute_and_the_hooks_share(c
     assert "hooks.Curvature(every=N)" in out[3]
 
 
-def test_tf1_rows_are_timed_after_their_session_calls_chose_where_to_run():
+@pytest.mark.parametrize("model,optimizer,k", [("embedding-50k", "sgd", 1), ("mlp-50k", "adam", 4)])
+def test_tf1_rows_are_timed_after_their_session_calls_chose_where_to_run(model, optimizer, k):
     """The default session_threads="auto" runs each session call both ways on its first calls
-    (hostavg.tf1.faster): the warm-up outlasts that for the apply, one call a step."""
+    (hostavg.tf1.faster): after the warm-up, every call a step makes has chosen, on a step
+    applied in its compute's call (k = 1) and on one applied apart (k = 4)."""
     from hostavg.tf1.faster import Faster
-    assert bench.AUTO_WARMUP == 2 * (Faster.WARM + Faster.TIMED)
-    assert bench.warmup_steps(["hostavg", "in-graph"]) == 14
-    assert bench.warmup_steps(["hostavg-graph"]) == 14
+    config = next(c for c in bench.grid("overhead" if k == 1 else "full") if c.model == model
+                  and c.optimizer == optimizer and c.k == k)
+    impl = bench._make("hostavg", config)
+    try:
+        data = bench._batches(config.model, config, bench.AUTO_WARMUP + 3)
+        for micro in data[:bench.AUTO_WARMUP]:
+            impl.step(micro)
+        made = [c for calls in impl.trainer._wiring._callables._by_session.values()
+                for c in calls.values() if isinstance(c, Faster)]
+        counted = [f._calls for f in made]  # a Faster counts its calls until it chooses
+        for micro in data[bench.AUTO_WARMUP:]:
+            impl.step(micro)
+        assert [f._calls for f in made] == counted
+        assert any(f.chosen is not None for f in made)
+    finally:
+        impl.close()
+    assert bench.warmup_steps(["hostavg", "in-graph"]) == bench.AUTO_WARMUP
+    assert bench.warmup_steps(["hostavg-graph"]) == bench.AUTO_WARMUP
     assert bench.warmup_steps(["hostavg-pool", "hostavg-caller", "in-graph"]) == 1
     assert bench.warmup_steps(["hostavg-keras", "keras-accum"]) == 1
     assert bench.warmup_steps(["hostavg-watched", "hostavg"]) == bench.WATCHED_WARMUP

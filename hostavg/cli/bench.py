@@ -70,8 +70,11 @@ WATCHED_WARMUP = MEASURED_FIRST + 1
 #: The warm-up steps of a configuration that times a TF1 trainer with its default
 #: ``session_threads="auto"``: past the first calls it runs both ways to time them
 #: (:class:`hostavg.tf1.faster.Faster`: 2 * (2 + 5) calls of each session call, the apply's
-#: being one a step), so that its rows time what the rest of a run takes.
-AUTO_WARMUP = 14
+#: being one a step after the first, whose apply is measured in a call of its own), so that
+#: its rows time what the rest of a run takes. Each implementation takes them on its own,
+#: before the interleaved timing: the calls' first times decide, and a run's first steps do
+#: not run between four other programs' steps (which left the choice to chance here).
+AUTO_WARMUP = 2 * (2 + 5) + 1
 #: The optimizers a configuration can name (see :func:`_optimizer`).
 OPTIMIZERS = ("adam", "sgd")
 #: Most consecutive steps one timed sample may hold (see :func:`time_config`).
@@ -391,7 +394,7 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
                 warmup: int = 1, min_sample_s: float = 0.0) -> dict:
     """Median step seconds per implementation, timed interleaved; also their weights' agreement.
 
-    After ``warmup`` steps of each, ``repeats`` rounds each draw new
+    After ``warmup`` consecutive steps of each, ``repeats`` rounds each draw new
     micro-batches and take one sample of every implementation on them, in an
     order that rotates by one each round. A sample is ``steps_per_sample``
     consecutive steps on that round's micro-batches and records their mean
@@ -406,8 +409,8 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
         raise ArgumentError(f"min_sample_s must be a finite number >= 0, got {min_sample_s!r}")
     impls = {name: _make(name, config) for name in implementations}
     data = _batches(config.model, config, warmup + repeats)
-    for micro in data[:warmup]:
-        for impl in impls.values():
+    for impl in impls.values():  # each on its own, as a run starts (see AUTO_WARMUP)
+        for micro in data[:warmup]:
             impl.step(micro)
     inner = _steps_per_sample(impls, data[0], min_sample_s)
     times = {name: [] for name in impls}
