@@ -247,6 +247,8 @@ class Accumulator:
 
     def reset(self) -> None:
         """Forgets every added micro-batch; keeps the buffers for reuse."""
+        if getattr(self, "count", None) == 0:
+            return  # as reset already: only an add changes what follows
         self.count = 0
         self.total_weight = 0.0
         self.weights: list[float] = []
@@ -347,17 +349,20 @@ class Accumulator:
             out[name] = SparseGradient(*map(freeze, value), s.shape) if s.sparse else freeze(value)
         return Gradients(out, loss=loss, size=self.total_weight)
 
-    def _lone_mean(self) -> bool:
-        """Whether the one micro-batch added is its own mean as it is (:func:`numpy_reduce` would
-        give the same values): frozen, in the accumulation dtypes, its rows sorted and unique."""
-        if self.count != 1:
-            return False
-        for name, value in self._first.items():
+    def own_mean(self, values: Mapping) -> bool:
+        """Whether ``values``, added alone, would be their own mean as they are
+        (:func:`numpy_reduce` would give the same values): frozen, in the accumulation dtypes,
+        a sparse gradient's rows sorted and unique."""
+        for name, value in values.items():
             if value.dtype != self._dtypes[name] or not is_frozen(value):
                 return False
             if isinstance(value, SparseGradient) and not sorted_unique(value.indices):
                 return False
         return True
+
+    def _lone_mean(self) -> bool:
+        """Whether the one micro-batch added is its own mean as it is (:meth:`own_mean`)."""
+        return self.count == 1 and self.own_mean(self._first)
 
     @property
     def loss_sum(self) -> float | None:

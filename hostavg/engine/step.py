@@ -341,10 +341,7 @@ class Engine:
             batches, apply_feed, global_step, log = self._tried(backend, snapshot, feeds, sizes,
                                                                  rows, log, lone)
             micro = log.micro
-            error, tally = None, Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
-                                       acc.total_weight, acc.loss_sum,
-                                       sum(m.size for m in micro if m.dropped is None), global_step,
-                                       apply_feed)
+            error, tally = None, _tally(acc, log, global_step, apply_feed)
         except Exception as e:  # noqa: BLE001 - over MPI every rank must hear of it
             error, tally = e, None
         tally = self.average.combine(backend, tally, error)
@@ -352,6 +349,8 @@ class Engine:
             raise ArgumentError(f"step got no micro-batches; pass at least one "
                                 f"{backend.advice['batch_name']}")
         global_step = backend.global_step() if tally.global_step is None else tally.global_step
+        if log.lone is not None:
+            return self._lone(backend, snapshot, batches, log, tally, global_step)
         if not tally.total:
             return Pending(self, backend, snapshot, StepResult(
                 None, None, tuple(micro), global_step, 0,
@@ -400,6 +399,27 @@ class Engine:
         return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
                        *self._measured(backend, batches, result, after), sq_norms=sq,
                        fused=log.fused)
+
+    def _lone(self, backend, snapshot, batches: list, log: _StepLog, tally: Tally,
+              global_step: int) -> Pending:
+        """The :class:`Pending` of a step whose one micro-batch its compute's call applied,
+        its gradients their own mean (``log.lone``): what :meth:`_step` gives it, without
+        the accumulator, the mean's finiteness check or its conversion for the apply, which
+        would pass the same arrays through (as the oracle test shows, against a hook that
+        keeps a step off this path). Such a step has no hook before its apply and no
+        statistics, and its averaging passes one micro-batch through (:meth:`_fusing`)."""
+        grads, sq = log.lone[0], log.var_sq[0]
+        stats = step_stats(grads, tally.weights, tally.sq_norms, tally.norms, tally.losses,
+                           log.kept, log.var_sq, sq)
+        mean = Gradients(grads, loss=None if tally.loss_sum is None else
+                         tally.loss_sum / tally.total, size=tally.total,
+                         sq_norms={n: v * v for n, v in stats.variable_norms.items()})
+        after = global_step + backend.increment
+        result = StepResult(mean.loss, mean, tuple(log.micro), after, tally.size, stats,
+                            fetched=tuple(m.fetched for m in log.micro))
+        return Pending(self, backend, snapshot, result, dict(mean), tally.apply_feed, batches,
+                       *self._measured(backend, batches, result, after),
+                       sq_norms=mean.sq_norms, fused=log.fused)
 
     def _measured(self, backend, batches: list, result: StepResult, step: int) -> tuple:
         """Shows the step's own micro-batches to the ``on_step_batch`` hooks, at the step's
@@ -713,8 +733,12 @@ class Engine:
                     raise
             else:  # the backend's optimizer skips a non-finite step (loss scaling)
                 sq_norm = math.fsum(sq.values())
-            self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
-            log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
+            fused = log.fused
+            if fused is not None and fused.applied is not None and self._acc.own_mean(grads):
+                log.lone = grads, sq_norm  # the step's mean, applied already: see _lone
+            else:
+                self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
+                log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if log.kept is not None:
                 log.kept.append(grads)
@@ -810,10 +834,13 @@ class _StepLog:
         computed again without them).
       fused: the :class:`_Fused` of a step whose one micro-batch is computed and applied
         in one call, or None.
+      lone: (its gradients, their squared norm) where that call applied it and they are
+        their own mean (:meth:`~hostavg.core.accumulator.Accumulator.own_mean`): not added
+        to the accumulator, they are the step's mean as they are; else None.
     """
 
     __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "asked", "weighed",
-                 "failed", "raised", "flagged", "searched", "dropping", "fused")
+                 "failed", "raised", "flagged", "searched", "dropping", "fused", "lone")
 
     def __init__(self, keep: bool, flagged: Mapping, searched: Mapping | None = None):
         self.micro, self.norms, self.var_sq, self.added, self.search = [], [], [], [], []
@@ -821,7 +848,7 @@ class _StepLog:
         self.kept = [] if keep else None
         self.failed = self.raised = None
         self.weighed, self.flagged, self.searched = False, flagged, searched
-        self.fused = None
+        self.fused = self.lone = None
 
     def again(self) -> _StepLog:
         """The log of the step computed again without the micro-batches ``dropping`` names."""
@@ -1084,6 +1111,18 @@ def _said_of(backend: Backend, n: int, where: str, whole: int | None):
             error.fixed_batch = True  # not traced to rows
             raise error from e.__cause__
         raise type(e)(said) from e.__cause__
+
+
+def _tally(acc: Accumulator, log: _StepLog, global_step: int, apply_feed) -> Tally:
+    """The :class:`Tally` of a step's micro-batches: the accumulator's, or ``log.lone``'s."""
+    micro = log.micro
+    size = sum(m.size for m in micro if m.dropped is None)
+    if log.lone is None:
+        return Tally(acc.weights, acc.sq_norms, log.norms, [m.loss for m in micro],
+                     acc.total_weight, acc.loss_sum, size, global_step, apply_feed)
+    weight, loss = float(size), micro[0].loss  # as the accumulator adds one micro-batch
+    return Tally([weight], [log.lone[1]], log.norms, [loss], weight, 0.0 + weight * loss,
+                 size, global_step, apply_feed)
 
 
 def _frozen(values: Mapping) -> Mapping:

@@ -41,14 +41,24 @@ def assert_same_step(a, b):
     """Two StepResults of the same step: every number the same, bit for bit."""
     assert (a.step, a.loss, a.size, a.proven, a.learning_rate, a.skipped) == \
         (b.step, b.loss, b.size, b.proven, b.learning_rate, b.skipped)
-    assert (a.stats.grad_norm, a.stats.micro_norms, a.stats.variable_norms) == \
-        (b.stats.grad_norm, b.stats.micro_norms, b.stats.variable_norms)
-    for name in a.grads:
-        x, y = a.grads[name], b.grads[name]
-        if isinstance(x, hostavg.SparseGradient):
-            np.testing.assert_array_equal(x.indices, y.indices)
-            x, y = x.values, y.values
-        np.testing.assert_array_equal(x, y, err_msg=name)
+    assert a.stats == b.stats  # each statistic's field
+    assert (a.stats.weights, a.stats.sq_norms, a.stats.mean_sq_norm) == \
+        (b.stats.weights, b.stats.sq_norms, b.stats.mean_sq_norm)
+    assert (a.grads.loss, a.grads.size, a.grads.sq_norms) == \
+        (b.grads.loss, b.grads.size, b.grads.sq_norms)
+    assert [(m.index, m.size, m.loss, m.start, m.step, m.dropped) for m in a.micro] == \
+        [(m.index, m.size, m.loss, m.start, m.step, m.dropped) for m in b.micro]
+    pairs = [(a.grads, b.grads)] + [(m.grads, n.grads) for m, n in zip(a.micro, b.micro)]
+    if a.stats.stack is not None:
+        pairs += list(zip(a.stats.stack, b.stats.stack))
+    for x_grads, y_grads in pairs:
+        assert (x_grads is None) == (y_grads is None)
+        for name in x_grads or ():
+            x, y = x_grads[name], y_grads[name]
+            if isinstance(x, hostavg.SparseGradient):
+                np.testing.assert_array_equal(x.indices, y.indices)
+                x, y = x.values, y.values
+            np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
@@ -66,6 +76,19 @@ def test_a_step_of_one_micro_batch_is_the_step_computed_and_applied_apart(
     assert [r.step for r in results] == [1, 2, 3, 4, 5]
     if check and not (backend.id == "tf1" and public_api_only()):
         assert [r.proven for r in results] == [False] + [True] * 4
+
+
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_a_step_of_one_micro_batch_in_stack_mode_keeps_its_gradient_as_the_step_apart(
+        backend, model):
+    """Stack mode keeps each micro-batch's gradient in its record and the statistics' stack:
+    the step applied in its compute's call keeps the same arrays' values."""
+    one, apart = twins(backend, model, accumulate="stack")
+    for d in batches(1, 3, BATCH, sparse=model == "embedding"):
+        a, b = one.step([one.native(d)]), apart.step([apart.native(d)])
+        assert a.micro[0].grads is not None and a.stats.stack is not None
+        assert_same_step(a, b)
+        same(one.values(), apart.values())
 
 
 def test_a_non_finite_sample_fails_the_step_naming_its_row_and_changes_nothing(backend):
