@@ -30,6 +30,7 @@ TENSORFLOW_APIS = {
     "is_ref_dtype": "tensorflow.DType._is_ref_dtype",
     "learning_rate": "tensorflow.compat.v1.train.Optimizer._learning_rate_tensor/_lr_t",
     "hyperparameters": "tensorflow.compat.v1.train optimizers' _momentum/_beta1/...",
+    "graph_cond": "tensorflow.python.ops.control_flow_util.ENABLE_CONTROL_FLOW_V2",
     "eager_tensor": "tensorflow.python.framework.ops.EagerTensor",
     "concrete_call":
         "tensorflow.python.eager.polymorphic_function.concrete_function.ConcreteFunction._call_flat",
@@ -331,6 +332,34 @@ def test_an_eager_tensor_holds_the_same_values_either_way(array, dtype):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert a.numpy().tobytes() == b.numpy().tobytes()
     assert "CPU" in a.device
+
+
+def test_a_graph_cond_runs_the_same_branch_with_the_same_effects_either_way():
+    """Both forms run only the branch the predicate picks, its variable update included; the
+    private one builds TensorFlow 1's Switch and Merge, and leaves TensorFlow 2's control
+    flow on for what is built after it."""
+    from tensorflow.python.ops import control_flow_util
+    seen, types = {}, {}
+    for form in forms("tensorflow.python.ops.control_flow_util.ENABLE_CONTROL_FLOW_V2"):
+        with tf.Graph().as_default() as graph:
+            pred = v1.placeholder(tf.bool, ())
+            w = v1.Variable(np.float32(1.0))
+
+            def update():
+                with tf.control_dependencies([w.assign_add(2.0)]):
+                    return tf.constant(True)
+            out = form(pred, update, lambda: tf.constant(False))
+            with tf.control_dependencies([out]):
+                read = w.read_value()
+            init = v1.global_variables_initializer()
+        types[form] = {op.type for op in graph.get_operations()}
+        with v1.Session(graph=graph) as sess:
+            sess.run(init)
+            seen[form] = [sess.run([out, read], {pred: p}) for p in (True, False, True)]
+        assert control_flow_util.ENABLE_CONTROL_FLOW_V2
+    private, public = forms("tensorflow.python.ops.control_flow_util.ENABLE_CONTROL_FLOW_V2")
+    assert seen[private] == seen[public] == [[True, 3.0], [False, 3.0], [True, 5.0]]
+    assert "Switch" in types[private] and "If" not in types[private]
 
 
 def test_a_concrete_function_gives_the_same_outputs_either_way():

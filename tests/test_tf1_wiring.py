@@ -81,8 +81,15 @@ def test_a_sparse_gradient_depends_only_on_its_feed_not_on_earlier_calls():
 
 
 def densify_ops(graph) -> list:
-    return [op for op in graph.get_operations()
-            if "hostavg_densify" in op.name and op.type == "UnsortedSegmentSum"]
+    """The densifying ops of ``graph``, those of its conditionals' branches too (the apply a
+    step of one micro-batch runs in its compute's call is one)."""
+    found = []
+    for op in graph.get_operations():
+        if "hostavg_densify" in op.name and op.type == "UnsortedSegmentSum":
+            found.append(op)
+        if op.type in ("If", "StatelessIf"):
+            found += densify_ops(graph._get_function(op.get_attr("then_branch").name).graph)
+    return found
 
 
 def dense_accumulation(optimizer, data: list, sizes) -> dict:
@@ -179,7 +186,7 @@ def calls(monkeypatch):
         def counting(*args, _kind=kind, _method=getattr(SessionBackend, kind), **kwargs):
             counted[_kind] += 1
             out = _method(*args, **kwargs)
-            counted["refused"] += _kind == "compute_apply" and out is None
+            counted["refused"] += _kind == "compute_apply" and (out is None or out[1] is None)
             return out
         monkeypatch.setattr(SessionBackend, kind, counting)
     return counted
@@ -251,21 +258,27 @@ def test_a_fed_learning_rate_and_a_global_step_left_alone_in_one_call(calls):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_a_micro_batch_the_gate_refuses_is_computed_again_apart(calls):
-    """A NaN: refused, then computed apart, which names its row; nothing applied, the forward
-    pass's counter put back."""
-    model = build()
-    trainer, sess = quiet_trainer(model, v1.train.AdamOptimizer(0.01))
-    data = batches(0, 2, 16)
-    trainer.step(sess, [model.feed(data[0])])
-    before = model.values(sess)
-    bad = dict(data[1], x=data[1]["x"].copy())
-    bad["x"][5, 0] = np.nan
-    with pytest.raises(hostavg.StepError, match="sample 5"):
-        trainer.step(sess, [model.feed(bad)])
-    # (then the culprit search computes its parts)
-    assert calls["compute_apply"] == calls["refused"] == 1 and calls["apply"] == 1
-    assert calls["compute"] > 2
-    after = model.values(sess)
-    for name in before:
-        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+def test_a_micro_batch_the_gate_refuses_is_checked_from_the_same_call_as_a_step_apart(calls):
+    """A NaN: the gate refuses the apply, and the call's gradients are checked as those of a
+    compute: the same error naming its row as the step computed apart, without computing the
+    micro-batch again; nothing applied, the forward pass's counter put back."""
+    def run(hooks):
+        model = build(update_op=True)
+        trainer, sess = quiet_trainer(model, v1.train.AdamOptimizer(0.01), hooks=hooks)
+        data = batches(0, 2, 16)
+        trainer.step(sess, [model.feed(data[0])])
+        before, counted = model.values(sess), dict(calls)
+        bad = dict(data[1], x=data[1]["x"].copy())
+        bad["x"][5, 0] = np.nan
+        with pytest.raises(hostavg.StepError, match="sample 5") as raised:
+            trainer.step(sess, [model.feed(bad)])
+        after = model.values(sess)
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+        return str(raised.value), {k: calls[k] - counted[k] for k in calls}
+    said, fused = run(())
+    assert fused["compute_apply"] == fused["refused"] == 1 and fused["apply"] == 0
+    said_apart, apart = run([Looking()])
+    assert apart["compute_apply"] == 0 and apart["apply"] == 0
+    assert said == said_apart
+    assert fused["compute"] == apart["compute"] - 1 > 0  # (the culprit search's parts)

@@ -226,9 +226,10 @@ class Fused(Protocol):
         gradients, which runs only where its loss is a finite scalar and the L2 norm of all
         its gradients, times sqrt(rows) of its sparse one with the most, is at most
         ``allowance`` (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`): (what
-        the compute gave, what the apply reported). None where the apply did not run (refused,
-        or the call failed before it): what the compute assigns may have moved; the engine
-        restores it and computes again apart. Asked only where :attr:`fuses`."""
+        the compute gave, what the apply reported, or None where the gate refused it: the
+        engine then checks the gradients as any compute's and applies them apart). None where
+        the call failed: what the compute assigns may have moved; the engine restores it and
+        computes again apart. Asked only where :attr:`fuses`."""
 
 
 class Many(Protocol):

@@ -753,16 +753,17 @@ class Engine:
 
     def _fused_compute(self, backend, feed, n: int, where: str, fused: _Fused) -> tuple:
         """:meth:`_compute` of a step's one micro-batch, applied in the same call where the
-        backend's gate lets it (``fused.applied``); where it does not, what that call assigned
-        is restored and the micro-batch computed again alone, its apply to follow apart. From
-        this call on, a signal waits for the step (:func:`~hostavg.engine.signals.hold`)."""
+        backend's gate lets it (``fused.applied``), else applied apart after it (None); where
+        the call failed, what it assigned is restored and the micro-batch computed again
+        alone, whose error names it. From this call on, a signal waits for the step
+        (:func:`~hostavg.engine.signals.hold`)."""
         hold()
         done = backend.compute_apply(feed, fused.allowance)
         if done is None:
             backend.restore(fused.snapshot)
             return self._compute(backend, feed, n, where, n)
         computed, fused.applied = done
-        return self._gradients(computed, n)
+        return self._checked_out(backend, computed, n, where)
 
     def _compute(self, backend, feed, n: int, where: str, whole: int | None = None,
                  fused: _Fused | None = None) -> tuple[Gradients, int, tuple]:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from hostavg.compat.tensorflow import (first_line, is_ref_dtype, largest_magnitudes,
+from hostavg.compat.tensorflow import (first_line, graph_cond, is_ref_dtype, largest_magnitudes,
                                        learning_rate, magnitude_ends)
 from hostavg.tf1.bounds import update_bound
 from hostavg.core.errors import ArgumentError
@@ -138,17 +138,21 @@ class Wiring:
     def compute_apply(self, sess, feed: dict, allowance: float) -> tuple | None:
         """:meth:`compute` of ``feed`` and, in the same session call, the train op run unchecked
         on its gradients (sparse rows coalesced, as an apply of them is fed), where the gate
-        of :meth:`_fuse` lets it: ``(Computed, Applied)``; None where it did not, or the call
-        failed (nothing applied)."""
-        fetches, placeholder = self._fused
+        of :meth:`_fuse` lets it: ``(Computed, Applied)``, the Applied None where the gate
+        refused (nothing applied); None where the call failed (the compute's own error, or a
+        gate built as an assertion refusing)."""
+        fetches, placeholder, asserts = self._fused
         try:
             out = self._callables.get(sess, fetches, (*feed, placeholder))(*feed.values(),
                                                                             allowance)
-        except (tf.errors.OpError, ValueError, TypeError):  # the gate's, or the compute's own
+        except (tf.errors.OpError, ValueError, TypeError):  # the compute's own, or the assertion's
             return None  # (the apply waits for the gate, which waits for every compute fetch)
         k = self._tensors
+        computed = self._computed(out[:k], ())
+        if not asserts and not out[k + 2]:
+            return computed, None
         rate = None if self.learning_rate is None else float(out[k + 1])
-        return self._computed(out[:k], ()), Applied(int(out[k]), learning_rate=rate)
+        return computed, Applied(int(out[k]), learning_rate=rate)
 
     @property
     def fuses(self) -> bool:
@@ -157,13 +161,16 @@ class Wiring:
 
     def _fuse(self, optimizer, step, coalesced: list, squares: list) -> tuple:
         """What :meth:`compute_apply` runs: (the compute's fetches, then the global step after
-        another apply op of ``optimizer`` (its slots) run on their gradients ``coalesced``, and
-        the learning rate; the placeholder of the allowance), ``squares`` the compute's
-        squared norms of them. Its gradients wait for the gate: an
-        assertion, after every compute fetch and the UPDATE_OPS, that the loss is a finite
-        scalar and the L2 norm of all the gradients (squares reduced in float64), times
-        sqrt(rows) of the sparse one with the most, is at most the allowance
-        (:meth:`Proof.allowance <hostavg.engine.proof.Proof.allowance>`). Built with the
+        another apply op of ``optimizer`` (its slots) run on their gradients ``coalesced``,
+        the learning rate and whether the gate let it run; the placeholder of the allowance;
+        whether the gate is an assertion), ``squares`` the compute's squared norms of them.
+        The gate, after every compute fetch and the UPDATE_OPS: the loss is a finite scalar
+        and the L2 norm of all the gradients (squares reduced in float64), times sqrt(rows)
+        of the sparse one with the most, is at most the allowance (:meth:`Proof.allowance
+        <hostavg.engine.proof.Proof.allowance>`). A cond runs the apply where it holds
+        (:func:`~hostavg.compat.tensorflow.graph_cond`); where the optimizer's apply cannot
+        be built in a branch (a reference variable under TensorFlow 2's control flow), an
+        assertion that fails the call does (TensorFlow may log each refusal). Built with the
         trainer: an op made a control input once a session ran it is changed after its run."""
         with tf.name_scope("hostavg_fused"):
             allowance = v1.placeholder(tf.float64, (), name="allowance")
@@ -178,22 +185,32 @@ class Wiring:
                                                    tf.sqrt(total) * factor <= allowance))
             ops = [f for f in self._fetches if isinstance(f, tf.Operation)]
             with tf.control_dependencies(ops + [self._fetches[1]]):
-                gate = tf.debugging.Assert(ok, ["hostavg: the fused apply is not allowed"],
-                                           name="gate")
-            with tf.control_dependencies([gate]):
-                gated = [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices),
-                                          g.dense_shape)
-                         if isinstance(g, tf.IndexedSlices) else tf.identity(g)
-                         for g in coalesced]
-                train_op = optimizer.apply_gradients(
-                    _applied(zip(gated, self.trained), _densifies_sparse(optimizer)),
-                    global_step=step)
-            with tf.control_dependencies([train_op]):
+                ok = tf.identity(ok, name="allowed")
+
+            def apply():
+                with tf.control_dependencies([optimizer.apply_gradients(
+                        _applied(zip(coalesced, self.trained), _densifies_sparse(optimizer)),
+                        global_step=step)]):
+                    return tf.constant(True)
+            try:
+                with tf.name_scope("gate"):
+                    applied, asserts = graph_cond(ok, apply, lambda: tf.constant(False)), False
+            except (ValueError, TypeError, NotImplementedError):
+                applied, asserts = self._asserted(ok, apply), True
+            with tf.control_dependencies([applied]):
                 after = [self.global_step.read_value()]
-            if self.learning_rate is not None:
-                after.append(tf.identity(self.learning_rate))
+            after.append(tf.identity(self.learning_rate) if self.learning_rate is not None
+                         else tf.constant(0.0))
+            after.append(applied)
         tensors = [f for f in self._fetches if isinstance(f, tf.Tensor)]
-        return tensors + after + ops, allowance
+        return tensors + after + ops, allowance, asserts
+
+    @staticmethod
+    def _asserted(ok, apply):
+        """The apply behind an assertion of ``ok``, which fails the call where it does not hold."""
+        with tf.control_dependencies([tf.debugging.Assert(
+                ok, ["hostavg: the fused apply is not allowed"], name="gate")]):
+            return apply()
 
     def _computed(self, out: list, fetches: tuple) -> Computed:
         """The :class:`Computed` of a compute call's outputs ``out`` (``fetches``: the more
