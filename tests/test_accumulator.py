@@ -51,6 +51,25 @@ def test_mean_is_a_copy_and_reset_reuses_the_buffers():
     np.testing.assert_array_equal(acc.mean()["emb"].indices, [2])
 
 
+def test_reset_forgets_an_add_that_failed_halfway():
+    """An add cut off after its first variables (an interrupt, or add_checked given a wrong
+    shape) has counted nothing yet: reset must still forget what it added, sums and rows."""
+    spec = {"a": VariableSpec((2,), F32, False), "b": VariableSpec((3,), F32, False),
+            "emb": VariableSpec((5, 2), F32, True)}
+    acc = Accumulator(spec)
+    with pytest.raises(ValueError):
+        acc.add_checked({"emb": SparseGradient([1], np.ones((1, 2), np.float32), (5, 2)),
+                         "a": np.full(2, 5, np.float32), "b": np.ones(4, np.float32)},
+                        1.0, None, 0.0)
+    acc.reset()
+    for _ in range(2):
+        acc.add({"a": np.ones(2, np.float32), "b": np.ones(3, np.float32),
+                 "emb": SparseGradient([3], np.ones((1, 2), np.float32), (5, 2))}, weight=1.0)
+    mean = acc.mean()
+    np.testing.assert_array_equal(mean["a"], [1, 1])
+    np.testing.assert_array_equal(mean["emb"].indices, [3])
+
+
 @pytest.mark.parametrize("accumulate", ["sum", "stack"])
 def test_one_frozen_micro_batch_is_its_own_mean_and_anything_else_is_reduced_anew(accumulate):
     """A session's outputs come frozen: one micro-batch's are then the mean as they are (the

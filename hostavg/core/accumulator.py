@@ -243,12 +243,13 @@ class Accumulator:
         scratch = _Scratch()
         self._sums = {name: RunningSum(buf, scratch) for name, buf in
                       _views(dense, self.spec, self._dtypes).items()} if accumulate == "sum" else {}
+        self._touched = True
         self.reset()
 
     def reset(self) -> None:
         """Forgets every added micro-batch; keeps the buffers for reuse."""
-        if getattr(self, "count", None) == 0:
-            return  # as reset already: only an add changes what follows
+        if not self._touched:
+            return  # as reset already: nothing was added since, nor begun to be
         self.count = 0
         self.total_weight = 0.0
         self.weights: list[float] = []
@@ -261,6 +262,7 @@ class Accumulator:
             if self.accumulate == "stack" else {}
         self._rows = {n: [] for n, s in self.spec.items() if s.sparse}
         self._first = None
+        self._touched = False
 
     def add(self, grads: Mapping, weight: float | None = None) -> None:
         """Adds one micro-batch's gradients with weight ``weight``.
@@ -298,6 +300,7 @@ class Accumulator:
         """Adds ``values`` that :func:`~hostavg.core.gradients.conform` and
         :func:`~hostavg.core.gradients.check_finite` passed (the engine's path: :meth:`add`
         checks, then calls this), with their squared norm ``sq_norm``; nothing is copied."""
+        self._touched = True  # (before any change: an add cut off halfway is reset too)
         # the first micro-batch, its own mean if no other comes (not held past a second add)
         self._first = values if self.count == 0 else None
         for name, value in values.items():
