@@ -141,7 +141,7 @@ class Wiring:
         of :meth:`_fuse` lets it: ``(Computed, Applied)``, the Applied None where the gate
         refused (nothing applied); None where the call failed (the compute's own error, or a
         gate built as an assertion refusing)."""
-        fetches, placeholder, asserts = self._fused
+        fetches, placeholder = self._fused
         try:
             out = self._callables.get(sess, fetches, (*feed, placeholder))(*feed.values(),
                                                                             allowance)
@@ -149,7 +149,7 @@ class Wiring:
             return None  # (the apply waits for the gate, which waits for every compute fetch)
         k = self._tensors
         computed = self._computed(out[:k], ())
-        if not asserts and not out[k + 2]:
+        if not out[k + 2]:  # (an assertion's gate that lets the call end let the apply run)
             return computed, None
         rate = None if self.learning_rate is None else float(out[k + 1])
         return computed, Applied(int(out[k]), learning_rate=rate)
@@ -162,8 +162,8 @@ class Wiring:
     def _fuse(self, optimizer, step, coalesced: list, squares: list) -> tuple:
         """What :meth:`compute_apply` runs: (the compute's fetches, then the global step after
         another apply op of ``optimizer`` (its slots) run on their gradients ``coalesced``,
-        the learning rate and whether the gate let it run; the placeholder of the allowance;
-        whether the gate is an assertion), ``squares`` the compute's squared norms of them.
+        the learning rate and whether the gate let it run; the placeholder of the allowance),
+        ``squares`` the compute's squared norms of them.
         The gate, after every compute fetch and the UPDATE_OPS: the loss is a finite scalar
         and the L2 norm of all the gradients (squares reduced in float64), times sqrt(rows)
         of the sparse one with the most, is at most the allowance (:meth:`Proof.allowance
@@ -194,16 +194,16 @@ class Wiring:
                     return tf.constant(True)
             try:
                 with tf.name_scope("gate"):
-                    applied, asserts = graph_cond(ok, apply, lambda: tf.constant(False)), False
+                    applied = graph_cond(ok, apply, lambda: tf.constant(False))
             except (ValueError, TypeError, NotImplementedError):
-                applied, asserts = self._asserted(ok, apply), True
+                applied = self._asserted(ok, apply)
             with tf.control_dependencies([applied]):
                 after = [self.global_step.read_value()]
             after.append(tf.identity(self.learning_rate) if self.learning_rate is not None
                          else tf.constant(0.0))
             after.append(applied)
         tensors = [f for f in self._fetches if isinstance(f, tf.Tensor)]
-        return tensors + after + ops, allowance, asserts
+        return tensors + after + ops, allowance
 
     @staticmethod
     def _asserted(ok, apply):
