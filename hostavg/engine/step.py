@@ -349,8 +349,6 @@ class Engine:
             raise ArgumentError(f"step got no micro-batches; pass at least one "
                                 f"{backend.advice['batch_name']}")
         global_step = backend.global_step() if tally.global_step is None else tally.global_step
-        if log.lone is not None:
-            return self._lone(backend, snapshot, batches, log, tally, global_step)
         if not tally.total:
             return Pending(self, backend, snapshot, StepResult(
                 None, None, tuple(micro), global_step, 0,
@@ -358,19 +356,8 @@ class Engine:
                 skipped=f"all {len(tally.norms)} micro-batches were dropped; nothing was applied",
                 fetched=tuple(m.fetched for m in micro)), None, None, batches)
 
-        reducer = self.average.reducer(backend, tally.total)
-        mean = acc.mean(reducer)
+        mean, known = self._mean(backend, tally, log)
         every = self.average.sees_every_micro_batch
-        # One accumulated micro-batch of the step's whole weight, averaged by NumPy: the mean
-        # is its gradient itself (the factor w/w is exactly 1 and skipped), whose squared norms
-        # are known already; not where the accumulation dtype is narrower than that gradient's
-        # (a hook may return float64 for a float32 variable), which rounds it, or overflows it
-        # to Inf. (A reducer in the session computes (w g) / w, which may overflow.)
-        known = None
-        if every and reducer is None and len(tally.weights) == 1:
-            sq, dtypes = log.added[0]
-            known = {n: q for n, q in sq.items()
-                     if np.can_cast(dtypes[n], mean[n].dtype, casting="safe")}
         stats = step_stats(mean, tally.weights, tally.sq_norms, tally.norms, tally.losses,
                            log.kept if every else None, log.var_sq if every else None, known)
         mean = Gradients(mean, loss=None if tally.loss_sum is None else tally.loss_sum / tally.total,
@@ -382,8 +369,9 @@ class Engine:
         what, hint, mine = "step, the mean", self._overflow_hint, True
         # The micro-batches were finite: a non-finite mean overflowed the sum. Said so here,
         # before an on_step hook (a clip) turns it into something else and takes the blame;
-        # unless the optimizer skips a non-finite step itself (loss scaling).
-        if backend.nonfinite == "refuse":
+        # unless the optimizer skips a non-finite step itself (loss scaling). (A mean its
+        # compute's call applied is the micro-batch's gradients, checked as those.)
+        if backend.nonfinite == "refuse" and log.lone is None:
             check_finite(mean, what, known=mean.sq_norms, hint=hint)
         for hook, on_step in self._step_hooks:
             new = call(hook, on_step, (mean, result), f"on_step of step {after}")
@@ -395,31 +383,31 @@ class Engine:
                 mine = False
         if self.statistics:
             result = replace(result, statistics=self.statistics.compute(result, tuple(self.spec)))
-        checked, sq = self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
+        checked, sq = (dict(mean), mean.sq_norms) if log.lone is not None else \
+            self._checked(mean, what, hint, mine, finite=backend.nonfinite == "refuse")
         return Pending(self, backend, snapshot, result, checked, tally.apply_feed, batches,
                        *self._measured(backend, batches, result, after), sq_norms=sq,
                        fused=log.fused)
 
-    def _lone(self, backend, snapshot, batches: list, log: _StepLog, tally: Tally,
-              global_step: int) -> Pending:
-        """The :class:`Pending` of a step whose one micro-batch its compute's call applied,
-        its gradients their own mean (``log.lone``): what :meth:`_step` gives it, without
-        the accumulator, the mean's finiteness check or its conversion for the apply, which
-        would pass the same arrays through (as the oracle test shows, against a hook that
-        keeps a step off this path). Such a step has no hook before its apply and no
-        statistics, and its averaging passes one micro-batch through (:meth:`_fusing`)."""
-        grads, sq = log.lone[0], log.var_sq[0]
-        stats = step_stats(grads, tally.weights, tally.sq_norms, tally.norms, tally.losses,
-                           log.kept, log.var_sq, sq)
-        mean = Gradients(grads, loss=None if tally.loss_sum is None else
-                         tally.loss_sum / tally.total, size=tally.total,
-                         sq_norms={n: v * v for n, v in stats.variable_norms.items()})
-        after = global_step + backend.increment
-        result = StepResult(mean.loss, mean, tuple(log.micro), after, tally.size, stats,
-                            fetched=tuple(m.fetched for m in log.micro))
-        return Pending(self, backend, snapshot, result, dict(mean), tally.apply_feed, batches,
-                       *self._measured(backend, batches, result, after),
-                       sq_norms=mean.sq_norms, fused=log.fused)
+    def _mean(self, backend, tally: Tally, log: _StepLog) -> tuple:
+        """The step's mean and its squared norm per variable where known (else None): the one
+        micro-batch's gradients as they are where its compute's call applied them and they are
+        their own mean (``log.lone``; such a step has no hook before its apply and no
+        statistics: :meth:`_fusing`), else the accumulator's."""
+        if log.lone is not None:
+            return log.lone[0], log.var_sq[0]
+        reducer = self.average.reducer(backend, tally.total)
+        mean = self._acc.mean(reducer)
+        # One accumulated micro-batch of the step's whole weight, averaged by NumPy: the mean
+        # is its gradient itself (the factor w/w is exactly 1 and skipped), whose squared norms
+        # are known already; not where the accumulation dtype is narrower than that gradient's
+        # (a hook may return float64 for a float32 variable), which rounds it, or overflows it
+        # to Inf. (A reducer in the session computes (w g) / w, which may overflow.)
+        if self.average.sees_every_micro_batch and reducer is None and len(tally.weights) == 1:
+            sq, dtypes = log.added[0]
+            return mean, {n: q for n, q in sq.items()
+                          if np.can_cast(dtypes[n], mean[n].dtype, casting="safe")}
+        return mean, None
 
     def _measured(self, backend, batches: list, result: StepResult, step: int) -> tuple:
         """Shows the step's own micro-batches to the ``on_step_batch`` hooks, at the step's
@@ -733,12 +721,7 @@ class Engine:
                     raise
             else:  # the backend's optimizer skips a non-finite step (loss scaling)
                 sq_norm = math.fsum(sq.values())
-            fused = log.fused
-            if fused is not None and fused.applied is not None and self._acc.own_mean(grads):
-                log.lone = grads, sq_norm  # the step's mean, applied already: see _lone
-            else:
-                self._acc.add_checked(grads.as_dict(), float(n), g.loss, sq_norm)
-                log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
+            self._add(grads, n, g.loss, sq, sq_norm, log)
             log.norms.append(math.sqrt(sq_norm) if math.isfinite(sq_norm) else grads.global_norm())
             if log.kept is not None:
                 log.kept.append(grads)
@@ -750,6 +733,18 @@ class Engine:
                                     dropped=dropped, rows=rows, fetched=fetched,
                                     culprits=found, outlier=outlier))
         return global_step
+
+    def _add(self, grads: Gradients, n: int, loss: float, sq: dict, sq_norm: float,
+             log: _StepLog) -> None:
+        """Adds a checked micro-batch of ``n`` samples (``sq``: its squared norm per variable,
+        ``sq_norm`` their sum) to the accumulator, or keeps it as ``log.lone`` where its
+        compute's call applied it and it is its own mean (:meth:`_mean`)."""
+        fused = log.fused
+        if fused is not None and fused.applied is not None and self._acc.own_mean(grads):
+            log.lone = grads, sq_norm
+            return
+        self._acc.add_checked(grads.as_dict(), float(n), loss, sq_norm)
+        log.added.append((sq, {name: value.dtype for name, value in grads.items()}))
 
     def _fused_compute(self, backend, feed, n: int, where: str, fused: _Fused) -> tuple:
         """:meth:`_compute` of a step's one micro-batch, applied in the same call where the
@@ -837,7 +832,8 @@ class _StepLog:
         in one call, or None.
       lone: (its gradients, their squared norm) where that call applied it and they are
         their own mean (:meth:`~hostavg.core.accumulator.Accumulator.own_mean`): not added
-        to the accumulator, they are the step's mean as they are; else None.
+        to the accumulator, they are the step's mean as they are (:meth:`Engine._mean`); else
+        None.
     """
 
     __slots__ = ("micro", "norms", "var_sq", "added", "kept", "search", "asked", "weighed",
