@@ -61,6 +61,29 @@ def test_bench_smallest_is_quick_says_what_it_does_and_shows_each_cells_spread(t
         assert 0 <= iqr and f"ms ({iqr * 1e3:.{digits}f})" in printed.out, name
 
 
+def test_a_sample_does_not_time_what_the_implementation_before_it_left(monkeypatch):
+    # A clock that steps advance: a step takes 1, or 10 where it comes right after a step of
+    # "heavy" (a program that leaves the caches full of its own table). In the rotation "a"
+    # follows "heavy" in most rounds, "b" in some.
+    clock, last = [0.0], [None]
+
+    class Impl:
+        def __init__(self, name, cost):
+            self.name, self.cost, self.steps = name, cost, []
+
+        def step(self, micro):
+            clock[0] += 10.0 if last[0] == "heavy" != self.name else self.cost
+            last[0] = self.name
+            self.steps.append(micro)
+
+    monkeypatch.setattr(bench, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+    impls = {name: Impl(name, cost) for name, cost in (("a", 1.0), ("b", 1.0), ("heavy", 3.0))}
+    times = bench._rounds(impls, ["r0", "r1", "r2", "r3", "r4", "r5"], inner=2)
+    assert times == {"a": [1.0] * 6, "b": [1.0] * 6, "heavy": [3.0] * 6}
+    for impl in impls.values():  # the same steps on the same micro-batches
+        assert impl.steps == [r for r in ("r0", "r1", "r2", "r3", "r4", "r5") for _ in range(3)]
+
+
 def test_every_implementation_takes_the_same_steps_against_the_baseline_of_its_k():
     lines = []
     configs = [bench.Config("logreg", 8, 1, "sgd"), bench.Config("embedding-50k", 8, 2, "sgd")]
@@ -123,7 +146,7 @@ def test_bench_overhead_prints_ratios_to_the_programs_own_train_op(tmp_path, cap
     assert footer.endswith("interquartile range in parentheses, and its ratio to full-batch, "
                            "the program's own train op on the same feed)")
     assert steps == (f"(times per step; each sample timed {config['steps_per_sample']} consecutive "
-                     f"steps, as many as the slowest implementation takes 0.1 s for)")
+                     f"steps, as many as the slowest implementation takes 0.1 s for, after one untimed)")
     assert memory.startswith("(memory not measured with --grid overhead")
     assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
 

@@ -396,14 +396,15 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
 
     After ``warmup`` consecutive steps of each, ``repeats`` rounds each draw new
     micro-batches and take one sample of every implementation on them, in an
-    order that rotates by one each round. A sample is ``steps_per_sample``
-    consecutive steps on that round's micro-batches and records their mean
-    time: one step when ``min_sample_s`` is 0, else as many as the slowest
-    implementation takes ``min_sample_s`` seconds for (per-step times from
-    a few probe steps of each; at most ``MAX_STEPS_PER_SAMPLE``), the same for
-    every implementation. Every implementation takes the same steps on the
-    same micro-batches, so all should end with the same weights:
-    ``max_weight_diff`` is each one's largest difference from the first one's.
+    order that rotates by one each round (:func:`_rounds`). A sample is
+    ``steps_per_sample`` consecutive steps on that round's micro-batches and
+    records their mean time: one step when ``min_sample_s`` is 0, else as many
+    as the slowest implementation takes ``min_sample_s`` seconds for (per-step
+    times from a few probe steps of each; at most ``MAX_STEPS_PER_SAMPLE``), the
+    same for every implementation, after one untimed step. Every implementation
+    takes the same steps on the same micro-batches, so all should end with the
+    same weights: ``max_weight_diff`` is each one's largest difference from the
+    first one's.
     """
     if not (min_sample_s >= 0 and math.isfinite(min_sample_s)):
         raise ArgumentError(f"min_sample_s must be a finite number >= 0, got {min_sample_s!r}")
@@ -413,16 +414,9 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
         for micro in data[:warmup]:
             impl.step(micro)
     inner = _steps_per_sample(impls, data[0], min_sample_s)
-    times = {name: [] for name in impls}
-    names = list(impls)
-    for r, micro in enumerate(data[warmup:]):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            step = impls[name].step
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                step(micro)
-            times[name].append((time.perf_counter() - t0) / inner)
+    times = _rounds(impls, data[warmup:], inner)
     weights = {name: impl.weights() for name, impl in impls.items()}
+    names = list(impls)
     reference = weights[names[0]]
     diff = {name: max(float(np.max(np.abs(a - b))) for a, b in zip(w, reference))
             for name, w in weights.items()}
@@ -432,6 +426,31 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
             "iqr_s": {n: _iqr(t) for n, t in times.items()},
             "max_weight_diff": diff, "parameters": impls[names[0]].parameters,
             "steps_per_sample": inner}
+
+
+def _rounds(impls: dict, data: list, inner: int) -> dict:
+    """name -> the seconds a step of ``impls[name]`` took in each round, one round a
+    micro-batch list of ``data``: each implementation in turn, in an order that rotates by one
+    each round, takes one untimed step and then ``inner`` timed ones (their mean).
+
+    Interleaving shares the machine's drift (its clock, other processes) among the
+    implementations. The untimed step keeps what the one before left (caches it filled,
+    memory it freed) out of the sample: in a rotation one implementation follows the same one
+    in most rounds, and where that was the slowest (in-graph accumulation's 8 ms steps, on a
+    3.2M-entry table) its first step measured the other's leftovers, 0.2-0.4 more of the
+    baseline than the same trainer following a light implementation.
+    """
+    times = {name: [] for name in impls}
+    names = list(impls)
+    for r, micro in enumerate(data):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = impls[name].step
+            step(micro)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step(micro)
+            times[name].append((time.perf_counter() - t0) / inner)
+    return times
 
 
 def median_s(calls: dict, repeats: int, inner: int = 1) -> dict:
@@ -622,7 +641,7 @@ def run(configs, implementations=DEFAULT_IMPLEMENTATIONS, repeats: int = 7, memo
         out(f"(times per step; each sample timed {steps[0]}"
             + (f" to {steps[-1]}" if len(steps) > 1 else "")
             + f" consecutive steps, as many as the slowest implementation takes "
-              f"{min_sample_s:g} s for)")
+              f"{min_sample_s:g} s for, after one untimed)")
     if {"hostavg-keras", "keras-accum"} <= set(implementations):
         out("\nKeras 3's own accumulation over hostavg's Keras engine (keras-accum / hostavg-keras):")
         for config, c in zip(configs, results["configs"]):
