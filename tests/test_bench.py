@@ -1,5 +1,6 @@
 """The benchmark compares equal work, and its memory numbers say what the README claims."""
 
+import collections
 import json
 import statistics
 
@@ -63,8 +64,8 @@ def test_bench_smallest_is_quick_says_what_it_does_and_shows_each_cells_spread(t
 
 def test_a_sample_does_not_time_what_the_implementation_before_it_left(monkeypatch):
     # A clock that steps advance: a step takes 1, or 10 where it comes right after a step of
-    # "heavy" (a program that leaves the caches full of its own table). In the rotation "a"
-    # follows "heavy" in most rounds, "b" in some.
+    # "heavy" (a program that leaves the caches full of its own table), as "a" and "b" do in
+    # some rounds.
     clock, last = [0.0], [None]
 
     class Impl:
@@ -82,6 +83,17 @@ def test_a_sample_does_not_time_what_the_implementation_before_it_left(monkeypat
     assert times == {"a": [1.0] * 6, "b": [1.0] * 6, "heavy": [3.0] * 6}
     for impl in impls.values():  # the same steps on the same micro-batches
         assert impl.steps == [r for r in ("r0", "r1", "r2", "r3", "r4", "r5") for _ in range(3)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6])
+def test_each_implementation_follows_every_other_equally_often(n):
+    names = [f"impl{i}" for i in range(n)]
+    rounds = bench._balanced_orders(names, 4 * n)
+    assert all(sorted(order) == names for order in rounds)
+    after = collections.Counter((o[i - 1], o[i]) for o in rounds for i in range(1, n))
+    assert len(after) == n * (n - 1) and len(set(after.values())) == 1, after
+    for place in (0, -1):
+        assert set(collections.Counter(o[place] for o in rounds).values()) == {4}
 
 
 def test_every_implementation_takes_the_same_steps_against_the_baseline_of_its_k():

@@ -396,7 +396,7 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
 
     After ``warmup`` consecutive steps of each, ``repeats`` rounds each draw new
     micro-batches and take one sample of every implementation on them, in an
-    order that rotates by one each round (:func:`_rounds`). A sample is
+    order that changes each round (:func:`_rounds`). A sample is
     ``steps_per_sample`` consecutive steps on that round's micro-batches and
     records their mean time: one step when ``min_sample_s`` is 0, else as many
     as the slowest implementation takes ``min_sample_s`` seconds for (per-step
@@ -430,20 +430,20 @@ def time_config(config: Config, implementations=DEFAULT_IMPLEMENTATIONS, repeats
 
 def _rounds(impls: dict, data: list, inner: int) -> dict:
     """name -> the seconds a step of ``impls[name]`` took in each round, one round a
-    micro-batch list of ``data``: each implementation in turn, in an order that rotates by one
-    each round, takes one untimed step and then ``inner`` timed ones (their mean).
+    micro-batch list of ``data``: each implementation in turn, in the round's order of
+    :func:`_balanced_orders`, takes one untimed step and then ``inner`` timed ones (their mean).
 
     Interleaving shares the machine's drift (its clock, other processes) among the
-    implementations. The untimed step keeps what the one before left (caches it filled,
-    memory it freed) out of the sample: in a rotation one implementation follows the same one
-    in most rounds, and where that was the slowest (in-graph accumulation's 8 ms steps, on a
-    3.2M-entry table) its first step measured the other's leftovers, 0.2-0.4 more of the
-    baseline than the same trainer following a light implementation.
+    implementations. What one leaves the next (caches it filled, memory it freed, its
+    thread pool still spinning) is shared too: each implementation follows every other
+    equally often, and the untimed step keeps the first of it out of the sample. In a
+    rotation one implementation followed the same one in most rounds, and where that was
+    the slowest (in-graph accumulation's 8 ms steps, on a 3.2M-entry table) its samples read
+    0.2-0.4 more of the baseline than the same trainer following a light implementation.
     """
     times = {name: [] for name in impls}
-    names = list(impls)
-    for r, micro in enumerate(data):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for order, micro in zip(_balanced_orders(list(impls), len(data)), data):
+        for name in order:
             step = impls[name].step
             step(micro)
             t0 = time.perf_counter()
@@ -453,12 +453,28 @@ def _rounds(impls: dict, data: list, inner: int) -> dict:
     return times
 
 
+def _balanced_orders(names: list, rounds: int) -> list[list]:
+    """``rounds`` orders of ``names``, in which each name comes right after each other one
+    equally often: the rows of a Williams design (a Latin square, each row also reversed
+    where there is an odd number of names), cycled. Every ``len(names)`` rounds (twice that
+    for an odd number) each name comes first, last and right after every other name as
+    often as any."""
+    n = len(names)
+    first = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[names[(j + r) % n] for j in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [rows[r % len(rows)] for r in range(rounds)]
+
+
 def median_s(calls: dict, repeats: int, inner: int = 1) -> dict:
-    """name -> median seconds of ``inner`` consecutive ``calls[name]()``, interleaved."""
+    """name -> median seconds of ``inner`` consecutive ``calls[name]()``, interleaved in the
+    orders of :func:`_balanced_orders`."""
     times = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for order in _balanced_orders(list(calls), repeats):
+        for name in order:
             t0 = time.perf_counter()
             for _ in range(inner):
                 calls[name]()
