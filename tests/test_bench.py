@@ -158,7 +158,8 @@ def test_bench_overhead_prints_ratios_to_the_programs_own_train_op(tmp_path, cap
     assert footer.endswith("interquartile range in parentheses, and its ratio to full-batch, "
                            "the program's own train op on the same feed)")
     assert steps == (f"(times per step; each sample timed {config['steps_per_sample']} consecutive "
-                     f"steps, as many as the slowest implementation takes 0.1 s for, after one untimed)")
+                     f"steps, as many as the slowest implementation takes 0.1 s for, after one "
+                     f"untimed)")
     assert memory.startswith("(memory not measured with --grid overhead")
     assert max(config["max_weight_diff"].values()) < 1e-5, config["max_weight_diff"]
 

@@ -460,6 +460,8 @@ def _balanced_orders(names: list, rounds: int) -> list[list]:
     for an odd number) each name comes first, last and right after every other name as
     often as any."""
     n = len(names)
+    if not n:
+        return [[] for _ in range(rounds)]
     first = [0]
     for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
         first.append((i + 1) // 2 if i % 2 else n - i // 2)
