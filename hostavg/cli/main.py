@@ -205,11 +205,11 @@ def _bench_selection_options(group) -> None:
     """``hostavg bench``'s choice of grid, models, optimizers, sizes and implementations."""
     group.add_argument("--grid", choices=("quick", "full", "smallest", "overhead", "gpu"),
                        default="quick",
-                       help="times measured on a 2-core AMD EPYC. quick (default, 2 to 3 minutes): "
+                       help="times measured on a 2-core AMD EPYC. quick (default, 6 minutes): "
                             "mlp-50k, mlp-300k, mlp-2m, conv and embedding at micro-batch size 32 "
                             "with k = 4 and 8; full: micro-batch sizes 32 and 128, k = 4, 8, 32; "
                             "smallest (a smoke test, 10 s): mlp-50k at micro-batch size 32 with "
-                            "k = 4, no memory probes; overhead (45 s): what hostavg adds "
+                            "k = 4, no memory probes; overhead (70 s): what hostavg adds "
                             "to a step of one micro-batch (k = 1) against the program's own train "
                             "op (full-batch) on logreg, mlp-50k and embedding-50k with Adam and "
                             "embedding-50k with SGD, then embedding-50k at k = 8 with SGD and Adam "
