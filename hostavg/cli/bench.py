@@ -16,6 +16,7 @@ baselines and how short steps are timed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -441,14 +442,23 @@ def _rounds(impls: dict, data: list, inner: int) -> dict:
     the slowest (in-graph accumulation's 8 ms steps, on a 3.2M-entry table) its samples read
     0.2-0.4 more of the baseline than the same trainer following a light implementation.
     """
-    times = {name: [] for name in impls}
-    for order, micro in zip(_balanced_orders(list(impls), len(data)), data):
+    return _interleaved(list(impls), len(data), inner, True,
+                        lambda name, r: functools.partial(impls[name].step, data[r]))
+
+
+def _interleaved(names: list, rounds: int, inner: int, untimed: bool, call) -> dict:
+    """name -> the mean seconds of ``inner`` consecutive calls of ``call(name, r)`` (a
+    function of no arguments) in each round ``r``, the names in the round's order of
+    :func:`_balanced_orders`, each after one untimed call of it where ``untimed``."""
+    times = {name: [] for name in names}
+    for r, order in enumerate(_balanced_orders(names, rounds)):
         for name in order:
-            step = impls[name].step
-            step(micro)
+            one = call(name, r)
+            if untimed:
+                one()
             t0 = time.perf_counter()
             for _ in range(inner):
-                step(micro)
+                one()
             times[name].append((time.perf_counter() - t0) / inner)
     return times
 
@@ -474,13 +484,7 @@ def _balanced_orders(names: list, rounds: int) -> list[list]:
 def median_s(calls: dict, repeats: int, inner: int = 1) -> dict:
     """name -> median seconds of ``inner`` consecutive ``calls[name]()``, interleaved in the
     orders of :func:`_balanced_orders`."""
-    times = {name: [] for name in calls}
-    for order in _balanced_orders(list(calls), repeats):
-        for name in order:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                calls[name]()
-            times[name].append((time.perf_counter() - t0) / inner)
+    times = _interleaved(list(calls), repeats, inner, False, lambda name, r: calls[name])
     return {name: statistics.median(t) for name, t in times.items()}
 
 
