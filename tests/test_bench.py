@@ -190,7 +190,9 @@ def test_bench_curvature_times_a_product_against_a_compute_and_the_hooks_share(c
         ratio = float(row[6].rstrip("x"))  # of the unrounded times, to one decimal
         assert product > 0 and compute > 0 and ratio == pytest.approx(product / compute, abs=0.1)
         every_1, every_10 = (float(cell.rstrip("%")) for cell in row[8:10])
-        assert 0 < every_10 < 100 and 0 < every_1 < 100
+        # every=10 costs this tiny model a few percent, which a loaded machine's noise can
+        # turn negative (-8%, the suite on two workers); every step's product cannot
+        assert -50 < every_10 < 100 and 0 < every_1 < 100
     assert "hooks.Curvature(every=N)" in out[3]
 
 

@@ -1,7 +1,9 @@
 """NumPy's BLAS in one thread while hostavg works (hostavg.core.blas): within a step, a hook
-sees one thread; afterwards, also after a step that raises, the user's count is back; a
-second thread's hold keeps it at one until the last one leaves."""
+and hostavg's own BLAS calls see one thread; a step that makes neither leaves the count
+alone; afterwards, also after a step that raises, the user's count is back; a second
+thread's hold keeps it at one until the last one leaves."""
 
+import contextlib
 import threading
 
 import pytest
@@ -10,7 +12,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import hostavg
 from hostavg.core import blas
-from hostavg.core.blas import one_blas_thread
+from hostavg.core import gradients
+from hostavg.core.blas import blas_region, need_one_blas_thread, one_blas_thread
 
 
 def _threads() -> list:
@@ -60,23 +63,37 @@ def test_a_step_that_raises_gives_the_count_back_too(two_threads):
     assert set(_threads()) == {2}
 
 
-def test_one_thread_holds_until_the_last_holder_leaves(two_threads):
+@contextlib.contextmanager
+def _another_thread_within(context):
+    """The block runs while another thread is within ``context()``, which it leaves after."""
     entered, leave = threading.Event(), threading.Event()
 
     def hold():
-        with one_blas_thread():
+        with context():
             entered.set()
             leave.wait(10)
     other = threading.Thread(target=hold)
     other.start()
     try:
         assert entered.wait(10)
-        with one_blas_thread():
-            assert set(_threads()) == {1}
-        assert set(_threads()) == {1}  # the other thread still holds it
+        yield
     finally:
         leave.set()
         other.join()
+
+
+@contextlib.contextmanager
+def _needed_region():
+    with blas_region():
+        need_one_blas_thread()
+        yield
+
+
+def test_one_thread_holds_until_the_last_holder_leaves(two_threads):
+    with _another_thread_within(one_blas_thread):
+        with one_blas_thread():
+            assert set(_threads()) == {1}
+        assert set(_threads()) == {1}  # the other thread still holds it
     assert set(_threads()) == {2}
 
 
@@ -98,9 +115,60 @@ def test_a_hold_interrupted_gives_the_count_back_then_or_at_the_next(two_threads
         with one_blas_thread():
             pass
     monkeypatch.setattr(blas, "_as_controller", setting)
-    assert blas._held["depth"] == 0
+    assert blas._held["regions"] == 0
     # taken: given back at once; given back: left at one, for the next hold to give back
     assert set(_threads()) == ({2} if where == "taken" else {1})
     with one_blas_thread():
         assert set(_threads()) == {1}
     assert set(_threads()) == {2}
+
+
+def test_a_step_that_calls_no_blas_and_no_hook_of_the_users_leaves_the_count_alone(
+        two_threads, monkeypatch):
+    """One micro-batch, its norms from the session, the default watches: setting the count
+    down and back cost such a step 30-100 us. Four micro-batches' statistics call BLAS."""
+    setting, calls = blas._as_controller, []
+    monkeypatch.setattr(blas, "_as_controller", lambda action: (calls.append(action),
+                                                                setting(action)))
+    case = Case()
+    for _ in range(2):
+        case.trainer.step(case.sess, case.feeds[:1])
+    assert calls == []
+    case.trainer.step(case.sess, case.feeds)
+    assert len(calls) == 2  # held, then given back
+    assert set(_threads()) == {2}
+
+
+def test_hostavgs_own_blas_calls_in_a_step_run_in_one_thread(two_threads, monkeypatch):
+    dot, seen = gradients._blocked_dot, []
+
+    def watched(flat):
+        out = dot(flat)
+        seen.append(_threads())
+        return out
+    monkeypatch.setattr(gradients, "_blocked_dot", watched)
+    case = Case()
+    case.trainer.step(case.sess, case.feeds)
+    assert seen and all(threads == [1] * len(threads) for threads in seen)
+    assert set(_threads()) == {2}
+
+
+def test_a_regions_hold_lasts_until_the_last_region_ends_and_none_is_taken_outside(two_threads):
+    need_one_blas_thread()  # outside every region: nothing
+    assert set(_threads()) == {2}
+    with _another_thread_within(_needed_region):
+        with _needed_region():
+            assert set(_threads()) == {1}
+        assert set(_threads()) == {1}  # the other thread's region is still open
+    assert set(_threads()) == {2}
+    assert (blas._held["regions"], blas._held["held"]) == (0, False)
+
+
+def test_a_region_that_raises_gives_the_count_back(two_threads):
+    with pytest.raises(ValueError, match="in the region"):
+        with blas_region():
+            need_one_blas_thread()
+            assert set(_threads()) == {1}
+            raise ValueError("in the region")
+    assert set(_threads()) == {2}
+    assert (blas._held["regions"], blas._held["held"]) == (0, False)

@@ -3,14 +3,18 @@
 hostavg's host arithmetic (squared norms, dots, a stack's statistics) calls NumPy's BLAS on
 vectors of tens of thousands of entries or more, where OpenBLAS splits a call over threads,
 which then wait for the next call spinning a while before they sleep (MKL's likewise). The
-framework's next call, a few microseconds later, finds those cores busy: on 2 cores,
-one ``per_sample`` of 256 convnet samples took 142 ms instead of 85 (Keras on TensorFlow),
-and a ``compute`` of them right after one 32 ms instead of 18. The arrays are small enough
-that one thread loses little: 6 us for 65,536 float32 products.
+framework's next call finds those cores busy: on 2 cores one ``per_sample`` of 256 convnet
+samples took 142 ms instead of 85 (Keras on TensorFlow). One thread loses little on such
+arrays: 6 us for 65,536 float32 products.
 
 :func:`one_blas_thread` holds the loaded BLAS libraries at one thread (``threadpoolctl``)
 from the first entry to the last exit of any thread (it counts them), then gives back the
-number they had. A user's BLAS call from another thread meanwhile runs in one thread too.
+number they had; fit holds it throughout. A step, a compute and the trainer's other calls
+open a :func:`blas_region` instead, where the hold starts at the first
+:func:`need_one_blas_thread` (before each hook, and in the host arithmetic that calls BLAS)
+and ends with the region: setting the count down and back cost a step that needs neither
+30-130 us (paired, one process; steps of 0.6-1 ms: one micro-batch, or sparse rows).
+A user's BLAS call from another thread while a hold lasts runs in one thread too.
 """
 
 from __future__ import annotations
@@ -19,37 +23,61 @@ import contextlib
 import functools
 import threading
 
-__all__ = ["one_blas_thread", "in_one_blas_thread"]
+__all__ = ["blas_region", "in_blas_region", "in_one_blas_thread", "need_one_blas_thread",
+           "one_blas_thread"]
 
 _LOCK = threading.Lock()
-#: depth: the holds open now, over every thread; counts: (library, its thread count before
-#: the first of them) per BLAS library, until given back; libraries: threadpoolctl's, found once.
-_held = {"depth": 0, "counts": None, "libraries": None}
+#: regions: the blocks open now (blas_region, one_blas_thread), over every thread; held:
+#: whether BLAS is held at one thread; counts: (library, its thread count before the hold) per
+#: BLAS library, until given back; libraries: threadpoolctl's, found once.
+_held = {"regions": 0, "held": False, "counts": None, "libraries": None}
 
 
 @contextlib.contextmanager
 def one_blas_thread():
-    """Within the block (and any other thread's), NumPy's BLAS runs in one thread.
+    """Within the block (and any other thread's), NumPy's BLAS runs in one thread: a
+    :func:`blas_region` that needs it at once.
 
     A KeyboardInterrupt while a hold is taken gives the count back at once; one while it is
     given back (Python runs the handler between two bytecodes) can leave it at one, which
-    the next hold gives back first, and one just as the last hold starts to close (before
-    it is counted closed) leaves the holds counted open: BLAS then stays at one thread."""
+    the next hold gives back first, and one just as the last block starts to close (before
+    it is counted closed) leaves the blocks counted open: BLAS then stays at one thread."""
+    with blas_region():
+        need_one_blas_thread()
+        yield
+
+
+@contextlib.contextmanager
+def blas_region():
+    """A block within which (and within the others open meanwhile, in any thread) the first
+    :func:`need_one_blas_thread` holds NumPy's BLAS at one thread; the last open block's
+    end gives the count back. A block that needs none leaves the count alone."""
     counted = False
     try:
         with _LOCK:
-            if _held["depth"] == 0:
-                _give_back()  # what an interrupted hold left
-                _hold()
             # one line: nothing runs a signal's handler between the two stores
-            _held["depth"], counted = _held["depth"] + 1, True
+            _held["regions"], counted = _held["regions"] + 1, True
         yield
     finally:
         with _LOCK:
             if counted:
-                _held["depth"] -= 1
-            if _held["depth"] == 0:
+                _held["regions"] -= 1
+            if _held["regions"] == 0:
+                _held["held"] = False
                 _give_back()
+
+
+def need_one_blas_thread() -> None:
+    """From now until the open blocks (:func:`blas_region`) end, NumPy's BLAS runs in one
+    thread; where none is open, nothing. Called before each hook, and by hostavg's host
+    arithmetic before it calls BLAS."""
+    if _held["held"] or not _held["regions"]:  # (unlocked: the locked test below decides)
+        return
+    with _LOCK:
+        if _held["regions"] and not _held["held"]:
+            _give_back()  # what an interrupted hold left
+            _hold()
+            _held["held"] = True
 
 
 def _hold() -> None:
@@ -85,8 +113,18 @@ def _as_controller(action) -> None:
 
 def in_one_blas_thread(method):
     """``method`` run within :func:`one_blas_thread` (a decorator)."""
+    return _run_within(one_blas_thread, method)
+
+
+def in_blas_region(method):
+    """``method`` run within :func:`blas_region` (a decorator)."""
+    return _run_within(blas_region, method)
+
+
+def _run_within(context, method):
+    """``method`` run within ``context()``, a context manager."""
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        with one_blas_thread():
+        with context():
             return method(*args, **kwargs)
     return wrapped

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.core import display
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.gradients import SparseGradient
 
 __all__ = ["CAUSES", "RANDOM_KINDS", "CheckReport", "RandomOp", "diagnose", "fixed_batch_hint",
@@ -142,6 +143,7 @@ def diagnose(whole: Mapping, again: Mapping, mean: Mapping, micro_batches: int,
         computes: named, with the advice for their kinds, when the feed's
         gradient differs between runs.
     """
+    need_one_blas_thread()
     dense = {name: [_dense(g[name]) for g in (whole, again, mean)] for name in whole}
     floor = FLOOR * math.sqrt(math.fsum(float(w @ w) for w, _, _ in dense.values()))
     rel, noise, sq_whole, sq_mean, dot = {}, 0.0, 0.0, 0.0, 0.0

@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.errors import ArgumentError, non_negative_int, positive_int, positive_number
 from hostavg.core.gradients import SparseGradient, VariableSpec, freeze
 
@@ -114,6 +115,7 @@ def step_quality(loss_before: float, slope_before: float, loss_after: float,
     and after it (t = 1): ``alpha = (1 - t*) / |t*|``, t* = -b / 2a the fit's minimum, so -1
     stays, 0 lands at the minimum, +1 overshoots to the starting height. NaN where the fit
     has no minimum (a <= 0)."""
+    need_one_blas_thread()
     design = np.array([[0.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
     (a, b, _), *_ = np.linalg.lstsq(
         design, np.array([loss_before, loss_after, slope_before, slope_after]), rcond=None)
@@ -138,6 +140,7 @@ def lanczos(product: Product, dim: int, top: int, iterations: int, tolerance: fl
             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, bool, int]:
     """(the ``top`` Ritz values of largest magnitude, largest first; their Ritz vectors as
     rows; whether all met ``tolerance``; the products used), from a random unit start."""
+    need_one_blas_thread()
     if top == 0:
         return np.zeros(0), np.zeros((0, dim)), True, 0
     q = rng.standard_normal(dim)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hostavg.core import display
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.dtypes import can_cast
 from hostavg.core.errors import ArgumentError, StepError
 
@@ -336,6 +337,7 @@ def squared_norms(grads) -> dict:
 
 
 def _blocked_dot(flat: np.ndarray) -> float:
+    need_one_blas_thread()
     with np.errstate(over="ignore", invalid="ignore"):
         if flat.size <= BLOCK:
             return float(np.dot(flat, flat))

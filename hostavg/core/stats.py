@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hostavg.core import display
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.errors import ArgumentError, short
 from hostavg.core.gradients import BLOCK, SparseGradient, global_norm, squared_norm
 
@@ -245,6 +246,7 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
     float64, the first sum kept as b_0 * sum_i (b_i / b_0) g_ij^2 so that equal
     weights need no multiply.
     """
+    need_one_blas_thread()
     k, B = len(b), float(b.sum())
     squares, tmp = np.empty(BLOCK), np.empty(BLOCK)
     total = 0.0
@@ -271,6 +273,7 @@ def _blocked_moments(gbar: np.ndarray, rows: list, b: np.ndarray, dots: np.ndarr
 def _blocked_gram(rows: list, gram: np.ndarray) -> None:
     """Adds sum over coordinates of g_i g_j to ``gram`` (k, k), in float64 blocks of
     :data:`~hostavg.core.gradients.BLOCK` coordinates (k of them at a time stay in cache)."""
+    need_one_blas_thread()
     size = rows[0].size
     block = np.empty((len(rows), min(BLOCK, size)))
     for start in range(0, size, BLOCK):
@@ -341,6 +344,7 @@ class NoiseScaleEstimate(NamedTuple):
 
 
 def _check(G, b) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    need_one_blas_thread()
     G = np.asarray(G, np.float64)
     b = np.asarray(b, np.float64)
     if G.ndim != 2:
@@ -472,6 +476,7 @@ def _to_rest(dots: np.ndarray, sq: np.ndarray, gbar_sq: float, b: np.ndarray) ->
 
 def pairwise_cosines(G) -> np.ndarray:
     """(k, k) cosine between every two rows of G."""
+    need_one_blas_thread()
     G = np.asarray(G, np.float64)
     norms = np.linalg.norm(G, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -479,6 +484,7 @@ def pairwise_cosines(G) -> np.ndarray:
 
 
 def _spread(G, b, gbar) -> float:
+    need_one_blas_thread()
     d = G - gbar
     return float(b @ np.einsum("ij,ij->i", d, d)) / (len(b) - 1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.errors import object_list
 from hostavg.core.results import HOOK_METHODS
 
@@ -20,7 +21,11 @@ def call(hook, method, args, where: str, applied=None):
 
     ``applied``: the StepResult of the step applied before the hook ran (an ``on_applied``
     hook's), kept as the exception's ``.applied`` so that the caller can count the step.
+    A hook runs NumPy's BLAS in one thread (:mod:`hostavg.core.blas`); hostavg's own watches,
+    marked ``_hostavg_no_blas``, call BLAS only through hostavg's arithmetic, which holds it.
     """
+    if not getattr(hook, "_hostavg_no_blas", False):
+        need_one_blas_thread()
     try:
         return method(*args)
     except Exception as e:

@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.errors import HostavgError, warn
 from hostavg.core.gradients import SparseGradient, squared_norm
 from hostavg.core.split import sample_count, take
@@ -344,6 +345,7 @@ def _along(mean) -> tuple[float, dict]:
 
 def _squares64(value) -> float:
     """The squared norm of a gradient (dense, or a SparseGradient's rows summed), in float64."""
+    need_one_blas_thread()
     flat = np.ravel(value.coalesce().values if isinstance(value, SparseGradient) else value)
     flat = flat.astype(np.float64)
     return float(np.dot(flat, flat))
@@ -357,6 +359,7 @@ def _dense(value) -> np.ndarray:
 def _dot(g, m) -> float:
     """g . m of one variable's gradient and mean, each dense or a SparseGradient (the mean's
     rows sorted and unique, every row of g among them), in float64."""
+    need_one_blas_thread()
     if isinstance(g, SparseGradient):
         g = g.coalesce()
         if isinstance(m, SparseGradient):

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hostavg.core.accumulator import Accumulator
-from hostavg.core.blas import in_one_blas_thread
+from hostavg.core.blas import in_blas_region
 from hostavg.core import distributions
 from hostavg.core.curvature import Curvature, CurvatureSettings
 from hostavg.core.check import CheckReport, diagnose, fixed_batch_hint, shows_fixed_batch
@@ -178,13 +178,13 @@ class Engine:
         finally:
             self._look_up_hooks(self.hooks)
 
-    @in_one_blas_thread
+    @in_blas_region
     def compute(self, backend: Backend, feed, size: int | None = None) -> Gradients:
         """One micro-batch's :class:`Gradients` (read-only), with ``.loss``, ``.size``, ``.sq_norms``."""
         feed, n = backend.prepare(feed, size, "compute")
         return self._compute(backend, feed, n, "compute")[0]
 
-    @in_one_blas_thread
+    @in_blas_region
     def apply(self, backend: Backend, grads: Mapping, feed: Mapping) -> int:
         """Checks ``grads`` (keys, shapes, dtypes, finite), then applies them fed ``feed``
         (:meth:`Backend.apply_feed`); returns the new global step. An apply the backend found
@@ -196,7 +196,7 @@ class Engine:
                             f"these gradients: scale them down, or clip them.")
         return applied.global_step
 
-    @in_one_blas_thread
+    @in_blas_region
     def check(self, backend: Backend, feed, micro_feeds: Sequence,
               size: int | None = None) -> CheckReport:
         """Runs ``feed`` whole (twice) and as ``micro_feeds`` from the same weights, and compares.
@@ -237,14 +237,14 @@ class Engine:
         finally:
             self._busy.release()
 
-    @in_one_blas_thread
+    @in_blas_region
     def hvp(self, backend: Backend, micro_feeds: Sequence, vectors: Mapping) -> Gradients:
         """H v of the batch cut into ``micro_feeds``, for ``vectors`` (:mod:`~hostavg.engine.products`);
         changes nothing."""
         with self._operator(backend, micro_feeds, "hvp") as product:
             return product.gradients(product(product.vector(vectors)))
 
-    @in_one_blas_thread
+    @in_blas_region
     def curvature(self, backend: Backend, micro_feeds: Sequence,
                   settings: CurvatureSettings) -> Curvature:
         """The :class:`~hostavg.core.curvature.Curvature` of the batch cut into ``micro_feeds``,
@@ -287,7 +287,7 @@ class Engine:
         with within_step():
             return conform(self.spec, grads, what=what)
 
-    @in_one_blas_thread
+    @in_blas_region
     def per_sample(self, backend: Backend, data, rows=None,
                    chunk_size: int | None = None) -> SampleStats:
         """Each sample of the batch ``data`` (of data ``rows``, or None) computed alone: its
@@ -313,7 +313,7 @@ class Engine:
         rows = None if rows is None else _distinct(row_indices(rows, n, "per_sample"))
         return samples.per_sample(self, backend, chunks, rows)
 
-    @in_one_blas_thread
+    @in_blas_region
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``feeds`` (see the module docstring).

@@ -31,6 +31,7 @@ import tensorflow as tf
 from hostavg.compat.tensorflow import (READ_OPS, concrete_call, eager_tensor, finite_flags,
                                        first_line, largest_magnitudes, magnitude_ends, rows_fed,
                                        rows_of, sample_squares)
+from hostavg.core.blas import need_one_blas_thread
 from hostavg.core.errors import ArgumentError, HostavgError, StepError, refused
 from hostavg.core.gradients import SparseGradient, coalesce_rows, freeze
 from hostavg.engine.protocols import Applied, ApplyRequest, Computed, NotVectorized, SampleSums
@@ -333,6 +334,7 @@ class KerasBackend(CompiledModel):
     def _move_norms(self) -> None:
         """"step": moves every BatchNormalization layer's moving mean and variance once, by the
         whole batch's moments, from the micro-batches computed since the last apply."""
+        need_one_blas_thread()
         moved, self._moved = self._moved, []
         if not moved:
             return

@@ -91,6 +91,10 @@ class Diagnose:
     ``advice``) in ``result.info["diagnoses"]`` and a :class:`DiagnosisWarning`.
     """
 
+    #: Its own arithmetic calls NumPy's BLAS only through hostavg's, which holds it at one
+    #: thread (:mod:`hostavg.core.blas`): calling it takes no hold of its own.
+    _hostavg_no_blas = True
+
     def __init__(self):
         self._ratios = {}        # variable -> its last measured ratios
         self._norms = {}         # variable -> its weights' last measured norm

@@ -189,6 +189,10 @@ class WatchOutliers:
     (a StepError before the apply: nothing changes).
     """
 
+    #: Its own arithmetic calls NumPy's BLAS only through hostavg's, which holds it at one
+    #: thread (:mod:`hostavg.core.blas`): calling it takes no hold of its own.
+    _hostavg_no_blas = True
+
     drops = False  # it drops through its searches (the step computed again), never at once
     reads_model = False  # it judges the record alone
 
