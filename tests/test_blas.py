@@ -12,7 +12,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import hostavg
 from hostavg.core import blas
-from hostavg.core import gradients
+from hostavg.core import curvature, gradients
 from hostavg.core.blas import blas_region, need_one_blas_thread, one_blas_thread
 
 
@@ -172,3 +172,41 @@ def test_a_region_that_raises_gives_the_count_back(two_threads):
             raise ValueError("in the region")
     assert set(_threads()) == {2}
     assert (blas._held["regions"], blas._held["held"]) == (0, False)
+
+
+def test_the_hooks_of_step_together_see_one_thread(two_threads):
+    seen = Seen()
+    case = Case(hooks=[seen])
+    hostavg.step_together(case.sess, [(case.trainer, case.feeds)])
+    assert seen.seen and all(threads == [1] * len(threads) for threads in seen.seen)
+    assert set(_threads()) == {2}
+
+
+def test_a_subclass_of_a_watch_that_calls_blas_itself_sees_one_thread(two_threads):
+    """hostavg's own watches take no hold of their own; a subclass of one may add BLAS calls."""
+    class Mine(hostavg.hooks.WatchOutliers):
+        def on_micro_batch(self, micro):
+            self.seen.append(_threads())
+            return super().on_micro_batch(micro)
+    mine = Mine()
+    mine.seen = []
+    case = Case(hooks=[mine])
+    case.trainer.step(case.sess, case.feeds[:1])
+    assert mine.seen and all(threads == [1] * len(threads) for threads in mine.seen)
+
+
+def test_curvatures_trace_probes_run_in_one_thread(two_threads, monkeypatch):
+    """Each Hutchinson probe's dot z . Hz is taken right after its product returns."""
+    hutchinson, seen = curvature.hutchinson, []
+
+    def watched(product, dim, samples, rng):
+        def probed(v):
+            out = product(v)
+            seen.append(_threads())
+            return out
+        return hutchinson(probed, dim, samples, rng)
+    monkeypatch.setattr(curvature, "hutchinson", watched)
+    case = Case()
+    case.trainer.curvature(case.sess, case.model.feed(case.data))
+    assert seen and all(threads == [1] * len(threads) for threads in seen)
+    assert set(_threads()) == {2}

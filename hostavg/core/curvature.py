@@ -130,6 +130,7 @@ def hutchinson(product: Product, dim: int, samples: int, rng: np.random.Generato
     """(the trace estimate, its standard error) from ``samples`` Rademacher probes."""
     if samples == 0:
         return math.nan, math.nan
+    need_one_blas_thread()
     probes = [float(z @ product(z)) for z in
               (rng.choice(np.array([-1.0, 1.0]), dim) for _ in range(samples))]
     stderr = float(np.std(probes, ddof=1) / math.sqrt(samples)) if samples > 1 else math.nan

@@ -22,9 +22,10 @@ def call(hook, method, args, where: str, applied=None):
     ``applied``: the StepResult of the step applied before the hook ran (an ``on_applied``
     hook's), kept as the exception's ``.applied`` so that the caller can count the step.
     A hook runs NumPy's BLAS in one thread (:mod:`hostavg.core.blas`); hostavg's own watches,
-    marked ``_hostavg_no_blas``, call BLAS only through hostavg's arithmetic, which holds it.
+    whose class marks ``_hostavg_no_blas`` (not a subclass of them, which may add its own BLAS
+    calls), call BLAS only through hostavg's arithmetic, which holds it.
     """
-    if not getattr(hook, "_hostavg_no_blas", False):
+    if not vars(type(hook)).get("_hostavg_no_blas", False):
         need_one_blas_thread()
     try:
         return method(*args)

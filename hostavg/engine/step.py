@@ -854,6 +854,7 @@ class _StepLog:
         return _StepLog(self.kept is not None, self.flagged, searched)
 
 
+@in_blas_region
 def step_together(steps: Sequence[tuple]) -> list[StepResult]:
     """Steps several trainers from the same weights: every step is computed before any is applied.
 
