@@ -313,13 +313,13 @@ class Engine:
         rows = None if rows is None else _distinct(row_indices(rows, n, "per_sample"))
         return samples.per_sample(self, backend, chunks, rows)
 
-    @in_blas_region
     def step(self, backend: Backend, feeds: Sequence, sizes: Sequence[int] | None = None,
              rows: Sequence | None = None) -> StepResult:
         """One optimizer step over the micro-batches ``feeds`` (see the module docstring).
 
         ``rows``: one array per feed of the data set's row indices of its
-        samples (kept as ``MicroBatch.rows`` and named in errors), or None.
+        samples (kept as ``MicroBatch.rows`` and named in errors), or None. (Its BLAS region is
+        :func:`step_together`'s.)
         """
         return step_together([(self, backend, feeds, sizes, rows)])[0]
 
